@@ -1,1 +1,5 @@
-//! sluicegate
+//! sluicegate: lets LLM batch work use the idle capacity of an inference
+//! pool without hurting its interactive users.
+
+pub mod request;
+pub mod result;

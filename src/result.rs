@@ -1,0 +1,144 @@
+//! Result records (REFERENCE.md §2): exactly one per submission.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a request ended without an HTTP answer. A closed set: result
+/// readers switch on these strings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ErrorCode {
+    /// The deadline passed before the request could be sent or completed.
+    DeadlineExceeded,
+    /// The submitter cancelled the request.
+    Cancelled,
+    /// An admission gate dropped the request.
+    GateDropped,
+    /// A gate failed in a way that ends the request.
+    GateError,
+    /// The gateway could not be reached or did not answer usefully.
+    InferenceError,
+    /// The message could not be parsed or is not a valid request.
+    InvalidRequest,
+    /// The request payload could not be fetched.
+    PayloadUnavailable,
+}
+
+impl ErrorCode {
+    /// The wire name, also used as a metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::DeadlineExceeded => "DEADLINE_EXCEEDED",
+            Self::Cancelled => "CANCELLED",
+            Self::GateDropped => "GATE_DROPPED",
+            Self::GateError => "GATE_ERROR",
+            Self::InferenceError => "INFERENCE_ERROR",
+            Self::InvalidRequest => "INVALID_REQUEST",
+            Self::PayloadUnavailable => "PAYLOAD_UNAVAILABLE",
+        }
+    }
+}
+
+/// The result of one submission, in the upstream wire shape plus
+/// sluicegate's additive fields.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultRecord {
+    /// The request id.
+    pub id: String,
+    /// HTTP status of the gateway's answer; absent when there was none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_code: Option<u16>,
+    /// The gateway's body as a string, or `{"error": "<message>"}`.
+    pub payload: String,
+    /// Typed error when there was no HTTP answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<ErrorCode>,
+    /// Human-readable error when there was no HTTP answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_message: Option<String>,
+    /// The submission token this result answers (fences duplicates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_token: Option<String>,
+    /// How many times the request was sent to the gateway (additive field).
+    #[serde(default)]
+    pub attempts: u32,
+}
+
+impl ResultRecord {
+    /// A result carrying the gateway's HTTP answer.
+    pub fn http(id: &str, token: Option<&str>, status: u16, body: String, attempts: u32) -> Self {
+        Self {
+            id: id.to_owned(),
+            status_code: Some(status),
+            payload: body,
+            error_code: None,
+            error_message: None,
+            request_token: token.map(str::to_owned),
+            attempts,
+        }
+    }
+
+    /// A typed error result; `payload` is `{"error": message}` for readers
+    /// that only look at the payload.
+    pub fn error(id: &str, token: Option<&str>, code: ErrorCode, message: &str) -> Self {
+        let payload = serde_json::json!({ "error": message }).to_string();
+        Self {
+            id: id.to_owned(),
+            status_code: None,
+            payload,
+            error_code: Some(code),
+            error_message: Some(message.to_owned()),
+            request_token: token.map(str::to_owned),
+            attempts: 0,
+        }
+    }
+
+    /// Sets the attempt count.
+    pub fn with_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
+    }
+
+    /// The outcome label used in metrics: `success`, `http_4xx`, `http_5xx`
+    /// or the lowercase error code.
+    pub fn outcome_label(&self) -> &'static str {
+        match (self.status_code, self.error_code) {
+            (Some(s), _) if (200..300).contains(&s) => "success",
+            (Some(s), _) if (400..500).contains(&s) => "http_4xx",
+            (Some(_), _) => "http_other",
+            (None, Some(code)) => match code {
+                ErrorCode::DeadlineExceeded => "deadline_exceeded",
+                ErrorCode::Cancelled => "cancelled",
+                ErrorCode::GateDropped => "gate_dropped",
+                ErrorCode::GateError => "gate_error",
+                ErrorCode::InferenceError => "inference_error",
+                ErrorCode::InvalidRequest => "invalid_request",
+                ErrorCode::PayloadUnavailable => "payload_unavailable",
+            },
+            (None, None) => "unknown",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_result_matches_upstream_shape() {
+        let r = ResultRecord::error("a", Some("t"), ErrorCode::DeadlineExceeded, "deadline exceeded");
+        let v: serde_json::Value = serde_json::to_value(&r).expect("serialises");
+        assert_eq!(v["id"], "a");
+        assert_eq!(v["error_code"], "DEADLINE_EXCEEDED");
+        assert_eq!(v["payload"], r#"{"error":"deadline exceeded"}"#);
+        assert!(v.get("status_code").is_none());
+    }
+
+    #[test]
+    fn http_result_keeps_body_as_string() {
+        let r = ResultRecord::http("a", None, 200, "{\"ok\":1}".into(), 1);
+        let v: serde_json::Value = serde_json::to_value(&r).expect("serialises");
+        assert_eq!(v["status_code"], 200);
+        assert_eq!(v["payload"], "{\"ok\":1}");
+        assert!(v.get("error_code").is_none());
+    }
+}
