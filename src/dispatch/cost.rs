@@ -1,0 +1,97 @@
+//! What one request costs in the queue's window unit. Pure.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::config::Unit;
+
+/// Characters per token for prompt estimates; the common rule of thumb for
+/// English text with BPE tokenizers. Estimates only need to be stable and
+/// roughly proportional: the gate corrects with live metrics.
+const CHARS_PER_TOKEN: usize = 4;
+
+/// `max_tokens` assumed when a request does not say (vLLM would generate up
+/// to the context limit; a bounded guess keeps token windows meaningful).
+pub const DEFAULT_MAX_TOKENS: u64 = 1024;
+
+/// The fields of an OpenAI-style body that decide its token cost.
+#[derive(Deserialize, Default)]
+struct CostFields<'a> {
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+}
+
+/// Cost of a request with this payload in `unit`: 1 for requests; prompt
+/// estimate + `max_tokens` for tokens; payload length for bytes. Never 0,
+/// so every request uses some window.
+pub fn request_cost(unit: Unit, payload: &RawValue) -> u64 {
+    match unit {
+        Unit::Requests => 1,
+        Unit::Bytes => (payload.get().len() as u64).max(1),
+        Unit::Tokens => {
+            let fields: CostFields<'_> = serde_json::from_str(payload.get()).unwrap_or_default();
+            let prompt_chars = fields
+                .prompt
+                .or(fields.messages)
+                .map_or(0, |raw| text_chars(raw.get()));
+            let prompt_tokens = prompt_chars.div_ceil(CHARS_PER_TOKEN) as u64;
+            let output = fields
+                .max_tokens
+                .or(fields.max_completion_tokens)
+                .unwrap_or(DEFAULT_MAX_TOKENS);
+            (prompt_tokens + output).max(1)
+        }
+    }
+}
+
+/// Characters of text in a prompt or messages value: the sum of string
+/// lengths inside it (message roles and JSON punctuation are not tokens the
+/// model reads at that rate, but they are few).
+fn text_chars(json: &str) -> usize {
+    match serde_json::from_str::<serde_json::Value>(json) {
+        Ok(value) => string_chars(&value),
+        Err(_) => json.len(),
+    }
+}
+
+fn string_chars(value: &serde_json::Value) -> usize {
+    match value {
+        serde_json::Value::String(s) => s.chars().count(),
+        serde_json::Value::Array(items) => items.iter().map(string_chars).sum(),
+        serde_json::Value::Object(map) => map.values().map(string_chars).sum(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(s: &str) -> Box<RawValue> {
+        RawValue::from_string(s.to_owned()).expect("valid json")
+    }
+
+    #[test]
+    fn token_cost_is_prompt_estimate_plus_max_tokens() {
+        let p = raw(r#"{"prompt":"abcdefgh","max_tokens":10}"#);
+        assert_eq!(request_cost(Unit::Tokens, &p), 2 + 10);
+        let c = raw(r#"{"messages":[{"role":"user","content":"abcd"}],"max_completion_tokens":5}"#);
+        // "user" + "abcd" = 8 chars = 2 tokens.
+        assert_eq!(request_cost(Unit::Tokens, &c), 2 + 5);
+        let none = raw(r#"{"model":"m"}"#);
+        assert_eq!(request_cost(Unit::Tokens, &none), DEFAULT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn request_and_byte_costs() {
+        let p = raw(r#"{"a":1}"#);
+        assert_eq!(request_cost(Unit::Requests, &p), 1);
+        assert_eq!(request_cost(Unit::Bytes, &p), 7);
+    }
+}

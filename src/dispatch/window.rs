@@ -1,0 +1,437 @@
+//! Window arithmetic: how many units of batch work may be released, given
+//! gate observations and what this dispatcher already sent. Pure: no I/O,
+//! no clock; callers pass instants in.
+//!
+//! The rule (ARCHITECTURE.md, "How N becomes dispatches"):
+//! - `N = max_SYS × (D − B)` when `D > B`, else 0, rounded per [`Rounding`];
+//! - `window = own_in_flight_at(taken_at) + N`, and new work goes only
+//!   while `own_in_flight < window`;
+//! - between two fresh observations at most `N` is released in total, and
+//!   everything sent after `taken_at` counts against `N`, because the pool's
+//!   metrics do not show it yet.
+//!
+//! A re-delivered observation (same or older `taken_at`) changes nothing,
+//! so a cached metric cannot refill the window. A 429/503 closes the window
+//! until an observation newer than the rejection arrives.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::config::Rounding;
+
+/// Relative tolerance so `50 × (0.7 − 0.1)` floors to 30, not 29: budgets
+/// come from float arithmetic and must not lose a unit to representation
+/// error.
+const ROUNDING_TOLERANCE: f64 = 1e-9;
+
+/// Marks closer together than this share one history entry.
+const MARK_GRANULARITY: Duration = Duration::from_millis(5);
+
+/// `N` in whole units: `max_sys × headroom`, rounded. `headroom` is
+/// `D − B`; zero or less means closed.
+pub fn headroom_units(max_sys: f64, headroom: f64, rounding: Rounding) -> u64 {
+    if !(headroom > 0.0) || !(max_sys > 0.0) || !max_sys.is_finite() {
+        return 0;
+    }
+    let exact = max_sys * headroom.min(1.0);
+    let slack = ROUNDING_TOLERANCE * exact.max(1.0);
+    let units = match rounding {
+        Rounding::Floor => (exact + slack).floor(),
+        Rounding::Ceil => (exact - slack).ceil(),
+        Rounding::AtLeastOne => (exact + slack).floor().max(1.0),
+    };
+    // `as` saturates for huge values, which is what we want here.
+    units as u64
+}
+
+/// Counters of this dispatcher's own work at one instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mark {
+    at: Instant,
+    sent: u64,
+    done: u64,
+}
+
+/// The allowance granted by the latest fresh observation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Grant {
+    taken_at: Instant,
+    /// `N` in units.
+    n: u64,
+    /// `own_in_flight_at(taken_at) + N`.
+    limit: u64,
+    /// Units sent up to `taken_at`; everything after counts against `n`.
+    sent_at_taken: u64,
+    /// Let one whole request through even when it is larger than `n`
+    /// (rounding `at-least-one` in token or byte units).
+    at_least_one: bool,
+}
+
+/// What happened to an observation offered to the window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// It was newer than anything seen: the window now follows it.
+    Fresh,
+    /// It was not newer than the last applied observation (cached data).
+    NotNewer,
+    /// It predates a congestion signal, which overrides it.
+    BeforeCongestion,
+}
+
+/// The dispatch window of one queue.
+#[derive(Debug, Clone)]
+pub struct Window {
+    sent: u64,
+    done: u64,
+    last_event: Instant,
+    /// History of counters, oldest first, so the window can ask "what was in
+    /// flight when the observation's data was taken?".
+    marks: VecDeque<Mark>,
+    history: Duration,
+    grant: Option<Grant>,
+    last_taken_at: Option<Instant>,
+    congested_at: Option<Instant>,
+    hold_until: Option<Instant>,
+}
+
+impl Window {
+    /// A closed window created at `now` that remembers `history` of its own
+    /// sends (at least the gate's staleness limit).
+    pub fn new(now: Instant, history: Duration) -> Self {
+        let mut marks = VecDeque::new();
+        marks.push_back(Mark {
+            at: now,
+            sent: 0,
+            done: 0,
+        });
+        Self {
+            sent: 0,
+            done: 0,
+            last_event: now,
+            marks,
+            history,
+            grant: None,
+            last_taken_at: None,
+            congested_at: None,
+            hold_until: None,
+        }
+    }
+
+    /// Own work in flight, in units.
+    pub fn in_flight(&self) -> u64 {
+        self.sent - self.done
+    }
+
+    /// Applies an observation whose data describes `taken_at` and allows `n`
+    /// more units (see [`headroom_units`]).
+    pub fn observe(&mut self, taken_at: Instant, n: u64, at_least_one: bool) -> Applied {
+        if self.last_taken_at.is_some_and(|last| taken_at <= last) {
+            return Applied::NotNewer;
+        }
+        if self.congested_at.is_some_and(|c| taken_at <= c) {
+            return Applied::BeforeCongestion;
+        }
+        self.congested_at = None;
+        self.last_taken_at = Some(taken_at);
+        let (sent_at, done_at) = self.counters_at(taken_at);
+        self.grant = Some(Grant {
+            taken_at,
+            n,
+            limit: (sent_at - done_at).saturating_add(n),
+            sent_at_taken: sent_at,
+            at_least_one: at_least_one && n > 0,
+        });
+        Applied::Fresh
+    }
+
+    /// The gateway said the pool is saturated (429/503) at `at`: budget zero
+    /// until an observation newer than `at`, and not before `retry_after`.
+    pub fn congested(&mut self, at: Instant, retry_after: Option<Duration>) {
+        self.congested_at = Some(self.congested_at.map_or(at, |c| c.max(at)));
+        if let Some(delay) = retry_after {
+            let until = at + delay;
+            self.hold_until = Some(self.hold_until.map_or(until, |h| h.max(until)));
+        }
+        self.grant = None;
+    }
+
+    /// Whether a 429/503 or a Retry-After currently holds the window shut.
+    pub fn is_held(&self, now: Instant) -> bool {
+        self.congested_at.is_some() || self.hold_until.is_some_and(|h| now < h)
+    }
+
+    /// Units that may still be released now.
+    pub fn available(&self, now: Instant) -> u64 {
+        if self.is_held(now) {
+            return 0;
+        }
+        let Some(grant) = self.grant else { return 0 };
+        let released = self.sent - grant.sent_at_taken;
+        let by_budget = grant.n.saturating_sub(released);
+        let by_window = grant.limit.saturating_sub(self.in_flight());
+        by_budget.min(by_window)
+    }
+
+    /// Whether a request of `cost` units may go now. Requests are whole: one
+    /// that does not fit waits for the next budget.
+    pub fn allows(&self, now: Instant, cost: u64) -> bool {
+        if cost <= self.available(now) {
+            return self.grant.is_some();
+        }
+        match self.grant {
+            Some(grant) if grant.at_least_one && !self.is_held(now) => {
+                self.sent == grant.sent_at_taken
+            }
+            _ => false,
+        }
+    }
+
+    /// Records `cost` units sent at `now`. Call only after [`Self::allows`].
+    pub fn sent(&mut self, now: Instant, cost: u64) {
+        self.record(now);
+        self.sent += cost;
+    }
+
+    /// Records `cost` units finished (answered or abandoned) at `now`.
+    pub fn finished(&mut self, now: Instant, cost: u64) {
+        self.record(now);
+        self.done = (self.done + cost).min(self.sent);
+    }
+
+    /// The grant's `N` and window limit, for metrics: `(n, window)`.
+    pub fn grant(&self) -> Option<(u64, u64)> {
+        self.grant.map(|g| (g.n, g.limit))
+    }
+
+    /// When the latest applied observation was taken.
+    pub fn taken_at(&self) -> Option<Instant> {
+        self.grant.map(|g| g.taken_at)
+    }
+
+    /// Adds a history mark holding the counters *before* the event at `now`,
+    /// and forgets marks older than the history span.
+    fn record(&mut self, now: Instant) {
+        self.last_event = self.last_event.max(now);
+        let newest = self.marks.back().map(|m| m.at);
+        if newest.is_none_or(|at| now.saturating_duration_since(at) >= MARK_GRANULARITY) {
+            self.marks.push_back(Mark {
+                at: now,
+                sent: self.sent,
+                done: self.done,
+            });
+        }
+        let cutoff = now.checked_sub(self.history);
+        if let Some(cutoff) = cutoff {
+            // Keep one mark at or before the cutoff so any observation within
+            // the history span finds the counters that applied then.
+            while self.marks.len() > 1 && self.marks[1].at <= cutoff {
+                self.marks.pop_front();
+            }
+        }
+    }
+
+    /// Counters as of `at`. Errs on the side of counting more work as sent
+    /// after `at` (so less is released), never less.
+    fn counters_at(&self, at: Instant) -> (u64, u64) {
+        if at >= self.last_event {
+            return (self.sent, self.done);
+        }
+        match self.marks.iter().rev().find(|m| m.at <= at) {
+            Some(mark) => (mark.sent, mark.done),
+            // Older than our history: assume all current work was sent after
+            // `at`, which releases nothing until a newer observation.
+            None => (0, 0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn t0() -> Instant {
+        Instant::now()
+    }
+
+    #[test]
+    fn worked_example_fullness_point_three() {
+        // F = 0.3, B = 0.1, 5 ready × max_concurrency 10.
+        let d = 1.0 - 0.3;
+        let n = headroom_units(5.0 * 10.0, d - 0.1, Rounding::Floor);
+        assert_eq!(n, 30);
+    }
+
+    #[test]
+    fn rounding_modes() {
+        assert_eq!(headroom_units(10.0, 0.05, Rounding::Floor), 0);
+        assert_eq!(headroom_units(10.0, 0.05, Rounding::Ceil), 1);
+        assert_eq!(headroom_units(10.0, 0.05, Rounding::AtLeastOne), 1);
+        assert_eq!(headroom_units(10.0, 0.0, Rounding::AtLeastOne), 0);
+        assert_eq!(headroom_units(10.0, -0.2, Rounding::Ceil), 0);
+        assert_eq!(headroom_units(10.0, f64::NAN, Rounding::Ceil), 0);
+        assert_eq!(headroom_units(10.0, 0.35, Rounding::Ceil), 4);
+    }
+
+    #[test]
+    fn byte_window_truncates_to_whole_requests() {
+        // 1 MiB capacity at headroom 0.6 = 614.4 KiB.
+        let now = t0();
+        let n = headroom_units(1024.0 * 1024.0, 0.6, Rounding::Floor);
+        assert_eq!(n, 629_145);
+        let mut w = Window::new(now, Duration::from_secs(60));
+        w.observe(now, n, false);
+        assert!(w.allows(now, 600 * 1024));
+        w.sent(now, 600 * 1024);
+        assert!(!w.allows(now, 100 * 1024), "the second request waits");
+        let later = now + Duration::from_secs(1);
+        w.finished(later, 600 * 1024);
+        assert!(!w.allows(later, 100 * 1024), "still waits: no new budget");
+        w.observe(later, n, false);
+        assert!(w.allows(later, 100 * 1024));
+    }
+
+    #[test]
+    fn at_least_one_lets_one_oversized_request_through() {
+        let now = t0();
+        let mut w = Window::new(now, Duration::from_secs(60));
+        w.observe(now, 100, true);
+        assert!(w.allows(now, 500));
+        w.sent(now, 500);
+        assert!(!w.allows(now, 1));
+    }
+
+    #[test]
+    fn cached_observation_does_not_refill() {
+        let now = t0();
+        let mut w = Window::new(now, Duration::from_secs(60));
+        assert_eq!(w.observe(now, 3, false), Applied::Fresh);
+        for _ in 0..3 {
+            assert!(w.allows(now, 1));
+            w.sent(now, 1);
+        }
+        assert!(!w.allows(now, 1));
+        assert_eq!(w.observe(now, 3, false), Applied::NotNewer);
+        assert!(!w.allows(now, 1));
+    }
+
+    #[test]
+    fn sends_after_the_observation_count_against_n() {
+        let start = t0();
+        let mut w = Window::new(start, Duration::from_secs(60));
+        // Send 4 at t = 1 s; the pool's metrics describe t = 0.5 s.
+        let t1 = start + Duration::from_secs(1);
+        w.observe(start, 10, false);
+        for _ in 0..4 {
+            w.sent(t1, 1);
+        }
+        let lagging = start + Duration::from_millis(500);
+        assert_eq!(w.observe(lagging, 10, false), Applied::Fresh);
+        // 4 sent after the data was taken: only 6 more.
+        assert_eq!(w.available(t1), 6);
+        // A fresh observation at t1 sees the 4 in flight: window = 4 + 10.
+        let t2 = t1 + Duration::from_millis(1);
+        w.observe(t2, 10, false);
+        assert_eq!(w.grant(), Some((10, 14)));
+        assert_eq!(w.available(t2), 10);
+    }
+
+    #[test]
+    fn window_limits_in_flight_even_when_n_is_unused() {
+        let now = t0();
+        let mut w = Window::new(now, Duration::from_secs(60));
+        w.observe(now, 5, false);
+        assert_eq!(w.grant(), Some((5, 5)));
+        w.sent(now, 5);
+        assert_eq!(w.available(now), 0);
+    }
+
+    #[test]
+    fn congestion_closes_until_newer_observation_and_retry_after() {
+        let now = t0();
+        let mut w = Window::new(now, Duration::from_secs(60));
+        w.observe(now, 10, false);
+        let rejected = now + Duration::from_secs(1);
+        w.congested(rejected, Some(Duration::from_secs(5)));
+        assert_eq!(w.available(rejected), 0);
+        // An observation older than the rejection does not reopen.
+        let before = now + Duration::from_millis(500);
+        assert_eq!(w.observe(before, 10, false), Applied::BeforeCongestion);
+        assert_eq!(w.available(rejected), 0);
+        // A newer one does, but Retry-After still holds it shut.
+        let newer = now + Duration::from_secs(2);
+        assert_eq!(w.observe(newer, 10, false), Applied::Fresh);
+        assert_eq!(w.available(newer), 0);
+        let after_hold = now + Duration::from_secs(6);
+        assert_eq!(w.available(after_hold), 10);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Advance(u64),
+        Send(u64),
+        Finish,
+        Observe { lag_ms: u64, n: u64 },
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (1u64..200).prop_map(Step::Advance),
+            (1u64..5).prop_map(Step::Send),
+            Just(Step::Finish),
+            (0u64..3000, 0u64..20).prop_map(|(lag_ms, n)| Step::Observe { lag_ms, n }),
+        ]
+    }
+
+    proptest! {
+        /// Between two fresh observations the window never releases more
+        /// than N, and in-flight never exceeds the window limit.
+        #[test]
+        fn never_releases_more_than_n(steps in proptest::collection::vec(step(), 1..200)) {
+            let start = t0() + Duration::from_secs(10);
+            let mut now = start;
+            let mut w = Window::new(start, Duration::from_secs(60));
+            let mut in_flight: Vec<u64> = Vec::new();
+            let mut released_since_fresh = 0u64;
+            let mut current_n = 0u64;
+            for s in steps {
+                match s {
+                    Step::Advance(ms) => now += Duration::from_millis(ms),
+                    Step::Send(cost) => {
+                        if w.allows(now, cost) {
+                            w.sent(now, cost);
+                            in_flight.push(cost);
+                            released_since_fresh += cost;
+                            prop_assert!(released_since_fresh <= current_n);
+                            let (_, limit) = w.grant().expect("a grant allowed the send");
+                            prop_assert!(w.in_flight() <= limit);
+                        }
+                    }
+                    Step::Finish => {
+                        if let Some(cost) = in_flight.pop() {
+                            w.finished(now, cost);
+                        }
+                    }
+                    Step::Observe { lag_ms, n } => {
+                        let taken = now.checked_sub(Duration::from_millis(lag_ms)).unwrap_or(now).max(start);
+                        if w.observe(taken, n, false) == Applied::Fresh {
+                            released_since_fresh = 0;
+                            current_n = n;
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn headroom_is_monotone_in_budget(max_sys in 0.0f64..10_000.0, a in 0.0f64..1.0, b in 0.0f64..1.0) {
+            let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+            for r in [Rounding::Floor, Rounding::Ceil, Rounding::AtLeastOne] {
+                prop_assert!(headroom_units(max_sys, lo, r) <= headroom_units(max_sys, hi, r));
+            }
+            prop_assert!(headroom_units(max_sys, hi, Rounding::Floor) as f64 <= max_sys * hi + 1e-6 * max_sys.max(1.0));
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! `composite`: several gates at once. The budget is the tightest of the
+//! inner gates; admission is all-or-nothing.
+
+use futures_util::future::{BoxFuture, join_all};
+
+use super::{Admission, AdmissionRequest, DispatchGate, GateError, Observation, Ticket};
+
+/// Minimum of inner budgets; a message goes only if every inner gate
+/// admits it.
+#[derive(Debug)]
+pub struct CompositeGate {
+    gates: Vec<Box<dyn DispatchGate>>,
+}
+
+impl CompositeGate {
+    /// A composite of at least one gate (the config loader rejects an empty
+    /// list; an empty composite here would be an open gate, so it is closed
+    /// by `observe`).
+    pub fn new(gates: Vec<Box<dyn DispatchGate>>) -> Self {
+        Self { gates }
+    }
+}
+
+impl DispatchGate for CompositeGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(async move {
+            let observations = join_all(self.gates.iter().map(|g| g.observe())).await;
+            let mut tightest: Option<Observation> = None;
+            let mut oldest = None;
+            let mut max_sys: Option<f64> = None;
+            for observation in observations {
+                // One unreadable inner gate closes the whole composite.
+                let observation = observation?;
+                oldest = Some(match oldest {
+                    Some(t) if t < observation.taken_at => t,
+                    _ => observation.taken_at,
+                });
+                if let Some(m) = observation.max_sys {
+                    max_sys = Some(max_sys.map_or(m, |cur: f64| cur.min(m)));
+                }
+                let tighter = tightest
+                    .as_ref()
+                    .is_none_or(|t| observation.headroom() < t.headroom());
+                if tighter {
+                    tightest = Some(observation);
+                }
+            }
+            let (Some(mut result), Some(oldest)) = (tightest, oldest) else {
+                return Err(GateError::SourceUnavailable(
+                    "composite gate has no inner gates".into(),
+                ));
+            };
+            // The combined reading is only as fresh as its oldest input.
+            result.taken_at = oldest;
+            result.max_sys = max_sys;
+            Ok(result)
+        })
+    }
+
+    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        Box::pin(async move {
+            let mut ticket = Ticket::none();
+            for gate in &self.gates {
+                match gate.admit(request).await {
+                    Admission::Continue(t) => ticket.join(t),
+                    // Dropping `ticket` here releases what earlier gates
+                    // reserved: all or nothing.
+                    refused => return refused,
+                }
+            }
+            Admission::Continue(ticket)
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "composite"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::config::GatingMode;
+    use crate::gate::{Budget, ConstantGate, LocalMaxConcurrencyGate};
+
+    fn request<'a>(empty: &'a BTreeMap<String, String>) -> AdmissionRequest<'a> {
+        AdmissionRequest {
+            id: "r",
+            metadata: empty,
+            labels: empty,
+        }
+    }
+
+    #[tokio::test]
+    async fn budget_is_the_minimum_of_inner_budgets() {
+        let gate = CompositeGate::new(vec![
+            Box::new(ConstantGate::new(Budget::saturating(0.8))),
+            Box::new(ConstantGate::new(Budget::saturating(0.3))),
+        ]);
+        let o = gate.observe().await.expect("readable");
+        assert_eq!(o.budget, Budget::saturating(0.3));
+    }
+
+    #[tokio::test]
+    async fn empty_composite_is_closed() {
+        assert!(CompositeGate::new(vec![]).observe().await.is_err());
+    }
+
+    #[tokio::test]
+    async fn admission_is_all_or_nothing() {
+        let empty = BTreeMap::new();
+        let wide = std::sync::Arc::new(LocalMaxConcurrencyGate::new(2, GatingMode::Classifying));
+        let narrow = LocalMaxConcurrencyGate::new(1, GatingMode::Classifying);
+        let gate = CompositeGate::new(vec![Box::new(wide.clone()), Box::new(narrow)]);
+        let first = gate.admit(request(&empty)).await;
+        assert!(matches!(first, Admission::Continue(_)));
+        let second = gate.admit(request(&empty)).await;
+        assert!(matches!(second, Admission::Refuse { .. }));
+        // The refused admission must not keep the slot it took in `wide`.
+        assert_eq!(wide.in_flight(), 1);
+        drop(first);
+        assert_eq!(wide.in_flight(), 0);
+    }
+}

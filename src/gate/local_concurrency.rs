@@ -1,0 +1,122 @@
+//! `local-max-concurrency`: at most `limit` requests of this dispatcher in
+//! flight, whatever the pool says.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use super::{Admission, AdmissionRequest, Budget, DispatchGate, GateError, Observation, Ticket};
+use crate::config::GatingMode;
+
+/// Caps this process's in-flight requests. Budget = free fraction of the
+/// limit; when full, `blocking` mode waits and `classifying` refuses.
+#[derive(Debug)]
+pub struct LocalMaxConcurrencyGate {
+    limit: usize,
+    mode: GatingMode,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Releases one slot when the admitted request ends.
+#[derive(Debug)]
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl LocalMaxConcurrencyGate {
+    /// A gate allowing `limit` (at least 1) concurrent requests.
+    pub fn new(limit: usize, mode: GatingMode) -> Self {
+        Self {
+            limit: limit.max(1),
+            mode,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Requests currently holding a slot.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+}
+
+impl DispatchGate for LocalMaxConcurrencyGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        let used = self.in_flight().min(self.limit);
+        let free = (self.limit - used) as f64 / self.limit as f64;
+        let mut observation = Observation::open(Budget::saturating(free), Instant::now());
+        observation.reason = format!("{used} of {} local slots in use", self.limit);
+        Box::pin(std::future::ready(Ok(observation)))
+    }
+
+    fn admit<'a>(&'a self, _request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        let taken = self
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.limit).then_some(n + 1)
+            })
+            .is_ok();
+        let verdict = if taken {
+            Admission::Continue(Ticket::holding(Slot(self.in_flight.clone())))
+        } else {
+            match self.mode {
+                GatingMode::Blocking => Admission::Wait {
+                    reason: "local_concurrency_full",
+                },
+                GatingMode::Classifying => Admission::Refuse {
+                    reason: "local_concurrency_full",
+                },
+            }
+        };
+        Box::pin(std::future::ready(verdict))
+    }
+
+    fn kind(&self) -> &'static str {
+        "local-max-concurrency"
+    }
+}
+
+impl<G: DispatchGate + ?Sized> DispatchGate for Arc<G> {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        (**self).observe()
+    }
+
+    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        (**self).admit(request)
+    }
+
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn blocking_mode_waits_and_budget_tracks_free_slots() {
+        let empty = BTreeMap::new();
+        let req = AdmissionRequest {
+            id: "r",
+            metadata: &empty,
+            labels: &empty,
+        };
+        let gate = LocalMaxConcurrencyGate::new(2, GatingMode::Blocking);
+        let a = gate.admit(req).await;
+        assert_eq!(gate.observe().await.expect("ok").budget, Budget::saturating(0.5));
+        let b = gate.admit(req).await;
+        assert!(matches!(gate.admit(req).await, Admission::Wait { .. }));
+        assert_eq!(gate.observe().await.expect("ok").budget, Budget::ZERO);
+        drop((a, b));
+        assert_eq!(gate.in_flight(), 0);
+        assert!(matches!(gate.admit(req).await, Admission::Continue(_)));
+    }
+}

@@ -1,0 +1,316 @@
+//! Dispatch gates: how much batch work the pool can take now, and whether
+//! one message may go.
+//!
+//! A [`DispatchGate`] answers two questions:
+//! - [`DispatchGate::observe`]: the budget `D` in [0, 1] (estimated remaining
+//!   capacity), the baseline `B` held back for interactive traffic, and the
+//!   time the observation describes. The dispatch window turns it into a
+//!   number of requests, tokens or bytes (see `dispatch::window`).
+//! - [`DispatchGate::admit`]: a per-message verdict (quotas, tiers, local
+//!   concurrency).
+//!
+//! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
+//! `wait_on_refuse.rs` are gates; `guard.rs` holds the staleness and
+//! fail-closed wrappers every gate is run behind; `build.rs` turns a config
+//! [`crate::config::GateSpec`] into a gate.
+
+// mod build;
+mod composite;
+mod constant;
+mod guard;
+mod local_concurrency;
+mod wait_on_refuse;
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+
+pub use composite::CompositeGate;
+pub use constant::ConstantGate;
+pub use guard::{FailClosed, StalenessLimit};
+pub use local_concurrency::LocalMaxConcurrencyGate;
+pub use wait_on_refuse::WaitOnRefuseGate;
+
+/// A fraction of pool capacity in [0, 1]. Cannot hold NaN or leave the
+/// range, so arithmetic on budgets needs no defensive checks.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd, Default)]
+pub struct Budget(f64);
+
+impl Budget {
+    /// No capacity: the gate is closed.
+    pub const ZERO: Self = Self(0.0);
+    /// All capacity.
+    pub const FULL: Self = Self(1.0);
+
+    /// A budget from a value that must already be in [0, 1].
+    pub fn new(value: f64) -> Result<Self, BudgetError> {
+        if value.is_nan() {
+            Err(BudgetError::NotANumber)
+        } else if !(0.0..=1.0).contains(&value) {
+            Err(BudgetError::OutOfRange(value))
+        } else {
+            Ok(Self(value))
+        }
+    }
+
+    /// A budget from any value: clamped into [0, 1]; NaN becomes zero
+    /// (fail closed).
+    pub fn saturating(value: f64) -> Self {
+        if value.is_nan() {
+            Self::ZERO
+        } else {
+            Self(value.clamp(0.0, 1.0))
+        }
+    }
+
+    /// The fraction.
+    pub const fn get(self) -> f64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Budget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.4}", self.0)
+    }
+}
+
+/// A value that cannot be a [`Budget`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BudgetError {
+    /// NaN is never a budget.
+    #[error("budget is NaN")]
+    NotANumber,
+    /// Outside [0, 1].
+    #[error("budget {0} is outside [0, 1]")]
+    OutOfRange(f64),
+}
+
+/// One reading of the pool by a gate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    /// Estimated remaining capacity `D`.
+    pub budget: Budget,
+    /// Capacity held back for interactive traffic `B`; the gate is closed
+    /// when `D <= B`.
+    pub baseline: Budget,
+    /// The time the underlying data describes (not when it was fetched):
+    /// the dispatch window counts sends after this instant against the
+    /// budget, because the pool's metrics do not show them yet.
+    pub taken_at: Instant,
+    /// Live capacity `max_SYS` in the queue's unit, when the gate knows it
+    /// (e.g. ready endpoints × max_concurrency); otherwise the queue's
+    /// static `max_sys` applies.
+    pub max_sys: Option<f64>,
+    /// Whether the gate's data source answered usably.
+    pub source_available: bool,
+    /// Why the gate reads what it reads, for logs and `gate probe`.
+    pub reason: String,
+}
+
+impl Observation {
+    /// A fresh, available observation with budget `budget` and no baseline.
+    pub fn open(budget: Budget, taken_at: Instant) -> Self {
+        Self {
+            budget,
+            baseline: Budget::ZERO,
+            taken_at,
+            max_sys: None,
+            source_available: true,
+            reason: String::new(),
+        }
+    }
+
+    /// A closed observation because the source could not be read.
+    pub fn unavailable(taken_at: Instant, reason: impl Into<String>) -> Self {
+        Self {
+            budget: Budget::ZERO,
+            baseline: Budget::ZERO,
+            taken_at,
+            max_sys: None,
+            source_available: false,
+            reason: reason.into(),
+        }
+    }
+
+    /// `max(0, D − B)`: the fraction of capacity batch work may use.
+    pub fn headroom(&self) -> f64 {
+        (self.budget.get() - self.baseline.get()).max(0.0)
+    }
+
+    /// Whether the gate is open (`D > B`).
+    pub fn is_open(&self) -> bool {
+        self.budget.get() > self.baseline.get()
+    }
+}
+
+/// Why a gate could not produce an observation. The fail-closed wrapper
+/// turns every variant into budget zero.
+#[derive(Debug, thiserror::Error)]
+pub enum GateError {
+    /// The metric source failed or returned nothing usable.
+    #[error("source unavailable: {0}")]
+    SourceUnavailable(String),
+    /// The data is older than the staleness limit.
+    #[error("observation is {age_ms} ms old, limit {limit_ms} ms")]
+    Stale {
+        /// Age of the data.
+        age_ms: u128,
+        /// Configured limit.
+        limit_ms: u128,
+    },
+    /// The source returned a value that is not a budget.
+    #[error("invalid value: {0}")]
+    InvalidValue(#[from] BudgetError),
+}
+
+/// The facts about a message that admission gates may look at.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionRequest<'a> {
+    /// Request id.
+    pub id: &'a str,
+    /// The request's metadata (tenant attribute, trace context).
+    pub metadata: &'a BTreeMap<String, String>,
+    /// Envelope and queue labels (e.g. `tier`).
+    pub labels: &'a BTreeMap<String, String>,
+}
+
+/// Held while an admitted request is in flight; dropping it releases
+/// whatever the admitting gates reserved (e.g. a local concurrency slot).
+#[derive(Default)]
+pub struct Ticket(Vec<Box<dyn Any + Send + Sync>>);
+
+impl Ticket {
+    /// A ticket that reserves nothing.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// A ticket holding one reservation guard.
+    pub fn holding(guard: impl Any + Send + Sync) -> Self {
+        Self(vec![Box::new(guard)])
+    }
+
+    /// Merges another ticket's reservations into this one.
+    pub fn join(&mut self, other: Ticket) {
+        self.0.extend(other.0);
+    }
+}
+
+impl fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Ticket({} reservations)", self.0.len())
+    }
+}
+
+/// A per-message admission verdict.
+#[derive(Debug)]
+pub enum Admission {
+    /// Send it; keep the ticket until the request finishes.
+    Continue(Ticket),
+    /// Not now, but soon: the message stays queued (parked or requeued
+    /// without using an attempt) and is never sent while the verdict holds.
+    Wait {
+        /// Bounded label for metrics.
+        reason: &'static str,
+    },
+    /// Not this message now: back to the queue with a delay, without
+    /// blocking the messages behind it.
+    Refuse {
+        /// Bounded label for metrics.
+        reason: &'static str,
+    },
+    /// Never: the message ends with a `GATE_DROPPED` result.
+    Drop {
+        /// Bounded label for metrics.
+        reason: &'static str,
+    },
+}
+
+impl Admission {
+    /// Bounded label of the verdict for metrics.
+    pub fn verdict_label(&self) -> &'static str {
+        match self {
+            Self::Continue(_) => "continue",
+            Self::Wait { .. } => "wait",
+            Self::Refuse { .. } => "refuse",
+            Self::Drop { .. } => "drop",
+        }
+    }
+
+    /// Bounded reason label (`admitted` for Continue).
+    pub fn reason_label(&self) -> &'static str {
+        match self {
+            Self::Continue(_) => "admitted",
+            Self::Wait { reason } | Self::Refuse { reason } | Self::Drop { reason } => reason,
+        }
+    }
+}
+
+/// A source of dispatch budget and per-message admission.
+///
+/// Contract:
+/// - `observe` returns the pool's remaining capacity as of
+///   `Observation::taken_at`. It must not return a value it could not read:
+///   errors are returned as [`GateError`] and the fail-closed wrapper makes
+///   them budget zero. Implementations should be cheap to call repeatedly
+///   (cache slow sources) and return the same `taken_at` when their data has
+///   not changed, because the dispatch window only resets on a newer
+///   observation.
+/// - `admit` is called once per message before it is sent; a `Continue`
+///   ticket is held until the request finishes.
+pub trait DispatchGate: Send + Sync + fmt::Debug {
+    /// Reads the pool.
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>>;
+
+    /// Decides whether one message may go now. The default admits all.
+    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        let _ = request;
+        Box::pin(std::future::ready(Admission::Continue(Ticket::none())))
+    }
+
+    /// The gate's catalogue name (`constant`, `composite`, ...), for logs
+    /// and metrics labels.
+    fn kind(&self) -> &'static str;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn saturating_budget_is_always_in_range(v in proptest::num::f64::ANY) {
+            let b = Budget::saturating(v).get();
+            prop_assert!((0.0..=1.0).contains(&b));
+        }
+
+        #[test]
+        fn new_accepts_exactly_the_unit_interval(v in -2.0f64..2.0) {
+            prop_assert_eq!(Budget::new(v).is_ok(), (0.0..=1.0).contains(&v));
+        }
+    }
+
+    #[test]
+    fn nan_is_not_a_budget() {
+        assert_eq!(Budget::new(f64::NAN), Err(BudgetError::NotANumber));
+        assert_eq!(Budget::saturating(f64::NAN), Budget::ZERO);
+    }
+
+    #[test]
+    fn headroom_is_zero_at_or_below_baseline() {
+        let mut o = Observation::open(Budget::saturating(0.3), Instant::now());
+        o.baseline = Budget::saturating(0.3);
+        assert!(!o.is_open());
+        assert_eq!(o.headroom(), 0.0);
+        o.budget = Budget::saturating(0.7);
+        o.baseline = Budget::saturating(0.1);
+        assert!(o.is_open());
+        assert!((o.headroom() - 0.6).abs() < 1e-12);
+    }
+}

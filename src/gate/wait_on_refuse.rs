@@ -1,0 +1,63 @@
+//! `wait-on-refuse`: turns an inner gate's Refuse into Wait, so refused
+//! messages park instead of going back to the queue.
+
+use futures_util::future::BoxFuture;
+
+use super::{Admission, AdmissionRequest, DispatchGate, GateError, Observation};
+
+/// Wraps a gate; budget passes through, Refuse becomes Wait.
+#[derive(Debug)]
+pub struct WaitOnRefuseGate {
+    inner: Box<dyn DispatchGate>,
+}
+
+impl WaitOnRefuseGate {
+    /// Wraps `inner`.
+    pub fn new(inner: Box<dyn DispatchGate>) -> Self {
+        Self { inner }
+    }
+}
+
+impl DispatchGate for WaitOnRefuseGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        self.inner.observe()
+    }
+
+    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        Box::pin(async move {
+            match self.inner.admit(request).await {
+                Admission::Refuse { reason } => Admission::Wait { reason },
+                other => other,
+            }
+        })
+    }
+
+    fn kind(&self) -> &'static str {
+        "wait-on-refuse"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::config::GatingMode;
+    use crate::gate::LocalMaxConcurrencyGate;
+
+    #[tokio::test]
+    async fn refuse_becomes_wait() {
+        let empty = BTreeMap::new();
+        let req = AdmissionRequest {
+            id: "r",
+            metadata: &empty,
+            labels: &empty,
+        };
+        let gate = WaitOnRefuseGate::new(Box::new(LocalMaxConcurrencyGate::new(
+            1,
+            GatingMode::Classifying,
+        )));
+        let _held = gate.admit(req).await;
+        assert!(matches!(gate.admit(req).await, Admission::Wait { .. }));
+    }
+}

@@ -1,0 +1,158 @@
+//! Queue transports: where requests come from and where their results go.
+//!
+//! [`Queue`] is the contract every transport implements (in-memory here;
+//! Redis, Pub/Sub and the embedded store in their own folders).
+
+mod memory;
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+
+use crate::result::ResultRecord;
+
+pub use memory::{DeadLetter, MemoryQueue};
+
+/// Transport handle of one delivery. Opaque to the dispatcher; a new tag
+/// per delivery, so a holder whose lease expired cannot acknowledge a
+/// message that was redelivered to someone else.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DeliveryTag(pub String);
+
+impl fmt::Display for DeliveryTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// One message handed to the dispatcher under a lease.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// Handle for ack, nack and lease extension.
+    pub tag: DeliveryTag,
+    /// The message bytes as the producer wrote them.
+    pub body: Bytes,
+    /// How many failed attempts the transport has recorded for it.
+    pub retry_count: u32,
+}
+
+/// A result to write, and the delivery it settles.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The delivery to acknowledge once the result is durable.
+    pub tag: DeliveryTag,
+    /// The one result record of this submission.
+    pub result: ResultRecord,
+}
+
+/// Why a message goes back to the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NackReason {
+    /// A failed attempt (5xx, transport error): counts toward `max_attempts`.
+    Failed,
+    /// The pool was congested (429/503): not a failure.
+    Congested,
+    /// A gate said wait or refuse: not an attempt at all.
+    NotAdmitted,
+    /// The dispatcher is shutting down: hand it back at once.
+    Shutdown,
+}
+
+impl NackReason {
+    /// Whether this nack counts as a failed attempt.
+    pub const fn counts_as_failure(self) -> bool {
+        matches!(self, Self::Failed)
+    }
+}
+
+/// What [`Queue::ack`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AckReport {
+    /// Results written and messages removed.
+    pub acked: usize,
+    /// Results skipped because a result for the same id and token exists.
+    pub duplicates: usize,
+    /// Deliveries whose lease was lost (expired and redelivered): nothing
+    /// written, the new holder will answer.
+    pub lease_lost: usize,
+}
+
+/// A transport failure.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The backend cannot be reached now; retrying later may work.
+    #[error("queue backend unavailable: {0}")]
+    Unavailable(String),
+    /// The operation was refused for good.
+    #[error("queue operation failed: {0}")]
+    Failed(String),
+}
+
+impl QueueError {
+    /// Whether retrying the operation later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Unavailable(_))
+    }
+}
+
+/// A source of requests with at-least-once delivery and a sink for their
+/// results.
+///
+/// Contract:
+/// - `receive` leases up to `max` messages, earliest deadline first (FIFO
+///   among equal deadlines), waiting up to `wait` for the first one. A leased
+///   message is invisible to other receivers until its lease expires, then it
+///   is delivered again (with a new tag). Nothing is lost if the receiver
+///   dies.
+/// - `ack` writes each result durably and only then removes its message. The
+///   first result for an `(id, request_token)` wins; a later one is dropped,
+///   so redelivery never produces a second result. A delivery whose lease
+///   was lost is not acknowledged (its new holder will answer).
+/// - `nack` returns a message to the queue, visible again after `delay`, in
+///   its original deadline order (a retry never jumps ahead of earlier-due
+///   work). Only [`NackReason::Failed`] increments its retry count.
+/// - `extend_lease` keeps long-running deliveries leased.
+/// - `dead_letter` moves a message out of the queue with its last error,
+///   after the attempts allowed for it are used up.
+pub trait Queue: Send + Sync + fmt::Debug {
+    /// The queue's name, for logs and metric labels.
+    fn name(&self) -> &str;
+
+    /// Leases up to `max` messages for `lease`, waiting up to `wait`.
+    fn receive(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>>;
+
+    /// Writes results durably, then acknowledges their deliveries.
+    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>>;
+
+    /// Returns a delivery to the queue, visible again after `delay`.
+    fn nack(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> BoxFuture<'_, Result<(), QueueError>>;
+
+    /// Extends the leases of deliveries still being worked on.
+    fn extend_lease(
+        &self,
+        tags: Vec<DeliveryTag>,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<(), QueueError>>;
+
+    /// Moves a delivery to the dead letters with its last error.
+    fn dead_letter(
+        &self,
+        tag: DeliveryTag,
+        last_error: ResultRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>>;
+
+    /// Messages waiting (not leased), if the transport can tell cheaply.
+    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>>;
+}
