@@ -5,5 +5,6 @@ pub mod config;
 pub mod dispatch;
 pub mod gate;
 pub mod queue;
+pub mod telemetry;
 pub mod request;
 pub mod result;

@@ -17,3 +17,8 @@ pub enum Rounding { /// f
  Floor, /// c
  Ceil, /// a
  AtLeastOne }
+/// tmp
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LogFormat { /// t
+ Text, /// j
+ Json }

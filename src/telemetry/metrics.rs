@@ -1,0 +1,337 @@
+//! The metrics registry: every sluicegate metric, owned by one struct and
+//! handed out as per-queue handles. No globals. Every metric here is listed
+//! in `docs/metrics.md` (a test scrapes `/metrics` for each name).
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// A gauge holding an `f64`.
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// Label set `{queue}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct QueueLabel {
+    /// Queue name.
+    pub queue: String,
+}
+
+/// Label set `{queue, outcome}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// Queue name.
+    pub queue: String,
+    /// Bounded outcome label.
+    pub outcome: &'static str,
+}
+
+/// Label set `{queue, reason}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// Queue name.
+    pub queue: String,
+    /// Bounded reason label.
+    pub reason: &'static str,
+}
+
+/// Label set `{queue, verdict, reason}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// Queue name.
+    pub queue: String,
+    /// `continue`, `wait`, `refuse`, `drop`.
+    pub verdict: &'static str,
+    /// Bounded reason label.
+    pub reason: &'static str,
+}
+
+/// Every metric family of the process.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    received: Family<QueueLabel, Counter>,
+    sent: Family<QueueLabel, Counter>,
+    outcomes: Family<OutcomeLabels, Counter>,
+    attempts: Family<OutcomeLabels, Counter>,
+    retries: Family<ReasonLabels, Counter>,
+    decisions: Family<DecisionLabels, Counter>,
+    congestion: Family<QueueLabel, Counter>,
+    result_write_errors: Family<QueueLabel, Counter>,
+    leases_lost: Family<QueueLabel, Counter>,
+    in_flight: Family<QueueLabel, Gauge>,
+    window: Family<QueueLabel, Gauge>,
+    headroom: Family<QueueLabel, Gauge>,
+    available: Family<QueueLabel, Gauge>,
+    budget: Family<QueueLabel, FloatGauge>,
+    baseline: Family<QueueLabel, FloatGauge>,
+    gate_open: Family<QueueLabel, Gauge>,
+    source_available: Family<QueueLabel, Gauge>,
+    observation_age: Family<QueueLabel, FloatGauge>,
+    parked: Family<QueueLabel, Gauge>,
+    backlog: Family<QueueLabel, Gauge>,
+    attempt_latency: HistogramFamily,
+    dispatch_delay: HistogramFamily,
+}
+
+/// Histogram family with fixed buckets per family.
+type HistogramFamily = Family<QueueLabel, Histogram, fn() -> Histogram>;
+
+/// Latency buckets from 5 ms to ~20 min: gateway attempts are LLM calls
+/// that take from milliseconds to many minutes.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        600.0, 1200.0,
+    ]
+    .into_iter()
+}
+
+/// Buckets for the time from receiving a message to sending it (mostly
+/// sub-millisecond, long when the gate holds work back).
+fn delay_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
+    ]
+    .into_iter()
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every family.
+    pub fn new() -> Self {
+        let mut m = Self {
+            registry: Registry::default(),
+            received: Family::default(),
+            sent: Family::default(),
+            outcomes: Family::default(),
+            attempts: Family::default(),
+            retries: Family::default(),
+            decisions: Family::default(),
+            congestion: Family::default(),
+            result_write_errors: Family::default(),
+            leases_lost: Family::default(),
+            in_flight: Family::default(),
+            window: Family::default(),
+            headroom: Family::default(),
+            available: Family::default(),
+            budget: Family::default(),
+            baseline: Family::default(),
+            gate_open: Family::default(),
+            source_available: Family::default(),
+            observation_age: Family::default(),
+            parked: Family::default(),
+            backlog: Family::default(),
+            attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
+            dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
+        };
+        let r = &mut m.registry;
+        r.register("sluicegate_requests_received", "Messages received from the queue", m.received.clone());
+        r.register("sluicegate_requests_sent", "Requests sent to the gateway (attempts)", m.sent.clone());
+        r.register("sluicegate_outcomes", "Messages settled, by final outcome", m.outcomes.clone());
+        r.register("sluicegate_attempts", "Gateway attempts by classification", m.attempts.clone());
+        r.register("sluicegate_retries", "Messages returned to the queue for another try, by reason", m.retries.clone());
+        r.register("sluicegate_gate_decisions", "Admission verdicts by verdict and reason", m.decisions.clone());
+        r.register("sluicegate_congestion_signals", "429/503 answers that forced the budget to zero", m.congestion.clone());
+        r.register("sluicegate_result_write_errors", "Failed attempts to write results (retried)", m.result_write_errors.clone());
+        r.register("sluicegate_leases_lost", "Results not written because the message lease was lost", m.leases_lost.clone());
+        r.register("sluicegate_in_flight_requests", "Own requests in flight at the gateway", m.in_flight.clone());
+        r.register("sluicegate_window_units", "Dispatch window: own in-flight at observation time + N", m.window.clone());
+        r.register("sluicegate_headroom_units", "N = max_SYS x (D - B) of the latest fresh observation", m.headroom.clone());
+        r.register("sluicegate_window_available_units", "Units that may still be released now", m.available.clone());
+        r.register("sluicegate_budget_ratio", "Latest budget D read by the gate", m.budget.clone());
+        r.register("sluicegate_baseline_ratio", "Reserved baseline B", m.baseline.clone());
+        r.register("sluicegate_gate_open", "1 when D > B and no congestion holds the window", m.gate_open.clone());
+        r.register("sluicegate_source_available", "1 when the gate's metric source answered usably", m.source_available.clone());
+        r.register("sluicegate_observation_age_seconds", "Age of the data behind the latest observation", m.observation_age.clone());
+        r.register("sluicegate_parked_requests", "Messages parked at a gate (verdict wait)", m.parked.clone());
+        r.register("sluicegate_queue_backlog_messages", "Messages waiting in the queue", m.backlog.clone());
+        r.register("sluicegate_attempt_duration_seconds", "Gateway attempt latency", m.attempt_latency.clone());
+        r.register("sluicegate_dispatch_delay_seconds", "Time from receiving a message to sending it", m.dispatch_delay.clone());
+        m
+    }
+
+    /// Handles for one queue's metrics.
+    pub fn queue(&self, name: &str) -> QueueMetrics {
+        let l = QueueLabel {
+            queue: name.to_owned(),
+        };
+        QueueMetrics {
+            queue: name.to_owned(),
+            received: self.received.get_or_create_owned(&l),
+            sent: self.sent.get_or_create_owned(&l),
+            outcomes: self.outcomes.clone(),
+            attempts: self.attempts.clone(),
+            retries: self.retries.clone(),
+            decisions: self.decisions.clone(),
+            congestion: self.congestion.get_or_create_owned(&l),
+            result_write_errors: self.result_write_errors.get_or_create_owned(&l),
+            leases_lost: self.leases_lost.get_or_create_owned(&l),
+            in_flight: self.in_flight.get_or_create_owned(&l),
+            window: self.window.get_or_create_owned(&l),
+            headroom: self.headroom.get_or_create_owned(&l),
+            available: self.available.get_or_create_owned(&l),
+            budget: self.budget.get_or_create_owned(&l),
+            baseline: self.baseline.get_or_create_owned(&l),
+            gate_open: self.gate_open.get_or_create_owned(&l),
+            source_available: self.source_available.get_or_create_owned(&l),
+            observation_age: self.observation_age.get_or_create_owned(&l),
+            parked: self.parked.get_or_create_owned(&l),
+            backlog: self.backlog.get_or_create_owned(&l),
+            attempt_latency: self.attempt_latency.get_or_create_owned(&l),
+            dispatch_delay: self.dispatch_delay.get_or_create_owned(&l),
+        }
+    }
+
+    /// The registry in the Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Metric handles of one queue, cheap to clone.
+#[derive(Debug, Clone)]
+pub struct QueueMetrics {
+    queue: String,
+    /// Messages received.
+    pub received: Counter,
+    /// Attempts sent to the gateway.
+    pub sent: Counter,
+    outcomes: Family<OutcomeLabels, Counter>,
+    attempts: Family<OutcomeLabels, Counter>,
+    retries: Family<ReasonLabels, Counter>,
+    decisions: Family<DecisionLabels, Counter>,
+    /// 429/503 congestion signals.
+    pub congestion: Counter,
+    /// Failed result writes.
+    pub result_write_errors: Counter,
+    /// Results skipped because the lease was lost.
+    pub leases_lost: Counter,
+    /// Own in-flight requests.
+    pub in_flight: Gauge,
+    /// Window limit in units.
+    pub window: Gauge,
+    /// N in units.
+    pub headroom: Gauge,
+    /// Units releasable now.
+    pub available: Gauge,
+    /// Budget D.
+    pub budget: FloatGauge,
+    /// Baseline B.
+    pub baseline: FloatGauge,
+    /// Gate open (0/1).
+    pub gate_open: Gauge,
+    /// Source available (0/1).
+    pub source_available: Gauge,
+    /// Age of the latest observation's data.
+    pub observation_age: FloatGauge,
+    /// Messages parked at a gate.
+    pub parked: Gauge,
+    /// Queue backlog.
+    pub backlog: Gauge,
+    /// Gateway attempt latency.
+    pub attempt_latency: Histogram,
+    /// Receive-to-send delay.
+    pub dispatch_delay: Histogram,
+}
+
+impl QueueMetrics {
+    /// Counts a settled message by outcome.
+    pub fn outcome(&self, outcome: &'static str) {
+        self.outcomes
+            .get_or_create(&OutcomeLabels {
+                queue: self.queue.clone(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Counts one gateway attempt by classification.
+    pub fn attempt(&self, outcome: &'static str) {
+        self.attempts
+            .get_or_create(&OutcomeLabels {
+                queue: self.queue.clone(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Counts a message returned to the queue.
+    pub fn retry(&self, reason: &'static str) {
+        self.retries
+            .get_or_create(&ReasonLabels {
+                queue: self.queue.clone(),
+                reason,
+            })
+            .inc();
+    }
+
+    /// Counts an admission verdict.
+    pub fn decision(&self, verdict: &'static str, reason: &'static str) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                queue: self.queue.clone(),
+                verdict,
+                reason,
+            })
+            .inc();
+    }
+}
+
+/// Every metric name as it appears in `/metrics` (counters with `_total`),
+/// for the documentation test.
+pub const METRIC_NAMES: &[&str] = &[
+    "sluicegate_requests_received_total",
+    "sluicegate_requests_sent_total",
+    "sluicegate_outcomes_total",
+    "sluicegate_attempts_total",
+    "sluicegate_retries_total",
+    "sluicegate_gate_decisions_total",
+    "sluicegate_congestion_signals_total",
+    "sluicegate_result_write_errors_total",
+    "sluicegate_leases_lost_total",
+    "sluicegate_in_flight_requests",
+    "sluicegate_window_units",
+    "sluicegate_headroom_units",
+    "sluicegate_window_available_units",
+    "sluicegate_budget_ratio",
+    "sluicegate_baseline_ratio",
+    "sluicegate_gate_open",
+    "sluicegate_source_available",
+    "sluicegate_observation_age_seconds",
+    "sluicegate_parked_requests",
+    "sluicegate_queue_backlog_messages",
+    "sluicegate_attempt_duration_seconds",
+    "sluicegate_dispatch_delay_seconds",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_metric_is_exported() {
+        let metrics = Metrics::new();
+        let q = metrics.queue("q");
+        q.outcome("success");
+        q.attempt("success");
+        q.retry("failed");
+        q.decision("continue", "admitted");
+        let text = metrics.encode();
+        for name in METRIC_NAMES {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+    }
+}
