@@ -1,0 +1,485 @@
+//! The whole request path against the in-memory queue and a real HTTP
+//! server (wiremock scripts the gateway's answers).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::future::BoxFuture;
+use sluicegate::config::{GatingMode, Rounding, Unit};
+use sluicegate::dispatch::{DispatchSettings, QueueDispatcher};
+use sluicegate::gate::{
+    Budget, ConstantGate, DispatchGate, FailClosed, GateError, LocalMaxConcurrencyGate,
+    Observation,
+};
+use sluicegate::gateway::{GatewayClient, GatewaySettings, RetryPolicy, Target};
+use sluicegate::queue::{MemoryQueue, Queue};
+use sluicegate::result::{ErrorCode, ResultRecord};
+use sluicegate::telemetry::Metrics;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use wiremock::matchers::{method, path};
+use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs() as i64
+}
+
+fn message(id: &str, deadline_in: i64) -> String {
+    serde_json::json!({
+        "id": id,
+        "deadline": unix_now() + deadline_in,
+        "payload": {"model": "m", "prompt": format!("hello {id}"), "max_tokens": 8}
+    })
+    .to_string()
+}
+
+fn fast_settings() -> DispatchSettings {
+    DispatchSettings {
+        poll_interval: Duration::from_millis(50),
+        receive_wait: Duration::from_millis(50),
+        congestion_backoff: Duration::from_millis(100),
+        wait_requeue_delay: Duration::from_millis(50),
+        shutdown_grace: Duration::from_secs(5),
+        ..DispatchSettings::default()
+    }
+}
+
+struct Harness {
+    queue: Arc<MemoryQueue>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Harness {
+    fn start(
+        gateway_url: &str,
+        gate: Box<dyn DispatchGate>,
+        settings: DispatchSettings,
+        retry: RetryPolicy,
+    ) -> Self {
+        Self::start_on(Arc::new(MemoryQueue::new("q")), gateway_url, gate, settings, retry)
+    }
+
+    fn start_on(
+        queue: Arc<MemoryQueue>,
+        gateway_url: &str,
+        gate: Box<dyn DispatchGate>,
+        settings: DispatchSettings,
+        retry: RetryPolicy,
+    ) -> Self {
+        let metrics = Arc::new(Metrics::new());
+        let dispatcher = QueueDispatcher {
+            queue: queue.clone(),
+            gate: Arc::new(FailClosed::new(gate, settings.max_staleness)),
+            gateway: GatewayClient::new(GatewaySettings {
+                attempt_timeout: Duration::from_secs(5),
+                ..GatewaySettings::default()
+            })
+            .expect("client"),
+            target: Target::new(gateway_url, "/v1/completions", None).expect("target"),
+            retry,
+            settings,
+            metrics: metrics.queue("q"),
+            labels: BTreeMap::new(),
+        };
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(dispatcher.run(shutdown.clone()));
+        Self {
+            queue,
+            metrics,
+            shutdown,
+            task,
+        }
+    }
+
+    async fn wait_for_results(&self, n: usize) -> Vec<ResultRecord> {
+        let give_up = Instant::now() + Duration::from_secs(30);
+        loop {
+            let results = self.queue.results();
+            if results.len() >= n || Instant::now() > give_up {
+                return results;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn stop(self) -> Arc<MemoryQueue> {
+        self.shutdown.cancel();
+        self.task.await.expect("dispatcher ends cleanly");
+        self.queue
+    }
+}
+
+fn no_retry_limit() -> RetryPolicy {
+    RetryPolicy {
+        initial: Duration::from_millis(20),
+        max: Duration::from_millis(100),
+        max_attempts: None,
+        jitter: true,
+    }
+}
+
+#[tokio::test]
+async fn every_message_gets_exactly_one_result() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/completions"))
+        .respond_with(ResponseTemplate::new(200).set_body_string(r#"{"choices":[]}"#))
+        .mount(&server)
+        .await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        fast_settings(),
+        no_retry_limit(),
+    );
+    for i in 0..200 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    let results = h.wait_for_results(200).await;
+    assert_eq!(results.len(), 200);
+    let ids: std::collections::HashSet<_> = results.iter().map(|r| r.id.clone()).collect();
+    assert_eq!(ids.len(), 200);
+    assert!(results.iter().all(|r| r.status_code == Some(200) && r.payload == r#"{"choices":[]}"#));
+    let q = h.stop().await;
+    assert_eq!(q.pending_len() + q.leased_len(), 0);
+    assert_eq!(server.received_requests().await.expect("recorded").len(), 200);
+}
+
+#[tokio::test]
+async fn expired_and_invalid_messages_get_typed_results_and_are_never_sent() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200))
+        .mount(&server)
+        .await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        fast_settings(),
+        no_retry_limit(),
+    );
+    h.queue.push_message(message("expired", -10));
+    h.queue.push_message("{not json");
+    h.queue.push_message(r#"{"id":"bad-deadline","deadline":"tomorrow","payload":{}}"#);
+    h.queue.push_message(
+        serde_json::json!({"id":"off-host","deadline": unix_now()+600,"payload":{},"endpoint":"http://evil.example:9/v1/completions"}).to_string(),
+    );
+    let results = h.wait_for_results(4).await;
+    let by_id: BTreeMap<_, _> = results.iter().map(|r| (r.id.clone(), r.clone())).collect();
+    assert_eq!(by_id["expired"].error_code, Some(ErrorCode::DeadlineExceeded));
+    assert_eq!(by_id["bad-deadline"].error_code, Some(ErrorCode::InvalidRequest));
+    assert_eq!(by_id["off-host"].error_code, Some(ErrorCode::InvalidRequest));
+    let unparsable: Vec<_> = results.iter().filter(|r| r.id.starts_with("invalid:")).collect();
+    assert_eq!(unparsable.len(), 1);
+    assert_eq!(unparsable[0].error_code, Some(ErrorCode::InvalidRequest));
+    h.stop().await;
+    assert!(server.received_requests().await.expect("recorded").is_empty());
+}
+
+/// Answers with the scripted statuses in order, then 200.
+struct Script {
+    statuses: Vec<(u16, Option<&'static str>)>,
+    calls: AtomicUsize,
+}
+
+impl Respond for Script {
+    fn respond(&self, _: &Request) -> ResponseTemplate {
+        let i = self.calls.fetch_add(1, Ordering::SeqCst);
+        match self.statuses.get(i) {
+            Some((status, retry_after)) => {
+                let t = ResponseTemplate::new(*status).set_body_string(format!("answer {status}"));
+                match retry_after {
+                    Some(v) => t.insert_header("Retry-After", *v),
+                    None => t,
+                }
+            }
+            None => ResponseTemplate::new(200).set_body_string("ok"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn congestion_and_server_errors_are_retried_not_failed() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(Script {
+            statuses: vec![(429, Some("1")), (503, None), (500, None), (502, None)],
+            calls: AtomicUsize::new(0),
+        })
+        .mount(&server)
+        .await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        fast_settings(),
+        no_retry_limit(),
+    );
+    h.queue.push_message(message("r", 3600));
+    let results = h.wait_for_results(1).await;
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].status_code, Some(200));
+    // Two congestion requeues do not count as failed attempts; two 5xx do.
+    assert_eq!(results[0].attempts, 3);
+    let text = h.metrics.encode();
+    assert!(text.contains(r#"sluicegate_congestion_signals_total{queue="q"} 2"#), "{text}");
+    assert!(text.contains(r#"sluicegate_retries_total{queue="q",reason="failed"} 2"#), "{text}");
+    h.stop().await;
+    assert_eq!(server.received_requests().await.expect("recorded").len(), 5);
+}
+
+#[tokio::test]
+async fn client_errors_are_final_and_attempts_run_out_into_dead_letters() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .and(path("/v1/completions"))
+        .respond_with(ResponseTemplate::new(400).set_body_string("bad model"))
+        .mount(&server)
+        .await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        fast_settings(),
+        no_retry_limit(),
+    );
+    h.queue.push_message(message("four-hundred", 3600));
+    let results = h.wait_for_results(1).await;
+    assert_eq!(results[0].status_code, Some(400));
+    assert_eq!(results[0].payload, "bad model");
+    h.stop().await;
+
+    let failing = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(500))
+        .mount(&failing)
+        .await;
+    let h = Harness::start(
+        &failing.uri(),
+        Box::new(ConstantGate::default()),
+        fast_settings(),
+        RetryPolicy {
+            max_attempts: Some(3),
+            ..no_retry_limit()
+        },
+    );
+    h.queue.push_message(message("doomed", 3600));
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while h.queue.dead_letters().is_empty() && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let q = h.stop().await;
+    let dead = q.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].last_error.status_code, Some(500));
+    assert!(q.results().is_empty());
+    assert_eq!(failing.received_requests().await.expect("recorded").len(), 3);
+}
+
+/// A gate whose reading never gets newer, like a cached metric.
+#[derive(Debug)]
+struct FrozenGate {
+    budget: Budget,
+    taken_at: Instant,
+}
+
+impl DispatchGate for FrozenGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        let o = Observation::open(self.budget, self.taken_at);
+        Box::pin(async move { Ok(o) })
+    }
+    fn kind(&self) -> &'static str {
+        "frozen"
+    }
+}
+
+#[tokio::test]
+async fn one_observation_releases_at_most_n() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200))
+        .mount(&server)
+        .await;
+    // max_SYS 10 × D 0.3 = 3 requests for this one, never refreshed reading.
+    let settings = DispatchSettings {
+        max_sys: 10.0,
+        unit: Unit::Requests,
+        rounding: Rounding::Floor,
+        max_staleness: Duration::from_secs(600),
+        ..fast_settings()
+    };
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(FrozenGate {
+            budget: Budget::saturating(0.3),
+            taken_at: Instant::now(),
+        }),
+        settings,
+        no_retry_limit(),
+    );
+    for i in 0..10 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    h.wait_for_results(3).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.queue.results().len(), 3, "no more than N from one reading");
+    let q = h.stop().await;
+    assert_eq!(q.pending_len(), 7, "the rest stays queued");
+}
+
+#[tokio::test]
+async fn closed_gate_sends_nothing_and_unreadable_gate_is_closed() {
+    #[derive(Debug)]
+    struct Broken;
+    impl DispatchGate for Broken {
+        fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+            Box::pin(async { Err(GateError::SourceUnavailable("down".into())) })
+        }
+        fn kind(&self) -> &'static str {
+            "broken"
+        }
+    }
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200))
+        .mount(&server)
+        .await;
+    for gate in [
+        Box::new(ConstantGate::new(Budget::ZERO)) as Box<dyn DispatchGate>,
+        Box::new(Broken),
+    ] {
+        let h = Harness::start(&server.uri(), gate, fast_settings(), no_retry_limit());
+        h.queue.push_message(message("held", 3600));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(h.queue.results().is_empty());
+        let text = h.metrics.encode();
+        assert!(text.contains(r#"sluicegate_gate_open{queue="q"} 0"#), "{text}");
+        let q = h.stop().await;
+        assert_eq!(q.pending_len(), 1, "message stays queued");
+    }
+    assert!(server.received_requests().await.expect("recorded").is_empty());
+}
+
+/// Counts concurrent requests at the gateway.
+struct Concurrency {
+    now: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
+}
+
+#[tokio::test]
+async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(150)))
+        .mount(&server)
+        .await;
+    let gate = Arc::new(LocalMaxConcurrencyGate::new(3, GatingMode::Blocking));
+    let probe = gate.clone();
+    let h = Harness::start(&server.uri(), Box::new(gate), fast_settings(), no_retry_limit());
+    for i in 0..12 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    let c = Concurrency {
+        now: Arc::new(AtomicUsize::new(0)),
+        peak: Arc::new(AtomicUsize::new(0)),
+    };
+    let give_up = Instant::now() + Duration::from_secs(30);
+    let mut saw_parked = false;
+    while h.queue.results().len() < 12 && Instant::now() < give_up {
+        c.now.store(probe.in_flight(), Ordering::SeqCst);
+        c.peak.fetch_max(probe.in_flight(), Ordering::SeqCst);
+        saw_parked |= !h.metrics.encode().contains(r#"sluicegate_parked_requests{queue="q"} 0"#);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(h.queue.results().len(), 12);
+    assert!(c.peak.load(Ordering::SeqCst) <= 3);
+    assert!(saw_parked, "blocking mode parks messages at the gate");
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn shutdown_finishes_in_flight_within_grace_and_requeues_the_rest() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(300)))
+        .mount(&server)
+        .await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        fast_settings(),
+        no_retry_limit(),
+    );
+    for i in 0..5 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    // Wait until they are in flight, then stop: all five finish.
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while server.received_requests().await.expect("recorded").len() < 5 && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let q = h.stop().await;
+    assert_eq!(q.results().len(), 5);
+    assert_eq!(q.leased_len(), 0);
+
+    // A gateway slower than the grace period: requests are abandoned and
+    // go back to the queue, nothing is lost.
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_secs(20)))
+        .mount(&slow)
+        .await;
+    let h = Harness::start(
+        &slow.uri(),
+        Box::new(ConstantGate::default()),
+        DispatchSettings {
+            shutdown_grace: Duration::from_millis(200),
+            ..fast_settings()
+        },
+        no_retry_limit(),
+    );
+    for i in 0..3 {
+        h.queue.push_message(message(&format!("s{i}"), 3600));
+    }
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while slow.received_requests().await.expect("recorded").len() < 3 && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let q = h.stop().await;
+    assert!(q.results().is_empty());
+    assert_eq!(q.leased_len(), 0);
+    assert_eq!(q.pending_len(), 3, "abandoned requests are requeued");
+}
+
+#[tokio::test]
+async fn earliest_deadline_goes_first() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200))
+        .mount(&server)
+        .await;
+    let queue = Arc::new(MemoryQueue::new("q"));
+    queue.push_message(message("late", 7200));
+    queue.push_message(message("early", 600));
+    queue.push_message(message("middle", 3600));
+    let settings = DispatchSettings {
+        max_sys: 1.0,
+        ..fast_settings()
+    };
+    let h = Harness::start_on(
+        queue,
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        settings,
+        no_retry_limit(),
+    );
+    let results = h.wait_for_results(3).await;
+    let order: Vec<_> = results.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(order, vec!["early", "middle", "late"]);
+    h.stop().await;
+}
