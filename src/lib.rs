@@ -4,7 +4,8 @@
 pub mod config;
 pub mod dispatch;
 pub mod gate;
+pub mod gateway;
 pub mod queue;
-pub mod telemetry;
 pub mod request;
 pub mod result;
+pub mod telemetry;

@@ -1,0 +1,127 @@
+//! The gateway client: sends one request to the inference gateway and says
+//! what the answer means for the dispatch loop.
+//!
+//! The gateway is vLLM behind an endpoint picker, reached over HTTP through
+//! one shared connection pool. This module performs single attempts only:
+//! retries go back through the queue and the dispatch gate, so the retry
+//! policy here is a pure calculator, not a loop.
+//!
+//! Files and their roles:
+//!
+//! - `client.rs`: [`GatewayClient`], the one `reqwest::Client`, a bounded
+//!   attempt ([`GatewayClient::send`]) and the bounded body read.
+//! - `target.rs`: [`Target`] (a queue's gateway URL and objective),
+//!   endpoint resolution that cannot leave the gateway origin, and the
+//!   request headers of REFERENCE.md §3 ([`PreparedRequest`]).
+//! - `classify.rs`: [`AttemptOutcome`], [`AttemptFailure`], the status
+//!   classes and `Retry-After` parsing.
+//! - `retry.rs`: [`RetryPolicy`], exponential backoff with jitter, bounded
+//!   by the deadline and an optional attempt count.
+//! - `time.rs`: [`deadline_instant`], Unix-seconds deadlines on tokio's
+//!   clock.
+//!
+//! Status classes (see [`StatusClass`]): 2xx success; 429 and 503
+//! congestion; 501 and 505 final (the same request gets the same answer);
+//! other 5xx retryable; 3xx and other 4xx final. A 2xx body over
+//! [`GatewaySettings::max_response_bytes`] is a final failure
+//! ([`AttemptFailure::BodyTooLarge`]); other bodies are truncated at the
+//! limit.
+
+use std::fmt;
+use std::time::Duration;
+
+mod classify;
+mod client;
+mod retry;
+mod target;
+mod time;
+
+pub use classify::{
+    AttemptFailure, AttemptOutcome, MAX_RETRY_AFTER, StatusClass, classify_status,
+    parse_retry_after, parse_retry_after_at,
+};
+pub use client::{GatewayBuildError, GatewayClient};
+pub use retry::{RetryDecision, RetryPolicy};
+pub use target::{EndpointError, PrepareError, PreparedRequest, Target, TargetError};
+pub use time::{deadline_instant, deadline_instant_at};
+
+/// The objective header upstream llm-d-async sends (the default).
+pub const GATEWAY_OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// The objective header newer llm-d routers read.
+pub const LLM_D_OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
+/// Header carrying the fairness id taken from request metadata.
+pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+/// Header the endpoint picker sets on a rejection to say why it dropped it.
+pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
+/// Longest fairness id sent; longer values are skipped, not truncated.
+pub const MAX_FAIRNESS_ID_LEN: usize = 256;
+
+/// How the gateway client behaves; built by the application from config.
+#[derive(Clone)]
+pub struct GatewaySettings {
+    /// Ceiling of one attempt (connect, send, whole body); each attempt is
+    /// also cut at the request's deadline.
+    pub attempt_timeout: Duration,
+    /// Ceiling of establishing one connection (TCP and TLS).
+    pub connect_timeout: Duration,
+    /// Largest response body read; protects memory from a runaway answer.
+    pub max_response_bytes: usize,
+    /// Idle connections kept per host in the shared pool.
+    pub max_idle_per_host: usize,
+    /// Sent as `Authorization: Bearer <token>`; never logged or printed.
+    pub bearer_token: Option<String>,
+    /// Name of the header carrying the queue's inference objective
+    /// ([`GATEWAY_OBJECTIVE_HEADER`] or [`LLM_D_OBJECTIVE_HEADER`]).
+    pub objective_header: String,
+    /// Metadata key whose value becomes [`FAIRNESS_HEADER`]; `None` sends
+    /// no fairness id. The configured default is `userid`.
+    pub fairness_attribute: Option<String>,
+}
+
+impl Default for GatewaySettings {
+    fn default() -> Self {
+        Self {
+            attempt_timeout: Duration::from_secs(300),
+            connect_timeout: Duration::from_secs(5),
+            max_response_bytes: 16 * 1024 * 1024,
+            max_idle_per_host: 32,
+            bearer_token: None,
+            objective_header: GATEWAY_OBJECTIVE_HEADER.to_owned(),
+            fairness_attribute: Some("userid".to_owned()),
+        }
+    }
+}
+
+// Hand-written so the bearer token can never reach a log line.
+impl fmt::Debug for GatewaySettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GatewaySettings")
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .field("max_idle_per_host", &self.max_idle_per_host)
+            .field(
+                "bearer_token",
+                &self.bearer_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("objective_header", &self.objective_header)
+            .field("fairness_attribute", &self.fairness_attribute)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_never_shows_the_bearer_token() {
+        let settings = GatewaySettings {
+            bearer_token: Some("s3cr3t-token".into()),
+            ..GatewaySettings::default()
+        };
+        let shown = format!("{settings:?}");
+        assert!(!shown.contains("s3cr3t"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
+    }
+}
