@@ -14,7 +14,7 @@ use sluicegate::gate::{
     Observation,
 };
 use sluicegate::gateway::{GatewayClient, GatewaySettings, RetryPolicy, Target};
-use sluicegate::queue::{MemoryQueue, Queue};
+use sluicegate::queue::MemoryQueue;
 use sluicegate::result::{ErrorCode, ResultRecord};
 use sluicegate::telemetry::Metrics;
 use tokio::time::Instant;
