@@ -1,6 +1,8 @@
 //! sluicegate: lets LLM batch work use the idle capacity of an inference
 //! pool without hurting its interactive users.
 
+pub mod app;
+pub mod cli;
 pub mod config;
 pub mod dispatch;
 pub mod gate;

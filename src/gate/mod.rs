@@ -14,7 +14,7 @@
 //! fail-closed wrappers every gate is run behind; `build.rs` turns a config
 //! [`crate::config::GateSpec`] into a gate.
 
-// mod build;
+mod build;
 mod composite;
 mod constant;
 mod guard;
@@ -29,6 +29,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 
+pub use build::{BuildError, build_gate};
 pub use composite::CompositeGate;
 pub use constant::ConstantGate;
 pub use guard::{FailClosed, StalenessLimit};

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): installs what a fresh machine
+# lacks, then runs formatting, lints and every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages the test suites spawn (real servers on loopback).
+packages=()
+command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
+if [ ${#packages[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${packages[@]}"
+  else
+    echo "missing packages: ${packages[*]} (run as root to install them)" >&2
+    exit 1
+  fi
+fi
+
+cargo fmt --check
+cargo clippy --all-targets --locked -- -D warnings
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --locked --no-fail-fast
+else
+  cargo test --locked --no-fail-fast
+fi
+cargo test --doc --locked

@@ -1,0 +1,262 @@
+//! Subcommands of the `sluicegate` binary. `main.rs` only parses the
+//! command line and calls [`run`].
+
+#![allow(clippy::print_stdout)] // A CLI prints its answers.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, ConfigSources, Overrides, TransportKind};
+use crate::queue::{MemoryQueue, Queue};
+
+/// Exit code for configuration errors (as `check-config` documents).
+const EXIT_CONFIG: u8 = 2;
+
+/// sluicegate: dispatches LLM batch work into an inference pool only as
+/// fast as the pool has slack.
+#[derive(Debug, Parser)]
+#[command(name = "sluicegate", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the dispatcher until SIGTERM or SIGINT.
+    Run(RunArgs),
+    /// Validate a config file (with the environment): exit 0 and a summary,
+    /// or exit 2 and every error.
+    CheckConfig(ConfigArgs),
+    /// Configuration commands.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Print the effective configuration (file + environment + flags),
+    /// secrets redacted.
+    Show(ConfigArgs),
+}
+
+/// Where the configuration comes from, and the flags that override it.
+#[derive(Debug, Args)]
+struct ConfigArgs {
+    /// Config file (TOML); also `SLUICEGATE_CONFIG`.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Queue transport: memory, redis, pubsub, embedded.
+    #[arg(long)]
+    transport: Option<String>,
+    /// Inference gateway base URL.
+    #[arg(long)]
+    gateway_url: Option<String>,
+    /// Default request path on the gateway.
+    #[arg(long)]
+    request_path: Option<String>,
+    /// Queue name (single-queue setups).
+    #[arg(long)]
+    queue: Option<String>,
+    /// Address of /metrics, /healthz, /readyz.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Log format: text or json.
+    #[arg(long)]
+    log_format: Option<String>,
+    /// Log filter directive, e.g. `info` or `sluicegate=debug`.
+    #[arg(long)]
+    log_level: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Memory transport only: request messages to load (JSON lines).
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// Memory transport only: where to write results (JSON lines) at exit;
+    /// standard output when absent.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Memory transport only: stop once every loaded message is settled.
+    #[arg(long)]
+    exit_when_done: bool,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<Config, ExitCode> {
+        let overrides = Overrides {
+            transport: self.transport.clone(),
+            gateway_url: self.gateway_url.clone(),
+            request_path: self.request_path.clone(),
+            queue: self.queue.clone(),
+            listen: self.listen.clone(),
+            log_format: self.log_format.clone(),
+            log_level: self.log_level.clone(),
+        };
+        let sources = ConfigSources::from_process(self.config.clone(), overrides);
+        Config::load(&sources).map_err(|errors| {
+            eprintln!("configuration errors:\n{errors}");
+            ExitCode::from(EXIT_CONFIG)
+        })
+    }
+}
+
+/// Runs the parsed command line.
+pub async fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::CheckConfig(args) => match args.load() {
+            Ok(config) => {
+                println!("{}", config.summary());
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Command::Config(ConfigCommand::Show(args)) => match args.load() {
+            Ok(config) => {
+                println!("{}", config.to_redacted_toml());
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Command::Run(args) => run_dispatcher(args).await,
+    }
+}
+
+async fn run_dispatcher(args: RunArgs) -> ExitCode {
+    let config = match args.config.load() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    crate::telemetry::logging::init(config.telemetry.log_format, &config.telemetry.log_level);
+    if config.transport != TransportKind::Memory {
+        eprintln!(
+            "transport: `{}` is not available in this build; available: memory",
+            config.transport.as_str()
+        );
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    if config.queues.len() != 1 && args.input.is_some() {
+        eprintln!("--input needs exactly one configured queue");
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let memory: Vec<Arc<MemoryQueue>> = config
+        .queues
+        .iter()
+        .map(|q| Arc::new(MemoryQueue::new(q.queue_name.clone())))
+        .collect();
+    let mut loaded = 0usize;
+    if let (Some(path), Some(queue)) = (&args.input, memory.first()) {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                    queue.push_message(line.to_owned());
+                    loaded += 1;
+                }
+            }
+            Err(error) => {
+                eprintln!("--input: cannot read {}: {error}", path.display());
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        }
+    }
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let queues: Vec<Arc<dyn Queue>> = memory.iter().map(|q| q.clone() as Arc<dyn Queue>).collect();
+    let running = match crate::app::start(&config, queues, shutdown.clone()).await {
+        Ok(r) => r,
+        Err(error) => {
+            eprintln!("cannot start: {error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    if args.exit_when_done {
+        let queues = memory.clone();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            loop {
+                let settled: usize = queues
+                    .iter()
+                    .map(|q| q.results().len() + q.dead_letters().len())
+                    .sum();
+                if settled >= loaded {
+                    stop.cancel();
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+    }
+    running.wait().await;
+    write_results(&memory, args.output.as_ref())
+}
+
+/// Writes the memory queues' results as JSON lines.
+fn write_results(queues: &[Arc<MemoryQueue>], output: Option<&PathBuf>) -> ExitCode {
+    let mut text = String::new();
+    for queue in queues {
+        for result in queue.results() {
+            // A result is plain strings and numbers: serialising cannot fail.
+            text.push_str(&serde_json::to_string(&result).unwrap_or_default());
+            text.push('\n');
+        }
+        for dead in queue.dead_letters() {
+            eprintln!(
+                "dead letter: {}",
+                serde_json::to_string(&dead.last_error).unwrap_or_default()
+            );
+        }
+    }
+    let written = match output {
+        Some(path) => std::fs::write(path, text),
+        None => std::io::stdout().write_all(text.as_bytes()),
+    };
+    match written {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("cannot write results: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Cancels `shutdown` on SIGTERM or SIGINT; a second signal exits at once.
+fn spawn_signal_handler(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("signal received; draining (send again to exit at once)");
+        shutdown.cancel();
+        wait_for_signal().await;
+        std::process::exit(130);
+    });
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,82 @@
+//! The running application serves `/metrics`, `/healthz` and `/readyz`,
+//! and `/metrics` carries every documented metric.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sluicegate::config::Config;
+use sluicegate::queue::{MemoryQueue, Queue};
+use sluicegate::telemetry::METRIC_NAMES;
+use tokio_util::sync::CancellationToken;
+use wiremock::matchers::method;
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+#[tokio::test]
+async fn metrics_health_and_readiness_are_served() {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_body_string("{}"))
+        .mount(&server)
+        .await;
+    let toml = format!(
+        r#"
+transport = "memory"
+[gateway]
+url = "{}"
+[telemetry]
+listen = "127.0.0.1:0"
+[dispatch]
+poll_interval = "50ms"
+receive_wait = "50ms"
+[[queue]]
+queue_name = "q"
+gate_type = "constant"
+"#,
+        server.uri()
+    );
+    let config = Config::from_toml_str(&toml, &BTreeMap::new()).expect("valid config");
+    let queue = Arc::new(MemoryQueue::new("q"));
+    let deadline = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_secs() + 600;
+    queue.push_message(format!(r#"{{"id":"a","deadline":{deadline},"payload":{{}}}}"#));
+    let shutdown = CancellationToken::new();
+    let running = sluicegate::app::start(&config, vec![queue.clone() as Arc<dyn Queue>], shutdown.clone())
+        .await
+        .expect("starts");
+    let base = format!("http://{}", running.telemetry_addr);
+    let client = reqwest::Client::new();
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    while queue.results().is_empty() && tokio::time::Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(queue.results().len(), 1);
+
+    let health = client.get(format!("{base}/healthz")).send().await.expect("healthz");
+    assert_eq!(health.status(), 200);
+    let ready = client.get(format!("{base}/readyz")).send().await.expect("readyz");
+    assert_eq!(ready.status(), 200);
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("body");
+    for name in METRIC_NAMES {
+        assert!(text.contains(name), "{name} missing");
+    }
+    assert!(text.contains(r#"sluicegate_outcomes_total{queue="q",outcome="success"} 1"#), "{text}");
+
+    // Every metric is documented.
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md"))
+        .expect("docs/metrics.md");
+    for name in METRIC_NAMES {
+        assert!(docs.contains(&format!("`{name}`")), "{name} not in docs/metrics.md");
+    }
+
+    let health = running.health.clone();
+    shutdown.cancel();
+    running.wait().await;
+    assert!(!health.is_ready(), "not ready once draining");
+}
