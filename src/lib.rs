@@ -1,1 +1,3 @@
 //! sluicegate
+
+pub mod config;
