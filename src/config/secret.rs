@@ -1,0 +1,136 @@
+//! Values that must never be printed: secrets and URLs that may carry a
+//! password.
+
+use std::fmt;
+
+use serde::{Serialize, Serializer};
+use url::Url;
+
+/// The text every secret prints as.
+pub const REDACTED: &str = "<redacted>";
+
+/// What a URL password is replaced with when a URL is shown.
+pub const MASKED_PASSWORD: &str = "****";
+
+/// A secret string (token, password). `Debug`, `Display` and `Serialize`
+/// print `<redacted>`; only [`Secret::expose`] returns the value.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret value, for the one place that sends it (a header, AUTH).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
+/// A URL that may hold a password in its userinfo (`redis://:pw@host`).
+/// `Debug`, `Display` and `Serialize` mask the password; [`EndpointUrl::expose`]
+/// returns the full URL for the client that connects with it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EndpointUrl(Url);
+
+impl EndpointUrl {
+    /// Wraps a parsed URL.
+    pub fn new(url: Url) -> Self {
+        Self(url)
+    }
+
+    /// The URL including any password, for connecting.
+    pub fn expose(&self) -> &Url {
+        &self.0
+    }
+
+    /// True when the URL carries a password in its userinfo.
+    pub fn has_password(&self) -> bool {
+        self.0.password().is_some()
+    }
+
+    /// The URL as text with its password replaced by `****`.
+    pub fn masked(&self) -> String {
+        mask_url(&self.0)
+    }
+}
+
+/// A URL's text with the password (if any) replaced by `****`.
+pub fn mask_url(url: &Url) -> String {
+    if url.password().is_none() {
+        return url.to_string();
+    }
+    let mut shown = url.clone();
+    // Setting a password only fails for URLs that cannot have one (no
+    // host), and those cannot have had a password to begin with.
+    if shown.set_password(Some(MASKED_PASSWORD)).is_err() {
+        return REDACTED.to_owned();
+    }
+    shown.to_string()
+}
+
+impl fmt::Debug for EndpointUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EndpointUrl({})", self.masked())
+    }
+}
+
+impl fmt::Display for EndpointUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.masked())
+    }
+}
+
+impl Serialize for EndpointUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.masked())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secret_never_prints_its_value() {
+        let s = Secret::new("hunter2");
+        assert_eq!(format!("{s}"), REDACTED);
+        assert_eq!(format!("{s:?}"), REDACTED);
+        assert_eq!(
+            serde_json::to_string(&s).unwrap_or_default(),
+            "\"<redacted>\""
+        );
+        assert_eq!(s.expose(), "hunter2");
+    }
+
+    #[test]
+    fn endpoint_url_masks_password_but_keeps_user() {
+        let u = Url::parse("redis://alice:hunter2@db:6379/0").unwrap_or_else(|e| panic!("{e}"));
+        let e = EndpointUrl::new(u);
+        assert!(e.has_password());
+        let shown = format!("{e} {e:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("alice:****@db"), "{shown}");
+        assert_eq!(e.expose().password(), Some("hunter2"));
+    }
+}
