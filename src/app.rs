@@ -11,7 +11,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, GatewayConfig, QueueConfig};
 use crate::dispatch::{DispatchSettings, QueueDispatcher};
 use crate::gate::{BuildError, FailClosed, build_gate};
-use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings, RetryPolicy, Target, TargetError};
+use crate::gateway::{
+    GatewayBuildError, GatewayClient, GatewaySettings, RetryPolicy, Target, TargetError,
+};
 use crate::queue::Queue;
 use crate::telemetry::{Health, Metrics};
 
@@ -102,13 +104,21 @@ pub async fn start(
     let gateway = GatewayClient::new(gateway_settings(&config.gateway)?)?;
     let mut dispatchers = Vec::with_capacity(queues.len());
     for (queue_config, queue) in config.queues.iter().zip(queues) {
-        dispatchers.push(dispatcher(config, queue_config, queue, gateway.clone(), &metrics)?);
+        dispatchers.push(dispatcher(
+            config,
+            queue_config,
+            queue,
+            gateway.clone(),
+            &metrics,
+        )?);
     }
     let addr = config.telemetry.listen;
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|source| AppError::Listen { addr, source })?;
-    let telemetry_addr = listener.local_addr().map_err(|source| AppError::Listen { addr, source })?;
+    let telemetry_addr = listener
+        .local_addr()
+        .map_err(|source| AppError::Listen { addr, source })?;
 
     let telemetry_stop = CancellationToken::new();
     let server = {

@@ -236,9 +236,10 @@ where
         IntOrString::Float(v) => Err(serde::de::Error::custom(format!(
             "deadline {v} is not a whole number of seconds"
         ))),
-        IntOrString::Text(s) => s.trim().parse::<i64>().map_err(|_| {
-            serde::de::Error::custom(format!("deadline {s:?} is not an integer"))
-        }),
+        IntOrString::Text(s) => s
+            .trim()
+            .parse::<i64>()
+            .map_err(|_| serde::de::Error::custom(format!("deadline {s:?} is not an integer"))),
     }
 }
 
@@ -270,7 +271,8 @@ mod tests {
 
     #[test]
     fn broken_message_keeps_recoverable_id() {
-        let err = parse_message(br#"{"id":"k","deadline":"soon","payload":{}}"#).unwrap_err();
+        let err = parse_message(br#"{"id":"k","deadline":"soon","payload":{}}"#)
+            .expect_err("deadline is not a number");
         assert_eq!(err.id.as_deref(), Some("k"));
         assert!(err.reason.contains("deadline"), "{}", err.reason);
     }

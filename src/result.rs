@@ -125,7 +125,12 @@ mod tests {
 
     #[test]
     fn error_result_matches_upstream_shape() {
-        let r = ResultRecord::error("a", Some("t"), ErrorCode::DeadlineExceeded, "deadline exceeded");
+        let r = ResultRecord::error(
+            "a",
+            Some("t"),
+            ErrorCode::DeadlineExceeded,
+            "deadline exceeded",
+        );
         let v: serde_json::Value = serde_json::to_value(&r).expect("serialises");
         assert_eq!(v["id"], "a");
         assert_eq!(v["error_code"], "DEADLINE_EXCEEDED");

@@ -10,8 +10,7 @@ use futures_util::future::BoxFuture;
 use sluicegate::config::{GatingMode, Rounding, Unit};
 use sluicegate::dispatch::{DispatchSettings, QueueDispatcher};
 use sluicegate::gate::{
-    Budget, ConstantGate, DispatchGate, FailClosed, GateError, LocalMaxConcurrencyGate,
-    Observation,
+    Budget, ConstantGate, DispatchGate, FailClosed, GateError, LocalMaxConcurrencyGate, Observation,
 };
 use sluicegate::gateway::{GatewayClient, GatewaySettings, RetryPolicy, Target};
 use sluicegate::queue::MemoryQueue;
@@ -63,7 +62,13 @@ impl Harness {
         settings: DispatchSettings,
         retry: RetryPolicy,
     ) -> Self {
-        Self::start_on(Arc::new(MemoryQueue::new("q")), gateway_url, gate, settings, retry)
+        Self::start_on(
+            Arc::new(MemoryQueue::new("q")),
+            gateway_url,
+            gate,
+            settings,
+            retry,
+        )
     }
 
     fn start_on(
@@ -146,10 +151,17 @@ async fn every_message_gets_exactly_one_result() {
     assert_eq!(results.len(), 200);
     let ids: std::collections::HashSet<_> = results.iter().map(|r| r.id.clone()).collect();
     assert_eq!(ids.len(), 200);
-    assert!(results.iter().all(|r| r.status_code == Some(200) && r.payload == r#"{"choices":[]}"#));
+    assert!(
+        results
+            .iter()
+            .all(|r| r.status_code == Some(200) && r.payload == r#"{"choices":[]}"#)
+    );
     let q = h.stop().await;
     assert_eq!(q.pending_len() + q.leased_len(), 0);
-    assert_eq!(server.received_requests().await.expect("recorded").len(), 200);
+    assert_eq!(
+        server.received_requests().await.expect("recorded").len(),
+        200
+    );
 }
 
 #[tokio::test]
@@ -167,20 +179,39 @@ async fn expired_and_invalid_messages_get_typed_results_and_are_never_sent() {
     );
     h.queue.push_message(message("expired", -10));
     h.queue.push_message("{not json");
-    h.queue.push_message(r#"{"id":"bad-deadline","deadline":"tomorrow","payload":{}}"#);
+    h.queue
+        .push_message(r#"{"id":"bad-deadline","deadline":"tomorrow","payload":{}}"#);
     h.queue.push_message(
         serde_json::json!({"id":"off-host","deadline": unix_now()+600,"payload":{},"endpoint":"http://evil.example:9/v1/completions"}).to_string(),
     );
     let results = h.wait_for_results(4).await;
     let by_id: BTreeMap<_, _> = results.iter().map(|r| (r.id.clone(), r.clone())).collect();
-    assert_eq!(by_id["expired"].error_code, Some(ErrorCode::DeadlineExceeded));
-    assert_eq!(by_id["bad-deadline"].error_code, Some(ErrorCode::InvalidRequest));
-    assert_eq!(by_id["off-host"].error_code, Some(ErrorCode::InvalidRequest));
-    let unparsable: Vec<_> = results.iter().filter(|r| r.id.starts_with("invalid:")).collect();
+    assert_eq!(
+        by_id["expired"].error_code,
+        Some(ErrorCode::DeadlineExceeded)
+    );
+    assert_eq!(
+        by_id["bad-deadline"].error_code,
+        Some(ErrorCode::InvalidRequest)
+    );
+    assert_eq!(
+        by_id["off-host"].error_code,
+        Some(ErrorCode::InvalidRequest)
+    );
+    let unparsable: Vec<_> = results
+        .iter()
+        .filter(|r| r.id.starts_with("invalid:"))
+        .collect();
     assert_eq!(unparsable.len(), 1);
     assert_eq!(unparsable[0].error_code, Some(ErrorCode::InvalidRequest));
     h.stop().await;
-    assert!(server.received_requests().await.expect("recorded").is_empty());
+    assert!(
+        server
+            .received_requests()
+            .await
+            .expect("recorded")
+            .is_empty()
+    );
 }
 
 /// Answers with the scripted statuses in order, then 200.
@@ -228,8 +259,14 @@ async fn congestion_and_server_errors_are_retried_not_failed() {
     // Two congestion requeues do not count as failed attempts; two 5xx do.
     assert_eq!(results[0].attempts, 3);
     let text = h.metrics.encode();
-    assert!(text.contains(r#"sluicegate_congestion_signals_total{queue="q"} 2"#), "{text}");
-    assert!(text.contains(r#"sluicegate_retries_total{queue="q",reason="failed"} 2"#), "{text}");
+    assert!(
+        text.contains(r#"sluicegate_congestion_signals_total{queue="q"} 2"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"sluicegate_retries_total{queue="q",reason="failed"} 2"#),
+        "{text}"
+    );
     h.stop().await;
     assert_eq!(server.received_requests().await.expect("recorded").len(), 5);
 }
@@ -278,7 +315,10 @@ async fn client_errors_are_final_and_attempts_run_out_into_dead_letters() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].last_error.status_code, Some(500));
     assert!(q.results().is_empty());
-    assert_eq!(failing.received_requests().await.expect("recorded").len(), 3);
+    assert_eq!(
+        failing.received_requests().await.expect("recorded").len(),
+        3
+    );
 }
 
 /// A gate whose reading never gets newer, like a cached metric.
@@ -327,7 +367,11 @@ async fn one_observation_releases_at_most_n() {
     }
     h.wait_for_results(3).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(h.queue.results().len(), 3, "no more than N from one reading");
+    assert_eq!(
+        h.queue.results().len(),
+        3,
+        "no more than N from one reading"
+    );
     let q = h.stop().await;
     assert_eq!(q.pending_len(), 7, "the rest stays queued");
 }
@@ -358,11 +402,20 @@ async fn closed_gate_sends_nothing_and_unreadable_gate_is_closed() {
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(h.queue.results().is_empty());
         let text = h.metrics.encode();
-        assert!(text.contains(r#"sluicegate_gate_open{queue="q"} 0"#), "{text}");
+        assert!(
+            text.contains(r#"sluicegate_gate_open{queue="q"} 0"#),
+            "{text}"
+        );
         let q = h.stop().await;
         assert_eq!(q.pending_len(), 1, "message stays queued");
     }
-    assert!(server.received_requests().await.expect("recorded").is_empty());
+    assert!(
+        server
+            .received_requests()
+            .await
+            .expect("recorded")
+            .is_empty()
+    );
 }
 
 /// Counts concurrent requests at the gateway.
@@ -380,7 +433,12 @@ async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
         .await;
     let gate = Arc::new(LocalMaxConcurrencyGate::new(3, GatingMode::Blocking));
     let probe = gate.clone();
-    let h = Harness::start(&server.uri(), Box::new(gate), fast_settings(), no_retry_limit());
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(gate),
+        fast_settings(),
+        no_retry_limit(),
+    );
     for i in 0..12 {
         h.queue.push_message(message(&format!("m{i}"), 3600));
     }
@@ -393,7 +451,10 @@ async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
     while h.queue.results().len() < 12 && Instant::now() < give_up {
         c.now.store(probe.in_flight(), Ordering::SeqCst);
         c.peak.fetch_max(probe.in_flight(), Ordering::SeqCst);
-        saw_parked |= !h.metrics.encode().contains(r#"sluicegate_parked_requests{queue="q"} 0"#);
+        saw_parked |= !h
+            .metrics
+            .encode()
+            .contains(r#"sluicegate_parked_requests{queue="q"} 0"#);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert_eq!(h.queue.results().len(), 12);
@@ -420,7 +481,8 @@ async fn shutdown_finishes_in_flight_within_grace_and_requeues_the_rest() {
     }
     // Wait until they are in flight, then stop: all five finish.
     let give_up = Instant::now() + Duration::from_secs(10);
-    while server.received_requests().await.expect("recorded").len() < 5 && Instant::now() < give_up {
+    while server.received_requests().await.expect("recorded").len() < 5 && Instant::now() < give_up
+    {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let q = h.stop().await;

@@ -37,12 +37,22 @@ gate_type = "constant"
     );
     let config = Config::from_toml_str(&toml, &BTreeMap::new()).expect("valid config");
     let queue = Arc::new(MemoryQueue::new("q"));
-    let deadline = SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_secs() + 600;
-    queue.push_message(format!(r#"{{"id":"a","deadline":{deadline},"payload":{{}}}}"#));
+    let deadline = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+        + 600;
+    queue.push_message(format!(
+        r#"{{"id":"a","deadline":{deadline},"payload":{{}}}}"#
+    ));
     let shutdown = CancellationToken::new();
-    let running = sluicegate::app::start(&config, vec![queue.clone() as Arc<dyn Queue>], shutdown.clone())
-        .await
-        .expect("starts");
+    let running = sluicegate::app::start(
+        &config,
+        vec![queue.clone() as Arc<dyn Queue>],
+        shutdown.clone(),
+    )
+    .await
+    .expect("starts");
     let base = format!("http://{}", running.telemetry_addr);
     let client = reqwest::Client::new();
     let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -51,9 +61,17 @@ gate_type = "constant"
     }
     assert_eq!(queue.results().len(), 1);
 
-    let health = client.get(format!("{base}/healthz")).send().await.expect("healthz");
+    let health = client
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .expect("healthz");
     assert_eq!(health.status(), 200);
-    let ready = client.get(format!("{base}/readyz")).send().await.expect("readyz");
+    let ready = client
+        .get(format!("{base}/readyz"))
+        .send()
+        .await
+        .expect("readyz");
     assert_eq!(ready.status(), 200);
     let text = client
         .get(format!("{base}/metrics"))
@@ -66,13 +84,19 @@ gate_type = "constant"
     for name in METRIC_NAMES {
         assert!(text.contains(name), "{name} missing");
     }
-    assert!(text.contains(r#"sluicegate_outcomes_total{queue="q",outcome="success"} 1"#), "{text}");
+    assert!(
+        text.contains(r#"sluicegate_outcomes_total{queue="q",outcome="success"} 1"#),
+        "{text}"
+    );
 
     // Every metric is documented.
     let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md"))
         .expect("docs/metrics.md");
     for name in METRIC_NAMES {
-        assert!(docs.contains(&format!("`{name}`")), "{name} not in docs/metrics.md");
+        assert!(
+            docs.contains(&format!("`{name}`")),
+            "{name} not in docs/metrics.md"
+        );
     }
 
     let health = running.health.clone();

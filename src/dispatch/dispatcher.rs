@@ -241,9 +241,9 @@ async fn receive_loop(
         }
         // Permits before pull: never lease more than the window can send.
         let max = match settings.unit {
-            crate::config::Unit::Requests => {
-                usize::try_from(available).unwrap_or(usize::MAX).min(settings.receive_batch)
-            }
+            crate::config::Unit::Requests => usize::try_from(available)
+                .unwrap_or(usize::MAX)
+                .min(settings.receive_batch),
             // Costs are known only after parsing: take one at a time.
             crate::config::Unit::Tokens | crate::config::Unit::Bytes => 1,
         };
@@ -269,8 +269,7 @@ async fn receive_loop(
                 continue;
             }
         };
-        let mut deliveries = deliveries.into_iter();
-        while let Some(delivery) = deliveries.next() {
+        for delivery in deliveries {
             shared.metrics().received.inc();
             shared.held().insert(delivery.tag.clone());
             if shutdown.is_cancelled() {
@@ -741,7 +740,11 @@ async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
             if observation.source_available {
                 tracing::info!(queue = shared.queue().name(), "gate source available");
             } else {
-                tracing::warn!(queue = shared.queue().name(), reason = observation.reason, "gate source unavailable; gate closed");
+                tracing::warn!(
+                    queue = shared.queue().name(),
+                    reason = observation.reason,
+                    "gate source unavailable; gate closed"
+                );
             }
             was_available = Some(observation.source_available);
         }

@@ -32,7 +32,9 @@ const MARK_GRANULARITY: Duration = Duration::from_millis(5);
 /// `N` in whole units: `max_sys × headroom`, rounded. `headroom` is
 /// `D − B`; zero or less means closed.
 pub fn headroom_units(max_sys: f64, headroom: f64, rounding: Rounding) -> u64 {
-    if !(headroom > 0.0) || !(max_sys > 0.0) || !max_sys.is_finite() {
+    // Written so NaN fails every comparison and closes the window.
+    let usable = headroom > 0.0 && max_sys > 0.0 && max_sys.is_finite();
+    if !usable {
         return 0;
     }
     let exact = max_sys * headroom.min(1.0);

@@ -4,9 +4,7 @@
 
 use crate::config::GateSpec;
 
-use super::{
-    CompositeGate, ConstantGate, DispatchGate, LocalMaxConcurrencyGate, WaitOnRefuseGate,
-};
+use super::{CompositeGate, ConstantGate, DispatchGate, LocalMaxConcurrencyGate, WaitOnRefuseGate};
 
 /// A gate that cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -32,12 +30,18 @@ pub fn build_gate(spec: &GateSpec) -> Result<Box<dyn DispatchGate>, BuildError> 
             if gates.is_empty() {
                 return Err(BuildError::EmptyComposite);
             }
-            let inner = gates.iter().map(build_gate).collect::<Result<Vec<_>, _>>()?;
+            let inner = gates
+                .iter()
+                .map(build_gate)
+                .collect::<Result<Vec<_>, _>>()?;
             Box::new(CompositeGate::new(inner))
         }
-        GateSpec::LocalMaxConcurrency { limit, gating_mode } => Box::new(
-            LocalMaxConcurrencyGate::new(usize::try_from(*limit).unwrap_or(usize::MAX), *gating_mode),
-        ),
+        GateSpec::LocalMaxConcurrency { limit, gating_mode } => {
+            Box::new(LocalMaxConcurrencyGate::new(
+                usize::try_from(*limit).unwrap_or(usize::MAX),
+                *gating_mode,
+            ))
+        }
         GateSpec::WaitOnRefuse { gate } => Box::new(WaitOnRefuseGate::new(build_gate(gate)?)),
         other => {
             return Err(BuildError::NotAvailable {

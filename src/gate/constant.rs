@@ -45,7 +45,10 @@ mod tests {
 
     #[tokio::test]
     async fn constant_gate_is_fully_open() {
-        let o = ConstantGate::default().observe().await.expect("never fails");
+        let o = ConstantGate::default()
+            .observe()
+            .await
+            .expect("never fails");
         assert_eq!(o.budget, Budget::FULL);
         assert!(o.source_available);
         assert!(o.is_open());

@@ -111,7 +111,10 @@ mod tests {
         };
         let gate = LocalMaxConcurrencyGate::new(2, GatingMode::Blocking);
         let a = gate.admit(req).await;
-        assert_eq!(gate.observe().await.expect("ok").budget, Budget::saturating(0.5));
+        assert_eq!(
+            gate.observe().await.expect("ok").budget,
+            Budget::saturating(0.5)
+        );
         let b = gate.admit(req).await;
         assert!(matches!(gate.admit(req).await, Admission::Wait { .. }));
         assert_eq!(gate.observe().await.expect("ok").budget, Budget::ZERO);

@@ -28,7 +28,6 @@ use std::fmt;
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-
 pub use build::{BuildError, build_gate};
 pub use composite::CompositeGate;
 pub use constant::ConstantGate;

@@ -147,12 +147,15 @@ impl MemoryQueue {
             if item.visible_at <= now {
                 chosen.push(*key);
             } else {
-                next_visible = Some(next_visible.map_or(item.visible_at, |n| n.min(item.visible_at)));
+                next_visible =
+                    Some(next_visible.map_or(item.visible_at, |n| n.min(item.visible_at)));
             }
         }
         let mut deliveries = Vec::with_capacity(chosen.len());
         for key in chosen {
-            let Some(item) = state.pending.remove(&key) else { continue };
+            let Some(item) = state.pending.remove(&key) else {
+                continue;
+            };
             let tag = DeliveryTag(format!("{}#{}", key.1, state.next_tag));
             state.next_tag += 1;
             deliveries.push(Delivery {
@@ -344,7 +347,9 @@ mod tests {
         q.push("m", 1);
         let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
         tokio::time::advance(LEASE / 2).await;
-        q.extend_lease(vec![d[0].tag.clone()], LEASE).await.expect("ok");
+        q.extend_lease(vec![d[0].tag.clone()], LEASE)
+            .await
+            .expect("ok");
         tokio::time::advance(LEASE / 2 + Duration::from_secs(1)).await;
         assert!(q.receive(1, LEASE, NO_WAIT).await.expect("ok").is_empty());
     }
@@ -380,7 +385,10 @@ mod tests {
             .expect("ok");
         assert!(q.receive(1, LEASE, NO_WAIT).await.expect("ok").is_empty());
         // A waiting receive wakes when the delay ends.
-        let d = q.receive(1, LEASE, Duration::from_secs(10)).await.expect("ok");
+        let d = q
+            .receive(1, LEASE, Duration::from_secs(10))
+            .await
+            .expect("ok");
         assert_eq!(d[0].retry_count, 1);
         q.nack(d[0].tag.clone(), Duration::ZERO, NackReason::Congested)
             .await
@@ -405,7 +413,10 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(1)).await;
             producer.push("m", 1);
         });
-        let d = q.receive(1, LEASE, Duration::from_secs(60)).await.expect("ok");
+        let d = q
+            .receive(1, LEASE, Duration::from_secs(60))
+            .await
+            .expect("ok");
         assert_eq!(d.len(), 1);
     }
 

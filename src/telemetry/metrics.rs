@@ -135,36 +135,150 @@ impl Metrics {
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
         };
         let r = &mut m.registry;
-        r.register("sluicegate_requests_received", "Messages received from the queue", m.received.clone());
-        r.register("sluicegate_requests_sent", "Requests sent to the gateway (attempts)", m.sent.clone());
-        r.register("sluicegate_outcomes", "Messages settled, by final outcome", m.outcomes.clone());
-        r.register("sluicegate_attempts", "Gateway attempts by classification", m.attempts.clone());
-        r.register("sluicegate_retries", "Messages returned to the queue for another try, by reason", m.retries.clone());
-        r.register("sluicegate_gate_decisions", "Admission verdicts by verdict and reason", m.decisions.clone());
-        r.register("sluicegate_congestion_signals", "429/503 answers that forced the budget to zero", m.congestion.clone());
-        r.register("sluicegate_result_write_errors", "Failed attempts to write results (retried)", m.result_write_errors.clone());
-        r.register("sluicegate_leases_lost", "Results not written because the message lease was lost", m.leases_lost.clone());
-        r.register("sluicegate_in_flight_requests", "Own requests in flight at the gateway", m.in_flight.clone());
-        r.register("sluicegate_window_units", "Dispatch window: own in-flight at observation time + N", m.window.clone());
-        r.register("sluicegate_headroom_units", "N = max_SYS x (D - B) of the latest fresh observation", m.headroom.clone());
-        r.register("sluicegate_window_available_units", "Units that may still be released now", m.available.clone());
-        r.register("sluicegate_budget_ratio", "Latest budget D read by the gate", m.budget.clone());
-        r.register("sluicegate_baseline_ratio", "Reserved baseline B", m.baseline.clone());
-        r.register("sluicegate_gate_open", "1 when D > B and no congestion holds the window", m.gate_open.clone());
-        r.register("sluicegate_source_available", "1 when the gate's metric source answered usably", m.source_available.clone());
-        r.register("sluicegate_observation_age_seconds", "Age of the data behind the latest observation", m.observation_age.clone());
-        r.register("sluicegate_parked_requests", "Messages parked at a gate (verdict wait)", m.parked.clone());
-        r.register("sluicegate_queue_backlog_messages", "Messages waiting in the queue", m.backlog.clone());
-        r.register("sluicegate_attempt_duration_seconds", "Gateway attempt latency", m.attempt_latency.clone());
-        r.register("sluicegate_dispatch_delay_seconds", "Time from receiving a message to sending it", m.dispatch_delay.clone());
+        r.register(
+            "sluicegate_requests_received",
+            "Messages received from the queue",
+            m.received.clone(),
+        );
+        r.register(
+            "sluicegate_requests_sent",
+            "Requests sent to the gateway (attempts)",
+            m.sent.clone(),
+        );
+        r.register(
+            "sluicegate_outcomes",
+            "Messages settled, by final outcome",
+            m.outcomes.clone(),
+        );
+        r.register(
+            "sluicegate_attempts",
+            "Gateway attempts by classification",
+            m.attempts.clone(),
+        );
+        r.register(
+            "sluicegate_retries",
+            "Messages returned to the queue for another try, by reason",
+            m.retries.clone(),
+        );
+        r.register(
+            "sluicegate_gate_decisions",
+            "Admission verdicts by verdict and reason",
+            m.decisions.clone(),
+        );
+        r.register(
+            "sluicegate_congestion_signals",
+            "429/503 answers that forced the budget to zero",
+            m.congestion.clone(),
+        );
+        r.register(
+            "sluicegate_result_write_errors",
+            "Failed attempts to write results (retried)",
+            m.result_write_errors.clone(),
+        );
+        r.register(
+            "sluicegate_leases_lost",
+            "Results not written because the message lease was lost",
+            m.leases_lost.clone(),
+        );
+        r.register(
+            "sluicegate_in_flight_requests",
+            "Own requests in flight at the gateway",
+            m.in_flight.clone(),
+        );
+        r.register(
+            "sluicegate_window_units",
+            "Dispatch window: own in-flight at observation time + N",
+            m.window.clone(),
+        );
+        r.register(
+            "sluicegate_headroom_units",
+            "N = max_SYS x (D - B) of the latest fresh observation",
+            m.headroom.clone(),
+        );
+        r.register(
+            "sluicegate_window_available_units",
+            "Units that may still be released now",
+            m.available.clone(),
+        );
+        r.register(
+            "sluicegate_budget_ratio",
+            "Latest budget D read by the gate",
+            m.budget.clone(),
+        );
+        r.register(
+            "sluicegate_baseline_ratio",
+            "Reserved baseline B",
+            m.baseline.clone(),
+        );
+        r.register(
+            "sluicegate_gate_open",
+            "1 when D > B and no congestion holds the window",
+            m.gate_open.clone(),
+        );
+        r.register(
+            "sluicegate_source_available",
+            "1 when the gate's metric source answered usably",
+            m.source_available.clone(),
+        );
+        r.register(
+            "sluicegate_observation_age_seconds",
+            "Age of the data behind the latest observation",
+            m.observation_age.clone(),
+        );
+        r.register(
+            "sluicegate_parked_requests",
+            "Messages parked at a gate (verdict wait)",
+            m.parked.clone(),
+        );
+        r.register(
+            "sluicegate_queue_backlog_messages",
+            "Messages waiting in the queue",
+            m.backlog.clone(),
+        );
+        r.register(
+            "sluicegate_attempt_duration_seconds",
+            "Gateway attempt latency",
+            m.attempt_latency.clone(),
+        );
+        r.register(
+            "sluicegate_dispatch_delay_seconds",
+            "Time from receiving a message to sending it",
+            m.dispatch_delay.clone(),
+        );
         m
     }
 
-    /// Handles for one queue's metrics.
+    /// Handles for one queue's metrics. Every bounded label value is
+    /// created at zero, so series exist (and `rate()` works) before the
+    /// first event.
     pub fn queue(&self, name: &str) -> QueueMetrics {
         let l = QueueLabel {
             queue: name.to_owned(),
         };
+        let queue = || name.to_owned();
+        for outcome in OUTCOMES {
+            let _ = self.outcomes.get_or_create_owned(&OutcomeLabels {
+                queue: queue(),
+                outcome,
+            });
+        }
+        for outcome in ATTEMPT_OUTCOMES {
+            let _ = self.attempts.get_or_create_owned(&OutcomeLabels {
+                queue: queue(),
+                outcome,
+            });
+        }
+        for reason in RETRY_REASONS {
+            let _ = self.retries.get_or_create_owned(&ReasonLabels {
+                queue: queue(),
+                reason,
+            });
+        }
+        let _ = self.decisions.get_or_create_owned(&DecisionLabels {
+            queue: queue(),
+            verdict: "continue",
+            reason: "admitted",
+        });
         QueueMetrics {
             queue: name.to_owned(),
             received: self.received.get_or_create_owned(&l),
@@ -289,6 +403,34 @@ impl QueueMetrics {
             .inc();
     }
 }
+
+/// Final outcomes (`ResultRecord::outcome_label` plus `dead_letter`).
+const OUTCOMES: [&str; 11] = [
+    "success",
+    "http_4xx",
+    "http_other",
+    "deadline_exceeded",
+    "cancelled",
+    "gate_dropped",
+    "gate_error",
+    "inference_error",
+    "invalid_request",
+    "payload_unavailable",
+    "dead_letter",
+];
+
+/// Gateway attempt classifications (`AttemptOutcome::label`).
+const ATTEMPT_OUTCOMES: [&str; 6] = [
+    "success",
+    "final",
+    "congested",
+    "retryable",
+    "failed",
+    "deadline_exceeded",
+];
+
+/// Reasons a message goes back to the queue.
+const RETRY_REASONS: [&str; 4] = ["failed", "congested", "not_admitted", "shutdown"];
 
 /// Every metric name as it appears in `/metrics` (counters with `_total`),
 /// for the documentation test.
