@@ -1,1 +1,2 @@
 //! sluicegate
+pub mod sim;
