@@ -24,9 +24,9 @@ pub type SimTime = f64;
 #[serde(rename_all = "lowercase")]
 pub enum RequestClass {
     /// Latency-sensitive traffic that has an SLO.
-    Interactive,
+    Interactive = 0,
     /// Work released by a dispatcher.
-    Batch,
+    Batch = 1,
 }
 
 /// A request as the pool sees it.
@@ -334,6 +334,8 @@ pub struct Engine {
     prompt_tokens_total: u64,
     generation_tokens_total: u64,
     success_total: u64,
+    /// Generated tokens by class: [interactive, batch].
+    tokens_by_class: [u64; 2],
     hist: ReplicaHistograms,
 }
 
@@ -361,6 +363,7 @@ impl Engine {
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
             success_total: 0,
+            tokens_by_class: [0; 2],
             hist: ReplicaHistograms::default(),
         }
     }
@@ -443,6 +446,16 @@ impl Engine {
             generation_tokens_total: self.generation_tokens_total,
             success_total: self.success_total,
         }
+    }
+
+    /// Generated tokens so far as (interactive, batch).
+    pub fn tokens_by_class(&self) -> (u64, u64) {
+        (self.tokens_by_class[0], self.tokens_by_class[1])
+    }
+
+    /// Total preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions_total
     }
 
     /// Latency histograms with vLLM's buckets.
@@ -629,6 +642,7 @@ impl Engine {
             let index = s.generated;
             s.generated += 1;
             self.generation_tokens_total += 1;
+            self.tokens_by_class[s.req.class as usize] += 1;
             match s.first_token_at {
                 None => {
                     s.first_token_at = Some(end);

@@ -19,6 +19,7 @@ pub mod error;
 pub mod load;
 pub mod metrics;
 pub mod pool;
+pub mod runner;
 
 pub use config::SimConfig;
 pub use error::SimError;

@@ -151,14 +151,12 @@ impl Pool {
     }
 
     /// Releases flow-control holds while the pool is below saturation.
-    fn release_held(&mut self) -> Vec<(u64, Admission)> {
-        let mut out = Vec::new();
+    fn release_held(&mut self, out: &mut Vec<(SimRequest, Admission)>) {
         while !self.held.is_empty() && self.saturation() < 1.0 {
             let Some((_, req)) = self.held.pop_first() else { break };
-            let id = req.id;
-            out.push((id, self.route(req)));
+            let copy = req.clone();
+            out.push((copy, self.route(req)));
         }
-        out
     }
 
     /// Earliest pending step end.
@@ -171,8 +169,14 @@ impl Pool {
 
     /// Runs every step that ends at or before `t`, then sets the clock to `t`.
     /// Tokens and completions go to `out`; requests released from flow
-    /// control go to `released` with their admission.
-    pub fn advance_to(&mut self, t: SimTime, out: &mut Vec<EngineEvent>, released: &mut Vec<(u64, Admission)>) {
+    /// control go to `released` with their admission (a release can still be
+    /// refused by the 429/503 caps).
+    pub fn advance_to(
+        &mut self,
+        t: SimTime,
+        out: &mut Vec<EngineEvent>,
+        released: &mut Vec<(SimRequest, Admission)>,
+    ) {
         loop {
             let next = self
                 .engines
@@ -189,7 +193,7 @@ impl Pool {
             e.finish_step(out);
             e.start_step(end);
             if !self.held.is_empty() {
-                released.extend(self.release_held());
+                self.release_held(released);
             }
         }
         if t > self.now {
