@@ -16,6 +16,7 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod pool;
@@ -23,3 +24,4 @@ pub mod runner;
 
 pub use config::SimConfig;
 pub use error::SimError;
+pub use http::{ServeArgs, SimHandle, serve, spawn_http};
