@@ -10,4 +10,5 @@ pub mod gateway;
 pub mod queue;
 pub mod request;
 pub mod result;
+pub mod sim;
 pub mod telemetry;

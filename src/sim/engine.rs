@@ -1,0 +1,873 @@
+//! One vLLM replica as a pure, deterministic state machine (V1-style scheduler).
+//!
+//! The engine never reads a clock: the caller says when a step starts
+//! ([`Engine::start_step`]) and the engine answers when it ends; the caller
+//! then applies the end ([`Engine::finish_step`]), which emits tokens. Between
+//! the two, new requests only join the waiting queue, as in vLLM where the
+//! scheduler runs once per forward pass.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use rand::SeedableRng;
+use rand::RngExt;
+use rand::rngs::Xoshiro256PlusPlus;
+use serde::Serialize;
+
+use super::config::{EngineConfig, SchedPolicy};
+use super::metrics::{ReplicaGauges, ReplicaHistograms};
+
+/// Simulated time in seconds since the scenario started.
+pub type SimTime = f64;
+
+/// Traffic class: the thing a gate must protect versus the thing it releases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RequestClass {
+    /// Latency-sensitive traffic that has an SLO.
+    Interactive = 0,
+    /// Work released by a dispatcher.
+    Batch = 1,
+}
+
+/// A request as the pool sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimRequest {
+    /// Unique id (caller assigned).
+    pub id: u64,
+    /// Traffic class.
+    pub class: RequestClass,
+    /// Arrival at the gateway; TTFT counts from here.
+    pub arrival: SimTime,
+    /// Prompt length, tokens (at least 1).
+    pub prompt_tokens: u32,
+    /// True output length if the model were allowed to finish (hidden from gates).
+    pub output_tokens: u32,
+    /// Client's `max_tokens`: generation stops here at the latest.
+    pub max_tokens: u32,
+    /// vLLM priority: lower runs first under the priority policy.
+    pub priority: i32,
+    /// Emit an event per token (HTTP streaming); otherwise only completion.
+    pub stream: bool,
+}
+
+impl SimRequest {
+    /// Tokens the engine will generate: `min(output_tokens, max_tokens)`, at least 1.
+    pub fn target_output(&self) -> u32 {
+        self.output_tokens.min(self.max_tokens).max(1)
+    }
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// All target tokens generated.
+    Completed,
+    /// Gateway refused with 429.
+    Rejected429,
+    /// Admission refused with 503.
+    Rejected503,
+    /// The client went away and the request was aborted.
+    Aborted,
+    /// Still in the pool when the run ended.
+    Unfinished,
+}
+
+/// What happened to one request; the runner's unit of measurement.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestRecord {
+    /// Request id.
+    pub id: u64,
+    /// Traffic class.
+    pub class: RequestClass,
+    /// Replica that served it, if routed.
+    pub replica: Option<usize>,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Arrival at the gateway.
+    pub arrival: SimTime,
+    /// Time of the first token.
+    pub first_token_at: Option<SimTime>,
+    /// Time of the last token (completion).
+    pub finished_at: Option<SimTime>,
+    /// Prompt length, tokens.
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub output_tokens: u32,
+    /// Target tokens (`min(true output, max_tokens)`).
+    pub target_output_tokens: u32,
+    /// Times this request was preempted (recomputed).
+    pub preemptions: u32,
+    /// Time from arrival until first scheduled.
+    pub queue_time: Option<f64>,
+    /// Mean inter-token latency, seconds.
+    pub itl_mean: Option<f64>,
+    /// 95th percentile of this request's inter-token latencies.
+    pub itl_p95: Option<f64>,
+    /// Largest inter-token gap.
+    pub itl_max: Option<f64>,
+}
+
+impl RequestRecord {
+    /// Time to first token, if one was produced.
+    pub fn ttft(&self) -> Option<f64> {
+        self.first_token_at.map(|t| t - self.arrival)
+    }
+
+    /// A record for a request that never reached an engine.
+    pub fn rejected(req: &SimRequest, outcome: Outcome) -> Self {
+        Self {
+            id: req.id,
+            class: req.class,
+            replica: None,
+            outcome,
+            arrival: req.arrival,
+            first_token_at: None,
+            finished_at: None,
+            prompt_tokens: req.prompt_tokens,
+            output_tokens: 0,
+            target_output_tokens: req.target_output(),
+            preemptions: 0,
+            queue_time: None,
+            itl_mean: None,
+            itl_p95: None,
+            itl_max: None,
+        }
+    }
+}
+
+/// Something the engine tells the outside world at the end of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// A token of a streaming request (index 0 is the first token).
+    Token {
+        /// Request id.
+        id: u64,
+        /// Zero-based index of the token.
+        index: u32,
+        /// Emission time.
+        at: SimTime,
+    },
+    /// A request left the engine.
+    Finished(Box<RequestRecord>),
+}
+
+/// A sequence inside the engine.
+#[derive(Debug, Clone)]
+struct Seq {
+    req: SimRequest,
+    /// Cached `req.target_output()`.
+    target: u32,
+    /// Tokens generated so far (survive preemption; recompute rebuilds their KV).
+    generated: u32,
+    /// Tokens whose KV is computed.
+    computed: u32,
+    /// KV blocks held.
+    blocks: u32,
+    /// Tokens scheduled in the step in progress (0 = not scheduled).
+    scheduled: u32,
+    /// Whether the scheduled work is a decode (one token after a full context).
+    decoding: bool,
+    first_token_at: Option<SimTime>,
+    first_scheduled_at: Option<SimTime>,
+    last_token_at: SimTime,
+    /// Inter-token gaps, kept for the per-request p95 the SLO needs.
+    itls: Vec<f32>,
+    preemptions: u32,
+    /// Engine arrival order, the fcfs tie-breaker.
+    order: u64,
+}
+
+impl Seq {
+    /// Prompt plus generated tokens: what a full prefill must cover.
+    fn num_tokens(&self) -> u32 {
+        self.req.prompt_tokens + self.generated
+    }
+
+    fn needed(&self) -> u32 {
+        self.num_tokens() - self.computed
+    }
+
+    /// Decode = exactly the last sampled token is missing from KV.
+    fn is_decode(&self) -> bool {
+        self.generated > 0 && self.needed() == 1
+    }
+
+    fn record(&self, replica: usize, outcome: Outcome, finished_at: Option<SimTime>) -> RequestRecord {
+        let (itl_mean, itl_p95, itl_max) = itl_summary(&self.itls);
+        RequestRecord {
+            id: self.req.id,
+            class: self.req.class,
+            replica: Some(replica),
+            outcome,
+            arrival: self.req.arrival,
+            first_token_at: self.first_token_at,
+            finished_at,
+            prompt_tokens: self.req.prompt_tokens,
+            output_tokens: self.generated,
+            target_output_tokens: self.target,
+            preemptions: self.preemptions,
+            queue_time: self.first_scheduled_at.map(|t| t - self.req.arrival),
+            itl_mean,
+            itl_p95,
+            itl_max,
+        }
+    }
+}
+
+fn itl_summary(itls: &[f32]) -> (Option<f64>, Option<f64>, Option<f64>) {
+    if itls.is_empty() {
+        return (None, None, None);
+    }
+    let mut v: Vec<f32> = itls.to_vec();
+    v.sort_by(f32::total_cmp);
+    let mean = v.iter().map(|x| f64::from(*x)).sum::<f64>() / v.len() as f64;
+    let idx = ((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1;
+    (Some(mean), Some(f64::from(v[idx])), v.last().map(|x| f64::from(*x)))
+}
+
+/// Priority-queue key: (priority, arrival bits, id). Non-negative f64 bit
+/// patterns order like the numbers, so arrival sorts correctly as u64.
+type PrioKey = (i32, u64, u64);
+
+/// The waiting queue in policy order.
+#[derive(Debug)]
+enum WaitQueue {
+    Fifo(VecDeque<Seq>),
+    Prio(BTreeMap<PrioKey, Seq>),
+}
+
+impl WaitQueue {
+    fn len(&self) -> usize {
+        match self {
+            Self::Fifo(q) => q.len(),
+            Self::Prio(q) => q.len(),
+        }
+    }
+
+    fn push_back(&mut self, s: Seq) {
+        match self {
+            Self::Fifo(q) => q.push_back(s),
+            Self::Prio(q) => {
+                q.insert(prio_key(&s), s);
+            }
+        }
+    }
+
+    /// Preempted requests go back to the head (fcfs) or to their priority place.
+    fn push_front(&mut self, s: Seq) {
+        match self {
+            Self::Fifo(q) => q.push_front(s),
+            Self::Prio(q) => {
+                q.insert(prio_key(&s), s);
+            }
+        }
+    }
+
+    fn front(&self) -> Option<&Seq> {
+        match self {
+            Self::Fifo(q) => q.front(),
+            Self::Prio(q) => q.values().next(),
+        }
+    }
+
+    fn pop_front(&mut self) -> Option<Seq> {
+        match self {
+            Self::Fifo(q) => q.pop_front(),
+            Self::Prio(q) => q.pop_first().map(|(_, s)| s),
+        }
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Seq> {
+        match self {
+            Self::Fifo(q) => {
+                let i = q.iter().position(|s| s.req.id == id)?;
+                q.remove(i)
+            }
+            Self::Prio(q) => {
+                let key = q.iter().find(|(_, s)| s.req.id == id).map(|(k, _)| *k)?;
+                q.remove(&key)
+            }
+        }
+    }
+
+    fn drain_all(&mut self) -> Vec<Seq> {
+        match self {
+            Self::Fifo(q) => q.drain(..).collect(),
+            Self::Prio(q) => std::mem::take(q).into_values().collect(),
+        }
+    }
+}
+
+fn prio_key(s: &Seq) -> PrioKey {
+    (s.req.priority, s.req.arrival.max(0.0).to_bits(), s.req.id)
+}
+
+/// The work done by one step, which sets its duration.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepWork {
+    /// Prefill (and recompute) tokens in the step.
+    pub prefill_tokens: u32,
+    /// Decoding sequences in the step.
+    pub decode_seqs: u32,
+    /// Total context of the decoding sequences, tokens.
+    pub decode_context: u64,
+}
+
+/// One replica: scheduler state, KV blocks, counters and histograms.
+#[derive(Debug)]
+pub struct Engine {
+    cfg: EngineConfig,
+    replica: usize,
+    rng: Xoshiro256PlusPlus,
+    waiting: WaitQueue,
+    /// Running sequences in admission order (the fcfs preemption order).
+    running: Vec<Seq>,
+    free_blocks: u32,
+    next_order: u64,
+    /// Whether a step is in progress and when it ends.
+    step_end: Option<SimTime>,
+    step_started: SimTime,
+    last_work: StepWork,
+    steps: u64,
+    preemptions_total: u64,
+    prompt_tokens_total: u64,
+    generation_tokens_total: u64,
+    success_total: u64,
+    /// Generated tokens by class: [interactive, batch].
+    tokens_by_class: [u64; 2],
+    hist: ReplicaHistograms,
+}
+
+impl Engine {
+    /// A fresh replica; `seed` drives only the step-time jitter.
+    pub fn new(cfg: EngineConfig, replica: usize, seed: u64) -> Self {
+        let waiting = match cfg.policy {
+            SchedPolicy::Fcfs => WaitQueue::Fifo(VecDeque::new()),
+            SchedPolicy::Priority => WaitQueue::Prio(BTreeMap::new()),
+        };
+        let free_blocks = cfg.num_gpu_blocks;
+        Self {
+            cfg,
+            replica,
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            waiting,
+            running: Vec::new(),
+            free_blocks,
+            next_order: 0,
+            step_end: None,
+            step_started: 0.0,
+            last_work: StepWork::default(),
+            steps: 0,
+            preemptions_total: 0,
+            prompt_tokens_total: 0,
+            generation_tokens_total: 0,
+            success_total: 0,
+            tokens_by_class: [0; 2],
+            hist: ReplicaHistograms::default(),
+        }
+    }
+
+    /// The engine configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Adds a request to the waiting queue. The caller keeps
+    /// `prompt + max_tokens <= max_model_len` (the pool enforces it).
+    pub fn add_request(&mut self, mut req: SimRequest) {
+        // Clamp defensively so an oversized request cannot wedge the engine.
+        let max_len = self.cfg.max_model_len;
+        req.prompt_tokens = req.prompt_tokens.clamp(1, max_len - 1);
+        req.max_tokens = req.max_tokens.clamp(1, max_len - req.prompt_tokens);
+        let target = req.target_output();
+        let seq = Seq {
+            last_token_at: req.arrival,
+            req,
+            target,
+            generated: 0,
+            computed: 0,
+            blocks: 0,
+            scheduled: 0,
+            decoding: false,
+            first_token_at: None,
+            first_scheduled_at: None,
+            itls: Vec::new(),
+            preemptions: 0,
+            order: self.next_order,
+        };
+        self.next_order += 1;
+        self.waiting.push_back(seq);
+    }
+
+    /// Whether there is anything to schedule.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || self.waiting.len() > 0
+    }
+
+    /// End time of the step in progress, if any.
+    pub fn step_end(&self) -> Option<SimTime> {
+        self.step_end
+    }
+
+    /// Requests running (admitted to the batch).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting to be admitted.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Fraction of KV blocks in use, 0–1.
+    pub fn kv_usage(&self) -> f64 {
+        f64::from(self.cfg.num_gpu_blocks - self.free_blocks) / f64::from(self.cfg.num_gpu_blocks)
+    }
+
+    /// Steps executed so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The work of the last step started.
+    pub fn last_work(&self) -> StepWork {
+        self.last_work
+    }
+
+    /// Gauges and counters in the shape the metrics use.
+    pub fn gauges(&self) -> ReplicaGauges {
+        ReplicaGauges {
+            running: self.running.len() as u32,
+            waiting: self.waiting.len() as u32,
+            kv_usage: self.kv_usage(),
+            preemptions_total: self.preemptions_total,
+            prompt_tokens_total: self.prompt_tokens_total,
+            generation_tokens_total: self.generation_tokens_total,
+            success_total: self.success_total,
+        }
+    }
+
+    /// Generated tokens so far as (interactive, batch).
+    pub fn tokens_by_class(&self) -> (u64, u64) {
+        (self.tokens_by_class[0], self.tokens_by_class[1])
+    }
+
+    /// Total preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions_total
+    }
+
+    /// Latency histograms with vLLM's buckets.
+    pub fn histograms(&self) -> &ReplicaHistograms {
+        &self.hist
+    }
+
+    /// The step duration model, without jitter.
+    pub fn step_duration(&self, w: StepWork) -> f64 {
+        let s = &self.cfg.step;
+        (s.c0_ms
+            + s.c1_ms_per_prefill_token * f64::from(w.prefill_tokens)
+            + s.c2_ms_per_decode_seq * f64::from(w.decode_seqs)
+            + s.c3_ms_per_context_token * w.decode_context as f64)
+            / 1000.0
+    }
+
+    fn blocks_for(&self, tokens: u32) -> u32 {
+        tokens.div_ceil(self.cfg.block_size)
+    }
+
+    /// Index of the running request to preempt, by policy.
+    fn victim(&self) -> Option<usize> {
+        match self.cfg.policy {
+            SchedPolicy::Fcfs => self.running.len().checked_sub(1),
+            SchedPolicy::Priority => self
+                .running
+                .iter()
+                .enumerate()
+                .max_by(|(_, a), (_, b)| {
+                    (a.req.priority, a.req.arrival, a.order)
+                        .partial_cmp(&(b.req.priority, b.req.arrival, b.order))
+                        .unwrap_or(std::cmp::Ordering::Equal)
+                })
+                .map(|(i, _)| i),
+        }
+    }
+
+    /// Preempts running[i] by recompute; returns the budget it gives back.
+    fn preempt(&mut self, i: usize) -> u32 {
+        let mut s = self.running.remove(i);
+        let refund = s.scheduled;
+        self.free_blocks += s.blocks;
+        s.blocks = 0;
+        s.computed = 0;
+        s.scheduled = 0;
+        s.decoding = false;
+        s.preemptions += 1;
+        self.preemptions_total += 1;
+        self.waiting.push_front(s);
+        refund
+    }
+
+    /// Tries to schedule `n` tokens for running[*i], preempting others when KV
+    /// is short. Returns false if running[*i] itself was preempted. `*i` is
+    /// kept pointing at the same sequence when earlier ones are removed.
+    fn schedule_running(&mut self, i: &mut usize, n: u32, budget: &mut u32) -> bool {
+        loop {
+            let s = &self.running[*i];
+            let need = self.blocks_for(s.computed + n).saturating_sub(s.blocks);
+            if need <= self.free_blocks {
+                let decoding = s.is_decode();
+                let s = &mut self.running[*i];
+                s.blocks += need;
+                s.scheduled = n;
+                s.decoding = decoding;
+                self.free_blocks -= need;
+                *budget -= n;
+                return true;
+            }
+            let Some(v) = self.victim() else { return false };
+            *budget += self.preempt(v);
+            if v == *i {
+                return false;
+            }
+            if v < *i {
+                *i -= 1;
+            }
+        }
+    }
+
+    /// Schedules one step at `now` and returns when it ends, or `None` when idle.
+    /// Must not be called while a step is in progress.
+    pub fn start_step(&mut self, now: SimTime) -> Option<SimTime> {
+        debug_assert!(self.step_end.is_none(), "step already in progress");
+        if !self.has_work() {
+            return None;
+        }
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let chunk_cap = match self.cfg.long_prefill_token_threshold {
+            0 => u32::MAX,
+            t => t,
+        };
+        let preempted_before = self.preemptions_total;
+
+        // 1. Decodes, one token each, in admission order.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            if self.running[i].scheduled == 0 && self.running[i].is_decode() {
+                if !self.schedule_running(&mut i, 1, &mut budget) {
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        // 2. Partially prefilled (or recomputing) running requests.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let s = &self.running[i];
+            if s.scheduled == 0 && !s.is_decode() {
+                let n = s.needed().min(budget).min(chunk_cap);
+                if !self.schedule_running(&mut i, n, &mut budget) {
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        // 3. Waiting requests, only if nothing was preempted this step (V1).
+        if self.preemptions_total == preempted_before {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
+                let Some(head) = self.waiting.front() else { break };
+                let n = head.needed().min(budget).min(chunk_cap);
+                let need = self.blocks_for(head.computed + n);
+                if need > self.free_blocks {
+                    break;
+                }
+                let Some(mut s) = self.waiting.pop_front() else { break };
+                s.blocks = need;
+                s.scheduled = n;
+                s.decoding = false;
+                s.first_scheduled_at.get_or_insert(now);
+                self.free_blocks -= need;
+                budget -= n;
+                self.running.push(s);
+            }
+        }
+
+        let mut w = StepWork::default();
+        for s in self.running.iter().filter(|s| s.scheduled > 0) {
+            if s.decoding {
+                w.decode_seqs += 1;
+                w.decode_context += u64::from(s.computed + 1);
+            } else {
+                w.prefill_tokens += s.scheduled;
+            }
+        }
+        if w.decode_seqs == 0 && w.prefill_tokens == 0 {
+            // Nothing fits (cannot happen with a validated config: an idle
+            // engine always has room for the head request's first chunk).
+            return None;
+        }
+        let jitter = self.cfg.step.jitter;
+        let factor = if jitter > 0.0 {
+            1.0 + self.rng.random_range(-jitter..jitter)
+        } else {
+            1.0
+        };
+        let end = now + self.step_duration(w) * factor;
+        self.last_work = w;
+        self.step_started = now;
+        self.step_end = Some(end);
+        self.steps += 1;
+        Some(end)
+    }
+
+    /// Applies the step in progress: tokens appear at its end time.
+    pub fn finish_step(&mut self, out: &mut Vec<EngineEvent>) {
+        let Some(end) = self.step_end.take() else { return };
+        let step_len = end - self.step_started;
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            if s.scheduled == 0 {
+                i += 1;
+                continue;
+            }
+            s.computed += s.scheduled;
+            s.scheduled = 0;
+            if s.computed < s.num_tokens() {
+                i += 1;
+                continue;
+            }
+            // The forward pass covered everything known: one token is sampled.
+            let index = s.generated;
+            s.generated += 1;
+            self.generation_tokens_total += 1;
+            self.tokens_by_class[s.req.class as usize] += 1;
+            match s.first_token_at {
+                None => {
+                    s.first_token_at = Some(end);
+                    self.prompt_tokens_total += u64::from(s.req.prompt_tokens);
+                    self.hist.ttft.observe(end - s.req.arrival);
+                }
+                Some(_) => {
+                    let itl = end - s.last_token_at;
+                    s.itls.push(itl as f32);
+                    self.hist.itl.observe(itl);
+                }
+            }
+            s.last_token_at = end;
+            if s.req.stream {
+                out.push(EngineEvent::Token { id: s.req.id, index, at: end });
+            }
+            if s.generated >= s.target {
+                let s = self.running.remove(i);
+                self.free_blocks += s.blocks;
+                self.success_total += 1;
+                self.hist.e2e.observe(end - s.req.arrival);
+                if let Some(t) = s.first_scheduled_at {
+                    self.hist.queue.observe(t - s.req.arrival);
+                }
+                out.push(EngineEvent::Finished(Box::new(s.record(self.replica, Outcome::Completed, Some(end)))));
+                continue;
+            }
+            i += 1;
+        }
+        let _ = step_len;
+    }
+
+    /// Removes a request wherever it is (client gone). Work already scheduled
+    /// in the current step is wasted, as in vLLM.
+    pub fn abort(&mut self, id: u64) -> Option<RequestRecord> {
+        if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
+            let s = self.running.remove(i);
+            self.free_blocks += s.blocks;
+            return Some(s.record(self.replica, Outcome::Aborted, None));
+        }
+        self.waiting
+            .remove(id)
+            .map(|s| s.record(self.replica, Outcome::Aborted, None))
+    }
+
+    /// Records of everything still inside, for the end of a run.
+    pub fn drain_unfinished(&mut self) -> Vec<RequestRecord> {
+        let mut out: Vec<RequestRecord> = self
+            .running
+            .drain(..)
+            .map(|s| s.record(self.replica, Outcome::Unfinished, None))
+            .collect();
+        out.extend(
+            self.waiting
+                .drain_all()
+                .into_iter()
+                .map(|s| s.record(self.replica, Outcome::Unfinished, None)),
+        );
+        self.free_blocks = self.cfg.num_gpu_blocks;
+        self.step_end = None;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> EngineConfig {
+        let mut c = EngineConfig::default();
+        c.step.jitter = 0.0;
+        c
+    }
+
+    fn req(id: u64, prompt: u32, out: u32) -> SimRequest {
+        SimRequest {
+            id,
+            class: RequestClass::Interactive,
+            arrival: 0.0,
+            prompt_tokens: prompt,
+            output_tokens: out,
+            max_tokens: 1024,
+            priority: 0,
+            stream: true,
+        }
+    }
+
+    /// Runs the engine until idle, returning (events, end time).
+    fn run(e: &mut Engine, mut now: f64) -> (Vec<EngineEvent>, f64) {
+        let mut out = Vec::new();
+        while let Some(end) = e.start_step(now) {
+            e.finish_step(&mut out);
+            now = end;
+        }
+        (out, now)
+    }
+
+    fn finished(events: &[EngineEvent]) -> Vec<RequestRecord> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::Finished(r) => Some((**r).clone()),
+                EngineEvent::Token { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batch_one_latencies_match_the_step_model() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        e.add_request(req(1, 256, 10));
+        let (ev, _) = run(&mut e, 0.0);
+        let r = &finished(&ev)[0];
+        // TTFT = c0 + 256 · c1 = 10 + 12.8 ms.
+        assert!((r.ttft().unwrap() - 0.0228).abs() < 1e-9, "{r:?}");
+        // ITL = c0 + c2 + c3 · ctx ≈ 10.03 ms.
+        let itl = r.itl_mean.unwrap();
+        assert!((0.0100..0.0101).contains(&itl), "{itl}");
+        assert_eq!(r.output_tokens, 10);
+        let tokens = ev.iter().filter(|e| matches!(e, EngineEvent::Token { .. })).count();
+        assert_eq!(tokens, 10);
+        assert_eq!(e.kv_usage(), 0.0);
+    }
+
+    #[test]
+    fn long_prompt_is_prefilled_in_chunks() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        e.add_request(req(1, 5000, 1));
+        e.start_step(0.0);
+        assert_eq!(e.last_work().prefill_tokens, 2048);
+        let mut out = Vec::new();
+        e.finish_step(&mut out);
+        assert!(out.is_empty(), "no token before the prompt is fully computed");
+        let (ev, _) = run(&mut e, 1.0);
+        assert_eq!(finished(&ev)[0].output_tokens, 1);
+    }
+
+    #[test]
+    fn decodes_are_scheduled_before_new_prefill() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        e.add_request(req(1, 100, 50));
+        let end = e.start_step(0.0).unwrap();
+        e.finish_step(&mut Vec::new());
+        e.add_request(req(2, 4000, 5));
+        e.start_step(end);
+        let w = e.last_work();
+        assert_eq!(w.decode_seqs, 1);
+        assert_eq!(w.prefill_tokens, 2047, "the rest of the budget goes to the new prefill");
+    }
+
+    #[test]
+    fn max_num_seqs_bounds_the_batch() {
+        let mut c = cfg();
+        c.max_num_seqs = 4;
+        let mut e = Engine::new(c, 0, 1);
+        for id in 0..10 {
+            e.add_request(req(id, 10, 100));
+        }
+        e.start_step(0.0);
+        assert_eq!(e.num_running(), 4);
+        assert_eq!(e.num_waiting(), 6);
+    }
+
+    #[test]
+    fn preempts_last_admitted_when_kv_runs_out() {
+        let mut c = cfg();
+        c.num_gpu_blocks = 20; // 320 tokens
+        c.max_model_len = 320;
+        let mut e = Engine::new(c, 0, 1);
+        // Two requests of 100 + 100 each need 26 blocks together at the end.
+        e.add_request(req(1, 100, 100));
+        e.add_request(req(2, 100, 100));
+        let (ev, _) = run(&mut e, 0.0);
+        let recs = finished(&ev);
+        assert_eq!(recs.len(), 2);
+        let r2 = recs.iter().find(|r| r.id == 2).unwrap();
+        let r1 = recs.iter().find(|r| r.id == 1).unwrap();
+        assert!(r2.preemptions > 0, "the later request is the victim: {r2:?}");
+        assert_eq!(r1.preemptions, 0);
+        assert!(e.gauges().preemptions_total > 0);
+        assert_eq!(r2.output_tokens, 100, "recompute keeps generated tokens");
+    }
+
+    #[test]
+    fn priority_policy_admits_and_preempts_by_priority() {
+        let mut c = cfg();
+        c.policy = SchedPolicy::Priority;
+        c.max_num_seqs = 1;
+        let mut e = Engine::new(c, 0, 1);
+        let mut low = req(1, 10, 3);
+        low.priority = 5;
+        let mut high = req(2, 10, 3);
+        high.priority = 0;
+        high.arrival = 0.001;
+        e.add_request(low);
+        e.add_request(high);
+        let (ev, _) = run(&mut e, 0.01);
+        let order: Vec<u64> = finished(&ev).iter().map(|r| r.id).collect();
+        assert_eq!(order, vec![2, 1]);
+    }
+
+    #[test]
+    fn abort_frees_kv() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        e.add_request(req(1, 1000, 100));
+        e.start_step(0.0);
+        e.finish_step(&mut Vec::new());
+        assert!(e.kv_usage() > 0.0);
+        let rec = e.abort(1).unwrap();
+        assert_eq!(rec.outcome, Outcome::Aborted);
+        assert_eq!(e.kv_usage(), 0.0);
+        assert!(!e.has_work());
+    }
+
+    #[test]
+    fn same_seed_same_timeline() {
+        let go = || {
+            let mut c = EngineConfig::default();
+            c.step.jitter = 0.1;
+            let mut e = Engine::new(c, 0, 42);
+            for id in 0..20 {
+                e.add_request(req(id, 300 + id as u32 * 7, 20));
+            }
+            run(&mut e, 0.0).1
+        };
+        assert_eq!(go().to_bits(), go().to_bits());
+    }
+}

@@ -1,0 +1,27 @@
+//! The pool simulator: vLLM replicas behind an inference gateway, in virtual
+//! or real time.
+//!
+//! # Layout
+//! - [`config`]: the `sim.toml` shape, defaults and validation.
+//! - [`engine`]: one replica's V1-style scheduler, KV blocks, preemption and
+//!   step-time model (pure, deterministic).
+//! - [`pool`]: replicas plus gateway routing, 429/503 admission and flow control.
+//! - [`load`]: seeded arrival processes and CSV trace replay.
+//! - [`metrics`]: vLLM and endpoint-picker metrics with real names, text
+//!   exposition, lagged views with blackouts.
+//! - [`runner`]: the virtual-time runner that evaluates batch policies.
+//! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`).
+//! - [`error`]: [`SimError`].
+
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod http;
+pub mod load;
+pub mod metrics;
+pub mod pool;
+pub mod runner;
+
+pub use config::SimConfig;
+pub use error::SimError;
+pub use http::{ServeArgs, SimHandle, serve, spawn_http};
