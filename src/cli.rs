@@ -37,6 +37,16 @@ enum Command {
     /// Configuration commands.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// The pool simulator.
+    #[command(subcommand)]
+    Sim(SimCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum SimCommand {
+    /// Serve a simulated vLLM pool behind OpenAI-compatible HTTP, with vLLM
+    /// and endpoint-picker metrics, until SIGTERM or SIGINT.
+    Serve(crate::sim::ServeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -128,6 +138,18 @@ pub async fn run(cli: Cli) -> ExitCode {
             Err(code) => code,
         },
         Command::Run(args) => run_dispatcher(args).await,
+        Command::Sim(SimCommand::Serve(args)) => {
+            crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
+            let shutdown = CancellationToken::new();
+            spawn_signal_handler(shutdown.clone());
+            match crate::sim::serve(args, async move { shutdown.cancelled().await }).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("simulator: {error}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
     }
 }
 
