@@ -41,7 +41,11 @@ impl Drop for TempFile {
     }
 }
 
-fn load(file: Option<&str>, env_pairs: &[(&str, &str)], overrides: Overrides) -> Result<Config, ConfigErrors> {
+fn load(
+    file: Option<&str>,
+    env_pairs: &[(&str, &str)],
+    overrides: Overrides,
+) -> Result<Config, ConfigErrors> {
     let tmp = file.map(|text| TempFile::new("config.toml", text));
     Config::load(&ConfigSources {
         file: tmp.as_ref().map(|t| t.0.clone()),
@@ -161,7 +165,10 @@ gate_type = "constant"
     assert_eq!(c.dispatch.lease, Duration::from_secs(300), "default");
     assert_eq!(c.dispatch.poll_interval, Duration::from_secs(3), "file");
     assert_eq!(c.queues[0].queue_name, "file-queue");
-    assert_eq!(c.queues[0].igw_base_url.expose().host_str(), Some("file-queue"));
+    assert_eq!(
+        c.queues[0].igw_base_url.expose().host_str(),
+        Some("file-queue")
+    );
 
     // Environment beats the file.
     let env_pairs = [
@@ -196,7 +203,11 @@ gate_type = "constant"
     assert_eq!(c.telemetry.log_format, LogFormat::Json);
     assert_eq!(c.queues[0].queue_name, "flag-queue");
     assert_eq!(c.queues[0].igw_base_url.expose().host_str(), Some("flag"));
-    assert_eq!(c.dispatch.poll_interval, Duration::from_millis(250), "env still applies");
+    assert_eq!(
+        c.dispatch.poll_interval,
+        Duration::from_millis(250),
+        "env still applies"
+    );
 }
 
 #[test]
@@ -217,7 +228,10 @@ gate_typo = 1
     );
     assert!(err.contains("gateway.atempt_timeout"), "{err}");
     assert!(err.contains("did you mean `attempt_timeout`"), "{err}");
-    assert!(err.contains("allowed: url, request_path, attempt_timeout"), "{err}");
+    assert!(
+        err.contains("allowed: url, request_path, attempt_timeout"),
+        "{err}"
+    );
     assert!(err.contains("queue[0].gate_typo"), "{err}");
     assert!(err.contains("gate_type, gate_params"), "{err}");
     assert_eq!(err.lines().count(), 2, "{err}");
@@ -234,7 +248,9 @@ fn unknown_gate_type_is_an_error_listing_allowed_types() {
         ],
     );
     assert!(
-        err.contains("SLUICEGATE_GATE_TYPE (queue[0].gate_type): unknown gate type \"prometheus-budgte\""),
+        err.contains(
+            "SLUICEGATE_GATE_TYPE (queue[0].gate_type): unknown gate type \"prometheus-budgte\""
+        ),
         "{err}"
     );
     for t in GATE_TYPES {
@@ -256,7 +272,10 @@ queue_name = "q"
         ),
         &[],
     );
-    assert!(err.contains("queue[0].gate_type: gate_type is required"), "{err}");
+    assert!(
+        err.contains("queue[0].gate_type: gate_type is required"),
+        "{err}"
+    );
     assert!(err.contains("SLUICEGATE_GATE_TYPE"), "{err}");
     assert!(err.contains("constant, composite"), "{err}");
 }
@@ -302,23 +321,41 @@ gate_params = { pool = "p", threshold = "1.5" }
         ),
         &[],
     );
-    assert!(err.contains("queue[0].gate_params.threshold: must be in [0, 1], got 1.5"), "{err}");
-    assert!(err.contains("queue[0].max_sys: must be greater than 0, got -1"), "{err}");
+    assert!(
+        err.contains("queue[0].gate_params.threshold: must be in [0, 1], got 1.5"),
+        "{err}"
+    );
+    assert!(
+        err.contains("queue[0].max_sys: must be greater than 0, got -1"),
+        "{err}"
+    );
     assert!(
         err.contains("queue[0].unit: unknown value \"widgets\"; allowed: requests, tokens, bytes"),
         "{err}"
     );
-    assert!(err.contains("dispatch.poll_interval: must be greater than 0"), "{err}");
+    assert!(
+        err.contains("dispatch.poll_interval: must be greater than 0"),
+        "{err}"
+    );
 }
 
 #[test]
 fn unknown_sluicegate_variable_is_an_error() {
     let err = load_err(
         Some(MINIMAL),
-        &[("SLUICEGATE_DISPATCH_POLL_INTERVALL", "1s"), ("OTHER_VAR", "x")],
+        &[
+            ("SLUICEGATE_DISPATCH_POLL_INTERVALL", "1s"),
+            ("OTHER_VAR", "x"),
+        ],
     );
-    assert!(err.contains("SLUICEGATE_DISPATCH_POLL_INTERVALL: unknown environment variable"), "{err}");
-    assert!(err.contains("did you mean SLUICEGATE_DISPATCH_POLL_INTERVAL"), "{err}");
+    assert!(
+        err.contains("SLUICEGATE_DISPATCH_POLL_INTERVALL: unknown environment variable"),
+        "{err}"
+    );
+    assert!(
+        err.contains("did you mean SLUICEGATE_DISPATCH_POLL_INTERVAL"),
+        "{err}"
+    );
     assert!(err.contains("SLUICEGATE_DISPATCH_MAX_STALENESS"), "{err}");
     assert!(!err.contains("OTHER_VAR"), "{err}");
 }
@@ -366,9 +403,17 @@ gate_type = "constant"
     let err = load_err(Some(file), &[("SLUICEGATE_GATE_TYPE", "constant")]);
     assert!(err.contains("SLUICEGATE_GATE_TYPE (queue): queue-level setting needs exactly one queue, but 2 are configured (a, b)"), "{err}");
     // Gateway-level variables only set the default then.
-    let c = load(Some(file), &[("SLUICEGATE_GATEWAY_URL", "http://other:1")], Overrides::default())
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(c.queues.iter().all(|q| q.igw_base_url.expose().host_str() == Some("other")));
+    let c = load(
+        Some(file),
+        &[("SLUICEGATE_GATEWAY_URL", "http://other:1")],
+        Overrides::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        c.queues
+            .iter()
+            .all(|q| q.igw_base_url.expose().host_str() == Some("other"))
+    );
 }
 
 #[test]
@@ -381,22 +426,32 @@ url = "http://127.0.0.1:8000"
 gate_type = "local-max-concurrency"
 gate_params = { limit = 4 }
 "#;
-    let c = load(Some(file), &[("SLUICEGATE_GATE_TYPE", "constant")], Overrides::default())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let c = load(
+        Some(file),
+        &[("SLUICEGATE_GATE_TYPE", "constant")],
+        Overrides::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(c.queues[0].gate, GateSpec::Constant);
     // Same type: the file's params stay; GATE_PARAMS replaces them whole.
     let c = load(
         Some(file),
         &[
             ("SLUICEGATE_GATE_TYPE", "local-max-concurrency"),
-            ("SLUICEGATE_GATE_PARAMS", r#"{"limit":"9","gating_mode":"classifying"}"#),
+            (
+                "SLUICEGATE_GATE_PARAMS",
+                r#"{"limit":"9","gating_mode":"classifying"}"#,
+            ),
         ],
         Overrides::default(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         c.queues[0].gate,
-        GateSpec::LocalMaxConcurrency { limit: 9, gating_mode: GatingMode::Classifying }
+        GateSpec::LocalMaxConcurrency {
+            limit: 9,
+            gating_mode: GatingMode::Classifying
+        }
     );
 }
 
@@ -426,12 +481,20 @@ gate_type = "constant"
         Overrides::default(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(c.gateway.token.as_ref().map(|t| t.expose()), Some("file-token-s3cr3t"));
+    assert_eq!(
+        c.gateway.token.as_ref().map(|t| t.expose()),
+        Some("file-token-s3cr3t")
+    );
     assert_eq!(
         c.redis.as_ref().and_then(|r| r.url.expose().password()),
         Some("url-pw-s3cr3t")
     );
-    let shown = [format!("{c:?}"), format!("{c:#?}"), c.summary(), c.to_redacted_toml()];
+    let shown = [
+        format!("{c:?}"),
+        format!("{c:#?}"),
+        c.summary(),
+        c.to_redacted_toml(),
+    ];
     for text in &shown {
         assert!(!text.contains("s3cr3t"), "secret leaked:\n{text}");
     }
@@ -446,7 +509,10 @@ gate_type = "constant"
         Overrides::default(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(c.gateway.token.as_ref().map(|t| t.expose()), Some("env-token-s3cr3t"));
+    assert_eq!(
+        c.gateway.token.as_ref().map(|t| t.expose()),
+        Some("env-token-s3cr3t")
+    );
     for text in [format!("{c:?}"), c.summary(), c.to_redacted_toml()] {
         assert!(!text.contains("s3cr3t"), "secret leaked:\n{text}");
     }
@@ -462,7 +528,10 @@ fn secret_errors_do_not_echo_the_secret() {
             ("SLUICEGATE_GATEWAY_TOKEN_FILE", "/nonexistent/token"),
         ],
     );
-    assert!(err.contains("set either gateway.token or gateway.token_file"), "{err}");
+    assert!(
+        err.contains("set either gateway.token or gateway.token_file"),
+        "{err}"
+    );
     assert!(!err.contains("s3cr3t"), "{err}");
 }
 
@@ -529,7 +598,10 @@ fn upstream_json_queue_config_carries_over_verbatim() {
             ),
         ],
     );
-    assert!(err.contains("SLUICEGATE_QUEUES_JSON (queue[0].bogus): unknown key in a queue"), "{err}");
+    assert!(
+        err.contains("SLUICEGATE_QUEUES_JSON (queue[0].bogus): unknown key in a queue"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -584,7 +656,10 @@ fn prometheus_gates_require_a_prometheus_url() {
             ("SLUICEGATE_GATE_PARAMS", r#"{"pool":"p"}"#),
         ],
     );
-    assert!(err.contains("prometheus.url: required by queue[0]"), "{err}");
+    assert!(
+        err.contains("prometheus.url: required by queue[0]"),
+        "{err}"
+    );
     assert!(err.contains("SLUICEGATE_PROMETHEUS_URL"), "{err}");
 }
 
@@ -615,8 +690,11 @@ fn every_example_config_parses() {
 #[test]
 fn sidecar_example_has_the_expected_gate() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("config/sidecar.toml");
-    let c = Config::load(&ConfigSources { file: Some(path), ..Default::default() })
-        .unwrap_or_else(|e| panic!("{e}"));
+    let c = Config::load(&ConfigSources {
+        file: Some(path),
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         c.queues[0].gate,
         GateSpec::PrometheusBudget {
@@ -641,9 +719,15 @@ fn docs_list_every_variable_gate_type_and_parameter() {
         assert!(docs.contains(var), "{var} is not documented");
     }
     for t in GATE_TYPES {
-        assert!(docs.contains(&format!("`{t}`")), "gate {t} is not documented");
+        assert!(
+            docs.contains(&format!("`{t}`")),
+            "gate {t} is not documented"
+        );
         for p in sluicegate::config::allowed_params(t).unwrap_or(&[]) {
-            assert!(docs.contains(&format!("`{p}`")), "param {t}.{p} is not documented");
+            assert!(
+                docs.contains(&format!("`{p}`")),
+                "param {t}.{p} is not documented"
+            );
         }
     }
 }
@@ -653,6 +737,9 @@ fn summary_names_queues_and_gates() {
     let c = load(Some(MINIMAL), &[], Overrides::default()).unwrap_or_else(|e| panic!("{e}"));
     let s = c.summary();
     assert!(s.contains("transport: memory"), "{s}");
-    assert!(s.contains("q -> http://127.0.0.1:8000/v1/completions"), "{s}");
+    assert!(
+        s.contains("q -> http://127.0.0.1:8000/v1/completions"),
+        "{s}"
+    );
     assert!(s.contains("gate constant"), "{s}");
 }

@@ -49,26 +49,59 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
         Just(GateSpec::Constant),
         (1u32..10_000, gating_mode())
             .prop_map(|(limit, gating_mode)| GateSpec::LocalMaxConcurrency { limit, gating_mode }),
-        (name(), name(), prop_oneof![Just(MissingBudget::Closed), fraction().prop_map(MissingBudget::Fallback)])
+        (
+            name(),
+            name(),
+            prop_oneof![
+                Just(MissingBudget::Closed),
+                fraction().prop_map(MissingBudget::Fallback)
+            ]
+        )
             .prop_map(|(h, budget_key, missing)| GateSpec::Redis {
                 address: format!("{h}:6379"),
                 budget_key,
                 missing
             }),
-        (name(), proptest::option::of(name()), fraction(), proptest::option::of(fraction())).prop_map(
-            |(pool, namespace, threshold, fallback)| GateSpec::PrometheusSaturation {
-                pool,
-                namespace,
-                threshold,
-                fallback
-            }
-        ),
-        (name(), proptest::option::of(name()), positive(), fraction(), proptest::option::of(fraction()))
-            .prop_map(|(pool, namespace, max_concurrency, baseline, fallback)| {
-                GateSpec::PrometheusBudget { pool, namespace, max_concurrency, baseline, fallback }
+        (
+            name(),
+            proptest::option::of(name()),
+            fraction(),
+            proptest::option::of(fraction())
+        )
+            .prop_map(|(pool, namespace, threshold, fallback)| {
+                GateSpec::PrometheusSaturation {
+                    pool,
+                    namespace,
+                    threshold,
+                    fallback,
+                }
             }),
-        ("[a-z_:]{1,12}", proptest::option::of(fraction()), proptest::option::of(name()))
-            .prop_map(|(query, fallback, pool)| GateSpec::PrometheusQuery { query, fallback, pool }),
+        (
+            name(),
+            proptest::option::of(name()),
+            positive(),
+            fraction(),
+            proptest::option::of(fraction())
+        )
+            .prop_map(|(pool, namespace, max_concurrency, baseline, fallback)| {
+                GateSpec::PrometheusBudget {
+                    pool,
+                    namespace,
+                    max_concurrency,
+                    baseline,
+                    fallback,
+                }
+            }),
+        (
+            "[a-z_:]{1,12}",
+            proptest::option::of(fraction()),
+            proptest::option::of(name())
+        )
+            .prop_map(|(query, fallback, pool)| GateSpec::PrometheusQuery {
+                query,
+                fallback,
+                pool
+            }),
         (
             http_url(),
             name(),
@@ -81,7 +114,17 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             labels()
         )
             .prop_map(
-                |(url, metric, labels, max_count_per_pod, baseline, fallback, pods_url, pods_metric, pods_labels)| {
+                |(
+                    url,
+                    metric,
+                    labels,
+                    max_count_per_pod,
+                    baseline,
+                    fallback,
+                    pods_url,
+                    pods_metric,
+                    pods_labels,
+                )| {
                     GateSpec::EndpointScrape {
                         url,
                         metric,
@@ -104,14 +147,16 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             "[a-z:]{1,8}",
             gating_mode()
         )
-            .prop_map(|(h, attribute, mode, limit, window, prefix, gating_mode)| GateSpec::RedisQuota {
-                address: format!("{h}:6379"),
-                attribute,
-                mode,
-                limit,
-                window,
-                prefix,
-                gating_mode
+            .prop_map(|(h, attribute, mode, limit, window, prefix, gating_mode)| {
+                GateSpec::RedisQuota {
+                    address: format!("{h}:6379"),
+                    attribute,
+                    mode,
+                    limit,
+                    window,
+                    prefix,
+                    gating_mode,
+                }
             }),
         (
             proptest::collection::vec(http_url(), 1..3),
@@ -120,21 +165,26 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             proptest::option::of(1u32..1024),
             fraction()
         )
-            .prop_map(|(urls, kv_ceiling, queue_threshold, max_num_seqs, baseline)| GateSpec::Vllm {
-                urls,
-                kv_ceiling,
-                queue_threshold,
-                max_num_seqs,
-                baseline
-            }),
+            .prop_map(
+                |(urls, kv_ceiling, queue_threshold, max_num_seqs, baseline)| GateSpec::Vllm {
+                    urls,
+                    kv_ceiling,
+                    queue_threshold,
+                    max_num_seqs,
+                    baseline
+                }
+            ),
     ]
 }
 
 fn gate() -> impl Strategy<Value = GateSpec> {
     leaf_gate().prop_recursive(3, 12, 3, |inner| {
         prop_oneof![
-            proptest::collection::vec(inner.clone(), 1..3).prop_map(|gates| GateSpec::Composite { gates }),
-            inner.clone().prop_map(|g| GateSpec::WaitOnRefuse { gate: Box::new(g) }),
+            proptest::collection::vec(inner.clone(), 1..3)
+                .prop_map(|gates| GateSpec::Composite { gates }),
+            inner
+                .clone()
+                .prop_map(|g| GateSpec::WaitOnRefuse { gate: Box::new(g) }),
             (inner, name()).prop_map(|(g, tier_label)| GateSpec::TierPriorityAdmission {
                 saturation_gate: Box::new(g),
                 tier_label
@@ -149,11 +199,22 @@ fn endpoint(s: &str) -> EndpointUrl {
 
 fn queue() -> impl Strategy<Value = QueueConfig> {
     (
-        (name(), http_url(), "(/[a-z0-9]{1,6}){1,3}", proptest::option::of(name()), name(), labels()),
+        (
+            name(),
+            http_url(),
+            "(/[a-z0-9]{1,6}){1,3}",
+            proptest::option::of(name()),
+            name(),
+            labels(),
+        ),
         (name(), 0u64..1_000_000, positive()),
         (
             prop_oneof![Just(Unit::Requests), Just(Unit::Tokens), Just(Unit::Bytes)],
-            prop_oneof![Just(Rounding::Floor), Just(Rounding::Ceil), Just(Rounding::AtLeastOne)],
+            prop_oneof![
+                Just(Rounding::Floor),
+                Just(Rounding::Ceil),
+                Just(Rounding::AtLeastOne)
+            ],
             gate(),
         ),
     )
@@ -181,9 +242,23 @@ fn queue() -> impl Strategy<Value = QueueConfig> {
 
 fn dispatch() -> impl Strategy<Value = DispatchConfig> {
     (
-        (duration_ms(1, 10_000), duration_ms(0, 100_000), duration_ms(1000, 10_000_000), duration_ms(0, 60_000)),
-        (proptest::option::of(1u32..100), duration_ms(1, 10_000), duration_ms(0, 100_000)),
-        (duration_ms(0, 60_000), duration_ms(0, 60_000), duration_ms(0, 600_000), duration_ms(1, 100_000_000)),
+        (
+            duration_ms(1, 10_000),
+            duration_ms(0, 100_000),
+            duration_ms(1000, 10_000_000),
+            duration_ms(0, 60_000),
+        ),
+        (
+            proptest::option::of(1u32..100),
+            duration_ms(1, 10_000),
+            duration_ms(0, 100_000),
+        ),
+        (
+            duration_ms(0, 60_000),
+            duration_ms(0, 60_000),
+            duration_ms(0, 600_000),
+            duration_ms(1, 100_000_000),
+        ),
     )
         .prop_map(
             |(
@@ -208,19 +283,41 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
 
 fn config() -> impl Strategy<Value = Config> {
     (
-        prop_oneof![Just(TransportKind::Memory), Just(TransportKind::Embedded), Just(TransportKind::PubSub)],
-        (proptest::option::of(http_url()), "(/[a-z0-9]{1,6}){1,2}", duration_ms(1, 1_000_000), 1u64..1 << 40, 1usize..1000),
+        prop_oneof![
+            Just(TransportKind::Memory),
+            Just(TransportKind::Embedded),
+            Just(TransportKind::PubSub)
+        ],
+        (
+            proptest::option::of(http_url()),
+            "(/[a-z0-9]{1,6}){1,2}",
+            duration_ms(1, 1_000_000),
+            1u64..1 << 40,
+            1usize..1000,
+        ),
         (
             prop_oneof![Just(ObjectiveHeader::Gateway), Just(ObjectiveHeader::LlmD)],
             proptest::option::of(name()),
         ),
         proptest::option::of(http_url()),
         dispatch(),
-        (1u16..65535, prop_oneof![Just(LogFormat::Text), Just(LogFormat::Json)], prop_oneof![Just("info"), Just("warn,sluicegate=debug")]),
+        (
+            1u16..65535,
+            prop_oneof![Just(LogFormat::Text), Just(LogFormat::Json)],
+            prop_oneof![Just("info"), Just("warn,sluicegate=debug")],
+        ),
         proptest::collection::vec(queue(), 1..3),
     )
         .prop_map(
-            |(transport, (url, request_path, attempt_timeout, max_response_bytes, max_conn), (objective_header, fairness_attribute), prom, dispatch, (port, log_format, log_level), mut queues)| {
+            |(
+                transport,
+                (url, request_path, attempt_timeout, max_response_bytes, max_conn),
+                (objective_header, fairness_attribute),
+                prom,
+                dispatch,
+                (port, log_format, log_level),
+                mut queues,
+            )| {
                 // Names must be unique.
                 for (i, q) in queues.iter_mut().enumerate() {
                     q.queue_name = format!("{}-{i}", q.queue_name);
@@ -251,8 +348,9 @@ fn config() -> impl Strategy<Value = Config> {
                         result_topic_id: Some("results".into()),
                         emulator_host: Some("127.0.0.1:8085".into()),
                     }),
-                    embedded: (transport == TransportKind::Embedded)
-                        .then(|| EmbeddedConfig { path: PathBuf::from("data/s.db") }),
+                    embedded: (transport == TransportKind::Embedded).then(|| EmbeddedConfig {
+                        path: PathBuf::from("data/s.db"),
+                    }),
                     dispatch,
                     telemetry: TelemetryConfig {
                         listen: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -285,10 +383,20 @@ fn scalar() -> impl Strategy<Value = Value> {
         Just(Value::Null),
         any::<bool>().prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+        any::<f64>()
+            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
         ".{0,12}".prop_map(Value::from),
-        prop_oneof![Just("0.5"), Just("-1"), Just("1e400"), Just("NaN"), Just("[]"), Just("{}"), Just("5m"), Just("closed")]
-            .prop_map(Value::from),
+        prop_oneof![
+            Just("0.5"),
+            Just("-1"),
+            Just("1e400"),
+            Just("NaN"),
+            Just("[]"),
+            Just("{}"),
+            Just("5m"),
+            Just("closed")
+        ]
+        .prop_map(Value::from),
     ]
 }
 
@@ -297,7 +405,11 @@ fn json_value() -> impl Strategy<Value = Value> {
         prop_oneof![
             proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
             proptest::collection::btree_map(
-                prop_oneof![Just("gate_type".to_owned()), Just("gate_params".to_owned()), ".{0,6}"],
+                prop_oneof![
+                    Just("gate_type".to_owned()),
+                    Just("gate_params".to_owned()),
+                    ".{0,6}"
+                ],
                 inner,
                 0..4
             )
@@ -312,7 +424,10 @@ fn gate_params() -> impl Strategy<Value = Map<String, Value>> {
         .flat_map(|t| allowed_params(t).unwrap_or(&[]).iter().copied())
         .collect();
     proptest::collection::vec(
-        (prop_oneof![proptest::sample::select(known), Just("bogus")], json_value()),
+        (
+            prop_oneof![proptest::sample::select(known), Just("bogus")],
+            json_value(),
+        ),
         0..6,
     )
     .prop_map(|pairs| pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
