@@ -55,8 +55,9 @@ pub struct Overrides {
     pub log_level: Option<String>,
 }
 
-/// Everything a configuration is loaded from.
-#[derive(Debug, Clone, Default)]
+/// Everything a configuration is loaded from. `Debug` shows the variable
+/// names but not their values, which may be secrets.
+#[derive(Clone, Default)]
 pub struct ConfigSources {
     /// Config file (the `--config` flag); when `None`, `SLUICEGATE_CONFIG`
     /// in `env` names it; with neither, no file is read.
@@ -66,6 +67,16 @@ pub struct ConfigSources {
     pub env: BTreeMap<String, String>,
     /// Command-line flags.
     pub overrides: Overrides,
+}
+
+impl std::fmt::Debug for ConfigSources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConfigSources")
+            .field("file", &self.file)
+            .field("env", &self.env.keys().collect::<Vec<_>>())
+            .field("overrides", &self.overrides)
+            .finish()
+    }
 }
 
 impl ConfigSources {
@@ -747,6 +758,17 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("SLUICEGATE_DISPATCH_LEASE"), "{msg}");
+    }
+
+    #[test]
+    fn sources_debug_hides_values() {
+        let sources = ConfigSources {
+            env: [("SLUICEGATE_GATEWAY_TOKEN".to_owned(), "s3cr3t".to_owned())].into(),
+            ..Default::default()
+        };
+        let shown = format!("{sources:?}");
+        assert!(shown.contains("SLUICEGATE_GATEWAY_TOKEN"), "{shown}");
+        assert!(!shown.contains("s3cr3t"), "{shown}");
     }
 
     #[test]
