@@ -457,7 +457,15 @@ async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
             .contains(r#"sluicegate_parked_requests{queue="q"} 0"#);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(h.queue.results().len(), 12);
+    assert_eq!(
+        h.queue.results().len(),
+        12,
+        "gate in flight {}, pending {}, leased {}, metrics:\n{}",
+        probe.in_flight(),
+        h.queue.pending_len(),
+        h.queue.leased_len(),
+        h.metrics.encode()
+    );
     assert!(c.peak.load(Ordering::SeqCst) <= 3);
     assert!(saw_parked, "blocking mode parks messages at the gate");
     h.stop().await;

@@ -82,6 +82,9 @@ struct Shared {
     changed: Notify,
     /// Asks the observer for a fresh reading now.
     refresh: Notify,
+    /// Fired when a sent request ends, so parked messages ask their gate
+    /// again (a concurrency slot may be free).
+    finished: Notify,
     /// Deliveries not yet settled, whose leases the keeper renews.
     held: Mutex<HashSet<DeliveryTag>>,
     parked: AtomicUsize,
@@ -170,6 +173,7 @@ impl QueueDispatcher {
             window: Mutex::new(window),
             changed: Notify::new(),
             refresh: Notify::new(),
+            finished: Notify::new(),
             held: Mutex::new(HashSet::new()),
             parked: AtomicUsize::new(0),
         });
@@ -296,39 +300,72 @@ async fn handle(
     let Some(ready) = check(shared, delivery, results).await else {
         return;
     };
-    let ticket = match admit(shared, &ready).await {
-        Admission::Continue(ticket) => ticket,
-        Admission::Wait { .. } => {
-            park(shared, ready, shutdown, abandon, tracker, results);
-            return;
+    match release(shared, &ready, shutdown).await {
+        Release::Go(ticket) => {
+            let worker = send_and_settle(
+                shared.clone(),
+                ready,
+                ticket,
+                abandon.clone(),
+                results.clone(),
+            );
+            tracker.spawn(worker);
         }
-        Admission::Refuse { .. } => {
+        Release::Shutdown => {
+            shared
+                .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                .await;
+        }
+        Release::NotAdmitted(Admission::Wait { .. }) => {
+            park(shared, ready, shutdown, abandon, tracker, results);
+        }
+        Release::NotAdmitted(Admission::Drop { reason }) => {
+            let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
+            settle(shared, results, ready.delivery.tag, result).await;
+        }
+        Release::NotAdmitted(Admission::Refuse { .. } | Admission::Continue(_)) => {
             let delay = shared.settings().wait_requeue_delay;
             shared
                 .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
                 .await;
-            return;
         }
-        Admission::Drop { reason } => {
-            let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
-            settle(shared, results, ready.delivery.tag, result).await;
-            return;
-        }
-    };
-    if !acquire_window(shared, ready.cost, shutdown).await {
-        shared
-            .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
-            .await;
-        return;
     }
-    let worker = send_and_settle(
-        shared.clone(),
-        ready,
-        ticket,
-        abandon.clone(),
-        results.clone(),
-    );
-    tracker.spawn(worker);
+}
+
+/// What came of trying to release one message.
+enum Release {
+    /// Window and gate agree: send it, holding the ticket until it ends.
+    Go(Ticket),
+    /// The gate said wait, refuse or drop (never `Continue`).
+    NotAdmitted(Admission),
+    /// Shutdown came first.
+    Shutdown,
+}
+
+/// Waits for window room, then asks the gate, and records the send only
+/// when both agree. It never holds an admission ticket while waiting for
+/// the window: a concurrency gate whose slots were held by waiting messages
+/// would read zero budget, and the window would never reopen.
+async fn release(shared: &Shared, ready: &Ready, shutdown: &CancellationToken) -> Release {
+    loop {
+        if !wait_for_room(shared, ready.cost, shutdown).await {
+            return Release::Shutdown;
+        }
+        match admit(shared, ready).await {
+            Admission::Continue(ticket) => {
+                let now = Instant::now();
+                let mut window = shared.window();
+                if window.allows(now, ready.cost) {
+                    window.sent(now, ready.cost);
+                    shared.export_window(&window, now);
+                    return Release::Go(ticket);
+                }
+                // The room went while the gate was asked (a 429, say):
+                // give the reservation back and wait again.
+            }
+            verdict => return Release::NotAdmitted(verdict),
+        }
+    }
 }
 
 /// Parses and validates a delivery. Anything unusable is answered here
@@ -406,21 +443,15 @@ async fn admit(shared: &Shared, ready: &Ready) -> Admission {
     verdict
 }
 
-/// Waits until the window lets a request of `cost` go, then records it as
-/// sent. Returns false if shutdown came first.
-async fn acquire_window(shared: &Shared, cost: u64, shutdown: &CancellationToken) -> bool {
+/// Waits until the window has room for a request of `cost`. Returns false
+/// if shutdown came first.
+async fn wait_for_room(shared: &Shared, cost: u64, shutdown: &CancellationToken) -> bool {
     loop {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        {
-            let now = Instant::now();
-            let mut window = shared.window();
-            if window.allows(now, cost) {
-                window.sent(now, cost);
-                shared.export_window(&window, now);
-                return true;
-            }
+        if shared.window().allows(Instant::now(), cost) {
+            return true;
         }
         shared.refresh.notify_one();
         tokio::select! {
@@ -463,45 +494,41 @@ fn park(
     tracker.spawn(async move {
         let give_up = Instant::now() + shared.settings().max_park;
         let outcome = loop {
-            let changed = shared.changed.notified();
+            let finished = shared.finished.notified();
             tokio::select! {
-                () = shutdown.cancelled() => break None,
-                () = changed => {}
+                () = shutdown.cancelled() => break Release::Shutdown,
+                () = finished => {}
                 () = tokio::time::sleep(PARK_RECHECK) => {}
             }
             if Instant::now() >= give_up || ready.message.request.deadline <= unix_now() {
-                break None;
+                break Release::NotAdmitted(Admission::Refuse {
+                    reason: "park_expired",
+                });
             }
-            match admit(&shared, &ready).await {
-                Admission::Continue(ticket) => break Some(Ok(ticket)),
-                Admission::Drop { reason } => break Some(Err(reason)),
-                Admission::Wait { .. } | Admission::Refuse { .. } => {}
+            match release(&shared, &ready, &shutdown).await {
+                Release::NotAdmitted(Admission::Wait { .. } | Admission::Refuse { .. }) => {}
+                decided => break decided,
             }
         };
         shared.parked.fetch_sub(1, Ordering::AcqRel);
         shared.metrics().parked.dec();
         match outcome {
-            Some(Ok(ticket)) => {
-                if acquire_window(&shared, ready.cost, &shutdown).await {
-                    send_and_settle(shared, ready, ticket, abandon, results).await;
-                } else {
-                    shared
-                        .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
-                        .await;
-                }
+            Release::Go(ticket) => {
+                send_and_settle(shared, ready, ticket, abandon, results).await;
             }
-            Some(Err(reason)) => {
+            Release::NotAdmitted(Admission::Drop { reason }) => {
                 let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
                 settle(&shared, &results, ready.delivery.tag, result).await;
             }
-            None => {
+            Release::Shutdown => {
+                shared
+                    .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                    .await;
+            }
+            Release::NotAdmitted(_) => {
                 // Back to the queue without using an attempt; an expired
                 // deadline is answered when it is next received.
-                let delay = if shutdown.is_cancelled() {
-                    Duration::ZERO
-                } else {
-                    shared.settings().wait_requeue_delay
-                };
+                let delay = shared.settings().wait_requeue_delay;
                 shared
                     .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
                     .await;
@@ -539,9 +566,10 @@ async fn send_and_settle(
         shared.export_window(&window, now);
     }
     // The pool no longer holds this request: free the gate's reservation
-    // and wake anyone waiting for room.
+    // and wake anyone waiting for room or for a slot.
     drop(ticket);
     shared.changed.notify_waiters();
+    shared.finished.notify_waiters();
     let Some(outcome) = outcome else {
         shared
             .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
@@ -708,9 +736,6 @@ async fn lease_keeper(shared: Arc<Shared>, stop: CancellationToken) {
 async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
     let settings = shared.settings().clone();
     let at_least_one = settings.rounding == Rounding::AtLeastOne;
-    // A reading that was not newer (cached source) is not worth repeating
-    // at once; wait this long before asking again on demand.
-    let not_newer_pause = (settings.poll_interval / 10).max(Duration::from_millis(10));
     let mut was_open: Option<bool> = None;
     let mut was_available: Option<bool> = None;
     let mut next_backlog = Instant::now();
@@ -772,18 +797,22 @@ async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
                 m.backlog.set(saturating_i64(backlog));
             }
         }
+        // A fresh reading that opened the window may be refilled as soon as
+        // it is used up (a constant gate would otherwise cap throughput at N
+        // per poll). A closed or not-newer reading waits for the next poll:
+        // asking again at once would spin without learning anything.
+        let refill_on_demand = applied == Applied::Fresh && n > 0;
         let next_poll = tokio::time::sleep(settings.poll_interval);
-        tokio::pin!(next_poll);
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = &mut next_poll => continue,
-            () = shared.refresh.notified() => {}
-        }
-        if applied != Applied::Fresh {
+        if refill_on_demand {
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = &mut next_poll => {}
-                () = tokio::time::sleep(not_newer_pause) => {}
+                () = next_poll => {}
+                () = shared.refresh.notified() => {}
+            }
+        } else {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = next_poll => {}
             }
         }
     }

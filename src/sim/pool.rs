@@ -91,7 +91,10 @@ impl Pool {
         let n = self.engines.len().max(1) as f64;
         self.engines
             .iter()
-            .map(|e| (e.num_waiting() as f64 / g.saturation_queue_depth).max(e.kv_usage() / g.saturation_kv))
+            .map(|e| {
+                (e.num_waiting() as f64 / g.saturation_queue_depth)
+                    .max(e.kv_usage() / g.saturation_kv)
+            })
             .sum::<f64>()
             / n
     }
@@ -153,7 +156,9 @@ impl Pool {
     /// Releases flow-control holds while the pool is below saturation.
     fn release_held(&mut self, out: &mut Vec<(SimRequest, Admission)>) {
         while !self.held.is_empty() && self.saturation() < 1.0 {
-            let Some((_, req)) = self.held.pop_first() else { break };
+            let Some((_, req)) = self.held.pop_first() else {
+                break;
+            };
             let copy = req.clone();
             out.push((copy, self.route(req)));
         }
@@ -204,7 +209,10 @@ impl Pool {
     /// Aborts a request wherever it is.
     pub fn abort(&mut self, id: u64) -> Option<RequestRecord> {
         if let Some(key) = self.held.iter().find(|(_, r)| r.id == id).map(|(k, _)| *k) {
-            return self.held.remove(&key).map(|r| RequestRecord::rejected(&r, Outcome::Aborted));
+            return self
+                .held
+                .remove(&key)
+                .map(|r| RequestRecord::rejected(&r, Outcome::Aborted));
         }
         self.engines.iter_mut().find_map(|e| e.abort(id))
     }
@@ -223,7 +231,11 @@ impl Pool {
     pub fn snapshot(&self) -> MetricsSnapshot {
         MetricsSnapshot {
             obs: self.observe(),
-            hist: self.engines.iter().map(|e| e.histograms().clone()).collect(),
+            hist: self
+                .engines
+                .iter()
+                .map(|e| e.histograms().clone())
+                .collect(),
         }
     }
 
@@ -312,7 +324,10 @@ mod tests {
         let (mut ev, mut rel) = (Vec::new(), Vec::new());
         p.advance_to(60.0, &mut ev, &mut rel);
         assert!(!rel.is_empty());
-        let done = ev.iter().filter(|e| matches!(e, EngineEvent::Finished(_))).count();
+        let done = ev
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::Finished(_)))
+            .count();
         assert_eq!(done, 4);
         assert_eq!(p.observe().flow_control_queue_size, 0);
     }
