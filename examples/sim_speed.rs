@@ -12,14 +12,20 @@ use sluicegate::sim::engine::RequestClass;
 use sluicegate::sim::runner::{BatchSpec, NoBatch, Scenario, StaticCap, run};
 
 fn main() -> Result<(), sluicegate::sim::SimError> {
-    let duration: f64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(1800.0);
+    let duration: f64 = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1800.0);
     let mut sc = Scenario::new(4);
     sc.duration_s = duration;
     sc.interactive.mode = LoadMode::Poisson;
     sc.interactive.rate_per_replica = 8.0;
     sc.batch = Some(BatchSpec::default());
 
-    for (label, cap) in [("interactive only", None), ("+ batch, static cap 64", Some(64u32))] {
+    for (label, cap) in [
+        ("interactive only", None),
+        ("+ batch, static cap 64", Some(64u32)),
+    ] {
         let wall = Instant::now();
         let report = match cap {
             None => run(&sc, &mut NoBatch)?,

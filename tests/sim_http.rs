@@ -50,7 +50,11 @@ async fn post(c: &reqwest::Client, h: &SimHandle, path: &str, body: &str) -> (u1
 }
 
 async fn get(c: &reqwest::Client, h: &SimHandle, path: &str) -> (u16, String) {
-    let r = c.get(format!("{}{path}", h.base_url())).send().await.unwrap();
+    let r = c
+        .get(format!("{}{path}", h.base_url()))
+        .send()
+        .await
+        .unwrap();
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
@@ -62,7 +66,13 @@ async fn answers_completions_streams_chat_and_serves_metrics() {
     };
     let (h, c) = start(cfg).await;
 
-    let (status, body) = post(&c, &h, "/v1/completions", r#"{"model":"sim-model","prompt":"hello there, simulator","max_tokens":12}"#).await;
+    let (status, body) = post(
+        &c,
+        &h,
+        "/v1/completions",
+        r#"{"model":"sim-model","prompt":"hello there, simulator","max_tokens":12}"#,
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["object"], "text_completion");
@@ -80,16 +90,38 @@ async fn answers_completions_streams_chat_and_serves_metrics() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    let events: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    let events: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
     assert_eq!(events.last().copied(), Some("[DONE]"), "{body}");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
-    let content: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"][0]["delta"].get("content")).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let content: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("content"))
+        .collect();
     assert_eq!(content.len(), 6, "role chunk + 5 tokens: {body}");
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
-    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        "length"
+    );
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 5);
 
-    let (status, body) = post(&c, &h, "/v1/chat/completions", r#"{"messages": [{"role": "user""#).await;
+    let (status, body) = post(
+        &c,
+        &h,
+        "/v1/chat/completions",
+        r#"{"messages": [{"role": "user""#,
+    )
+    .await;
     assert_eq!(status, 400);
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error");
@@ -106,8 +138,13 @@ async fn answers_completions_streams_chat_and_serves_metrics() {
     for name in METRIC_NAMES {
         assert!(text.lines().any(|l| l.starts_with(name)), "missing {name}");
     }
-    assert!(text.contains("inference_pool_ready_pods{name=\"test-pool\"} 2.0"), "{text}");
-    assert!(text.contains("inference_pool=\"test-pool\",model_name=\"sim-model\",pod=\"test-pool-0\""));
+    assert!(
+        text.contains("inference_pool_ready_pods{name=\"test-pool\"} 2.0"),
+        "{text}"
+    );
+    assert!(
+        text.contains("inference_pool=\"test-pool\",model_name=\"sim-model\",pod=\"test-pool-0\"")
+    );
     assert!(text.contains("block_size=\"16\",num_gpu_blocks=\"8192\""));
     let generated: f64 = text
         .lines()
@@ -123,19 +160,38 @@ async fn refuses_with_openai_errors_when_admission_caps_trigger() {
     let mut cfg = SimConfig::default();
     cfg.gateway.queue_cap_429 = Some(0);
     let (h, c) = start(cfg).await;
-    let (status, body) = post(&c, &h, "/v1/completions", r#"{"prompt":"x","max_tokens":3}"#).await;
+    let (status, body) = post(
+        &c,
+        &h,
+        "/v1/completions",
+        r#"{"prompt":"x","max_tokens":3}"#,
+    )
+    .await;
     assert_eq!(status, 429, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert!(v["error"]["message"].is_string());
 
-    let mut cfg = SimConfig::default();
-    cfg.replicas = 1;
+    let mut cfg = SimConfig {
+        replicas: 1,
+        ..SimConfig::default()
+    };
     cfg.gateway.admission_cap_503 = Some(1);
     let (h2, c2) = start(cfg).await;
-    let long = post(&c2, &h2, "/v1/completions", r#"{"prompt":"x","max_tokens":50}"#);
+    let long = post(
+        &c2,
+        &h2,
+        "/v1/completions",
+        r#"{"prompt":"x","max_tokens":50}"#,
+    );
     let second = async {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        post(&c2, &h2, "/v1/completions", r#"{"prompt":"y","max_tokens":3}"#).await
+        post(
+            &c2,
+            &h2,
+            "/v1/completions",
+            r#"{"prompt":"y","max_tokens":3}"#,
+        )
+        .await
     };
     let ((s1, _), (s2, _)) = tokio::join!(long, second);
     assert_eq!((s1, s2), (200, 503));
@@ -155,8 +211,17 @@ async fn background_load_keeps_the_pool_busy() {
         .filter(|l| l.starts_with("vllm:generation_tokens_total{"))
         .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
         .sum();
-    assert!(generated > 1000.0, "10 simulated seconds of a wave: {generated}");
-    let (status, _) = post(&c, &h, "/v1/completions", r#"{"prompt":"hello","max_tokens":4}"#).await;
+    assert!(
+        generated > 1000.0,
+        "10 simulated seconds of a wave: {generated}"
+    );
+    let (status, _) = post(
+        &c,
+        &h,
+        "/v1/completions",
+        r#"{"prompt":"hello","max_tokens":4}"#,
+    )
+    .await;
     assert_eq!(status, 200);
 }
 

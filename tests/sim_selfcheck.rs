@@ -29,7 +29,10 @@ fn throughput_saturates_at_a_knee_and_itl_grows_with_batch() {
         let r = closed_loop(cap, BatchSpec::default(), None, 60.0);
         let t = r.generated_tokens_per_s(Batch);
         let i = r.itl_mean_quantile(Batch, 0.5).unwrap();
-        println!("{cap:>4} {t:>9.0} {i:>12.4} {:>12.3}", r.ttft_quantile(Batch, 0.5).unwrap());
+        println!(
+            "{cap:>4} {t:>9.0} {i:>12.4} {:>12.3}",
+            r.ttft_quantile(Batch, 0.5).unwrap()
+        );
         thr.push(t);
         itl.push(i);
     }
@@ -55,7 +58,10 @@ fn itl_grows_with_context() {
     };
     let short = closed_loop(64, spec(64.0), Some(32768), 60.0);
     let long = closed_loop(64, spec(4000.0), Some(32768), 60.0);
-    let (s, l) = (short.itl_mean_quantile(Batch, 0.5).unwrap(), long.itl_mean_quantile(Batch, 0.5).unwrap());
+    let (s, l) = (
+        short.itl_mean_quantile(Batch, 0.5).unwrap(),
+        long.itl_mean_quantile(Batch, 0.5).unwrap(),
+    );
     println!("ITL p50 at batch 64: prompt 64 -> {s:.4} s, prompt 4000 -> {l:.4} s");
     assert!(l > 1.5 * s, "short {s} long {l}");
     assert_eq!(long.preemptions, 0, "context effect, not KV pressure");
@@ -79,7 +85,10 @@ fn ttft_explodes_once_waiting_persists() {
         let r = run(&interactive(1, rate, 120.0), &mut NoBatch).unwrap();
         let q = r.series.len() / 4;
         let (w1, w2) = (r.series[q].waiting, r.series.last().unwrap().waiting);
-        let (a, b) = (r.ttft_quantile(Interactive, 0.5).unwrap(), r.ttft_quantile(Interactive, 0.99).unwrap());
+        let (a, b) = (
+            r.ttft_quantile(Interactive, 0.5).unwrap(),
+            r.ttft_quantile(Interactive, 0.99).unwrap(),
+        );
         println!("{rate:>6} {a:>9.3} {b:>9.3} {w1:>12} {w2:>12}");
         p99.push((b, w1, w2));
     }
@@ -131,7 +140,11 @@ fn ungated_backlog_inflates_ttft_p99_and_small_cap_does_not() {
     let capped = run(&sc, &mut StaticCap { cap: 4 }).unwrap();
     let p99 = |r: &RunReport| r.ttft_quantile(Interactive, 0.99).unwrap();
     let (b, u, c) = (p99(&base), p99(&ungated), p99(&capped));
-    println!("interactive TTFT p99: baseline {b:.3} s, ungated {u:.3} s ({:.0}x), static cap 4 {c:.3} s ({:.2}x)", u / b, c / b);
+    println!(
+        "interactive TTFT p99: baseline {b:.3} s, ungated {u:.3} s ({:.0}x), static cap 4 {c:.3} s ({:.2}x)",
+        u / b,
+        c / b
+    );
     println!(
         "batch tokens/s: ungated {:.0}, static cap 4 {:.0}; SLO violations (0.5 s / 0.05 s): baseline {:.4}, ungated {:.4}, cap 4 {:.4}",
         ungated.generated_tokens_per_s(Batch),
@@ -140,7 +153,16 @@ fn ungated_backlog_inflates_ttft_p99_and_small_cap_does_not() {
         ungated.slo_violation_rate(Interactive, 0.5, 0.05),
         capped.slo_violation_rate(Interactive, 0.5, 0.05),
     );
-    assert!(u > 10.0 * b, "ungated inflates p99 more than 10x: {b} -> {u}");
-    assert!(c < 1.5 * b, "a small static cap stays near baseline: {b} -> {c}");
-    assert!(capped.generated_tokens_per_s(Batch) > 100.0, "and still harvests batch work");
+    assert!(
+        u > 10.0 * b,
+        "ungated inflates p99 more than 10x: {b} -> {u}"
+    );
+    assert!(
+        c < 1.5 * b,
+        "a small static cap stays near baseline: {b} -> {c}"
+    );
+    assert!(
+        capped.generated_tokens_per_s(Batch) > 100.0,
+        "and still harvests batch work"
+    );
 }

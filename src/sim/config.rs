@@ -147,7 +147,10 @@ impl Default for EngineConfig {
 impl EngineConfig {
     fn validate(&self) -> Result<(), SimError> {
         if self.max_num_seqs == 0 {
-            return Err(SimError::config("engine.max_num_seqs", "must be at least 1"));
+            return Err(SimError::config(
+                "engine.max_num_seqs",
+                "must be at least 1",
+            ));
         }
         if self.max_num_batched_tokens < self.max_num_seqs.min(16) {
             return Err(SimError::config(
@@ -159,10 +162,16 @@ impl EngineConfig {
             return Err(SimError::config("engine.block_size", "must be in 1..=1024"));
         }
         if self.num_gpu_blocks == 0 {
-            return Err(SimError::config("engine.num_gpu_blocks", "must be at least 1"));
+            return Err(SimError::config(
+                "engine.num_gpu_blocks",
+                "must be at least 1",
+            ));
         }
         if self.max_model_len < 2 {
-            return Err(SimError::config("engine.max_model_len", "must be at least 2"));
+            return Err(SimError::config(
+                "engine.max_model_len",
+                "must be at least 2",
+            ));
         }
         // A request as long as max_model_len must fit in KV on its own, or the
         // engine could admit something it can never finish.
@@ -214,9 +223,18 @@ impl StepModel {
     fn validate(&self) -> Result<(), SimError> {
         let all = [
             ("engine.step.c0_ms", self.c0_ms),
-            ("engine.step.c1_ms_per_prefill_token", self.c1_ms_per_prefill_token),
-            ("engine.step.c2_ms_per_decode_seq", self.c2_ms_per_decode_seq),
-            ("engine.step.c3_ms_per_context_token", self.c3_ms_per_context_token),
+            (
+                "engine.step.c1_ms_per_prefill_token",
+                self.c1_ms_per_prefill_token,
+            ),
+            (
+                "engine.step.c2_ms_per_decode_seq",
+                self.c2_ms_per_decode_seq,
+            ),
+            (
+                "engine.step.c3_ms_per_context_token",
+                self.c3_ms_per_context_token,
+            ),
         ];
         for (key, v) in all {
             if !(v.is_finite() && v >= 0.0) {
@@ -228,7 +246,10 @@ impl StepModel {
             return Err(SimError::config("engine.step.c0_ms", "must be > 0"));
         }
         if !(self.jitter.is_finite() && (0.0..0.5).contains(&self.jitter)) {
-            return Err(SimError::config("engine.step.jitter", "must be in [0, 0.5)"));
+            return Err(SimError::config(
+                "engine.step.jitter",
+                "must be in [0, 0.5)",
+            ));
         }
         Ok(())
     }
@@ -269,13 +290,25 @@ impl Default for GatewayConfig {
 impl GatewayConfig {
     fn validate(&self) -> Result<(), SimError> {
         if !(self.saturation_queue_depth.is_finite() && self.saturation_queue_depth > 0.0) {
-            return Err(SimError::config("gateway.saturation_queue_depth", "must be > 0"));
+            return Err(SimError::config(
+                "gateway.saturation_queue_depth",
+                "must be > 0",
+            ));
         }
-        if !(self.saturation_kv.is_finite() && self.saturation_kv > 0.0 && self.saturation_kv <= 1.0) {
-            return Err(SimError::config("gateway.saturation_kv", "must be in (0, 1]"));
+        if !(self.saturation_kv.is_finite()
+            && self.saturation_kv > 0.0
+            && self.saturation_kv <= 1.0)
+        {
+            return Err(SimError::config(
+                "gateway.saturation_kv",
+                "must be in (0, 1]",
+            ));
         }
         if self.admission_cap_503 == Some(0) {
-            return Err(SimError::config("gateway.admission_cap_503", "must be at least 1"));
+            return Err(SimError::config(
+                "gateway.admission_cap_503",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }
@@ -371,7 +404,10 @@ impl LoadConfig {
     pub fn validate(&self, section: &str) -> Result<(), SimError> {
         self.validate_ranges(section)?;
         if self.mode == LoadMode::Trace && self.trace_file.is_none() {
-            return Err(SimError::config(&format!("{section}.trace_file"), "required when mode = \"trace\""));
+            return Err(SimError::config(
+                &format!("{section}.trace_file"),
+                "required when mode = \"trace\"",
+            ));
         }
         Ok(())
     }
@@ -383,8 +419,14 @@ impl LoadConfig {
             ("rate_per_replica", self.rate_per_replica),
             ("diurnal_amplitude", self.diurnal_amplitude),
             ("burst_mean_gap_s", self.burst_mean_gap_s),
-            ("waves_high_rate_per_replica", self.waves_high_rate_per_replica),
-            ("waves_low_rate_per_replica", self.waves_low_rate_per_replica),
+            (
+                "waves_high_rate_per_replica",
+                self.waves_high_rate_per_replica,
+            ),
+            (
+                "waves_low_rate_per_replica",
+                self.waves_low_rate_per_replica,
+            ),
             ("prompt_cv", self.prompt_cv),
             ("output_cv", self.output_cv),
         ];
@@ -415,7 +457,10 @@ impl LoadConfig {
         ];
         for (k, [lo, hi], min) in ranges {
             if !(lo.is_finite() && hi.is_finite() && lo >= min && hi >= lo) {
-                return Err(SimError::config(&key(k), format!("must be [lo, hi] with {min} <= lo <= hi")));
+                return Err(SimError::config(
+                    &key(k),
+                    format!("must be [lo, hi] with {min} <= lo <= hi"),
+                ));
             }
         }
         if self.max_tokens == 0 {
@@ -461,7 +506,10 @@ impl MetricsConfig {
 pub(crate) fn validate_windows(key: &str, windows: &[[f64; 2]]) -> Result<(), SimError> {
     for [a, b] in windows {
         if !(a.is_finite() && b.is_finite() && *a >= 0.0 && b > a) {
-            return Err(SimError::config(key, "each window must be [start, end] with 0 <= start < end"));
+            return Err(SimError::config(
+                key,
+                "each window must be [start, end] with 0 <= start < end",
+            ));
         }
     }
     Ok(())
@@ -502,7 +550,10 @@ impl Default for HttpConfig {
 impl HttpConfig {
     fn validate(&self, engine: &EngineConfig) -> Result<(), SimError> {
         if self.default_max_tokens == 0 {
-            return Err(SimError::config("http.default_max_tokens", "must be at least 1"));
+            return Err(SimError::config(
+                "http.default_max_tokens",
+                "must be at least 1",
+            ));
         }
         if self.max_output_tokens == 0 || self.max_output_tokens >= engine.max_model_len {
             return Err(SimError::config(
@@ -521,6 +572,7 @@ impl HttpConfig {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 

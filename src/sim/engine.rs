@@ -8,8 +8,8 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use rand::SeedableRng;
 use rand::RngExt;
+use rand::SeedableRng;
 use rand::rngs::Xoshiro256PlusPlus;
 use serde::Serialize;
 
@@ -193,7 +193,12 @@ impl Seq {
         self.generated > 0 && self.needed() == 1
     }
 
-    fn record(&self, replica: usize, outcome: Outcome, finished_at: Option<SimTime>) -> RequestRecord {
+    fn record(
+        &self,
+        replica: usize,
+        outcome: Outcome,
+        finished_at: Option<SimTime>,
+    ) -> RequestRecord {
         let (itl_mean, itl_p95, itl_max) = itl_summary(&self.itls);
         RequestRecord {
             id: self.req.id,
@@ -223,7 +228,11 @@ fn itl_summary(itls: &[f32]) -> (Option<f64>, Option<f64>, Option<f64>) {
     v.sort_by(f32::total_cmp);
     let mean = v.iter().map(|x| f64::from(*x)).sum::<f64>() / v.len() as f64;
     let idx = ((v.len() as f64 * 0.95).ceil() as usize).clamp(1, v.len()) - 1;
-    (Some(mean), Some(f64::from(v[idx])), v.last().map(|x| f64::from(*x)))
+    (
+        Some(mean),
+        Some(f64::from(v[idx])),
+        v.last().map(|x| f64::from(*x)),
+    )
 }
 
 /// Priority-queue key: (priority, arrival bits, id). Non-negative f64 bit
@@ -554,10 +563,11 @@ impl Engine {
         // 1. Decodes, one token each, in admission order.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            if self.running[i].scheduled == 0 && self.running[i].is_decode() {
-                if !self.schedule_running(&mut i, 1, &mut budget) {
-                    continue;
-                }
+            if self.running[i].scheduled == 0
+                && self.running[i].is_decode()
+                && !self.schedule_running(&mut i, 1, &mut budget)
+            {
+                continue;
             }
             i += 1;
         }
@@ -576,13 +586,17 @@ impl Engine {
         // 3. Waiting requests, only if nothing was preempted this step (V1).
         if self.preemptions_total == preempted_before {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs as usize {
-                let Some(head) = self.waiting.front() else { break };
+                let Some(head) = self.waiting.front() else {
+                    break;
+                };
                 let n = head.needed().min(budget).min(chunk_cap);
                 let need = self.blocks_for(head.computed + n);
                 if need > self.free_blocks {
                     break;
                 }
-                let Some(mut s) = self.waiting.pop_front() else { break };
+                let Some(mut s) = self.waiting.pop_front() else {
+                    break;
+                };
                 s.blocks = need;
                 s.scheduled = n;
                 s.decoding = false;
@@ -623,7 +637,9 @@ impl Engine {
 
     /// Applies the step in progress: tokens appear at its end time.
     pub fn finish_step(&mut self, out: &mut Vec<EngineEvent>) {
-        let Some(end) = self.step_end.take() else { return };
+        let Some(end) = self.step_end.take() else {
+            return;
+        };
         let step_len = end - self.step_started;
         let mut i = 0;
         while i < self.running.len() {
@@ -657,7 +673,11 @@ impl Engine {
             }
             s.last_token_at = end;
             if s.req.stream {
-                out.push(EngineEvent::Token { id: s.req.id, index, at: end });
+                out.push(EngineEvent::Token {
+                    id: s.req.id,
+                    index,
+                    at: end,
+                });
             }
             if s.generated >= s.target {
                 let s = self.running.remove(i);
@@ -667,7 +687,11 @@ impl Engine {
                 if let Some(t) = s.first_scheduled_at {
                     self.hist.queue.observe(t - s.req.arrival);
                 }
-                out.push(EngineEvent::Finished(Box::new(s.record(self.replica, Outcome::Completed, Some(end)))));
+                out.push(EngineEvent::Finished(Box::new(s.record(
+                    self.replica,
+                    Outcome::Completed,
+                    Some(end),
+                ))));
                 continue;
             }
             i += 1;
@@ -708,6 +732,7 @@ impl Engine {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 
@@ -762,7 +787,10 @@ mod tests {
         let itl = r.itl_mean.unwrap();
         assert!((0.0100..0.0101).contains(&itl), "{itl}");
         assert_eq!(r.output_tokens, 10);
-        let tokens = ev.iter().filter(|e| matches!(e, EngineEvent::Token { .. })).count();
+        let tokens = ev
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::Token { .. }))
+            .count();
         assert_eq!(tokens, 10);
         assert_eq!(e.kv_usage(), 0.0);
     }
@@ -775,7 +803,10 @@ mod tests {
         assert_eq!(e.last_work().prefill_tokens, 2048);
         let mut out = Vec::new();
         e.finish_step(&mut out);
-        assert!(out.is_empty(), "no token before the prompt is fully computed");
+        assert!(
+            out.is_empty(),
+            "no token before the prompt is fully computed"
+        );
         let (ev, _) = run(&mut e, 1.0);
         assert_eq!(finished(&ev)[0].output_tokens, 1);
     }
@@ -790,7 +821,10 @@ mod tests {
         e.start_step(end);
         let w = e.last_work();
         assert_eq!(w.decode_seqs, 1);
-        assert_eq!(w.prefill_tokens, 2047, "the rest of the budget goes to the new prefill");
+        assert_eq!(
+            w.prefill_tokens, 2047,
+            "the rest of the budget goes to the new prefill"
+        );
     }
 
     #[test]
@@ -820,7 +854,10 @@ mod tests {
         assert_eq!(recs.len(), 2);
         let r2 = recs.iter().find(|r| r.id == 2).unwrap();
         let r1 = recs.iter().find(|r| r.id == 1).unwrap();
-        assert!(r2.preemptions > 0, "the later request is the victim: {r2:?}");
+        assert!(
+            r2.preemptions > 0,
+            "the later request is the victim: {r2:?}"
+        );
         assert_eq!(r1.preemptions, 0);
         assert!(e.gauges().preemptions_total > 0);
         assert_eq!(r2.output_tokens, 100, "recompute keeps generated tokens");

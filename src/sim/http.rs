@@ -58,7 +58,9 @@ impl FromStr for InteractiveArg {
             "poisson" => Ok(Self::Poisson),
             _ => match s.strip_prefix("trace:") {
                 Some(p) if !p.is_empty() => Ok(Self::Trace(PathBuf::from(p))),
-                _ => Err(format!("expected off, waves, poisson or trace:FILE, got {s:?}")),
+                _ => Err(format!(
+                    "expected off, waves, poisson or trace:FILE, got {s:?}"
+                )),
             },
         }
     }
@@ -130,7 +132,10 @@ impl ServeArgs {
 }
 
 /// Runs the simulator front until `shutdown` resolves.
-pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), SimError> {
+pub async fn serve(
+    args: ServeArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), SimError> {
     let cfg = args.into_config()?;
     let handle = spawn_http(cfg).await?;
     tracing::info!(addr = %handle.addr(), "simulator listening");
@@ -177,11 +182,15 @@ impl Drop for SimHandle {
 /// Starts the front on `config.listen` (default 127.0.0.1 on a free port).
 pub async fn spawn_http(config: SimConfig) -> Result<SimHandle, SimError> {
     config.validate()?;
-    let addr = config.listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+    let addr = config
+        .listen
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| SimError::Bind { addr, source })?;
-    let addr = listener.local_addr().map_err(|source| SimError::Bind { addr, source })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| SimError::Bind { addr, source })?;
     let shared = Arc::new(Shared::new(config)?);
     let cancel = CancellationToken::new();
 
@@ -254,8 +263,15 @@ impl Live {
         let released = std::mem::take(&mut self.released);
         for (req, a) in released {
             if let Admission::Rejected(code) = a {
-                let outcome = if code == 429 { Outcome::Rejected429 } else { Outcome::Rejected503 };
-                self.deliver(req.id, Ev::Done(Box::new(RequestRecord::rejected(&req, outcome))));
+                let outcome = if code == 429 {
+                    Outcome::Rejected429
+                } else {
+                    Outcome::Rejected503
+                };
+                self.deliver(
+                    req.id,
+                    Ev::Done(Box::new(RequestRecord::rejected(&req, outcome))),
+                );
             }
         }
     }
@@ -263,7 +279,8 @@ impl Live {
     /// Advances the pool to `now`, interleaving background arrivals exactly.
     fn advance(&mut self, now: SimTime) {
         while let Some(a) = self.next_background.filter(|a| a.at <= now) {
-            self.pool.advance_to(a.at, &mut self.events, &mut self.released);
+            self.pool
+                .advance_to(a.at, &mut self.events, &mut self.released);
             let id = self.next_id;
             self.next_id += 1;
             self.pool.submit(SimRequest {
@@ -276,9 +293,13 @@ impl Live {
                 priority: a.priority,
                 stream: false,
             });
-            self.next_background = self.background.as_mut().and_then(LoadGenerator::next_arrival);
+            self.next_background = self
+                .background
+                .as_mut()
+                .and_then(LoadGenerator::next_arrival);
         }
-        self.pool.advance_to(now, &mut self.events, &mut self.released);
+        self.pool
+            .advance_to(now, &mut self.events, &mut self.released);
         if let Some(h) = &mut self.history {
             if h.scrape_due(now) {
                 h.scrape(now, self.pool.snapshot());
@@ -381,7 +402,9 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Live> {
         // A panic while holding the lock leaves plain data behind; serving
         // on beats wedging every later request.
-        self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.live
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -395,7 +418,8 @@ async fn drive(shared: Arc<Shared>, cancel: CancellationToken) {
         let sleep = async {
             match wake_at {
                 Some(t) => {
-                    let real = std::time::Duration::from_secs_f64((t / shared.cfg.time_scale).max(0.0));
+                    let real =
+                        std::time::Duration::from_secs_f64((t / shared.cfg.time_scale).max(0.0));
                     tokio::time::sleep_until(shared.origin + real).await;
                 }
                 None => std::future::pending::<()>().await,
@@ -424,7 +448,12 @@ fn router(shared: Arc<Shared>) -> Router {
 }
 
 /// An OpenAI-style error response.
-fn error(status: StatusCode, message: impl Into<String>, kind: &str, param: Option<&str>) -> Response {
+fn error(
+    status: StatusCode,
+    message: impl Into<String>,
+    kind: &str,
+    param: Option<&str>,
+) -> Response {
     let body = json!({
         "error": {
             "message": message.into(),
@@ -436,8 +465,29 @@ fn error(status: StatusCode, message: impl Into<String>, kind: &str, param: Opti
     (status, axum::Json(body)).into_response()
 }
 
-fn bad_request(message: impl Into<String>, param: Option<&str>) -> Response {
-    error(StatusCode::BAD_REQUEST, message, "invalid_request_error", param)
+/// A 400 answer, kept small so `Result`s carrying it stay cheap.
+#[derive(Debug)]
+struct BadRequest {
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl IntoResponse for BadRequest {
+    fn into_response(self) -> Response {
+        error(
+            StatusCode::BAD_REQUEST,
+            self.message,
+            "invalid_request_error",
+            self.param,
+        )
+    }
+}
+
+fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
+    BadRequest {
+        message: message.into(),
+        param,
+    }
 }
 
 async fn not_found() -> Response {
@@ -466,7 +516,11 @@ async fn models(State(s): State<Arc<Shared>>) -> Response {
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     let now = s.now();
     if s.blackouts.blacked_out(now) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "metrics blackout (simulated)\n").into_response();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "metrics blackout (simulated)\n",
+        )
+            .into_response();
     }
     let text = {
         let mut live = s.lock();
@@ -475,14 +529,21 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
             Some(h) => match h.observe(now) {
                 Some((_, snap)) => render(snap, &s.labels),
                 None => {
-                    return (StatusCode::SERVICE_UNAVAILABLE, "metrics not yet available (lag)\n").into_response();
+                    return (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "metrics not yet available (lag)\n",
+                    )
+                        .into_response();
                 }
             },
             None => render(&live.pool.snapshot(), &s.labels),
         }
     };
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         text,
     )
         .into_response()
@@ -523,8 +584,9 @@ fn text_tokens(text: &str, chars_per_token: f64) -> u64 {
     ((text.chars().count() as f64 / chars_per_token).ceil() as u64).max(1)
 }
 
-fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Response> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}"), None))?;
+fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, BadRequest> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad_request(format!("invalid JSON body: {e}"), None))?;
     let Some(obj) = v.as_object() else {
         return Err(bad_request("request body must be a JSON object", None));
     };
@@ -544,16 +606,29 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Response> {
                         Value::String(s) => text_tokens(s, cpt),
                         Value::Number(_) => 1,
                         Value::Array(ids) if ids.iter().all(Value::is_number) => ids.len() as u64,
-                        _ => return Err(bad_request("prompt must be a string, an array of strings or token ids", Some("prompt"))),
+                        _ => {
+                            return Err(bad_request(
+                                "prompt must be a string, an array of strings or token ids",
+                                Some("prompt"),
+                            ));
+                        }
                     };
                 }
                 n.max(1)
             }
-            _ => return Err(bad_request("prompt is required (string, array of strings or token ids)", Some("prompt"))),
+            _ => {
+                return Err(bad_request(
+                    "prompt is required (string, array of strings or token ids)",
+                    Some("prompt"),
+                ));
+            }
         },
         Api::Chat => {
             let Some(Value::Array(msgs)) = obj.get("messages") else {
-                return Err(bad_request("messages is required and must be an array", Some("messages")));
+                return Err(bad_request(
+                    "messages is required and must be an array",
+                    Some("messages"),
+                ));
             };
             if msgs.is_empty() {
                 return Err(bad_request("messages must not be empty", Some("messages")));
@@ -561,10 +636,16 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Response> {
             let mut n = 0u64;
             for m in msgs {
                 let Some(m) = m.as_object() else {
-                    return Err(bad_request("each message must be an object", Some("messages")));
+                    return Err(bad_request(
+                        "each message must be an object",
+                        Some("messages"),
+                    ));
                 };
                 if !m.get("role").is_some_and(Value::is_string) {
-                    return Err(bad_request("each message needs a string role", Some("messages")));
+                    return Err(bad_request(
+                        "each message needs a string role",
+                        Some("messages"),
+                    ));
                 }
                 // A few tokens of chat template per message, as real templates add.
                 n += 4;
@@ -576,7 +657,12 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Response> {
                         .filter_map(|p| p.get("text").and_then(Value::as_str))
                         .map(|s| text_tokens(s, cpt))
                         .sum(),
-                    Some(_) => return Err(bad_request("message content must be a string or an array of parts", Some("messages"))),
+                    Some(_) => {
+                        return Err(bad_request(
+                            "message content must be a string or an array of parts",
+                            Some("messages"),
+                        ));
+                    }
                 };
             }
             n
@@ -591,7 +677,12 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Response> {
         None | Some(Value::Null) => cfg.http.default_max_tokens,
         Some(v) => match v.as_u64() {
             Some(n) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
-            _ => return Err(bad_request(format!("{max_key} must be an integer >= 1"), Some(max_key))),
+            _ => {
+                return Err(bad_request(
+                    format!("{max_key} must be an integer >= 1"),
+                    Some(max_key),
+                ));
+            }
         },
     };
     let stream = match obj.get("stream") {
@@ -661,7 +752,9 @@ impl Drop for AbortGuard {
     }
 }
 
-const FILLER: [&str; 10] = [" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."];
+const FILLER: [&str; 10] = [
+    " The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".",
+];
 
 fn filler(n: u32) -> String {
     (0..n).map(|i| FILLER[i as usize % FILLER.len()]).collect()
@@ -670,7 +763,7 @@ fn filler(n: u32) -> String {
 async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
     let p = match parse(api, &body, &s.cfg) {
         Ok(p) => p,
-        Err(resp) => return resp,
+        Err(bad) => return bad.into_response(),
     };
     let (id, target, rx, admission) = {
         let mut live = s.lock();
@@ -709,15 +802,29 @@ async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
     };
     match admission {
         Admission::Rejected(429) => {
-            return error(StatusCode::TOO_MANY_REQUESTS, "the pool is saturated; retry later", "rate_limit_error", None);
+            return error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "the pool is saturated; retry later",
+                "rate_limit_error",
+                None,
+            );
         }
         Admission::Rejected(_) => {
-            return error(StatusCode::SERVICE_UNAVAILABLE, "the server is overloaded; retry later", "server_error", None);
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is overloaded; retry later",
+                "server_error",
+                None,
+            );
         }
         Admission::Routed(_) | Admission::Held => {}
     }
     s.wake.notify_one();
-    let guard = AbortGuard { shared: s.clone(), id, done: false };
+    let guard = AbortGuard {
+        shared: s.clone(),
+        id,
+        done: false,
+    };
     let replica = match admission {
         Admission::Routed(i) => Some(i),
         _ => None,
@@ -758,27 +865,50 @@ fn usage(prompt: u32, completion: u32) -> Value {
 }
 
 fn finish_reason(generated: u32, max_tokens: u32) -> &'static str {
-    if generated >= max_tokens { "length" } else { "stop" }
+    if generated >= max_tokens {
+        "length"
+    } else {
+        "stop"
+    }
 }
 
 fn refused(rec: &RequestRecord) -> Option<Response> {
     match rec.outcome {
-        Outcome::Rejected429 => Some(error(StatusCode::TOO_MANY_REQUESTS, "the pool is saturated; retry later", "rate_limit_error", None)),
-        Outcome::Rejected503 | Outcome::Aborted | Outcome::Unfinished => {
-            Some(error(StatusCode::SERVICE_UNAVAILABLE, "the server is overloaded; retry later", "server_error", None))
-        }
+        Outcome::Rejected429 => Some(error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "the pool is saturated; retry later",
+            "rate_limit_error",
+            None,
+        )),
+        Outcome::Rejected503 | Outcome::Aborted | Outcome::Unfinished => Some(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is overloaded; retry later",
+            "server_error",
+            None,
+        )),
         Outcome::Completed => None,
     }
 }
 
-async fn unary_response(api: Api, ids: ResponseIds, p: Parsed, mut rx: mpsc::Receiver<Ev>, mut guard: AbortGuard) -> Response {
+async fn unary_response(
+    api: Api,
+    ids: ResponseIds,
+    p: Parsed,
+    mut rx: mpsc::Receiver<Ev>,
+    mut guard: AbortGuard,
+) -> Response {
     let rec = loop {
         match rx.recv().await {
             Some(Ev::Token(_)) => {}
             Some(Ev::Done(rec)) => break rec,
             None => {
                 guard.done = true;
-                return error(StatusCode::SERVICE_UNAVAILABLE, "simulator shutting down", "server_error", None);
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "simulator shutting down",
+                    "server_error",
+                    None,
+                );
             }
         }
     };
@@ -789,7 +919,9 @@ async fn unary_response(api: Api, ids: ResponseIds, p: Parsed, mut rx: mpsc::Rec
     let text = filler(rec.output_tokens);
     let reason = finish_reason(rec.output_tokens, p.max_tokens);
     let choice = match api {
-        Api::Completions => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason}),
+        Api::Completions => {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": reason})
+        }
         Api::Chat => json!({
             "index": 0,
             "message": {"role": "assistant", "content": text},
@@ -812,8 +944,19 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-fn stream_response(api: Api, ids: ResponseIds, p: Parsed, target: u32, rx: mpsc::Receiver<Ev>, guard: AbortGuard) -> Response {
-    let object = if api == Api::Chat { "chat.completion.chunk" } else { "text_completion" };
+fn stream_response(
+    api: Api,
+    ids: ResponseIds,
+    p: Parsed,
+    target: u32,
+    rx: mpsc::Receiver<Ev>,
+    guard: AbortGuard,
+) -> Response {
+    let object = if api == Api::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
     let chunk = move |ids: &ResponseIds, choice: Value| {
         sse(&json!({
             "id": ids.id,
@@ -832,51 +975,68 @@ fn stream_response(api: Api, ids: ResponseIds, p: Parsed, target: u32, rx: mpsc:
         started: bool,
         finished: bool,
     }
-    let st = St { rx, guard, ids, p, target, started: false, finished: false };
+    let st = St {
+        rx,
+        guard,
+        ids,
+        p,
+        target,
+        started: false,
+        finished: false,
+    };
     let body = futures_util::stream::unfold(st, move |mut st| async move {
         if st.finished {
             return None;
         }
         if api == Api::Chat && !st.started {
             st.started = true;
-            let c = chunk(&st.ids, json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
+            let c = chunk(
+                &st.ids,
+                json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+            );
             return Some((Ok::<Bytes, Infallible>(c), st));
         }
         st.started = true;
-        loop {
-            match st.rx.recv().await {
-                Some(Ev::Token(i)) => {
-                    let word = FILLER[i as usize % FILLER.len()];
-                    let last = i + 1 >= st.target;
-                    let reason = if last { json!(finish_reason(st.target, st.p.max_tokens)) } else { Value::Null };
-                    let choice = match api {
-                        Api::Completions => json!({"index": 0, "text": word, "logprobs": null, "finish_reason": reason}),
-                        Api::Chat => json!({"index": 0, "delta": {"content": word}, "logprobs": null, "finish_reason": reason}),
-                    };
-                    return Some((Ok(chunk(&st.ids, choice)), st));
-                }
-                Some(Ev::Done(rec)) => {
-                    st.guard.done = true;
-                    st.finished = true;
-                    let mut out = Vec::new();
-                    if rec.outcome != Outcome::Completed {
-                        out.extend_from_slice(&sse(&json!({"error": {"message": "request refused or aborted by the pool", "type": "server_error", "code": 503}})));
-                    } else if st.p.include_usage {
-                        out.extend_from_slice(&sse(&json!({
-                            "id": st.ids.id,
-                            "object": object,
-                            "created": st.ids.created,
-                            "model": st.ids.model,
-                            "choices": [],
-                            "usage": usage(rec.prompt_tokens, rec.output_tokens),
-                        })));
+        match st.rx.recv().await {
+            Some(Ev::Token(i)) => {
+                let word = FILLER[i as usize % FILLER.len()];
+                let last = i + 1 >= st.target;
+                let reason = if last {
+                    json!(finish_reason(st.target, st.p.max_tokens))
+                } else {
+                    Value::Null
+                };
+                let choice = match api {
+                    Api::Completions => {
+                        json!({"index": 0, "text": word, "logprobs": null, "finish_reason": reason})
                     }
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    return Some((Ok(Bytes::from(out)), st));
-                }
-                // Server shutting down: end the stream without [DONE].
-                None => return None,
+                    Api::Chat => {
+                        json!({"index": 0, "delta": {"content": word}, "logprobs": null, "finish_reason": reason})
+                    }
+                };
+                Some((Ok(chunk(&st.ids, choice)), st))
             }
+            Some(Ev::Done(rec)) => {
+                st.guard.done = true;
+                st.finished = true;
+                let mut out = Vec::new();
+                if rec.outcome != Outcome::Completed {
+                    out.extend_from_slice(&sse(&json!({"error": {"message": "request refused or aborted by the pool", "type": "server_error", "code": 503}})));
+                } else if st.p.include_usage {
+                    out.extend_from_slice(&sse(&json!({
+                        "id": st.ids.id,
+                        "object": object,
+                        "created": st.ids.created,
+                        "model": st.ids.model,
+                        "choices": [],
+                        "usage": usage(rec.prompt_tokens, rec.output_tokens),
+                    })));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                Some((Ok(Bytes::from(out)), st))
+            }
+            // Server shutting down: end the stream without [DONE].
+            None => None,
         }
     });
     Response::builder()
@@ -884,17 +1044,28 @@ fn stream_response(api: Api, ids: ResponseIds, p: Parsed, target: u32, rx: mpsc:
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
-        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "cannot build stream", "server_error", None))
+        .unwrap_or_else(|_| {
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "cannot build stream",
+                "server_error",
+                None,
+            )
+        })
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 
     #[test]
     fn parses_interactive_arg() {
         assert_eq!("waves".parse::<InteractiveArg>(), Ok(InteractiveArg::Waves));
-        assert_eq!("trace:/x.csv".parse::<InteractiveArg>(), Ok(InteractiveArg::Trace("/x.csv".into())));
+        assert_eq!(
+            "trace:/x.csv".parse::<InteractiveArg>(),
+            Ok(InteractiveArg::Trace("/x.csv".into()))
+        );
         assert!("trace:".parse::<InteractiveArg>().is_err());
         assert!("busy".parse::<InteractiveArg>().is_err());
     }
@@ -918,9 +1089,19 @@ mod tests {
     #[test]
     fn parse_estimates_tokens_and_rejects_bad_input() {
         let cfg = SimConfig::default();
-        let p = parse(Api::Completions, br#"{"model":"m","prompt":"abcdefgh","max_tokens":5}"#, &cfg).unwrap();
+        let p = parse(
+            Api::Completions,
+            br#"{"model":"m","prompt":"abcdefgh","max_tokens":5}"#,
+            &cfg,
+        )
+        .unwrap();
         assert_eq!((p.prompt_tokens, p.max_tokens, p.stream), (2, 5, false));
-        let p = parse(Api::Chat, br#"{"messages":[{"role":"user","content":"abcd"}],"stream":true}"#, &cfg).unwrap();
+        let p = parse(
+            Api::Chat,
+            br#"{"messages":[{"role":"user","content":"abcd"}],"stream":true}"#,
+            &cfg,
+        )
+        .unwrap();
         assert_eq!(p.prompt_tokens, 5);
         assert!(p.stream);
         for bad in [
@@ -931,7 +1112,9 @@ mod tests {
             br#"{"prompt": "x", "stream": "yes"}"#,
             br#"{"prompt": "x", "max_tokens": 100000}"#,
         ] {
-            let r = parse(Api::Completions, bad, &cfg).unwrap_err();
+            let r = parse(Api::Completions, bad, &cfg)
+                .unwrap_err()
+                .into_response();
             assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         }
         assert!(parse(Api::Chat, br#"{"messages": []}"#, &cfg).is_err());

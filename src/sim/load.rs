@@ -49,7 +49,10 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRow>, SimError> {
             continue;
         }
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
-        let err = |message: String| SimError::TraceParse { line: n + 1, message };
+        let err = |message: String| SimError::TraceParse {
+            line: n + 1,
+            message,
+        };
         if rows.is_empty() && n == 0 && fields.first().is_some_and(|f| f.parse::<f64>().is_err()) {
             continue; // header
         }
@@ -63,9 +66,12 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRow>, SimError> {
             return Err(err("timestamp must be finite".into()));
         }
         let tok = |i: usize, what: &str| -> Result<u32, SimError> {
-            fields[i]
-                .parse::<u32>()
-                .map_err(|_| err(format!("{what} {:?} is not a non-negative integer", fields[i])))
+            fields[i].parse::<u32>().map_err(|_| {
+                err(format!(
+                    "{what} {:?} is not a non-negative integer",
+                    fields[i]
+                ))
+            })
         };
         let row = TraceRow {
             timestamp,
@@ -144,7 +150,9 @@ impl LengthModel {
     pub fn fit(&self, prompt: f64, output: f64, max_tokens: u32) -> (u32, u32, u32) {
         // Prompts may use at most three quarters of the window so that some
         // output always fits.
-        let p_cap = (self.max_model_len - 1).min(self.max_model_len * 3 / 4).max(1);
+        let p_cap = (self.max_model_len - 1)
+            .min(self.max_model_len * 3 / 4)
+            .max(1);
         let prompt = (prompt.max(1.0) as u32).min(p_cap);
         let max_tokens = max_tokens.clamp(1, self.max_model_len - prompt);
         let output = (output.max(1.0) as u32).min(max_tokens);
@@ -191,7 +199,12 @@ pub struct LoadGenerator {
 
 impl LoadGenerator {
     /// Builds the generator a load section describes (reads the trace file).
-    pub fn new(cfg: &LoadConfig, replicas: usize, max_model_len: u32, seed: u64) -> Result<Self, SimError> {
+    pub fn new(
+        cfg: &LoadConfig,
+        replicas: usize,
+        max_model_len: u32,
+        seed: u64,
+    ) -> Result<Self, SimError> {
         let rows = match (&cfg.mode, &cfg.trace_file) {
             (LoadMode::Trace, Some(path)) => read_trace(path)?,
             _ => Vec::new(),
@@ -255,7 +268,13 @@ impl LoadGenerator {
     pub fn rate_at(&self, t: SimTime) -> f64 {
         match &self.process {
             Process::Off | Process::Trace { .. } => 0.0,
-            Process::Poisson { base, amp, period, bursts, .. } => {
+            Process::Poisson {
+                base,
+                amp,
+                period,
+                bursts,
+                ..
+            } => {
                 let diurnal = 1.0 + amp * (2.0 * std::f64::consts::PI * t / period).sin();
                 let burst = bursts
                     .iter()
@@ -264,15 +283,32 @@ impl LoadGenerator {
                     .fold(1.0, f64::max);
                 base * diurnal * burst
             }
-            Process::Waves { high, low, high_s, low_s } => {
-                if t.rem_euclid(high_s + low_s) < *high_s { *high } else { *low }
+            Process::Waves {
+                high,
+                low,
+                high_s,
+                low_s,
+            } => {
+                if t.rem_euclid(high_s + low_s) < *high_s {
+                    *high
+                } else {
+                    *low
+                }
             }
         }
     }
 
     /// Generates bursts up to `t` and forgets the ones that ended.
     fn extend_bursts(&mut self, t: SimTime) {
-        if let Process::Poisson { burst_gap, burst_len, burst_factor, bursts, next_burst, .. } = &mut self.process {
+        if let Process::Poisson {
+            burst_gap,
+            burst_len,
+            burst_factor,
+            bursts,
+            next_burst,
+            ..
+        } = &mut self.process
+        {
             while *next_burst <= t {
                 let start = *next_burst;
                 let len = self.rng.random_range(burst_len[0]..=burst_len[1]);
@@ -289,7 +325,12 @@ impl LoadGenerator {
     fn rate_bound(&self) -> f64 {
         match &self.process {
             Process::Off | Process::Trace { .. } => 0.0,
-            Process::Poisson { base, amp, burst_factor, .. } => base * (1.0 + amp) * burst_factor[1].max(1.0),
+            Process::Poisson {
+                base,
+                amp,
+                burst_factor,
+                ..
+            } => base * (1.0 + amp) * burst_factor[1].max(1.0),
             Process::Waves { high, low, .. } => high.max(*low),
         }
     }
@@ -303,10 +344,18 @@ impl LoadGenerator {
             *next += 1;
             let at = (row.timestamp - t0) / *speed;
             let max_tokens = self.lengths.max_tokens.max(row.output_tokens);
-            let (p, o, m) = self
-                .lengths
-                .fit(f64::from(row.input_tokens), f64::from(row.output_tokens), max_tokens);
-            return Some(Arrival { at, prompt_tokens: p, output_tokens: o, max_tokens: m, priority: self.priority });
+            let (p, o, m) = self.lengths.fit(
+                f64::from(row.input_tokens),
+                f64::from(row.output_tokens),
+                max_tokens,
+            );
+            return Some(Arrival {
+                at,
+                prompt_tokens: p,
+                output_tokens: o,
+                max_tokens: m,
+                priority: self.priority,
+            });
         }
         let bound = self.rate_bound();
         if bound <= 0.0 {
@@ -323,7 +372,13 @@ impl LoadGenerator {
             }
         }
         let (p, o, m) = self.lengths.draw(&mut self.rng);
-        Some(Arrival { at: self.t, prompt_tokens: p, output_tokens: o, max_tokens: m, priority: self.priority })
+        Some(Arrival {
+            at: self.t,
+            prompt_tokens: p,
+            output_tokens: o,
+            max_tokens: m,
+            priority: self.priority,
+        })
     }
 }
 
@@ -342,11 +397,15 @@ fn exp_sample(rng: &mut Xoshiro256PlusPlus, rate: f64) -> f64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 
     fn cfg(mode: LoadMode) -> LoadConfig {
-        LoadConfig { mode, ..LoadConfig::default() }
+        LoadConfig {
+            mode,
+            ..LoadConfig::default()
+        }
     }
 
     #[test]
@@ -395,14 +454,21 @@ mod tests {
     #[test]
     fn same_seed_same_stream() {
         let c = cfg(LoadMode::Poisson);
-        let a: Vec<Arrival> = LoadGenerator::new(&c, 2, 8192, 11).unwrap().take(200).collect();
-        let b: Vec<Arrival> = LoadGenerator::new(&c, 2, 8192, 11).unwrap().take(200).collect();
+        let a: Vec<Arrival> = LoadGenerator::new(&c, 2, 8192, 11)
+            .unwrap()
+            .take(200)
+            .collect();
+        let b: Vec<Arrival> = LoadGenerator::new(&c, 2, 8192, 11)
+            .unwrap()
+            .take(200)
+            .collect();
         assert_eq!(a, b);
     }
 
     #[test]
     fn trace_replays_relative_to_first_row() {
-        let rows = parse_trace("timestamp,input_tokens,output_tokens\n100.5,10,20\n101.5,30,40\n").unwrap();
+        let rows = parse_trace("timestamp,input_tokens,output_tokens\n100.5,10,20\n101.5,30,40\n")
+            .unwrap();
         let mut c = cfg(LoadMode::Trace);
         c.trace_speed = 2.0;
         let g = LoadGenerator::with_trace(&c, 1, 8192, 1, rows).unwrap();

@@ -14,8 +14,8 @@ use super::engine::SimTime;
 
 /// vLLM's `vllm:time_to_first_token_seconds` buckets.
 pub const TTFT_BUCKETS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 /// vLLM's `vllm:inter_token_latency_seconds` buckets.
 pub const ITL_BUCKETS: [f64; 19] = [
@@ -189,7 +189,9 @@ pub struct ExpositionLabels {
 
 /// Escapes a label value for the text format.
 fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -199,7 +201,11 @@ fn family(out: &mut String, name: &str, kind: &str, help: &str) {
 
 fn fmt_f64(v: f64) -> String {
     if v.is_infinite() {
-        if v > 0.0 { "+Inf".to_owned() } else { "-Inf".to_owned() }
+        if v > 0.0 {
+            "+Inf".to_owned()
+        } else {
+            "-Inf".to_owned()
+        }
     } else {
         format!("{v:?}")
     }
@@ -211,20 +217,59 @@ pub fn render(snap: &MetricsSnapshot, l: &ExpositionLabels) -> String {
     let pool = esc(&l.pool);
     let model = esc(&l.model);
     let vlabels: Vec<String> = (0..snap.obs.replicas.len())
-        .map(|i| format!("engine=\"0\",inference_pool=\"{pool}\",model_name=\"{model}\",pod=\"{pool}-{i}\""))
+        .map(|i| {
+            format!(
+                "engine=\"0\",inference_pool=\"{pool}\",model_name=\"{model}\",pod=\"{pool}-{i}\""
+            )
+        })
         .collect();
 
     type GaugeFn = fn(&ReplicaGauges) -> f64;
     let mut gauges: Vec<(&str, &str, &str, GaugeFn)> = vec![
-        ("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", |g| f64::from(g.running)),
-        ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", |g| f64::from(g.waiting)),
-        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", |g| g.kv_usage),
-        ("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.", |g| g.preemptions_total as f64),
-        ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", |g| g.prompt_tokens_total as f64),
-        ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", |g| g.generation_tokens_total as f64),
+        (
+            "vllm:num_requests_running",
+            "gauge",
+            "Number of requests in model execution batches.",
+            |g| f64::from(g.running),
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Number of requests waiting to be processed.",
+            |g| f64::from(g.waiting),
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage. 1 means 100 percent usage.",
+            |g| g.kv_usage,
+        ),
+        (
+            "vllm:num_preemptions_total",
+            "counter",
+            "Cumulative number of preemption from the engine.",
+            |g| g.preemptions_total as f64,
+        ),
+        (
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            |g| g.prompt_tokens_total as f64,
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            |g| g.generation_tokens_total as f64,
+        ),
     ];
     if l.legacy_vllm_names {
-        gauges.push(("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.", |g| g.kv_usage));
+        gauges.push((
+            "vllm:gpu_cache_usage_perc",
+            "gauge",
+            "GPU KV-cache usage. 1 means 100 percent usage.",
+            |g| g.kv_usage,
+        ));
     }
     for (name, kind, help, f) in gauges {
         family(&mut out, name, kind, help);
@@ -232,11 +277,25 @@ pub fn render(snap: &MetricsSnapshot, l: &ExpositionLabels) -> String {
             let _ = writeln!(out, "{name}{{{lab}}} {}", fmt_f64(f(g)));
         }
     }
-    family(&mut out, "vllm:request_success_total", "counter", "Count of successfully processed requests.");
+    family(
+        &mut out,
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+    );
     for (g, lab) in snap.obs.replicas.iter().zip(&vlabels) {
-        let _ = writeln!(out, "vllm:request_success_total{{{lab},finished_reason=\"length\"}} {}", fmt_f64(g.success_total as f64));
+        let _ = writeln!(
+            out,
+            "vllm:request_success_total{{{lab},finished_reason=\"length\"}} {}",
+            fmt_f64(g.success_total as f64)
+        );
     }
-    family(&mut out, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
+    family(
+        &mut out,
+        "vllm:cache_config_info",
+        "gauge",
+        "Information of the LLMEngine CacheConfig",
+    );
     for lab in &vlabels {
         let _ = writeln!(
             out,
@@ -247,20 +306,45 @@ pub fn render(snap: &MetricsSnapshot, l: &ExpositionLabels) -> String {
 
     type HistFn = fn(&ReplicaHistograms) -> &Histogram;
     let mut hists: Vec<(&str, &str, HistFn)> = vec![
-        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", |h| &h.ttft),
-        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", |h| &h.itl),
-        ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", |h| &h.e2e),
-        ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", |h| &h.queue),
+        (
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            |h| &h.ttft,
+        ),
+        (
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            |h| &h.itl,
+        ),
+        (
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            |h| &h.e2e,
+        ),
+        (
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            |h| &h.queue,
+        ),
     ];
     if l.legacy_vllm_names {
-        hists.push(("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", |h| &h.itl));
+        hists.push((
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            |h| &h.itl,
+        ));
     }
     for (name, help, f) in hists {
         family(&mut out, name, "histogram", help);
         for (h, lab) in snap.hist.iter().zip(&vlabels) {
             let h = f(h);
             for (le, c) in h.cumulative() {
-                let _ = writeln!(out, "{name}_bucket{{{lab},le=\"{}\"}} {}", fmt_f64(le), fmt_f64(c as f64));
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{{lab},le=\"{}\"}} {}",
+                    fmt_f64(le),
+                    fmt_f64(c as f64)
+                );
             }
             let _ = writeln!(out, "{name}_sum{{{lab}}} {}", fmt_f64(h.sum()));
             let _ = writeln!(out, "{name}_count{{{lab}}} {}", fmt_f64(h.count() as f64));
@@ -273,13 +357,36 @@ pub fn render(snap: &MetricsSnapshot, l: &ExpositionLabels) -> String {
     let avg_queue = mean(obs.replicas.iter().map(|r| f64::from(r.waiting)));
     let avg_running = mean(obs.replicas.iter().map(|r| f64::from(r.running)));
     let pool_gauges: [(&str, &str, &str, f64); 4] = [
-        ("ready_endpoints", "ready_pods", "Number of ready endpoints in the pool.", n),
-        ("average_kv_cache_utilization", "average_kv_cache_utilization", "Average KV cache utilization of the pool.", obs.avg_kv_usage()),
-        ("average_queue_size", "average_queue_size", "Average waiting queue size of the pool.", avg_queue),
-        ("average_running_requests", "average_running_requests", "Average running requests of the pool.", avg_running),
+        (
+            "ready_endpoints",
+            "ready_pods",
+            "Number of ready endpoints in the pool.",
+            n,
+        ),
+        (
+            "average_kv_cache_utilization",
+            "average_kv_cache_utilization",
+            "Average KV cache utilization of the pool.",
+            obs.avg_kv_usage(),
+        ),
+        (
+            "average_queue_size",
+            "average_queue_size",
+            "Average waiting queue size of the pool.",
+            avg_queue,
+        ),
+        (
+            "average_running_requests",
+            "average_running_requests",
+            "Average running requests of the pool.",
+            avg_running,
+        ),
     ];
     for (current, legacy, help, v) in pool_gauges {
-        for name in [format!("llm_d_epp_{current}"), format!("inference_pool_{legacy}")] {
+        for name in [
+            format!("llm_d_epp_{current}"),
+            format!("inference_pool_{legacy}"),
+        ] {
             family(&mut out, &name, "gauge", help);
             let _ = writeln!(out, "{name}{{name=\"{pool}\"}} {}", fmt_f64(v));
         }
@@ -288,18 +395,40 @@ pub fn render(snap: &MetricsSnapshot, l: &ExpositionLabels) -> String {
         ("llm_d_epp_per_endpoint_queue_size", "model_server_endpoint"),
         ("inference_pool_per_pod_queue_size", "model_server_pod"),
     ] {
-        family(&mut out, name, "gauge", "Waiting queue size of each endpoint as the picker sees it.");
+        family(
+            &mut out,
+            name,
+            "gauge",
+            "Waiting queue size of each endpoint as the picker sees it.",
+        );
         for (i, r) in obs.replicas.iter().enumerate() {
-            let _ = writeln!(out, "{name}{{{pod_label}=\"{pool}-{i}\",name=\"{pool}\"}} {}", fmt_f64(f64::from(r.waiting)));
+            let _ = writeln!(
+                out,
+                "{name}{{{pod_label}=\"{pool}-{i}\",name=\"{pool}\"}} {}",
+                fmt_f64(f64::from(r.waiting))
+            );
         }
     }
     for prefix in ["llm_d_epp", "inference_extension"] {
         let name = format!("{prefix}_flow_control_queue_size");
         family(&mut out, &name, "gauge", "Requests held by flow control.");
-        let _ = writeln!(out, "{name}{{inference_pool=\"{pool}\"}} {}", fmt_f64(f64::from(obs.flow_control_queue_size)));
+        let _ = writeln!(
+            out,
+            "{name}{{inference_pool=\"{pool}\"}} {}",
+            fmt_f64(f64::from(obs.flow_control_queue_size))
+        );
         let name = format!("{prefix}_flow_control_pool_saturation");
-        family(&mut out, &name, "gauge", "Pool saturation as seen by the flow-control saturation detector.");
-        let _ = writeln!(out, "{name}{{inference_pool=\"{pool}\"}} {}", fmt_f64(obs.saturation));
+        family(
+            &mut out,
+            &name,
+            "gauge",
+            "Pool saturation as seen by the flow-control saturation detector.",
+        );
+        let _ = writeln!(
+            out,
+            "{name}{{inference_pool=\"{pool}\"}} {}",
+            fmt_f64(obs.saturation)
+        );
     }
     out
 }
@@ -407,6 +536,7 @@ impl<T: Clone> LaggedView<T> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 
@@ -428,7 +558,12 @@ mod tests {
         let snap = MetricsSnapshot {
             obs: PoolObservation {
                 taken_at: 1.0,
-                replicas: vec![ReplicaGauges { running: 3, waiting: 2, kv_usage: 0.5, ..Default::default() }],
+                replicas: vec![ReplicaGauges {
+                    running: 3,
+                    waiting: 2,
+                    kv_usage: 0.5,
+                    ..Default::default()
+                }],
                 flow_control_queue_size: 0,
                 saturation: 0.625,
             },
@@ -446,8 +581,12 @@ mod tests {
             "vllm:num_requests_running{engine=\"0\",inference_pool=\"p\",model_name=\"m\",pod=\"p-0\"} 3.0"
         ));
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",inference_pool=\"p\",model_name=\"m\",pod=\"p-0\",le=\"2560.0\"} 0.0"));
-        assert!(text.contains("inference_pool_per_pod_queue_size{model_server_pod=\"p-0\",name=\"p\"} 2.0"));
-        assert!(text.contains("llm_d_epp_flow_control_pool_saturation{inference_pool=\"p\"} 0.625"));
+        assert!(text.contains(
+            "inference_pool_per_pod_queue_size{model_server_pod=\"p-0\",name=\"p\"} 2.0"
+        ));
+        assert!(
+            text.contains("llm_d_epp_flow_control_pool_saturation{inference_pool=\"p\"} 0.625")
+        );
         assert!(text.contains("vllm:cache_config_info{engine=\"0\",inference_pool=\"p\",model_name=\"m\",pod=\"p-0\",block_size=\"16\",num_gpu_blocks=\"100\"} 1.0"));
         assert!(text.contains("vllm:gpu_cache_usage_perc{"));
     }

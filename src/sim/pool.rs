@@ -91,7 +91,10 @@ impl Pool {
         let n = self.engines.len().max(1) as f64;
         self.engines
             .iter()
-            .map(|e| (e.num_waiting() as f64 / g.saturation_queue_depth).max(e.kv_usage() / g.saturation_kv))
+            .map(|e| {
+                (e.num_waiting() as f64 / g.saturation_queue_depth)
+                    .max(e.kv_usage() / g.saturation_kv)
+            })
             .sum::<f64>()
             / n
     }
@@ -153,7 +156,9 @@ impl Pool {
     /// Releases flow-control holds while the pool is below saturation.
     fn release_held(&mut self, out: &mut Vec<(SimRequest, Admission)>) {
         while !self.held.is_empty() && self.saturation() < 1.0 {
-            let Some((_, req)) = self.held.pop_first() else { break };
+            let Some((_, req)) = self.held.pop_first() else {
+                break;
+            };
             let copy = req.clone();
             out.push((copy, self.route(req)));
         }
@@ -204,7 +209,10 @@ impl Pool {
     /// Aborts a request wherever it is.
     pub fn abort(&mut self, id: u64) -> Option<RequestRecord> {
         if let Some(key) = self.held.iter().find(|(_, r)| r.id == id).map(|(k, _)| *k) {
-            return self.held.remove(&key).map(|r| RequestRecord::rejected(&r, Outcome::Aborted));
+            return self
+                .held
+                .remove(&key)
+                .map(|r| RequestRecord::rejected(&r, Outcome::Aborted));
         }
         self.engines.iter_mut().find_map(|e| e.abort(id))
     }
@@ -223,7 +231,11 @@ impl Pool {
     pub fn snapshot(&self) -> MetricsSnapshot {
         MetricsSnapshot {
             obs: self.observe(),
-            hist: self.engines.iter().map(|e| e.histograms().clone()).collect(),
+            hist: self
+                .engines
+                .iter()
+                .map(|e| e.histograms().clone())
+                .collect(),
         }
     }
 
@@ -241,6 +253,7 @@ impl Pool {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
     use crate::sim::engine::RequestClass;
@@ -286,14 +299,18 @@ mod tests {
 
     #[test]
     fn answers_429_above_waiting_cap_and_503_above_admission_cap() {
-        let mut gw = GatewayConfig::default();
-        gw.queue_cap_429 = Some(2);
+        let gw = GatewayConfig {
+            queue_cap_429: Some(2),
+            ..GatewayConfig::default()
+        };
         let mut p = pool(1, gw);
         let results: Vec<Admission> = (0..4).map(|i| p.submit(req(i))).collect();
         assert_eq!(results[3], Admission::Rejected(429), "{results:?}");
 
-        let mut gw = GatewayConfig::default();
-        gw.admission_cap_503 = Some(2);
+        let gw = GatewayConfig {
+            admission_cap_503: Some(2),
+            ..GatewayConfig::default()
+        };
         let mut p = pool(1, gw);
         let results: Vec<Admission> = (0..3).map(|i| p.submit(req(i))).collect();
         assert_eq!(results[2], Admission::Rejected(503));
@@ -302,9 +319,11 @@ mod tests {
 
     #[test]
     fn flow_control_holds_while_saturated_and_releases_later() {
-        let mut gw = GatewayConfig::default();
-        gw.flow_control = true;
-        gw.saturation_queue_depth = 1.0;
+        let gw = GatewayConfig {
+            flow_control: true,
+            saturation_queue_depth: 1.0,
+            ..GatewayConfig::default()
+        };
         let mut p = pool(1, gw);
         let a: Vec<Admission> = (0..4).map(|i| p.submit(req(i))).collect();
         assert!(a.contains(&Admission::Held), "{a:?}");
@@ -312,7 +331,10 @@ mod tests {
         let (mut ev, mut rel) = (Vec::new(), Vec::new());
         p.advance_to(60.0, &mut ev, &mut rel);
         assert!(!rel.is_empty());
-        let done = ev.iter().filter(|e| matches!(e, EngineEvent::Finished(_))).count();
+        let done = ev
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::Finished(_)))
+            .count();
         assert_eq!(done, 4);
         assert_eq!(p.observe().flow_control_queue_size, 0);
     }

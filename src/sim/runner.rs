@@ -191,7 +191,11 @@ impl StaticCap {
 
 impl BatchPolicy for StaticCap {
     fn name(&self) -> String {
-        if self.cap == u32::MAX { "ungated".to_owned() } else { format!("static-cap-{}", self.cap) }
+        if self.cap == u32::MAX {
+            "ungated".to_owned()
+        } else {
+            format!("static-cap-{}", self.cap)
+        }
     }
     fn release(&mut self, input: &PolicyInput<'_>) -> u32 {
         self.cap.saturating_sub(input.batch_in_flight)
@@ -211,7 +215,11 @@ pub struct FixedRate {
 impl FixedRate {
     /// A fixed release rate.
     pub fn new(per_second: f64) -> Self {
-        Self { per_second, carry: 0.0, last: None }
+        Self {
+            per_second,
+            carry: 0.0,
+            last: None,
+        }
     }
 }
 
@@ -324,7 +332,9 @@ impl RunReport {
 
     /// Completed requests of `class`.
     pub fn completed(&self, class: RequestClass) -> usize {
-        self.of(class).filter(|r| r.outcome == Outcome::Completed).count()
+        self.of(class)
+            .filter(|r| r.outcome == Outcome::Completed)
+            .count()
     }
 
     /// Refusals (429 + 503) of `class`.
@@ -388,7 +398,14 @@ struct Counters {
 }
 
 impl Counters {
-    fn admitted(&mut self, class: RequestClass, a: Admission, req: &SimRequest, records: &mut Vec<RequestRecord>, now: SimTime) {
+    fn admitted(
+        &mut self,
+        class: RequestClass,
+        a: Admission,
+        req: &SimRequest,
+        records: &mut Vec<RequestRecord>,
+        now: SimTime,
+    ) {
         match a {
             Admission::Routed(_) | Admission::Held => {
                 self.in_flight[class as usize] += 1;
@@ -397,7 +414,11 @@ impl Counters {
                 }
             }
             Admission::Rejected(code) => {
-                let outcome = if code == 429 { Outcome::Rejected429 } else { Outcome::Rejected503 };
+                let outcome = if code == 429 {
+                    Outcome::Rejected429
+                } else {
+                    Outcome::Rejected503
+                };
                 records.push(RequestRecord::rejected(req, outcome));
                 if class == RequestClass::Batch {
                     self.batch_rejected[usize::from(code != 429)] += 1;
@@ -415,10 +436,22 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
     let sc = scenario;
     let mut pool = Pool::new(&sc.pool, sc.seed);
     let max_len = pool.max_model_len();
-    let mut load = LoadGenerator::new(&sc.interactive, sc.pool.replicas, max_len, sc.seed ^ 0x5EED_0001)?;
+    let mut load = LoadGenerator::new(
+        &sc.interactive,
+        sc.pool.replicas,
+        max_len,
+        sc.seed ^ 0x5EED_0001,
+    )?;
     let mut batch_rng = Xoshiro256PlusPlus::seed_from_u64(sc.seed ^ 0x5EED_0002);
     let batch_len = match &sc.batch {
-        Some(b) => Some(LengthModel::new(b.prompt_mean, b.prompt_cv, b.output_mean, b.output_cv, b.max_tokens, max_len)?),
+        Some(b) => Some(LengthModel::new(
+            b.prompt_mean,
+            b.prompt_cv,
+            b.output_mean,
+            b.output_cv,
+            b.max_tokens,
+            max_len,
+        )?),
         None => None,
     };
     let mut backlog = sc.batch.as_ref().map_or(0, |b| b.backlog);
@@ -435,18 +468,19 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
     let (mut policy_k, mut sample_k) = (0u64, 0u64);
     let mut last_obs_age: Option<f64> = None;
 
-    let drain = |events: &mut Vec<EngineEvent>, records: &mut Vec<RequestRecord>, c: &mut Counters| {
-        for ev in events.drain(..) {
-            if let EngineEvent::Finished(r) = ev {
-                let k = r.class as usize;
-                c.in_flight[k] = c.in_flight[k].saturating_sub(1);
-                if r.class == RequestClass::Batch && r.outcome == Outcome::Completed {
-                    c.batch_completed += 1;
+    let drain =
+        |events: &mut Vec<EngineEvent>, records: &mut Vec<RequestRecord>, c: &mut Counters| {
+            for ev in events.drain(..) {
+                if let EngineEvent::Finished(r) = ev {
+                    let k = r.class as usize;
+                    c.in_flight[k] = c.in_flight[k].saturating_sub(1);
+                    if r.class == RequestClass::Batch && r.outcome == Outcome::Completed {
+                        c.batch_completed += 1;
+                    }
+                    records.push(*r);
                 }
-                records.push(*r);
             }
-        }
-    };
+        };
 
     loop {
         let t_policy = policy_k as f64 * sc.policy_interval_s;
@@ -590,6 +624,7 @@ fn tokens(pool: &Pool) -> (u64, u64) {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
     use crate::sim::config::LoadMode;
@@ -645,7 +680,12 @@ mod tests {
         sc.view = ViewConfig::prometheus();
         let mut p = Probe(Vec::new());
         run(&sc, &mut p).unwrap();
-        assert!(p.0.iter().all(|age| (5.0 - 1e-9..=20.0 + 1e-9).contains(age)), "{:?}", p.0);
+        assert!(
+            p.0.iter()
+                .all(|age| (5.0 - 1e-9..=20.0 + 1e-9).contains(age)),
+            "{:?}",
+            p.0
+        );
     }
 
     #[test]
