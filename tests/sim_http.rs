@@ -171,8 +171,10 @@ async fn refuses_with_openai_errors_when_admission_caps_trigger() {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert!(v["error"]["message"].is_string());
 
-    let mut cfg = SimConfig::default();
-    cfg.replicas = 1;
+    let mut cfg = SimConfig {
+        replicas: 1,
+        ..SimConfig::default()
+    };
     cfg.gateway.admission_cap_503 = Some(1);
     let (h2, c2) = start(cfg).await;
     let long = post(

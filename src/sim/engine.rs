@@ -336,7 +336,6 @@ pub struct Engine {
     next_order: u64,
     /// Whether a step is in progress and when it ends.
     step_end: Option<SimTime>,
-    step_started: SimTime,
     last_work: StepWork,
     steps: u64,
     preemptions_total: u64,
@@ -365,7 +364,6 @@ impl Engine {
             free_blocks,
             next_order: 0,
             step_end: None,
-            step_started: 0.0,
             last_work: StepWork::default(),
             steps: 0,
             preemptions_total: 0,
@@ -563,10 +561,11 @@ impl Engine {
         // 1. Decodes, one token each, in admission order.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            if self.running[i].scheduled == 0 && self.running[i].is_decode() {
-                if !self.schedule_running(&mut i, 1, &mut budget) {
-                    continue;
-                }
+            if self.running[i].scheduled == 0
+                && self.running[i].is_decode()
+                && !self.schedule_running(&mut i, 1, &mut budget)
+            {
+                continue;
             }
             i += 1;
         }
@@ -628,7 +627,6 @@ impl Engine {
         };
         let end = now + self.step_duration(w) * factor;
         self.last_work = w;
-        self.step_started = now;
         self.step_end = Some(end);
         self.steps += 1;
         Some(end)
@@ -639,7 +637,6 @@ impl Engine {
         let Some(end) = self.step_end.take() else {
             return;
         };
-        let step_len = end - self.step_started;
         let mut i = 0;
         while i < self.running.len() {
             let s = &mut self.running[i];
@@ -695,7 +692,6 @@ impl Engine {
             }
             i += 1;
         }
-        let _ = step_len;
     }
 
     /// Removes a request wherever it is (client gone). Work already scheduled
@@ -731,6 +727,7 @@ impl Engine {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 

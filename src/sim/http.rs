@@ -465,13 +465,29 @@ fn error(
     (status, axum::Json(body)).into_response()
 }
 
-fn bad_request(message: impl Into<String>, param: Option<&str>) -> Response {
-    error(
-        StatusCode::BAD_REQUEST,
-        message,
-        "invalid_request_error",
+/// A 400 answer, kept small so `Result`s carrying it stay cheap.
+#[derive(Debug)]
+struct BadRequest {
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl IntoResponse for BadRequest {
+    fn into_response(self) -> Response {
+        error(
+            StatusCode::BAD_REQUEST,
+            self.message,
+            "invalid_request_error",
+            self.param,
+        )
+    }
+}
+
+fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
+    BadRequest {
+        message: message.into(),
         param,
-    )
+    }
 }
 
 async fn not_found() -> Response {
@@ -568,7 +584,7 @@ fn text_tokens(text: &str, chars_per_token: f64) -> u64 {
     ((text.chars().count() as f64 / chars_per_token).ceil() as u64).max(1)
 }
 
-fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Response> {
+fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, BadRequest> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| bad_request(format!("invalid JSON body: {e}"), None))?;
     let Some(obj) = v.as_object() else {
@@ -747,7 +763,7 @@ fn filler(n: u32) -> String {
 async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
     let p = match parse(api, &body, &s.cfg) {
         Ok(p) => p,
-        Err(resp) => return resp,
+        Err(bad) => return bad.into_response(),
     };
     let (id, target, rx, admission) = {
         let mut live = s.lock();
@@ -981,48 +997,46 @@ fn stream_response(
             return Some((Ok::<Bytes, Infallible>(c), st));
         }
         st.started = true;
-        loop {
-            match st.rx.recv().await {
-                Some(Ev::Token(i)) => {
-                    let word = FILLER[i as usize % FILLER.len()];
-                    let last = i + 1 >= st.target;
-                    let reason = if last {
-                        json!(finish_reason(st.target, st.p.max_tokens))
-                    } else {
-                        Value::Null
-                    };
-                    let choice = match api {
-                        Api::Completions => {
-                            json!({"index": 0, "text": word, "logprobs": null, "finish_reason": reason})
-                        }
-                        Api::Chat => {
-                            json!({"index": 0, "delta": {"content": word}, "logprobs": null, "finish_reason": reason})
-                        }
-                    };
-                    return Some((Ok(chunk(&st.ids, choice)), st));
-                }
-                Some(Ev::Done(rec)) => {
-                    st.guard.done = true;
-                    st.finished = true;
-                    let mut out = Vec::new();
-                    if rec.outcome != Outcome::Completed {
-                        out.extend_from_slice(&sse(&json!({"error": {"message": "request refused or aborted by the pool", "type": "server_error", "code": 503}})));
-                    } else if st.p.include_usage {
-                        out.extend_from_slice(&sse(&json!({
-                            "id": st.ids.id,
-                            "object": object,
-                            "created": st.ids.created,
-                            "model": st.ids.model,
-                            "choices": [],
-                            "usage": usage(rec.prompt_tokens, rec.output_tokens),
-                        })));
+        match st.rx.recv().await {
+            Some(Ev::Token(i)) => {
+                let word = FILLER[i as usize % FILLER.len()];
+                let last = i + 1 >= st.target;
+                let reason = if last {
+                    json!(finish_reason(st.target, st.p.max_tokens))
+                } else {
+                    Value::Null
+                };
+                let choice = match api {
+                    Api::Completions => {
+                        json!({"index": 0, "text": word, "logprobs": null, "finish_reason": reason})
                     }
-                    out.extend_from_slice(b"data: [DONE]\n\n");
-                    return Some((Ok(Bytes::from(out)), st));
-                }
-                // Server shutting down: end the stream without [DONE].
-                None => return None,
+                    Api::Chat => {
+                        json!({"index": 0, "delta": {"content": word}, "logprobs": null, "finish_reason": reason})
+                    }
+                };
+                Some((Ok(chunk(&st.ids, choice)), st))
             }
+            Some(Ev::Done(rec)) => {
+                st.guard.done = true;
+                st.finished = true;
+                let mut out = Vec::new();
+                if rec.outcome != Outcome::Completed {
+                    out.extend_from_slice(&sse(&json!({"error": {"message": "request refused or aborted by the pool", "type": "server_error", "code": 503}})));
+                } else if st.p.include_usage {
+                    out.extend_from_slice(&sse(&json!({
+                        "id": st.ids.id,
+                        "object": object,
+                        "created": st.ids.created,
+                        "model": st.ids.model,
+                        "choices": [],
+                        "usage": usage(rec.prompt_tokens, rec.output_tokens),
+                    })));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                Some((Ok(Bytes::from(out)), st))
+            }
+            // Server shutting down: end the stream without [DONE].
+            None => None,
         }
     });
     Response::builder()
@@ -1041,6 +1055,7 @@ fn stream_response(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 
@@ -1097,7 +1112,9 @@ mod tests {
             br#"{"prompt": "x", "stream": "yes"}"#,
             br#"{"prompt": "x", "max_tokens": 100000}"#,
         ] {
-            let r = parse(Api::Completions, bad, &cfg).unwrap_err();
+            let r = parse(Api::Completions, bad, &cfg)
+                .unwrap_err()
+                .into_response();
             assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         }
         assert!(parse(Api::Chat, br#"{"messages": []}"#, &cfg).is_err());

@@ -11,7 +11,7 @@
 //!   exposition, lagged views with blackouts.
 //! - [`runner`]: the virtual-time runner that evaluates batch policies.
 //! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`).
-//! - [`error`]: [`SimError`].
+//! - [`error`]: the error type, [`SimError`].
 
 pub mod config;
 pub mod engine;

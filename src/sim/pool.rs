@@ -253,6 +253,7 @@ impl Pool {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
     use crate::sim::engine::RequestClass;
@@ -298,14 +299,18 @@ mod tests {
 
     #[test]
     fn answers_429_above_waiting_cap_and_503_above_admission_cap() {
-        let mut gw = GatewayConfig::default();
-        gw.queue_cap_429 = Some(2);
+        let gw = GatewayConfig {
+            queue_cap_429: Some(2),
+            ..GatewayConfig::default()
+        };
         let mut p = pool(1, gw);
         let results: Vec<Admission> = (0..4).map(|i| p.submit(req(i))).collect();
         assert_eq!(results[3], Admission::Rejected(429), "{results:?}");
 
-        let mut gw = GatewayConfig::default();
-        gw.admission_cap_503 = Some(2);
+        let gw = GatewayConfig {
+            admission_cap_503: Some(2),
+            ..GatewayConfig::default()
+        };
         let mut p = pool(1, gw);
         let results: Vec<Admission> = (0..3).map(|i| p.submit(req(i))).collect();
         assert_eq!(results[2], Admission::Rejected(503));
@@ -314,9 +319,11 @@ mod tests {
 
     #[test]
     fn flow_control_holds_while_saturated_and_releases_later() {
-        let mut gw = GatewayConfig::default();
-        gw.flow_control = true;
-        gw.saturation_queue_depth = 1.0;
+        let gw = GatewayConfig {
+            flow_control: true,
+            saturation_queue_depth: 1.0,
+            ..GatewayConfig::default()
+        };
         let mut p = pool(1, gw);
         let a: Vec<Admission> = (0..4).map(|i| p.submit(req(i))).collect();
         assert!(a.contains(&Admission::Held), "{a:?}");
