@@ -93,7 +93,9 @@ struct RunArgs {
     #[arg(long)]
     input: Option<PathBuf>,
     /// Memory transport only: where to write results (JSON lines) at exit;
-    /// standard output when absent.
+    /// standard output when absent. Messages still unsettled at exit are
+    /// written to `<output>.unsettled.jsonl` (or standard error), so nothing
+    /// is lost silently.
     #[arg(long)]
     output: Option<PathBuf>,
     /// Memory transport only: stop once every loaded message is settled.
@@ -221,14 +223,17 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
     write_results(&memory, args.output.as_ref())
 }
 
-/// Writes the memory queues' results as JSON lines.
+/// Writes the memory queues' results as JSON lines, and hands on what is
+/// still unsettled (the memory transport keeps nothing after exit).
 fn write_results(queues: &[Arc<MemoryQueue>], output: Option<&PathBuf>) -> ExitCode {
-    let mut text = String::new();
+    let mut results = String::new();
+    let mut unsettled = String::new();
+    let mut unsettled_count = 0usize;
     for queue in queues {
         for result in queue.results() {
             // A result is plain strings and numbers: serialising cannot fail.
-            text.push_str(&serde_json::to_string(&result).unwrap_or_default());
-            text.push('\n');
+            results.push_str(&serde_json::to_string(&result).unwrap_or_default());
+            results.push('\n');
         }
         for dead in queue.dead_letters() {
             eprintln!(
@@ -236,10 +241,32 @@ fn write_results(queues: &[Arc<MemoryQueue>], output: Option<&PathBuf>) -> ExitC
                 serde_json::to_string(&dead.last_error).unwrap_or_default()
             );
         }
+        for body in queue.unsettled() {
+            unsettled.push_str(&String::from_utf8_lossy(&body));
+            unsettled.push('\n');
+            unsettled_count += 1;
+        }
     }
     let written = match output {
-        Some(path) => std::fs::write(path, text),
-        None => std::io::stdout().write_all(text.as_bytes()),
+        Some(path) => std::fs::write(path, &results).and_then(|()| {
+            if unsettled_count == 0 {
+                return Ok(());
+            }
+            let mut rest = path.clone().into_os_string();
+            rest.push(".unsettled.jsonl");
+            let rest = PathBuf::from(rest);
+            eprintln!(
+                "{unsettled_count} messages were not settled; written to {}",
+                rest.display()
+            );
+            std::fs::write(rest, &unsettled)
+        }),
+        None => {
+            if unsettled_count > 0 {
+                eprintln!("{unsettled_count} messages were not settled:\n{unsettled}");
+            }
+            std::io::stdout().write_all(results.as_bytes())
+        }
     };
     match written {
         Ok(()) => ExitCode::SUCCESS,

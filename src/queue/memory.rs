@@ -110,6 +110,21 @@ impl MemoryQueue {
         self.lock().pending.len()
     }
 
+    /// The bytes of every message not yet settled (waiting or leased), in
+    /// queue order: what a process using this queue must hand on at exit,
+    /// since memory keeps nothing.
+    pub fn unsettled(&self) -> Vec<Bytes> {
+        let state = self.lock();
+        let mut keyed: Vec<(OrderKey, Bytes)> = state
+            .pending
+            .iter()
+            .map(|(k, i)| (*k, i.body.clone()))
+            .chain(state.leased.values().map(|l| (l.key, l.item.body.clone())))
+            .collect();
+        keyed.sort_by_key(|(k, _)| *k);
+        keyed.into_iter().map(|(_, b)| b).collect()
+    }
+
     /// Messages currently leased.
     pub fn leased_len(&self) -> usize {
         self.lock().leased.len()
