@@ -209,7 +209,7 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
             loop {
                 let settled: usize = queues
                     .iter()
-                    .map(|q| q.results().len() + q.dead_letters().len())
+                    .map(|q| q.result_count() + q.dead_letters().len())
                     .sum();
                 if settled >= loaded {
                     stop.cancel();

@@ -553,3 +553,56 @@ async fn earliest_deadline_goes_first() {
     assert_eq!(order, vec!["early", "middle", "late"]);
     h.stop().await;
 }
+
+/// A gateway that counts how many requests it holds at once.
+async fn counting_gateway(delay: Duration) -> (String, Arc<AtomicUsize>) {
+    use axum::routing::post;
+    let now = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (n, p) = (now.clone(), peak.clone());
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        post(move || {
+            let (n, p) = (n.clone(), p.clone());
+            async move {
+                let current = n.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(current, Ordering::SeqCst);
+                tokio::time::sleep(delay).await;
+                n.fetch_sub(1, Ordering::SeqCst);
+                "{}"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), peak)
+}
+
+#[tokio::test]
+async fn a_blind_gate_never_has_more_than_max_sys_in_flight() {
+    let (url, peak) = counting_gateway(Duration::from_millis(50)).await;
+    let settings = DispatchSettings {
+        max_sys: 4.0,
+        ..fast_settings()
+    };
+    let h = Harness::start(
+        &url,
+        Box::new(ConstantGate::default()),
+        settings,
+        no_retry_limit(),
+    );
+    for i in 0..40 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    assert_eq!(h.wait_for_results(40).await.len(), 40);
+    h.stop().await;
+    let peak = peak.load(Ordering::SeqCst);
+    assert!(peak <= 4, "peak in flight {peak} exceeds max_sys");
+    assert!(
+        peak >= 2,
+        "the window is used, not serialised (peak {peak})"
+    );
+}

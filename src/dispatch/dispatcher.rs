@@ -746,7 +746,12 @@ async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
         let n = headroom_units(max_sys, observation.headroom(), settings.rounding);
         let (applied, held) = {
             let mut window = shared.window();
-            let applied = window.observe(observation.taken_at, n, at_least_one);
+            let applied = window.observe(
+                observation.taken_at,
+                n,
+                at_least_one,
+                observation.sees_own_load,
+            );
             shared.export_window(&window, now);
             (applied, window.is_held(now))
         };

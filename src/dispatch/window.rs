@@ -127,8 +127,17 @@ impl Window {
     }
 
     /// Applies an observation whose data describes `taken_at` and allows `n`
-    /// more units (see [`headroom_units`]).
-    pub fn observe(&mut self, taken_at: Instant, n: u64, at_least_one: bool) -> Applied {
+    /// more units (see [`headroom_units`]). `sees_own_load` says whether the
+    /// reading already counts our in-flight work: if it does, the window is
+    /// `in_flight_at(taken_at) + n`; if not (a blind gate), the window is
+    /// `n` itself and sends count from now.
+    pub fn observe(
+        &mut self,
+        taken_at: Instant,
+        n: u64,
+        at_least_one: bool,
+        sees_own_load: bool,
+    ) -> Applied {
         if self.last_taken_at.is_some_and(|last| taken_at <= last) {
             return Applied::NotNewer;
         }
@@ -137,11 +146,16 @@ impl Window {
         }
         self.congested_at = None;
         self.last_taken_at = Some(taken_at);
-        let (sent_at, done_at) = self.counters_at(taken_at);
+        let (limit, sent_at) = if sees_own_load {
+            let (sent_at, done_at) = self.counters_at(taken_at);
+            ((sent_at - done_at).saturating_add(n), sent_at)
+        } else {
+            (n, self.sent)
+        };
         self.grant = Some(Grant {
             taken_at,
             n,
-            limit: (sent_at - done_at).saturating_add(n),
+            limit,
             sent_at_taken: sent_at,
             at_least_one: at_least_one && n > 0,
         });
@@ -284,14 +298,14 @@ mod tests {
         let n = headroom_units(1024.0 * 1024.0, 0.6, Rounding::Floor);
         assert_eq!(n, 629_145);
         let mut w = Window::new(now, Duration::from_secs(60));
-        w.observe(now, n, false);
+        w.observe(now, n, false, true);
         assert!(w.allows(now, 600 * 1024));
         w.sent(now, 600 * 1024);
         assert!(!w.allows(now, 100 * 1024), "the second request waits");
         let later = now + Duration::from_secs(1);
         w.finished(later, 600 * 1024);
         assert!(!w.allows(later, 100 * 1024), "still waits: no new budget");
-        w.observe(later, n, false);
+        w.observe(later, n, false, true);
         assert!(w.allows(later, 100 * 1024));
     }
 
@@ -299,7 +313,7 @@ mod tests {
     fn at_least_one_lets_one_oversized_request_through() {
         let now = t0();
         let mut w = Window::new(now, Duration::from_secs(60));
-        w.observe(now, 100, true);
+        w.observe(now, 100, true, true);
         assert!(w.allows(now, 500));
         w.sent(now, 500);
         assert!(!w.allows(now, 1));
@@ -309,13 +323,13 @@ mod tests {
     fn cached_observation_does_not_refill() {
         let now = t0();
         let mut w = Window::new(now, Duration::from_secs(60));
-        assert_eq!(w.observe(now, 3, false), Applied::Fresh);
+        assert_eq!(w.observe(now, 3, false, true), Applied::Fresh);
         for _ in 0..3 {
             assert!(w.allows(now, 1));
             w.sent(now, 1);
         }
         assert!(!w.allows(now, 1));
-        assert_eq!(w.observe(now, 3, false), Applied::NotNewer);
+        assert_eq!(w.observe(now, 3, false, true), Applied::NotNewer);
         assert!(!w.allows(now, 1));
     }
 
@@ -325,26 +339,48 @@ mod tests {
         let mut w = Window::new(start, Duration::from_secs(60));
         // Send 4 at t = 1 s; the pool's metrics describe t = 0.5 s.
         let t1 = start + Duration::from_secs(1);
-        w.observe(start, 10, false);
+        w.observe(start, 10, false, true);
         for _ in 0..4 {
             w.sent(t1, 1);
         }
         let lagging = start + Duration::from_millis(500);
-        assert_eq!(w.observe(lagging, 10, false), Applied::Fresh);
+        assert_eq!(w.observe(lagging, 10, false, true), Applied::Fresh);
         // 4 sent after the data was taken: only 6 more.
         assert_eq!(w.available(t1), 6);
         // A fresh observation at t1 sees the 4 in flight: window = 4 + 10.
         let t2 = t1 + Duration::from_millis(1);
-        w.observe(t2, 10, false);
+        w.observe(t2, 10, false, true);
         assert_eq!(w.grant(), Some((10, 14)));
         assert_eq!(w.available(t2), 10);
+    }
+
+    #[test]
+    fn blind_readings_cap_in_flight_at_n() {
+        let now = t0();
+        let mut w = Window::new(now, Duration::from_secs(60));
+        for step in 0..10u64 {
+            let t = now + Duration::from_millis(step);
+            w.observe(t, 4, false, false);
+            while w.allows(t, 1) {
+                w.sent(t, 1);
+            }
+            assert_eq!(
+                w.in_flight(),
+                4,
+                "refreshing a blind reading never grows in-flight past N"
+            );
+        }
+        let later = now + Duration::from_secs(1);
+        w.finished(later, 1);
+        w.observe(later, 4, false, false);
+        assert_eq!(w.available(later), 1);
     }
 
     #[test]
     fn window_limits_in_flight_even_when_n_is_unused() {
         let now = t0();
         let mut w = Window::new(now, Duration::from_secs(60));
-        w.observe(now, 5, false);
+        w.observe(now, 5, false, true);
         assert_eq!(w.grant(), Some((5, 5)));
         w.sent(now, 5);
         assert_eq!(w.available(now), 0);
@@ -354,17 +390,20 @@ mod tests {
     fn congestion_closes_until_newer_observation_and_retry_after() {
         let now = t0();
         let mut w = Window::new(now, Duration::from_secs(60));
-        w.observe(now, 10, false);
+        w.observe(now, 10, false, true);
         let rejected = now + Duration::from_secs(1);
         w.congested(rejected, Some(Duration::from_secs(5)));
         assert_eq!(w.available(rejected), 0);
         // An observation older than the rejection does not reopen.
         let before = now + Duration::from_millis(500);
-        assert_eq!(w.observe(before, 10, false), Applied::BeforeCongestion);
+        assert_eq!(
+            w.observe(before, 10, false, true),
+            Applied::BeforeCongestion
+        );
         assert_eq!(w.available(rejected), 0);
         // A newer one does, but Retry-After still holds it shut.
         let newer = now + Duration::from_secs(2);
-        assert_eq!(w.observe(newer, 10, false), Applied::Fresh);
+        assert_eq!(w.observe(newer, 10, false, true), Applied::Fresh);
         assert_eq!(w.available(newer), 0);
         let after_hold = now + Duration::from_secs(6);
         assert_eq!(w.available(after_hold), 10);
@@ -375,7 +414,7 @@ mod tests {
         Advance(u64),
         Send(u64),
         Finish,
-        Observe { lag_ms: u64, n: u64 },
+        Observe { lag_ms: u64, n: u64, blind: bool },
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -383,13 +422,15 @@ mod tests {
             (1u64..200).prop_map(Step::Advance),
             (1u64..5).prop_map(Step::Send),
             Just(Step::Finish),
-            (0u64..3000, 0u64..20).prop_map(|(lag_ms, n)| Step::Observe { lag_ms, n }),
+            (0u64..3000, 0u64..20, proptest::bool::ANY)
+                .prop_map(|(lag_ms, n, blind)| Step::Observe { lag_ms, n, blind }),
         ]
     }
 
     proptest! {
         /// Between two fresh observations the window never releases more
-        /// than N, and in-flight never exceeds the window limit.
+        /// than N, and in-flight never exceeds the window limit (which is N
+        /// itself for blind readings).
         #[test]
         fn never_releases_more_than_n(steps in proptest::collection::vec(step(), 1..200)) {
             let start = t0() + Duration::from_secs(10);
@@ -416,9 +457,9 @@ mod tests {
                             w.finished(now, cost);
                         }
                     }
-                    Step::Observe { lag_ms, n } => {
+                    Step::Observe { lag_ms, n, blind } => {
                         let taken = now.checked_sub(Duration::from_millis(lag_ms)).unwrap_or(now).max(start);
-                        if w.observe(taken, n, false) == Applied::Fresh {
+                        if w.observe(taken, n, false, !blind) == Applied::Fresh {
                             released_since_fresh = 0;
                             current_n = n;
                         }

@@ -106,6 +106,12 @@ pub struct Observation {
     /// (e.g. ready endpoints × max_concurrency); otherwise the queue's
     /// static `max_sys` applies.
     pub max_sys: Option<f64>,
+    /// Whether the reading already counts this dispatcher's own work in
+    /// flight (true for gates that read the pool's load). A blind gate
+    /// (constant, local concurrency) sets false: its `D` says nothing about
+    /// our requests, so the window caps own in-flight at `N` instead of
+    /// adding `N` to what was in flight, which would grow without bound.
+    pub sees_own_load: bool,
     /// Whether the gate's data source answered usably.
     pub source_available: bool,
     /// Why the gate reads what it reads, for logs and `gate probe`.
@@ -113,13 +119,15 @@ pub struct Observation {
 }
 
 impl Observation {
-    /// A fresh, available observation with budget `budget` and no baseline.
+    /// A fresh, available observation of a blind gate (one that does not
+    /// see the pool's load) with budget `budget` and no baseline.
     pub fn open(budget: Budget, taken_at: Instant) -> Self {
         Self {
             budget,
             baseline: Budget::ZERO,
             taken_at,
             max_sys: None,
+            sees_own_load: false,
             source_available: true,
             reason: String::new(),
         }
@@ -132,6 +140,7 @@ impl Observation {
             baseline: Budget::ZERO,
             taken_at,
             max_sys: None,
+            sees_own_load: false,
             source_available: false,
             reason: reason.into(),
         }

@@ -100,6 +100,11 @@ impl MemoryQueue {
         self.lock().results.clone()
     }
 
+    /// How many results were written (cheaper than [`Self::results`]).
+    pub fn result_count(&self) -> usize {
+        self.lock().results.len()
+    }
+
     /// Dead letters so far.
     pub fn dead_letters(&self) -> Vec<DeadLetter> {
         self.lock().dead.clone()
