@@ -244,3 +244,81 @@ fn config_show_redacts_secrets() {
         "{shown}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sim_serve_command_answers_completions_and_serves_metrics() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
+        l.local_addr().expect("addr").port()
+    };
+    let mut child = Command::new(BIN)
+        .args([
+            "sim",
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--pool-name",
+            "p1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("binary starts");
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let mut healthy = false;
+    for _ in 0..100 {
+        if client
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
+            healthy = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(healthy, "sim serve came up");
+    let answer = client
+        .post(format!("{base}/v1/completions"))
+        .body(r#"{"model":"sim-model","prompt":"hello","max_tokens":4}"#)
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .expect("completion");
+    assert_eq!(answer.status(), 200);
+    let body: serde_json::Value =
+        serde_json::from_str(&answer.text().await.expect("body")).expect("json");
+    assert!(body["usage"]["total_tokens"].as_u64().is_some(), "{body}");
+    let metrics = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:time_to_first_token_seconds_bucket",
+        "inference_pool_ready_pods",
+        "inference_pool_per_pod_queue_size",
+    ] {
+        assert!(metrics.contains(name), "{name} missing");
+    }
+    assert!(metrics.contains(r#"name="p1""#), "pool name label");
+    let pid = child.id().to_string();
+    Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill runs");
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .expect("join")
+        .expect("exits");
+    assert!(status.success(), "clean exit on SIGTERM");
+}
