@@ -11,7 +11,7 @@
 //!
 //! - [`queue`]: the [`queue::Queue`] contract (lease, ack with result,
 //!   nack with delay, extend lease, dead letter) and its transports
-//!   (in-memory so far).
+//!   (in-memory; [`queue::embedded`], a durable SQLite file).
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission
 //!   verdicts), the gates, and the staleness / fail-closed wrappers.
@@ -23,10 +23,13 @@
 //! - [`telemetry`]: the metrics registry, `/metrics` `/healthz` `/readyz`,
 //!   and logging.
 //! - [`config`]: file + environment + flags into a typed configuration.
+//! - [`batch`]: the batch-file runner (OpenAI batch files through a gate,
+//!   resumable through an embedded store) and the demo's interim gate.
 //! - [`app`]: wiring and the shutdown order; [`cli`]: the subcommands.
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 
 pub mod app;
+pub mod batch;
 pub mod cli;
 pub mod config;
 pub mod dispatch;

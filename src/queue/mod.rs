@@ -1,8 +1,10 @@
 //! Queue transports: where requests come from and where their results go.
 //!
 //! [`Queue`] is the contract every transport implements (in-memory here;
-//! Redis, Pub/Sub and the embedded store in their own folders).
+//! Redis, Pub/Sub and the embedded store in their own folders;
+//! [`embedded`] is the single-machine durable store).
 
+pub mod embedded;
 mod memory;
 
 use std::fmt;

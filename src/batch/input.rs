@@ -1,0 +1,228 @@
+//! Batch input lines: OpenAI Batch API lines (`custom_id`, `method`, `url`,
+//! `body`) and sluicegate request lines (REFERENCE.md §1), turned into
+//! queue messages. Shared by `sluicegate batch` and `submit-embedded`.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::request::parse_message;
+
+/// One usable input line, as the queue message it becomes.
+#[derive(Debug, Clone)]
+pub struct InputLine {
+    /// 1-based line number in the file.
+    pub line: usize,
+    /// The OpenAI `custom_id`, or the request `id`: the message id.
+    pub custom_id: String,
+    /// The request message bytes (a bare request object).
+    pub body: Bytes,
+    /// The request deadline, Unix seconds.
+    pub deadline: i64,
+}
+
+/// One line that cannot be sent, with why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InvalidLine {
+    /// 1-based line number in the file.
+    pub line: usize,
+    /// The id, when one could be read.
+    pub custom_id: Option<String>,
+    /// What is wrong, naming the line.
+    pub message: String,
+}
+
+/// A whole input file, sorted into usable and invalid lines.
+#[derive(Debug, Default)]
+pub struct ParsedInput {
+    /// Lines that become queue messages, in file order.
+    pub valid: Vec<InputLine>,
+    /// Lines answered with an error, in file order.
+    pub invalid: Vec<InvalidLine>,
+}
+
+impl ParsedInput {
+    /// Non-blank lines in the file.
+    pub fn total(&self) -> usize {
+        self.valid.len() + self.invalid.len()
+    }
+}
+
+#[derive(Deserialize)]
+struct OpenAiLine {
+    custom_id: Value,
+    #[serde(default)]
+    method: Option<String>,
+    #[serde(default)]
+    url: Option<String>,
+    #[serde(default)]
+    body: Option<Box<RawValue>>,
+}
+
+/// Parses every non-blank line of `text`. Requests without a deadline get
+/// `default_deadline` (Unix seconds). A repeated id is invalid (the first
+/// line with it wins), because results are keyed by id.
+pub fn parse_input(text: &str, default_deadline: i64) -> ParsedInput {
+    let mut out = ParsedInput::default();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for (index, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let line = index + 1;
+        match convert_line(raw, line, default_deadline) {
+            Ok(input) => {
+                if let Some(first) = seen.get(&input.custom_id) {
+                    out.invalid.push(InvalidLine {
+                        line,
+                        custom_id: Some(input.custom_id.clone()),
+                        message: format!(
+                            "line {line}: duplicate custom_id `{}` (first on line {first})",
+                            input.custom_id
+                        ),
+                    });
+                } else {
+                    seen.insert(input.custom_id.clone(), line);
+                    out.valid.push(input);
+                }
+            }
+            Err(invalid) => out.invalid.push(invalid),
+        }
+    }
+    out
+}
+
+/// Converts one line (OpenAI batch line or request line) into a queue
+/// message.
+pub fn convert_line(
+    text: &str,
+    line: usize,
+    default_deadline: i64,
+) -> Result<InputLine, InvalidLine> {
+    let invalid = |custom_id: Option<String>, why: String| InvalidLine {
+        line,
+        custom_id,
+        message: format!("line {line}: {why}"),
+    };
+    let object: Map<String, Value> = match serde_json::from_str(text) {
+        Ok(Value::Object(m)) => m,
+        Ok(_) => return Err(invalid(None, "not a JSON object".into())),
+        Err(e) => return Err(invalid(None, format!("not JSON: {e}"))),
+    };
+    let bytes = if object.contains_key("custom_id") {
+        let parsed: OpenAiLine = serde_json::from_str(text)
+            .map_err(|e| invalid(None, format!("not an OpenAI batch line: {e}")))?;
+        let Value::String(custom_id) = parsed.custom_id else {
+            return Err(invalid(None, "custom_id must be a non-empty string".into()));
+        };
+        if custom_id.is_empty() {
+            return Err(invalid(None, "custom_id must be a non-empty string".into()));
+        }
+        let id = Some(custom_id.clone());
+        if let Some(method) = parsed.method.as_deref().filter(|m| *m != "POST") {
+            return Err(invalid(id, format!("method `{method}` is not supported; only POST")));
+        }
+        let Some(url) = parsed.url.filter(|u| u.starts_with('/')) else {
+            return Err(invalid(id, "url must be a path starting with '/', e.g. /v1/chat/completions".into()));
+        };
+        let Some(body) = parsed.body else {
+            return Err(invalid(id, "body is required".into()));
+        };
+        if !body.get().trim_start().starts_with('{') {
+            return Err(invalid(id, "body must be a JSON object".into()));
+        }
+        #[derive(serde::Serialize)]
+        struct Out<'a> {
+            id: &'a str,
+            deadline: i64,
+            payload: &'a RawValue,
+            endpoint: &'a str,
+        }
+        serde_json::to_vec(&Out {
+            id: &custom_id,
+            deadline: default_deadline,
+            payload: &body,
+            endpoint: &url,
+        })
+        .map_err(|e| invalid(id, e.to_string()))?
+    } else if object.contains_key("id") {
+        if object.contains_key("deadline") {
+            text.as_bytes().to_vec()
+        } else {
+            let mut object = object;
+            object.insert("deadline".into(), Value::from(default_deadline));
+            serde_json::to_vec(&Value::Object(object)).map_err(|e| invalid(None, e.to_string()))?
+        }
+    } else {
+        return Err(invalid(
+            None,
+            "neither an OpenAI batch line (custom_id, method, url, body) nor a request (id, deadline, payload)".into(),
+        ));
+    };
+    match parse_message(&bytes) {
+        Ok(message) => Ok(InputLine {
+            line,
+            custom_id: message.request.id,
+            deadline: message.request.deadline,
+            body: Bytes::from(bytes),
+        }),
+        Err(failure) => Err(invalid(failure.id, failure.reason)),
+    }
+}
+
+/// A fingerprint of the input file (length and 64-bit FNV-1a), recorded at
+/// import so a resume against a different file is refused.
+pub fn fingerprint(bytes: &[u8]) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{}:{hash:016x}", bytes.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn converts_openai_line_to_request() {
+        let line = r#"{"custom_id":"r1","method":"POST","url":"/v1/chat/completions","body":{"model":"m","messages":[{"role":"user","content":"hi"}]}}"#;
+        let got = convert_line(line, 3, 1000).expect("valid");
+        assert_eq!(got.custom_id, "r1");
+        assert_eq!(got.deadline, 1000);
+        let m = parse_message(&got.body).expect("parses");
+        assert_eq!(m.request.endpoint.as_deref(), Some("/v1/chat/completions"));
+        assert!(m.request.payload.get().contains("messages"));
+    }
+
+    #[test]
+    fn keeps_request_lines_and_fills_missing_deadline() {
+        let got = convert_line(r#"{"id":"a","payload":{"prompt":"x"}}"#, 1, 77).expect("valid");
+        assert_eq!((got.custom_id.as_str(), got.deadline), ("a", 77));
+        let got = convert_line(r#"{"id":"b","deadline":"55","payload":{}}"#, 1, 77).expect("valid");
+        assert_eq!(got.deadline, 55);
+    }
+
+    #[test]
+    fn invalid_lines_name_their_line_number() {
+        let text = "{\"custom_id\":\"a\",\"url\":\"/v1/completions\",\"body\":{}}\n\nnot json\n{\"custom_id\":\"a\",\"url\":\"/v1/completions\",\"body\":{}}\n{\"custom_id\":\"c\",\"method\":\"GET\",\"url\":\"/x\",\"body\":{}}\n[1]\n";
+        let parsed = parse_input(text, 10);
+        assert_eq!(parsed.valid.len(), 1);
+        let lines: Vec<usize> = parsed.invalid.iter().map(|i| i.line).collect();
+        assert_eq!(lines, vec![3, 4, 5, 6]);
+        assert!(parsed.invalid[0].message.starts_with("line 3: not JSON"));
+        assert!(parsed.invalid[1].message.contains("duplicate custom_id"));
+        assert_eq!(parsed.invalid[2].custom_id.as_deref(), Some("c"));
+        assert_eq!(parsed.total(), 5);
+    }
+
+    #[test]
+    fn fingerprint_changes_with_content() {
+        assert_ne!(fingerprint(b"a"), fingerprint(b"b"));
+        assert_eq!(fingerprint(b"abc"), fingerprint(b"abc"));
+    }
+}

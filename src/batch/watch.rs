@@ -1,0 +1,111 @@
+//! A gate wrapper that records what the gate said, for progress, the
+//! summary's "time the gate was closed" and the demo's chart.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use crate::gate::{Admission, AdmissionRequest, DispatchGate, GateError, Observation};
+
+/// What a watched gate has said so far.
+#[derive(Debug, Clone, Default)]
+pub struct GateStats {
+    /// Budget `D` of the last observation (zero after an error).
+    pub budget: f64,
+    /// Baseline `B` of the last observation.
+    pub baseline: f64,
+    /// Whether the last observation was open (`D > B`).
+    pub open: bool,
+    /// Total time spent closed (closed observation until the next one).
+    pub closed: Duration,
+    /// Observations made.
+    pub observations: u64,
+    /// Observations that failed (source unavailable).
+    pub errors: u64,
+    /// The reason of the last observation.
+    pub reason: String,
+    last_at: Option<Instant>,
+}
+
+/// A shared handle on [`GateStats`].
+#[derive(Debug, Clone, Default)]
+pub struct GateWatchHandle(Arc<Mutex<GateStats>>);
+
+impl GateWatchHandle {
+    /// A copy of the stats now (closed time counted up to now).
+    pub fn snapshot(&self) -> GateStats {
+        let stats = self.lock().clone();
+        let mut out = stats.clone();
+        if let (Some(at), false) = (stats.last_at, stats.open) {
+            out.closed += at.elapsed();
+        }
+        out
+    }
+
+    fn lock(&self) -> MutexGuard<'_, GateStats> {
+        // Plain counters: a poisoned lock still holds usable numbers.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Wraps a gate and records its observations.
+#[derive(Debug)]
+pub struct GateWatch {
+    inner: Box<dyn DispatchGate>,
+    stats: GateWatchHandle,
+}
+
+impl GateWatch {
+    /// Watches `inner`; read the stats through the returned handle.
+    pub fn new(inner: Box<dyn DispatchGate>) -> (Self, GateWatchHandle) {
+        let stats = GateWatchHandle::default();
+        (
+            Self {
+                inner,
+                stats: stats.clone(),
+            },
+            stats,
+        )
+    }
+}
+
+impl DispatchGate for GateWatch {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(async move {
+            let result = self.inner.observe().await;
+            let now = Instant::now();
+            let mut s = self.stats.lock();
+            if let (Some(at), false) = (s.last_at, s.open) {
+                s.closed += now.saturating_duration_since(at);
+            }
+            s.last_at = Some(now);
+            s.observations += 1;
+            match &result {
+                Ok(o) => {
+                    s.budget = o.budget.get();
+                    s.baseline = o.baseline.get();
+                    s.open = o.is_open() && o.source_available;
+                    s.reason.clone_from(&o.reason);
+                }
+                Err(e) => {
+                    s.budget = 0.0;
+                    s.open = false;
+                    s.errors += 1;
+                    s.reason = e.to_string();
+                }
+            }
+            drop(s);
+            result
+        })
+    }
+
+    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        self.inner.admit(request)
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}

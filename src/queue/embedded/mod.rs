@@ -1,0 +1,601 @@
+//! Embedded durable queue: the [`Queue`] contract on one SQLite file, for a
+//! single machine without Redis or Pub/Sub.
+//!
+//! Why SQLite (`rusqlite`, bundled library) rather than `redb`: every
+//! contract step is one SQL transaction (ack = insert the result *and*
+//! delete the message, atomically), several processes may open the same
+//! file safely (SQLite's file locks serialise writers, `BEGIN IMMEDIATE`
+//! avoids upgrade deadlocks), and the file can be inspected with the
+//! `sqlite3` shell. `redb` allows one process per file only.
+//!
+//! Files: `schema.rs` holds the tables and their migrations check; this
+//! file holds the store and the [`Queue`] implementation.
+//!
+//! Durability: WAL journal with `synchronous = FULL`, so a committed
+//! transaction survives a crash of the process or the machine. Leases are
+//! stored as a tag and a wall-clock expiry on the message row, so a lease
+//! held by a process that died simply expires and the message is delivered
+//! again with a new tag; the dead holder's tag no longer matches, so it can
+//! never acknowledge.
+
+mod schema;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use tokio::sync::Notify;
+
+use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
+use crate::request::parse_message;
+use crate::result::ResultRecord;
+
+/// How often an empty receive looks again for messages written by another
+/// process (in-process writers wake receivers at once).
+const POLL: Duration = Duration::from_millis(100);
+/// How long a statement waits for another process's write lock.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the store could not be opened or used.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddedError {
+    /// SQLite refused an operation.
+    #[error("embedded store {path}: {source}")]
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+        /// SQLite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// The file was written by an incompatible version of sluicegate.
+    #[error(
+        "embedded store {path}: schema version {found} is not supported (this build reads {expected})"
+    )]
+    Schema {
+        /// The database file.
+        path: PathBuf,
+        /// Version found in the file.
+        found: String,
+        /// Version this build writes.
+        expected: u32,
+    },
+    /// Another process holds the store's exclusive owner lock.
+    #[error(
+        "embedded store {path} is in use by another sluicegate process (only one may own it); stop it or use another state directory"
+    )]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+    },
+}
+
+impl From<EmbeddedError> for QueueError {
+    fn from(e: EmbeddedError) -> Self {
+        match &e {
+            EmbeddedError::Sqlite {
+                source: rusqlite::Error::SqliteFailure(f, _),
+                ..
+            } if matches!(
+                f.code,
+                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+            ) =>
+            {
+                QueueError::Unavailable(e.to_string())
+            }
+            _ => QueueError::Failed(e.to_string()),
+        }
+    }
+}
+
+/// A message that used up its attempts, with its last error.
+#[derive(Debug, Clone)]
+pub struct EmbeddedDeadLetter {
+    /// The original message bytes.
+    pub body: Bytes,
+    /// The last error seen.
+    pub last_error: ResultRecord,
+}
+
+/// One queue in an embedded database file. Cheap to clone; clones share
+/// one connection.
+#[derive(Debug, Clone)]
+pub struct EmbeddedQueue {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    path: PathBuf,
+    queue: String,
+    conn: Mutex<Connection>,
+    /// Random per open: delivery tags from different processes never collide.
+    nonce: u64,
+    next_tag: AtomicU64,
+    /// Wakes in-process receivers when this process enqueues or nacks.
+    arrived: Notify,
+}
+
+/// Unix milliseconds now. Leases are wall-clock times because they are
+/// shared with other processes through the file.
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl EmbeddedQueue {
+    /// Opens (creating if needed) the database at `path` and the queue
+    /// `queue` in it. Several processes may open the same file.
+    pub fn open(path: impl AsRef<Path>, queue: impl Into<String>) -> Result<Self, EmbeddedError> {
+        let path = path.as_ref().to_path_buf();
+        let conn = schema::open(&path)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                path,
+                queue: queue.into(),
+                conn: Mutex::new(conn),
+                nonce: rand::random::<u64>(),
+                next_tag: AtomicU64::new(0),
+                arrived: Notify::new(),
+            }),
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Enqueues message bytes ordered by their deadline (read from the
+    /// bytes; unparsable messages get deadline 0 so they are answered
+    /// first), and sets `meta` keys, all in one transaction.
+    pub fn enqueue(&self, bodies: &[Bytes], meta: &[(&str, &str)]) -> Result<(), EmbeddedError> {
+        let items: Vec<(Bytes, i64)> = bodies
+            .iter()
+            .map(|b| {
+                let deadline = parse_message(b).map_or(0, |m| m.request.deadline);
+                (b.clone(), deadline)
+            })
+            .collect();
+        self.enqueue_with_deadlines(&items, meta)
+    }
+
+    /// Enqueues `(bytes, deadline)` pairs and sets `meta` keys in one
+    /// transaction.
+    pub fn enqueue_with_deadlines(
+        &self,
+        items: &[(Bytes, i64)],
+        meta: &[(&str, &str)],
+    ) -> Result<(), EmbeddedError> {
+        let now = now_ms();
+        self.inner.write(|tx, queue| {
+            {
+                let mut insert = tx.prepare_cached(
+                    "INSERT INTO messages (queue, deadline, body, retry_count, visible_at_ms) VALUES (?1, ?2, ?3, 0, ?4)",
+                )?;
+                for (body, deadline) in items {
+                    insert.execute(params![queue, deadline, body.as_ref(), now])?;
+                }
+            }
+            for (key, value) in meta {
+                tx.execute(
+                    "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    params![key, value],
+                )?;
+            }
+            Ok(())
+        })?;
+        self.inner.arrived.notify_waiters();
+        Ok(())
+    }
+
+    /// A `meta` value (free-form keys shared by every queue in the file).
+    pub fn meta(&self, key: &str) -> Result<Option<String>, EmbeddedError> {
+        self.inner.read(|c, _| {
+            c.query_row("SELECT value FROM meta WHERE key = ?1", [key], |r| r.get(0))
+                .optional()
+        })
+    }
+
+    /// Results written so far for this queue, in write order.
+    pub fn results(&self) -> Result<Vec<ResultRecord>, EmbeddedError> {
+        let rows: Vec<String> = self.inner.read(|c, queue| {
+            let mut s = c.prepare("SELECT record FROM results WHERE queue = ?1 ORDER BY seq")?;
+            s.query_map([queue], |r| r.get(0))?.collect()
+        })?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| serde_json::from_str(r).ok())
+            .collect())
+    }
+
+    /// How many results this queue has.
+    pub fn result_count(&self) -> Result<u64, EmbeddedError> {
+        self.count("SELECT COUNT(*) FROM results WHERE queue = ?1")
+    }
+
+    /// Dead letters of this queue, oldest first.
+    pub fn dead_letters(&self) -> Result<Vec<EmbeddedDeadLetter>, EmbeddedError> {
+        let rows: Vec<(Vec<u8>, String)> = self.inner.read(|c, queue| {
+            let mut s = c.prepare(
+                "SELECT body, last_error FROM dead_letters WHERE queue = ?1 ORDER BY seq",
+            )?;
+            s.query_map([queue], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect()
+        })?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(body, e)| {
+                Some(EmbeddedDeadLetter {
+                    body: Bytes::from(body),
+                    last_error: serde_json::from_str(&e).ok()?,
+                })
+            })
+            .collect())
+    }
+
+    /// How many dead letters this queue has.
+    pub fn dead_letter_count(&self) -> Result<u64, EmbeddedError> {
+        self.count("SELECT COUNT(*) FROM dead_letters WHERE queue = ?1")
+    }
+
+    /// Messages not yet settled (waiting, delayed or leased).
+    pub fn unsettled_count(&self) -> Result<u64, EmbeddedError> {
+        self.count("SELECT COUNT(*) FROM messages WHERE queue = ?1")
+    }
+
+    /// Messages currently under an unexpired lease.
+    pub fn leased_count(&self) -> Result<u64, EmbeddedError> {
+        let now = now_ms();
+        self.inner.read(|c, queue| {
+            c.query_row(
+                "SELECT COUNT(*) FROM messages WHERE queue = ?1 AND lease_tag IS NOT NULL AND lease_expires_ms > ?2",
+                params![queue, now],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| u64::try_from(n).unwrap_or(0))
+        })
+    }
+
+    /// Ends every lease of this queue at once, so a restarted sole owner
+    /// does not wait for the leases of its dead predecessor to expire.
+    /// Only correct when the caller knows no other process holds
+    /// deliveries (see [`OwnerLock`]).
+    pub fn release_all_leases(&self) -> Result<u64, EmbeddedError> {
+        let n = self.inner.write(|tx, queue| {
+            tx.execute(
+                "UPDATE messages SET lease_tag = NULL, lease_expires_ms = NULL WHERE queue = ?1 AND lease_tag IS NOT NULL",
+                [queue],
+            )
+        })?;
+        self.inner.arrived.notify_waiters();
+        Ok(n as u64)
+    }
+
+    fn count(&self, sql: &str) -> Result<u64, EmbeddedError> {
+        self.inner.read(|c, queue| {
+            c.query_row(sql, [queue], |r| r.get::<_, i64>(0))
+                .map(|n| u64::try_from(n).unwrap_or(0))
+        })
+    }
+
+    /// Runs a blocking store operation off the async runtime.
+    async fn blocking<T, F>(&self, f: F) -> Result<T, QueueError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Inner) -> Result<T, EmbeddedError> + Send + 'static,
+    {
+        let inner = self.inner.clone();
+        match tokio::task::spawn_blocking(move || f(&inner)).await {
+            Ok(r) => r.map_err(QueueError::from),
+            Err(e) => Err(QueueError::Failed(format!("embedded store task failed: {e}"))),
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the connection leaves no half-done
+        // transaction behind (rusqlite rolls back on drop).
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn err(&self, source: rusqlite::Error) -> EmbeddedError {
+        EmbeddedError::Sqlite {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection, &str) -> rusqlite::Result<T>,
+    ) -> Result<T, EmbeddedError> {
+        let conn = self.lock();
+        f(&conn, &self.queue).map_err(|e| self.err(e))
+    }
+
+    /// Runs `f` in one `BEGIN IMMEDIATE` transaction: all of it is durable,
+    /// or none of it.
+    fn write<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Transaction<'_>, &str) -> rusqlite::Result<T>,
+    ) -> Result<T, EmbeddedError> {
+        let mut conn = self.lock();
+        let run = |conn: &mut Connection| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let out = f(&tx, &self.queue)?;
+            tx.commit()?;
+            Ok(out)
+        };
+        run(&mut conn).map_err(|e| self.err(e))
+    }
+
+    fn new_tag(&self, seq: i64) -> String {
+        let n = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        format!("{seq}.{:016x}.{n}", self.nonce)
+    }
+
+    fn take(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, EmbeddedError> {
+        let now = now_ms();
+        let expires = now.saturating_add(ms(lease));
+        let limit = i64::try_from(max.max(1)).unwrap_or(i64::MAX);
+        self.write(|tx, queue| {
+            let rows: Vec<(i64, Vec<u8>, u32)> = {
+                let mut s = tx.prepare_cached(
+                    "SELECT seq, body, retry_count FROM messages
+                     WHERE queue = ?1 AND (
+                        (lease_tag IS NULL AND visible_at_ms <= ?2)
+                        OR (lease_tag IS NOT NULL AND lease_expires_ms <= ?2))
+                     ORDER BY deadline, seq LIMIT ?3",
+                )?;
+                s.query_map(params![queue, now, limit], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })?
+                .collect::<rusqlite::Result<_>>()?
+            };
+            let mut update = tx.prepare_cached(
+                "UPDATE messages SET lease_tag = ?1, lease_expires_ms = ?2 WHERE seq = ?3",
+            )?;
+            let mut out = Vec::with_capacity(rows.len());
+            for (seq, body, retry_count) in rows {
+                let tag = self.new_tag(seq);
+                update.execute(params![tag, expires, seq])?;
+                out.push(Delivery {
+                    tag: DeliveryTag(tag),
+                    body: Bytes::from(body),
+                    retry_count,
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    fn ack(&self, completions: Vec<Completion>) -> Result<AckReport, EmbeddedError> {
+        let now = now_ms();
+        self.write(|tx, queue| {
+            let mut report = AckReport::default();
+            let mut find = tx.prepare_cached(
+                "SELECT seq FROM messages WHERE lease_tag = ?1",
+            )?;
+            let mut insert = tx.prepare_cached(
+                "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?;
+            let mut delete = tx.prepare_cached("DELETE FROM messages WHERE seq = ?1")?;
+            for Completion { tag, result } in completions {
+                let seq: Option<i64> = find
+                    .query_row(params![tag.0], |r| r.get(0))
+                    .optional()?;
+                let Some(seq) = seq else {
+                    report.lease_lost += 1;
+                    continue;
+                };
+                // A result is plain strings and numbers: serialising cannot fail.
+                let record = serde_json::to_string(&result).unwrap_or_default();
+                let token = result.request_token.clone().unwrap_or_default();
+                let written = insert.execute(params![queue, result.id, token, record, now])?;
+                if written == 1 {
+                    report.acked += 1;
+                } else {
+                    report.duplicates += 1;
+                }
+                delete.execute([seq])?;
+            }
+            Ok(report)
+        })
+    }
+
+    fn nack(&self, tag: &DeliveryTag, delay: Duration, reason: NackReason) -> Result<(), EmbeddedError> {
+        let visible = now_ms().saturating_add(ms(delay));
+        let add = i64::from(reason.counts_as_failure());
+        self.write(|tx, _| {
+            tx.execute(
+                "UPDATE messages SET lease_tag = NULL, lease_expires_ms = NULL,
+                 visible_at_ms = ?1, retry_count = retry_count + ?2 WHERE lease_tag = ?3",
+                params![visible, add, tag.0],
+            )
+        })?;
+        self.arrived.notify_waiters();
+        Ok(())
+    }
+
+    fn extend(&self, tags: &[DeliveryTag], lease: Duration) -> Result<(), EmbeddedError> {
+        let now = now_ms();
+        let expires = now.saturating_add(ms(lease));
+        self.write(|tx, _| {
+            let mut s = tx.prepare_cached(
+                "UPDATE messages SET lease_expires_ms = ?1 WHERE lease_tag = ?2",
+            )?;
+            for tag in tags {
+                s.execute(params![expires, tag.0])?;
+            }
+            Ok(())
+        })
+    }
+
+    fn dead_letter(&self, tag: &DeliveryTag, last_error: &ResultRecord) -> Result<(), EmbeddedError> {
+        let now = now_ms();
+        let record = serde_json::to_string(last_error).unwrap_or_default();
+        self.write(|tx, queue| {
+            let row: Option<(i64, Vec<u8>)> = tx
+                .query_row(
+                    "SELECT seq, body FROM messages WHERE lease_tag = ?1",
+                    params![tag.0],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            if let Some((seq, body)) = row {
+                tx.execute(
+                    "INSERT INTO dead_letters (queue, id, body, last_error, at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![queue, last_error.id, body, record, now],
+                )?;
+                tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
+            }
+            Ok(())
+        })
+    }
+
+    fn backlog(&self) -> Result<u64, EmbeddedError> {
+        let now = now_ms();
+        self.read(|c, queue| {
+            c.query_row(
+                "SELECT COUNT(*) FROM messages WHERE queue = ?1 AND (lease_tag IS NULL OR lease_expires_ms <= ?2)",
+                params![queue, now],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| u64::try_from(n).unwrap_or(0))
+        })
+    }
+}
+
+impl Queue for EmbeddedQueue {
+    fn name(&self) -> &str {
+        &self.inner.queue
+    }
+
+    fn receive(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            let give_up = tokio::time::Instant::now() + wait;
+            loop {
+                let arrived = self.inner.arrived.notified();
+                let got = self.blocking(move |i| i.take(max, lease)).await?;
+                let now = tokio::time::Instant::now();
+                if !got.is_empty() || now >= give_up {
+                    return Ok(got);
+                }
+                let until = give_up.min(now + POLL);
+                tokio::select! {
+                    () = arrived => {}
+                    () = tokio::time::sleep_until(until) => {}
+                }
+            }
+        })
+    }
+
+    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
+        Box::pin(self.blocking(move |i| i.ack(completions)))
+    }
+
+    fn nack(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(self.blocking(move |i| i.nack(&tag, delay, reason)))
+    }
+
+    fn extend_lease(
+        &self,
+        tags: Vec<DeliveryTag>,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(self.blocking(move |i| i.extend(&tags, lease)))
+    }
+
+    fn dead_letter(
+        &self,
+        tag: DeliveryTag,
+        last_error: ResultRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(self.blocking(move |i| i.dead_letter(&tag, &last_error)))
+    }
+
+    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        Box::pin(async move { self.blocking(|i| i.backlog()).await.map(Some) })
+    }
+}
+
+/// An exclusive claim on a store, held for the life of the value: a second
+/// process asking for it gets [`EmbeddedError::Locked`]. The operating
+/// system releases it when the holder dies, even by `kill -9`, so a crash
+/// never leaves a stale lock behind.
+///
+/// Used by owners that must be alone (the batch runner, which ends the
+/// leases of a dead predecessor at start). It is an open write transaction
+/// on a small side file, `<store>.lock`.
+#[derive(Debug)]
+pub struct OwnerLock {
+    _conn: Connection,
+}
+
+impl OwnerLock {
+    /// Takes the owner lock of the store at `store_path`, or fails at once.
+    pub fn acquire(store_path: &Path) -> Result<Self, EmbeddedError> {
+        let mut lock_path = store_path.as_os_str().to_owned();
+        lock_path.push(".lock");
+        let path = PathBuf::from(lock_path);
+        let sqlite = |source| EmbeddedError::Sqlite {
+            path: path.clone(),
+            source,
+        };
+        let conn = Connection::open(&path).map_err(sqlite)?;
+        conn.execute_batch("PRAGMA locking_mode = EXCLUSIVE; CREATE TABLE IF NOT EXISTS owner (pid INTEGER);")
+            .map_err(|e| locked_or(e, &path))?;
+        // The first write under EXCLUSIVE locking mode takes the file lock
+        // and keeps it until the connection closes.
+        conn.execute(
+            "INSERT INTO owner (pid) VALUES (?1)",
+            [i64::from(std::process::id())],
+        )
+        .map_err(|e| locked_or(e, &path))?;
+        Ok(Self { _conn: conn })
+    }
+}
+
+fn locked_or(e: rusqlite::Error, path: &Path) -> EmbeddedError {
+    match &e {
+        rusqlite::Error::SqliteFailure(f, _)
+            if matches!(
+                f.code,
+                rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+            ) =>
+        {
+            EmbeddedError::Locked {
+                path: path.to_path_buf(),
+            }
+        }
+        _ => EmbeddedError::Sqlite {
+            path: path.to_path_buf(),
+            source: e,
+        },
+    }
+}
+
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,214 @@
+//! The embedded store against the queue contract, including reopening the
+//! file (a restart) and two handles on one file (two processes).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::*;
+use crate::result::ErrorCode;
+
+const LEASE: Duration = Duration::from_secs(30);
+const NO_WAIT: Duration = Duration::ZERO;
+
+fn temp_db(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "sluicegate-embedded-{name}-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir.join("queue.db")
+}
+
+fn push(q: &EmbeddedQueue, body: &'static str, deadline: i64) {
+    q.enqueue_with_deadlines(&[(Bytes::from_static(body.as_bytes()), deadline)], &[])
+        .expect("enqueue");
+}
+
+fn ok(id: &str) -> ResultRecord {
+    ResultRecord::http(id, None, 200, "{}".into(), 1)
+}
+
+fn done(tag: &DeliveryTag, id: &str) -> Completion {
+    Completion {
+        tag: tag.clone(),
+        result: ok(id),
+    }
+}
+
+#[tokio::test]
+async fn delivers_earliest_deadline_first_then_fifo() {
+    let q = EmbeddedQueue::open(temp_db("edf"), "q").expect("open");
+    push(&q, "late", 300);
+    push(&q, "early-a", 100);
+    push(&q, "early-b", 100);
+    let got = q.receive(10, LEASE, NO_WAIT).await.expect("ok");
+    let bodies: Vec<&[u8]> = got.iter().map(|d| d.body.as_ref()).collect();
+    assert_eq!(bodies, vec![&b"early-a"[..], b"early-b", b"late"]);
+}
+
+#[tokio::test]
+async fn expired_lease_is_redelivered_and_stale_ack_is_refused() {
+    let q = EmbeddedQueue::open(temp_db("lease"), "q").expect("open");
+    push(&q, "m", 1);
+    let short = Duration::from_millis(50);
+    let first = q.receive(1, short, NO_WAIT).await.expect("ok");
+    assert_eq!(first.len(), 1);
+    assert!(q.receive(1, LEASE, NO_WAIT).await.expect("ok").is_empty());
+    tokio::time::sleep(Duration::from_millis(80)).await;
+    let second = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(second.len(), 1);
+    assert_ne!(first[0].tag, second[0].tag);
+    let stale = q.ack(vec![done(&first[0].tag, "m")]).await.expect("ok");
+    assert_eq!(stale.lease_lost, 1);
+    assert_eq!(q.result_count().expect("count"), 0);
+    let fresh = q.ack(vec![done(&second[0].tag, "m")]).await.expect("ok");
+    assert_eq!(fresh.acked, 1);
+    assert_eq!(q.result_count().expect("count"), 1);
+    assert_eq!(q.unsettled_count().expect("count"), 0);
+}
+
+#[tokio::test]
+async fn extended_lease_is_not_redelivered() {
+    let q = EmbeddedQueue::open(temp_db("extend"), "q").expect("open");
+    push(&q, "m", 1);
+    let short = Duration::from_millis(60);
+    let d = q.receive(1, short, NO_WAIT).await.expect("ok");
+    q.extend_lease(vec![d[0].tag.clone()], LEASE)
+        .await
+        .expect("ok");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(q.receive(1, LEASE, NO_WAIT).await.expect("ok").is_empty());
+}
+
+#[tokio::test]
+async fn second_result_for_same_submission_is_dropped() {
+    let q = EmbeddedQueue::open(temp_db("dup"), "q").expect("open");
+    push(&q, "a", 1);
+    push(&q, "a-again", 1);
+    let got = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+    let report = q
+        .ack(vec![done(&got[0].tag, "a"), done(&got[1].tag, "a")])
+        .await
+        .expect("ok");
+    assert_eq!((report.acked, report.duplicates), (1, 1));
+    assert_eq!(q.results().expect("results").len(), 1);
+    assert_eq!(q.unsettled_count().expect("count"), 0);
+}
+
+#[tokio::test]
+async fn only_failed_nacks_count_as_attempts_and_order_is_kept() {
+    let q = EmbeddedQueue::open(temp_db("nack"), "q").expect("open");
+    push(&q, "first", 10);
+    push(&q, "second", 20);
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    q.nack(d[0].tag.clone(), Duration::ZERO, NackReason::Congested)
+        .await
+        .expect("ok");
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(d[0].body.as_ref(), b"first");
+    assert_eq!(d[0].retry_count, 0);
+    q.nack(d[0].tag.clone(), Duration::ZERO, NackReason::Failed)
+        .await
+        .expect("ok");
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(d[0].body.as_ref(), b"first");
+    assert_eq!(d[0].retry_count, 1);
+    q.nack(d[0].tag.clone(), Duration::from_secs(60), NackReason::Failed)
+        .await
+        .expect("ok");
+    let d = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(d.len(), 1, "a delayed message stays invisible");
+    assert_eq!(d[0].body.as_ref(), b"second");
+}
+
+#[tokio::test]
+async fn dead_letter_moves_the_message_out_with_its_error() {
+    let q = EmbeddedQueue::open(temp_db("dead"), "q").expect("open");
+    push(&q, "m", 1);
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    let last = ResultRecord::error("m", None, ErrorCode::InferenceError, "boom");
+    q.dead_letter(d[0].tag.clone(), last).await.expect("ok");
+    let dead = q.dead_letters().expect("dead");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].body.as_ref(), b"m");
+    assert_eq!(dead[0].last_error.error_code, Some(ErrorCode::InferenceError));
+    assert_eq!(q.unsettled_count().expect("count"), 0);
+    assert_eq!(q.backlog().await.expect("ok"), Some(0));
+}
+
+#[tokio::test]
+async fn messages_and_results_survive_reopening_the_file() {
+    let path = temp_db("reopen");
+    {
+        let q = EmbeddedQueue::open(&path, "q").expect("open");
+        push(&q, "a", 1);
+        push(&q, "b", 2);
+        let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+        q.ack(vec![done(&d[0].tag, "a")]).await.expect("ok");
+        // "b" is leased when the process "dies".
+        let _ = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    }
+    let q = EmbeddedQueue::open(&path, "q").expect("reopen");
+    assert_eq!(q.results().expect("results")[0].id, "a");
+    assert!(q.receive(1, LEASE, NO_WAIT).await.expect("ok").is_empty());
+    assert_eq!(q.release_all_leases().expect("release"), 1);
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(d[0].body.as_ref(), b"b");
+}
+
+#[tokio::test]
+async fn two_handles_on_one_file_never_hold_the_same_message() {
+    let path = temp_db("two");
+    let a = EmbeddedQueue::open(&path, "q").expect("open a");
+    let b = EmbeddedQueue::open(&path, "q").expect("open b");
+    for _ in 0..50 {
+        push(&a, "m", 1);
+    }
+    let (da, db) = tokio::join!(
+        a.receive(30, LEASE, NO_WAIT),
+        b.receive(30, LEASE, NO_WAIT)
+    );
+    let (da, db) = (da.expect("a"), db.expect("b"));
+    assert_eq!(da.len() + db.len(), 50);
+    // The tag fences the row, whichever handle presents it; once settled,
+    // the same tag is refused.
+    let wrong = a.ack(vec![done(&db[0].tag, "x")]).await.expect("ok");
+    assert_eq!(wrong.acked, 1, "a tag is a fence on the row, valid from any handle");
+    let stale = b.ack(vec![done(&db[0].tag, "x")]).await.expect("ok");
+    assert_eq!(stale.lease_lost, 1);
+}
+
+#[tokio::test]
+async fn queues_in_one_file_are_separate() {
+    let path = temp_db("separate");
+    let a = EmbeddedQueue::open(&path, "a").expect("open a");
+    let b = EmbeddedQueue::open(&path, "b").expect("open b");
+    push(&a, "for-a", 1);
+    assert!(b.receive(1, LEASE, NO_WAIT).await.expect("ok").is_empty());
+    assert_eq!(a.receive(1, LEASE, NO_WAIT).await.expect("ok").len(), 1);
+}
+
+#[test]
+fn owner_lock_refuses_a_second_owner_until_released() {
+    let path = temp_db("owner");
+    let first = OwnerLock::acquire(&path).expect("first owner");
+    let second = OwnerLock::acquire(&path);
+    assert!(matches!(second, Err(EmbeddedError::Locked { .. })), "{second:?}");
+    drop(first);
+    OwnerLock::acquire(&path).expect("free again");
+}
+
+#[test]
+fn refuses_a_file_of_another_schema_version() {
+    let path = temp_db("schema");
+    drop(EmbeddedQueue::open(&path, "q").expect("open"));
+    let conn = Connection::open(&path).expect("raw");
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'", [])
+        .expect("update");
+    drop(conn);
+    let err = EmbeddedQueue::open(&path, "q").expect_err("refused");
+    assert!(err.to_string().contains("schema version 99"), "{err}");
+}
