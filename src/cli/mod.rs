@@ -3,6 +3,10 @@
 
 #![allow(clippy::print_stdout)] // A CLI prints its answers.
 
+mod batch;
+mod demo;
+mod embedded;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,7 +20,7 @@ use crate::config::{Config, ConfigSources, Overrides, TransportKind};
 use crate::queue::{MemoryQueue, Queue};
 
 /// Exit code for configuration errors (as `check-config` documents).
-const EXIT_CONFIG: u8 = 2;
+pub(crate) const EXIT_CONFIG: u8 = 2;
 
 /// sluicegate: dispatches LLM batch work into an inference pool only as
 /// fast as the pool has slack.
@@ -40,6 +44,17 @@ enum Command {
     /// The pool simulator.
     #[command(subcommand)]
     Sim(SimCommand),
+    /// Run an OpenAI batch file through a gate into the gateway
+    /// (resumable: re-run the same command after Ctrl-C or a crash).
+    Batch(batch::BatchArgs),
+    /// The one-command demo: a simulated pool with interactive waves, a
+    /// batch through a metric-driven gate, a report and a chart.
+    Demo(demo::DemoArgs),
+    /// Submit request or OpenAI batch lines to an embedded store (to be
+    /// folded into `submit --embedded PATH`).
+    SubmitEmbedded(embedded::SubmitEmbeddedArgs),
+    /// Print the results of a queue in an embedded store (JSON lines).
+    ResultsEmbedded(embedded::ResultsEmbeddedArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -98,7 +113,7 @@ struct RunArgs {
     /// is lost silently.
     #[arg(long)]
     output: Option<PathBuf>,
-    /// Memory transport only: stop once every loaded message is settled.
+    /// Memory and embedded transports: stop once every message is settled.
     #[arg(long)]
     exit_when_done: bool,
 }
@@ -140,6 +155,10 @@ pub async fn run(cli: Cli) -> ExitCode {
             Err(code) => code,
         },
         Command::Run(args) => run_dispatcher(args).await,
+        Command::Batch(args) => batch::run(args).await,
+        Command::Demo(args) => demo::run(args).await,
+        Command::SubmitEmbedded(args) => embedded::submit(&args),
+        Command::ResultsEmbedded(args) => embedded::results(&args),
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();
@@ -161,9 +180,18 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
         Err(code) => return code,
     };
     crate::telemetry::logging::init(config.telemetry.log_format, &config.telemetry.log_level);
+    if config.transport == TransportKind::Embedded {
+        if args.input.is_some() || args.output.is_some() {
+            eprintln!(
+                "--input/--output are for the memory transport; feed the embedded store with `sluicegate submit-embedded`"
+            );
+            return ExitCode::from(EXIT_CONFIG);
+        }
+        return embedded::run_worker(&config, args.exit_when_done).await;
+    }
     if config.transport != TransportKind::Memory {
         eprintln!(
-            "transport: `{}` is not available in this build; available: memory",
+            "transport: `{}` is not available in this build; available: memory, embedded",
             config.transport.as_str()
         );
         return ExitCode::from(EXIT_CONFIG);
