@@ -75,7 +75,7 @@ fn sim_config(seed: u64) -> SimConfig {
 }
 
 fn write_batch_file(path: &Path, lines: usize) -> std::io::Result<()> {
-    let filler = "Summarise the quarterly report and list the three biggest risks. ".repeat(24);
+    let filler = "Summarise the quarterly report and list the three biggest risks. ".repeat(12);
     let mut out = String::new();
     for i in 0..lines {
         let line = serde_json::json!({
@@ -135,7 +135,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         }
     } else {
         Plan {
-            lines: 900,
+            lines: 2400,
             probe_every: Duration::from_millis(100),
         }
     };
@@ -195,8 +195,8 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     };
 
     let mut params = ScrapeGateParams::new(format!("{pool_url}/metrics"));
-    params.baseline = 0.2;
-    params.max_concurrency_per_pod = 24.0;
+    params.baseline = 0.3;
+    params.max_concurrency_per_pod = 8.0;
     let gate = SimVllmScrapeGate::new(params)?;
     let (watched, gate_stats) = GateWatch::new(Box::new(gate));
 

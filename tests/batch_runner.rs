@@ -1,0 +1,199 @@
+//! `sluicegate batch` end to end against the pool simulator over HTTP:
+//! every line gets exactly one output line, invalid lines are answered
+//! with their line number, and a run killed with SIGKILL resumes without
+//! sending again what already has a result.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sluicegate::queue::embedded::EmbeddedQueue;
+use sluicegate::sim::{SimConfig, spawn_http};
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("sluicegate-batch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn openai_line(i: usize, max_tokens: u32) -> String {
+    serde_json::json!({
+        "custom_id": format!("line-{i}"),
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "sim-model", "messages": [{"role": "user", "content": "Summarise."}], "max_tokens": max_tokens}
+    })
+    .to_string()
+}
+
+fn batch_cmd(input: &Path, output: &Path, gateway: &str, max_in_flight: u32) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["batch", "--input"])
+        .arg(input)
+        .arg("--output")
+        .arg(output)
+        .args(["--gateway", gateway, "--gate", "constant", "--quiet"])
+        .args(["--max-in-flight", &max_in_flight.to_string()])
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn read_output(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .expect("output exists")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("output line is JSON"))
+        .collect()
+}
+
+async fn completed_requests(base: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_line_gets_one_result_and_invalid_lines_name_their_line() {
+    let sim = spawn_http(SimConfig {
+        time_scale: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let dir = temp_dir("all");
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    let mut lines: Vec<String> = (0..30).map(|i| openai_line(i, 8)).collect();
+    lines.insert(4, "this is not json".into());
+    lines.insert(9, r#"{"custom_id":"bad-method","method":"GET","url":"/v1/models","body":{}}"#.into());
+    lines.push(r#"{"id":"own-format","payload":{"model":"m","prompt":"hi","max_tokens":4},"endpoint":"/v1/completions"}"#.into());
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let status = batch_cmd(&input, &output, &sim.base_url(), 8)
+        .status()
+        .expect("runs");
+    assert!(status.success(), "{status:?}");
+    let out = read_output(&output);
+    assert_eq!(out.len(), 33, "one output line per input line");
+    let ok = out
+        .iter()
+        .filter(|v| v["response"]["status_code"] == 200)
+        .count();
+    assert_eq!(ok, 31);
+    let errors: Vec<&Value> = out.iter().filter(|v| !v["error"].is_null()).collect();
+    assert_eq!(errors.len(), 2);
+    assert_eq!(errors[0]["error"]["line"], 5);
+    assert!(errors[0]["error"]["message"]
+        .as_str()
+        .expect("message")
+        .starts_with("line 5:"));
+    assert_eq!(errors[1]["error"]["line"], 10);
+    assert_eq!(errors[1]["custom_id"], "bad-method");
+    assert_eq!(out[0]["custom_id"], "line-0");
+    assert_eq!(out[32]["custom_id"], "own-format");
+    assert!(out[0]["response"]["body"]["usage"]["completion_tokens"].as_u64() > Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_run_resumes_and_every_custom_id_appears_exactly_once() {
+    // Slow enough that SIGKILL lands mid-run.
+    let sim = spawn_http(SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let dir = temp_dir("resume");
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    let n = 120;
+    let lines: Vec<String> = (0..n).map(|i| openai_line(i, 64)).collect();
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let mut child = batch_cmd(&input, &output, &sim.base_url(), 8)
+        .spawn()
+        .expect("spawn");
+    let db = dir.join("out.jsonl.state").join("queue.db");
+    let give_up = Instant::now() + Duration::from_secs(30);
+    loop {
+        let done = if db.exists() {
+            EmbeddedQueue::open(&db, "batch")
+                .and_then(|q| q.result_count())
+                .unwrap_or(0)
+        } else {
+            0
+        };
+        if done >= 10 {
+            break;
+        }
+        assert!(Instant::now() < give_up, "no progress before the kill");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    child.kill().expect("SIGKILL");
+    let _ = child.wait();
+    let settled_before = EmbeddedQueue::open(&db, "batch")
+        .and_then(|q| q.result_count())
+        .expect("store readable after kill");
+    assert!(settled_before < n as u64, "the kill landed mid-run");
+
+    let status = batch_cmd(&input, &output, &sim.base_url(), 32)
+        .status()
+        .expect("resumes");
+    assert!(status.success(), "{status:?}");
+    let out = read_output(&output);
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for v in &out {
+        *seen
+            .entry(v["custom_id"].as_str().expect("id").to_owned())
+            .or_default() += 1;
+        assert_eq!(v["response"]["status_code"], 200, "{v}");
+    }
+    assert_eq!(seen.len(), n);
+    assert!(seen.values().all(|c| *c == 1));
+    // Lines settled before the kill were not sent again: the pool served at
+    // most the batch plus what was in flight at the kill (8).
+    let served = completed_requests(&sim.base_url()).await;
+    assert!(served <= (n + 8) as f64, "served {served}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn second_runner_on_one_state_dir_and_changed_input_are_refused() {
+    let dir = temp_dir("locked");
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    std::fs::write(&input, openai_line(0, 4)).expect("input");
+    let state = dir.join("out.jsonl.state");
+    std::fs::create_dir_all(&state).expect("state");
+    let lock = sluicegate::queue::embedded::OwnerLock::acquire(&state.join("queue.db"))
+        .expect("first owner");
+    let out = batch_cmd(&input, &output, "http://127.0.0.1:9", 1)
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("in use by another sluicegate process"), "{stderr}");
+    drop(lock);
+
+    // First run against a dead gateway, interrupted by nothing: it imports,
+    // then we change the input and the resume is refused.
+    let store = EmbeddedQueue::open(state.join("queue.db"), "batch").expect("open");
+    store
+        .enqueue_with_deadlines(&[], &[("batch.input_fingerprint", "0:0")])
+        .expect("mark");
+    let out = batch_cmd(&input, &output, "http://127.0.0.1:9", 1)
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("belongs to a different input file"), "{stderr}");
+}

@@ -1,0 +1,27 @@
+//! The README's first command, in its short mode: runs to completion with
+//! no network or service, and leaves results and a chart behind.
+
+use std::process::{Command, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+#[test]
+fn demo_short_mode_runs_to_completion_with_report_and_chart() {
+    let dir = std::env::temp_dir().join(format!("sluicegate-demo-{}", std::process::id()));
+    let out = Command::new(BIN)
+        .args(["demo", "--short", "--dir"])
+        .arg(&dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("demo report"), "{stdout}");
+    assert!(stdout.contains("interactive TTFT p99"), "{stdout}");
+    let results = std::fs::read_to_string(dir.join("results.jsonl")).expect("results");
+    assert_eq!(results.lines().count(), 120);
+    let svg = std::fs::read_to_string(dir.join("demo.svg")).expect("chart");
+    assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
