@@ -77,7 +77,10 @@ async fn every_line_gets_one_result_and_invalid_lines_name_their_line() {
     let output = dir.join("out.jsonl");
     let mut lines: Vec<String> = (0..30).map(|i| openai_line(i, 8)).collect();
     lines.insert(4, "this is not json".into());
-    lines.insert(9, r#"{"custom_id":"bad-method","method":"GET","url":"/v1/models","body":{}}"#.into());
+    lines.insert(
+        9,
+        r#"{"custom_id":"bad-method","method":"GET","url":"/v1/models","body":{}}"#.into(),
+    );
     lines.push(r#"{"id":"own-format","payload":{"model":"m","prompt":"hi","max_tokens":4},"endpoint":"/v1/completions"}"#.into());
     std::fs::write(&input, lines.join("\n")).expect("input");
     let status = batch_cmd(&input, &output, &sim.base_url(), 8)
@@ -94,10 +97,12 @@ async fn every_line_gets_one_result_and_invalid_lines_name_their_line() {
     let errors: Vec<&Value> = out.iter().filter(|v| !v["error"].is_null()).collect();
     assert_eq!(errors.len(), 2);
     assert_eq!(errors[0]["error"]["line"], 5);
-    assert!(errors[0]["error"]["message"]
-        .as_str()
-        .expect("message")
-        .starts_with("line 5:"));
+    assert!(
+        errors[0]["error"]["message"]
+            .as_str()
+            .expect("message")
+            .starts_with("line 5:")
+    );
     assert_eq!(errors[1]["error"]["line"], 10);
     assert_eq!(errors[1]["custom_id"], "bad-method");
     assert_eq!(out[0]["custom_id"], "line-0");
@@ -181,7 +186,10 @@ async fn second_runner_on_one_state_dir_and_changed_input_are_refused() {
         .expect("runs");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("in use by another sluicegate process"), "{stderr}");
+    assert!(
+        stderr.contains("in use by another sluicegate process"),
+        "{stderr}"
+    );
     drop(lock);
 
     // First run against a dead gateway, interrupted by nothing: it imports,
@@ -195,5 +203,8 @@ async fn second_runner_on_one_state_dir_and_changed_input_are_refused() {
         .expect("runs");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("belongs to a different input file"), "{stderr}");
+    assert!(
+        stderr.contains("belongs to a different input file"),
+        "{stderr}"
+    );
 }

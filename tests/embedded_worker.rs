@@ -11,7 +11,8 @@ use sluicegate::sim::{SimConfig, spawn_http};
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
 
 fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluicegate-embedded-{name}-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("sluicegate-embedded-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
@@ -39,10 +40,9 @@ async fn two_workers_on_one_file_answer_every_submission_once() {
     let dir = temp_dir("two");
     let db = dir.join("store.db");
     let config = dir.join("embedded.toml");
-    let example = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("config/embedded.toml"),
-    )
-    .expect("example config");
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/embedded.toml"))
+            .expect("example config");
     std::fs::write(
         &config,
         example.replace("http://127.0.0.1:8000", &sim.base_url()),

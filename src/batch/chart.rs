@@ -26,7 +26,9 @@ const TOP: f64 = 40.0;
 const BOTTOM: f64 = 110.0;
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 /// Renders the series as an SVG document; `x_max` is the right edge and

@@ -123,10 +123,16 @@ pub fn convert_line(
         }
         let id = Some(custom_id.clone());
         if let Some(method) = parsed.method.as_deref().filter(|m| *m != "POST") {
-            return Err(invalid(id, format!("method `{method}` is not supported; only POST")));
+            return Err(invalid(
+                id,
+                format!("method `{method}` is not supported; only POST"),
+            ));
         }
         let Some(url) = parsed.url.filter(|u| u.starts_with('/')) else {
-            return Err(invalid(id, "url must be a path starting with '/', e.g. /v1/chat/completions".into()));
+            return Err(invalid(
+                id,
+                "url must be a path starting with '/', e.g. /v1/chat/completions".into(),
+            ));
         };
         let Some(body) = parsed.body else {
             return Err(invalid(id, "body is required".into()));

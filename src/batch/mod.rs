@@ -198,13 +198,20 @@ impl std::fmt::Display for BatchSummary {
             self.completed,
             self.failed_total(),
             if self.pending > 0 {
-                format!(", {} pending (re-run the same command to resume)", self.pending)
+                format!(
+                    ", {} pending (re-run the same command to resume)",
+                    self.pending
+                )
             } else {
                 String::new()
             }
         )?;
         if !self.failed.is_empty() {
-            let kinds: Vec<String> = self.failed.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let kinds: Vec<String> = self
+                .failed
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
             writeln!(f, "  failed by type: {}", kinds.join(", "))?;
         }
         writeln!(
@@ -370,14 +377,15 @@ pub async fn run_batch(
             lines.push(output::invalid_line(bad));
             *summary.failed.entry("invalid_request".into()).or_default() += 1;
         }
-        let (record, dead_lettered) = match (results.get(&valid.custom_id), dead.get(&valid.custom_id)) {
-            (Some(r), _) => (r, false),
-            (None, Some(d)) => (d, true),
-            (None, None) => {
-                summary.pending += 1;
-                continue;
-            }
-        };
+        let (record, dead_lettered) =
+            match (results.get(&valid.custom_id), dead.get(&valid.custom_id)) {
+                (Some(r), _) => (r, false),
+                (None, Some(d)) => (d, true),
+                (None, None) => {
+                    summary.pending += 1;
+                    continue;
+                }
+            };
         lines.push(output::result_line(valid.line, &valid.custom_id, record));
         let (p, c) = usage(record);
         summary.prompt_tokens += p;

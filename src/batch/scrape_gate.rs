@@ -64,7 +64,9 @@ impl ScrapeGateParams {
                         *slot = x;
                         Ok(())
                     }
-                    _ => Err(format!("vllm-scrape: `{key}` must be a non-negative number")),
+                    _ => Err(format!(
+                        "vllm-scrape: `{key}` must be a non-negative number"
+                    )),
                 },
             }
         };
@@ -138,7 +140,10 @@ pub fn parse_pod_loads(text: &str) -> BTreeMap<String, PodLoad> {
             },
             None => ("", rest.trim()),
         };
-        let Some(value) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok())
+        let Some(value) = value
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
         else {
             continue;
         };
@@ -225,9 +230,13 @@ mod tests {
     #[test]
     fn params_need_a_url_and_sane_limits() {
         assert!(ScrapeGateParams::from_json(&serde_json::json!({})).is_err());
-        let p = ScrapeGateParams::from_json(&serde_json::json!({"url": "http://x/metrics", "baseline": 0.2}))
-            .expect("valid");
+        let p = ScrapeGateParams::from_json(
+            &serde_json::json!({"url": "http://x/metrics", "baseline": 0.2}),
+        )
+        .expect("valid");
         assert_eq!(p.baseline, 0.2);
-        assert!(ScrapeGateParams::from_json(&serde_json::json!({"url": "u", "kv_limit": 0})).is_err());
+        assert!(
+            ScrapeGateParams::from_json(&serde_json::json!({"url": "u", "kv_limit": 0})).is_err()
+        );
     }
 }

@@ -221,10 +221,11 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
                     .and_then(|s| s.result_count().ok())
                     .unwrap_or(0) as f64;
                 let gate = stats.snapshot();
-                samples
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push((started.elapsed().as_secs_f64(), 100.0 * done / lines, gate.budget));
+                samples.lock().unwrap_or_else(|e| e.into_inner()).push((
+                    started.elapsed().as_secs_f64(),
+                    100.0 * done / lines,
+                    gate.budget,
+                ));
             }
         })
     };
@@ -234,7 +235,8 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         Arc::new(move || {
             let p = probes.lock().unwrap_or_else(|e| e.into_inner());
             let now = started.elapsed().as_secs_f64();
-            let recent = |v: &[(f64, f64)]| p99(v.iter().filter(|(t, _)| now - t < 10.0).map(|(_, x)| *x));
+            let recent =
+                |v: &[(f64, f64)]| p99(v.iter().filter(|(t, _)| now - t < 10.0).map(|(_, x)| *x));
             match (recent(&p.pool), recent(&p.twin)) {
                 (Some(a), Some(b)) => {
                     format!("interactive TTFT p99 (10 s) {a:.0} ms vs {b:.0} ms baseline")

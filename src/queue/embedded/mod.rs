@@ -297,7 +297,9 @@ impl EmbeddedQueue {
         let inner = self.inner.clone();
         match tokio::task::spawn_blocking(move || f(&inner)).await {
             Ok(r) => r.map_err(QueueError::from),
-            Err(e) => Err(QueueError::Failed(format!("embedded store task failed: {e}"))),
+            Err(e) => Err(QueueError::Failed(format!(
+                "embedded store task failed: {e}"
+            ))),
         }
     }
 }
@@ -414,7 +416,12 @@ impl Inner {
         })
     }
 
-    fn nack(&self, tag: &DeliveryTag, delay: Duration, reason: NackReason) -> Result<(), EmbeddedError> {
+    fn nack(
+        &self,
+        tag: &DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> Result<(), EmbeddedError> {
         let visible = now_ms().saturating_add(ms(delay));
         let add = i64::from(reason.counts_as_failure());
         self.write(|tx, _| {
@@ -432,9 +439,8 @@ impl Inner {
         let now = now_ms();
         let expires = now.saturating_add(ms(lease));
         self.write(|tx, _| {
-            let mut s = tx.prepare_cached(
-                "UPDATE messages SET lease_expires_ms = ?1 WHERE lease_tag = ?2",
-            )?;
+            let mut s = tx
+                .prepare_cached("UPDATE messages SET lease_expires_ms = ?1 WHERE lease_tag = ?2")?;
             for tag in tags {
                 s.execute(params![expires, tag.0])?;
             }
@@ -442,7 +448,11 @@ impl Inner {
         })
     }
 
-    fn dead_letter(&self, tag: &DeliveryTag, last_error: &ResultRecord) -> Result<(), EmbeddedError> {
+    fn dead_letter(
+        &self,
+        tag: &DeliveryTag,
+        last_error: &ResultRecord,
+    ) -> Result<(), EmbeddedError> {
         let now = now_ms();
         let record = serde_json::to_string(last_error).unwrap_or_default();
         self.write(|tx, queue| {
@@ -564,8 +574,10 @@ impl OwnerLock {
             source,
         };
         let conn = Connection::open(&path).map_err(sqlite)?;
-        conn.execute_batch("PRAGMA locking_mode = EXCLUSIVE; CREATE TABLE IF NOT EXISTS owner (pid INTEGER);")
-            .map_err(|e| locked_or(e, &path))?;
+        conn.execute_batch(
+            "PRAGMA locking_mode = EXCLUSIVE; CREATE TABLE IF NOT EXISTS owner (pid INTEGER);",
+        )
+        .map_err(|e| locked_or(e, &path))?;
         // The first write under EXCLUSIVE locking mode takes the file lock
         // and keeps it until the connection closes.
         conn.execute(
@@ -595,7 +607,6 @@ fn locked_or(e: rusqlite::Error, path: &Path) -> EmbeddedError {
         },
     }
 }
-
 
 #[cfg(test)]
 mod tests;

@@ -72,13 +72,17 @@ pub(super) fn open(path: &Path) -> Result<Connection, EmbeddedError> {
     // durable across a crash of the machine, not only of the process.
     conn.pragma_update_and_check(None, "journal_mode", "WAL", |_| Ok(()))
         .map_err(err)?;
-    conn.pragma_update(None, "synchronous", "FULL").map_err(err)?;
-    conn.pragma_update(None, "foreign_keys", "ON").map_err(err)?;
+    conn.pragma_update(None, "synchronous", "FULL")
+        .map_err(err)?;
+    conn.pragma_update(None, "foreign_keys", "ON")
+        .map_err(err)?;
     conn.execute_batch(TABLES).map_err(err)?;
     let found: Option<String> = conn
-        .query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| {
-            r.get(0)
-        })
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'schema_version'",
+            [],
+            |r| r.get(0),
+        )
         .optional()
         .map_err(err)?;
     match found {

@@ -116,9 +116,13 @@ async fn only_failed_nacks_count_as_attempts_and_order_is_kept() {
     let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
     assert_eq!(d[0].body.as_ref(), b"first");
     assert_eq!(d[0].retry_count, 1);
-    q.nack(d[0].tag.clone(), Duration::from_secs(60), NackReason::Failed)
-        .await
-        .expect("ok");
+    q.nack(
+        d[0].tag.clone(),
+        Duration::from_secs(60),
+        NackReason::Failed,
+    )
+    .await
+    .expect("ok");
     let d = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
     assert_eq!(d.len(), 1, "a delayed message stays invisible");
     assert_eq!(d[0].body.as_ref(), b"second");
@@ -134,7 +138,10 @@ async fn dead_letter_moves_the_message_out_with_its_error() {
     let dead = q.dead_letters().expect("dead");
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].body.as_ref(), b"m");
-    assert_eq!(dead[0].last_error.error_code, Some(ErrorCode::InferenceError));
+    assert_eq!(
+        dead[0].last_error.error_code,
+        Some(ErrorCode::InferenceError)
+    );
     assert_eq!(q.unsettled_count().expect("count"), 0);
     assert_eq!(q.backlog().await.expect("ok"), Some(0));
 }
@@ -167,16 +174,16 @@ async fn two_handles_on_one_file_never_hold_the_same_message() {
     for _ in 0..50 {
         push(&a, "m", 1);
     }
-    let (da, db) = tokio::join!(
-        a.receive(30, LEASE, NO_WAIT),
-        b.receive(30, LEASE, NO_WAIT)
-    );
+    let (da, db) = tokio::join!(a.receive(30, LEASE, NO_WAIT), b.receive(30, LEASE, NO_WAIT));
     let (da, db) = (da.expect("a"), db.expect("b"));
     assert_eq!(da.len() + db.len(), 50);
     // The tag fences the row, whichever handle presents it; once settled,
     // the same tag is refused.
     let wrong = a.ack(vec![done(&db[0].tag, "x")]).await.expect("ok");
-    assert_eq!(wrong.acked, 1, "a tag is a fence on the row, valid from any handle");
+    assert_eq!(
+        wrong.acked, 1,
+        "a tag is a fence on the row, valid from any handle"
+    );
     let stale = b.ack(vec![done(&db[0].tag, "x")]).await.expect("ok");
     assert_eq!(stale.lease_lost, 1);
 }
@@ -196,7 +203,10 @@ fn owner_lock_refuses_a_second_owner_until_released() {
     let path = temp_db("owner");
     let first = OwnerLock::acquire(&path).expect("first owner");
     let second = OwnerLock::acquire(&path);
-    assert!(matches!(second, Err(EmbeddedError::Locked { .. })), "{second:?}");
+    assert!(
+        matches!(second, Err(EmbeddedError::Locked { .. })),
+        "{second:?}"
+    );
     drop(first);
     OwnerLock::acquire(&path).expect("free again");
 }
@@ -206,8 +216,11 @@ fn refuses_a_file_of_another_schema_version() {
     let path = temp_db("schema");
     drop(EmbeddedQueue::open(&path, "q").expect("open"));
     let conn = Connection::open(&path).expect("raw");
-    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'", [])
-        .expect("update");
+    conn.execute(
+        "UPDATE meta SET value = '99' WHERE key = 'schema_version'",
+        [],
+    )
+    .expect("update");
     drop(conn);
     let err = EmbeddedQueue::open(&path, "q").expect_err("refused");
     assert!(err.to_string().contains("schema version 99"), "{err}");
