@@ -208,3 +208,63 @@ async fn second_runner_on_one_state_dir_and_changed_input_are_refused() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ctrl_c_writes_partial_output_exits_130_and_the_rerun_completes() {
+    let sim = spawn_http(SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let dir = temp_dir("sigint");
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    let n = 100;
+    let lines: Vec<String> = (0..n).map(|i| openai_line(i, 64)).collect();
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let mut child = batch_cmd(&input, &output, &sim.base_url(), 4)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let db = dir.join("out.jsonl.state").join("queue.db");
+    let give_up = Instant::now() + Duration::from_secs(30);
+    while !db.exists()
+        || EmbeddedQueue::open(&db, "batch")
+            .and_then(|q| q.result_count())
+            .unwrap_or(0)
+            < 5
+    {
+        assert!(Instant::now() < give_up, "no progress before Ctrl-C");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let out = child.wait_with_output().expect("exits");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("re-run the same command to resume"),
+        "{stderr}"
+    );
+    let partial = read_output(&output);
+    assert!(
+        !partial.is_empty() && partial.len() < n,
+        "{}",
+        partial.len()
+    );
+
+    let status = batch_cmd(&input, &output, &sim.base_url(), 32)
+        .status()
+        .expect("resumes");
+    assert!(status.success());
+    let out = read_output(&output);
+    let mut ids: Vec<&str> = out
+        .iter()
+        .map(|v| v["custom_id"].as_str().expect("id"))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!((out.len(), ids.len()), (n, n));
+}

@@ -271,8 +271,11 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         samples
             .iter()
             .filter_map(|(t, _, _)| {
-                p99(v.iter().filter(|(at, _)| at <= t && t - at < 3.0).map(|(_, x)| *x))
-                    .map(|x| (*t, x))
+                p99(v
+                    .iter()
+                    .filter(|(at, _)| at <= t && t - at < 3.0)
+                    .map(|(_, x)| *x))
+                .map(|x| (*t, x))
             })
             .collect()
     };
