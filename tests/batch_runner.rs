@@ -223,7 +223,7 @@ async fn ctrl_c_writes_partial_output_exits_130_and_the_rerun_completes() {
     let n = 100;
     let lines: Vec<String> = (0..n).map(|i| openai_line(i, 64)).collect();
     std::fs::write(&input, lines.join("\n")).expect("input");
-    let mut child = batch_cmd(&input, &output, &sim.base_url(), 4)
+    let child = batch_cmd(&input, &output, &sim.base_url(), 4)
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
