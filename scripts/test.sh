@@ -17,6 +17,9 @@ if [ ${#packages[@]} -gt 0 ]; then
   fi
 fi
 
+# Dockerfile and helm chart, with hadolint and helm (installed on first use).
+bash scripts/lint-deploy.sh
+
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
 if cargo nextest --version >/dev/null 2>&1; then
