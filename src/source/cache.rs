@@ -194,8 +194,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn concurrent_callers_share_one_read() {
         let (s, c) = cached(Duration::from_millis(500));
-        let results =
-            futures_util::future::join_all((0..8).map(|_| c.get())).await;
+        let results = futures_util::future::join_all((0..8).map(|_| c.get())).await;
         assert!(results.iter().all(|r| matches!(r, Ok(t) if t.value == 1)));
         assert_eq!(s.calls.load(Ordering::SeqCst), 1);
         // Within the TTL: no new read.

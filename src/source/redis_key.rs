@@ -70,6 +70,11 @@ impl RedisKey {
         })
     }
 
+    /// `GET <key> at <address>`, without credentials.
+    pub fn describe_key(&self) -> String {
+        format!("GET {} at {}", self.key, self.shown)
+    }
+
     async fn read(&self) -> Result<Timestamped<Option<String>>, SourceError> {
         let taken_at = Instant::now();
         let work = async {
@@ -106,6 +111,6 @@ impl Source for RedisKey {
     }
 
     fn describe(&self) -> String {
-        format!("GET {} at {}", self.key, self.shown)
+        self.describe_key()
     }
 }

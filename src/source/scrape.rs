@@ -35,6 +35,11 @@ impl Scrape {
         &self.url
     }
 
+    /// The URL, password masked.
+    pub fn describe_url(&self) -> String {
+        crate::config::mask_url(&self.url)
+    }
+
     async fn read(&self) -> Result<Timestamped<Arc<Exposition>>, SourceError> {
         // The page describes the pool somewhere between send and receive;
         // the send time is the conservative choice for the window.

@@ -319,7 +319,8 @@ fn parse_labels<'a>(
         s = s
             .strip_prefix('"')
             .ok_or_else(|| format!("label {label}: value must be quoted"))?;
-        let (value, rest) = take_quoted(s).ok_or_else(|| format!("label {label}: unclosed quote"))?;
+        let (value, rest) =
+            take_quoted(s).ok_or_else(|| format!("label {label}: unclosed quote"))?;
         if labels
             .insert(label.to_owned(), unescape(value, true)?)
             .is_some()
@@ -501,7 +502,8 @@ llm_d_epp_flow_control_queue_size{inference_pool="vllm-llama3-8b-instruct",prior
 
     #[test]
     fn unescapes_label_values_and_help() {
-        let text = "# HELP m a \\\\ b\\nc\nm{a=\"x\\\"y\",b=\"1\\\\2\",c=\"l1\\nl2\",d=\"{},=\"} 1\n";
+        let text =
+            "# HELP m a \\\\ b\\nc\nm{a=\"x\\\"y\",b=\"1\\\\2\",c=\"l1\\nl2\",d=\"{},=\"} 1\n";
         let e = parse(text).unwrap();
         let s = &e.samples[0];
         assert_eq!(s.labels["a"], "x\"y");
