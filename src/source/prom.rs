@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use prometheus_http_query::response::Data;
@@ -108,7 +108,6 @@ impl PromClient {
     /// Runs one instant query.
     pub async fn instant(&self, query: &str) -> Result<Timestamped<PromVector>, SourceError> {
         let sent = Instant::now();
-        let sent_wall = SystemTime::now();
         let answer = tokio::time::timeout(self.timeout, self.client.query(query).get())
             .await
             .map_err(|_| SourceError::Timeout(self.timeout))?;
@@ -116,45 +115,34 @@ impl PromClient {
             prometheus_http_query::Error::Prometheus(p) => SourceError::Query(p.to_string()),
             other => SourceError::transport(other),
         })?;
-        let (samples, eval_ts) = match result.into_inner().0 {
-            Data::Vector(v) => {
-                let ts = v.first().map(|s| s.sample().timestamp());
-                let samples = v
-                    .into_iter()
-                    .map(|s| {
-                        let (labels, sample) = s.into_inner();
-                        PromSample {
-                            labels: labels.into_iter().collect(),
-                            value: sample.value(),
-                        }
-                    })
-                    .collect();
-                (samples, ts)
-            }
-            Data::Scalar(s) => (
-                vec![PromSample {
-                    labels: BTreeMap::new(),
-                    value: s.value(),
-                }],
-                Some(s.timestamp()),
-            ),
+        let samples = match result.into_inner().0 {
+            Data::Vector(v) => v
+                .into_iter()
+                .map(|s| {
+                    let (labels, sample) = s.into_inner();
+                    PromSample {
+                        labels: labels.into_iter().collect(),
+                        value: sample.value(),
+                    }
+                })
+                .collect(),
+            Data::Scalar(s) => vec![PromSample {
+                labels: BTreeMap::new(),
+                value: s.value(),
+            }],
             Data::Matrix(_) => {
                 return Err(SourceError::Parse(
                     "a range vector; the query must return an instant vector or scalar".into(),
                 ));
             }
         };
-        // Prometheus evaluates at "now" on its clock; if that is earlier
-        // than our send time, the data is that much older.
-        let lag = eval_ts
-            .and_then(|ts| {
-                let sent_s = sent_wall.duration_since(UNIX_EPOCH).ok()?.as_secs_f64();
-                Duration::try_from_secs_f64(sent_s - ts).ok()
-            })
-            .unwrap_or(Duration::ZERO);
+        // Prometheus evaluates at its own "now", which is when it got the
+        // query; the result's timestamp says nothing about how old the
+        // scraped samples are, and comparing clocks would only measure
+        // clock skew. So the data is dated when the query was sent.
         Ok(Timestamped {
             value: samples,
-            taken_at: sent.checked_sub(lag).unwrap_or(sent),
+            taken_at: sent,
         })
     }
 }

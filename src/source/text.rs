@@ -560,6 +560,27 @@ llm_d_epp_flow_control_queue_size{inference_pool="vllm-llama3-8b-instruct",prior
         ]
     }
 
+    /// Fuzz-style: many random byte strings (seeded xorshift, so a failure
+    /// reproduces), biased towards the characters the grammar cares about.
+    #[test]
+    fn random_bytes_never_panic() {
+        const ALPHABET: &[u8] = b"ab_:{}=\",\"\\ \t\n#+-.eE019NaInf\xc3\xa9\xff";
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..20_000 {
+            let len = (next() % 64) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| ALPHABET[(next() % ALPHABET.len() as u64) as usize])
+                .collect();
+            let _ = parse(&String::from_utf8_lossy(&bytes));
+        }
+    }
+
     proptest! {
         #[test]
         fn garbage_never_panics(text in "\\PC*") {
