@@ -88,8 +88,10 @@ impl<S: Source> Cached<S> {
                 }
             }
             let rx = match &state.in_flight {
-                Some(rx) => rx.clone(),
-                None => self.start_read(&mut state),
+                // A read whose task died (a panic) left its sender dropped:
+                // start a new one rather than failing forever.
+                Some(rx) if rx.has_changed().is_ok() => rx.clone(),
+                _ => self.start_read(&mut state),
             };
             // A refresh is under way; usable data is served meanwhile, so a
             // slow source never makes callers queue.
@@ -241,6 +243,41 @@ mod tests {
         assert_eq!(c.get().await.unwrap().value, 1);
         tokio::time::advance(Duration::from_secs(6)).await;
         assert!(c.get().await.is_err());
+    }
+
+    /// Panics on its first read only.
+    #[derive(Debug, Default)]
+    struct PanicsOnce {
+        calls: AtomicUsize,
+    }
+
+    impl Source for Arc<PanicsOnce> {
+        type Output = usize;
+        fn fetch(&self) -> BoxFuture<'_, Result<Timestamped<usize>, SourceError>> {
+            Box::pin(async move {
+                if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    panic!("first read panics");
+                }
+                Ok(Timestamped {
+                    value: 7,
+                    taken_at: Instant::now(),
+                })
+            })
+        }
+        fn describe(&self) -> String {
+            "panics once".into()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicked_read_does_not_wedge_the_cache() {
+        let c = Cached::new(
+            Arc::new(PanicsOnce::default()),
+            Duration::from_secs(1),
+            Duration::from_secs(10),
+        );
+        assert!(matches!(c.get().await, Err(SourceError::Abandoned)));
+        assert_eq!(c.get().await.unwrap().value, 7);
     }
 
     #[tokio::test(start_paused = true)]
