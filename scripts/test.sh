@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 # Debian packages the test suites spawn (real servers on loopback).
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || packages+=(prometheus)
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update

@@ -3,6 +3,8 @@
 
 #![allow(clippy::print_stdout)] // A CLI prints its answers.
 
+mod probe;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +42,17 @@ enum Command {
     /// The pool simulator.
     #[command(subcommand)]
     Sim(SimCommand),
+    /// Dispatch gate commands.
+    #[command(subcommand)]
+    Gate(GateCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum GateCommand {
+    /// Evaluate a queue's gate once against the live sources and explain
+    /// the budget (each source, raw values, D, B, max_SYS, N, open or
+    /// closed and why). `--queue NAME` picks the queue.
+    Probe(probe::ProbeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -140,6 +153,7 @@ pub async fn run(cli: Cli) -> ExitCode {
             Err(code) => code,
         },
         Command::Run(args) => run_dispatcher(args).await,
+        Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();
