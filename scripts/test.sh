@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 # Debian packages the test suites spawn (real servers on loopback).
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || packages+=(prometheus)
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update
@@ -16,6 +17,9 @@ if [ ${#packages[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+
+# Dockerfile and helm chart, with hadolint and helm (installed on first use).
+bash scripts/lint-deploy.sh
 
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::batch::{BatchOptions, ScrapeGateParams, SimVllmScrapeGate, run_batch};
 use crate::config::GateSpec;
-use crate::gate::{DispatchGate, build_gate};
+use crate::gate::{DispatchGate, GateContext, build_gate};
 
 /// Exit code of a run stopped before every line had a result.
 const EXIT_INTERRUPTED: u8 = 130;
@@ -66,7 +66,16 @@ pub(crate) fn gate_from_flags(gate: &str, params: &str) -> Result<Box<dyn Dispat
         return Ok(Box::new(SimVllmScrapeGate::new(p)?));
     }
     let spec = GateSpec::parse(gate, &params, "--gate").map_err(|e| e.to_string())?;
-    build_gate(&spec).map_err(|e| format!("--gate: {e}"))
+    // No `[prometheus]` or `[redis]` section on this command line: gates
+    // that need one report it; scrape gates (`vllm`, `endpoint-scrape`)
+    // take their URLs from the parameters.
+    let ctx = GateContext::new(
+        None,
+        None,
+        Duration::from_millis(250),
+        Duration::from_secs(10),
+    );
+    build_gate(&spec, &ctx).map_err(|e| format!("--gate: {e}"))
 }
 
 /// Runs `sluicegate batch`.

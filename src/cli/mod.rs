@@ -6,6 +6,7 @@
 mod batch;
 mod demo;
 mod embedded;
+mod probe;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -55,6 +56,17 @@ enum Command {
     SubmitEmbedded(embedded::SubmitEmbeddedArgs),
     /// Print the results of a queue in an embedded store (JSON lines).
     ResultsEmbedded(embedded::ResultsEmbeddedArgs),
+    /// Dispatch gate commands.
+    #[command(subcommand)]
+    Gate(GateCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum GateCommand {
+    /// Evaluate a queue's gate once against the live sources and explain
+    /// the budget (each source, raw values, D, B, max_SYS, N, open or
+    /// closed and why). `--queue NAME` picks the queue.
+    Probe(probe::ProbeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -159,6 +171,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Demo(args) => demo::run(args).await,
         Command::SubmitEmbedded(args) => embedded::submit(&args),
         Command::ResultsEmbedded(args) => embedded::results(&args),
+        Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();
