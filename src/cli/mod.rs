@@ -9,6 +9,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+mod bench;
+mod cancel;
+mod results;
+mod submit;
+
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
@@ -40,6 +45,15 @@ enum Command {
     /// The pool simulator.
     #[command(subcommand)]
     Sim(SimCommand),
+    /// Enqueue requests (JSON lines or OpenAI Batch API lines) into a Redis queue.
+    Submit(submit::SubmitArgs),
+    /// Collect results from a Redis result list into a JSON-lines file.
+    Results(results::ResultsArgs),
+    /// Cancel active submissions by id.
+    Cancel(cancel::CancelArgs),
+    /// Benchmarks against real servers.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -140,6 +154,10 @@ pub async fn run(cli: Cli) -> ExitCode {
             Err(code) => code,
         },
         Command::Run(args) => run_dispatcher(args).await,
+        Command::Submit(args) => submit::run(args).await,
+        Command::Results(args) => results::run(args).await,
+        Command::Cancel(args) => cancel::run(args).await,
+        Command::Bench(command) => bench::run(command).await,
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();
@@ -161,9 +179,12 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
         Err(code) => return code,
     };
     crate::telemetry::logging::init(config.telemetry.log_format, &config.telemetry.log_level);
+    if config.transport == TransportKind::Redis {
+        return run_redis(&config).await;
+    }
     if config.transport != TransportKind::Memory {
         eprintln!(
-            "transport: `{}` is not available in this build; available: memory",
+            "transport: `{}` is not available in this build; available: memory, redis",
             config.transport.as_str()
         );
         return ExitCode::from(EXIT_CONFIG);
@@ -221,6 +242,75 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
     }
     running.wait().await;
     write_results(&memory, args.output.as_ref())
+}
+
+/// Runs the dispatcher on Redis queues until SIGTERM/SIGINT, then hands
+/// every claim still held back to pending at once.
+async fn run_redis(config: &Config) -> ExitCode {
+    let redis_config = config.redis.clone().unwrap_or_else(submit::default_redis_config);
+    let (client, conn) = match submit::connect(&redis_config) {
+        Ok(c) => c,
+        Err(error) => {
+            eprintln!("{error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let addr = crate::queue::redis::masked_addr(&client);
+    let mut probe = conn.clone();
+    let ping = tokio::time::timeout(
+        Duration::from_secs(3),
+        redis::cmd("PING").query_async::<String>(&mut probe),
+    )
+    .await;
+    match ping {
+        Ok(Ok(_)) => tracing::info!(%addr, "redis reachable"),
+        Ok(Err(error)) => {
+            eprintln!("redis at {addr} is unreachable: {error}; retrying in the background, not ready until it answers");
+            tracing::error!(%addr, %error, "redis unreachable; not ready until it answers");
+        }
+        Err(_) => {
+            eprintln!("redis at {addr} did not answer within 3s; retrying in the background, not ready until it answers");
+            tracing::error!(%addr, "redis did not answer; not ready until it answers");
+        }
+    }
+    let redis_queues: Vec<Arc<crate::queue::redis::RedisQueue>> = config
+        .queues
+        .iter()
+        .map(|q| {
+            let mut settings = crate::queue::redis::RedisQueueSettings::new(q.queue_name.clone());
+            // The config cannot tell a default list from a chosen one: a
+            // queue naming a non-default list overrides the message's.
+            if q.result_queue_name != crate::queue::redis::DEFAULT_RESULT_LIST {
+                settings.result_list = Some(q.result_queue_name.clone());
+            }
+            settings.result_ttl_seconds = q.result_ttl_seconds;
+            Arc::new(crate::queue::redis::RedisQueue::start(conn.clone(), settings))
+        })
+        .collect();
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let queues: Vec<Arc<dyn Queue>> = redis_queues
+        .iter()
+        .map(|q| q.clone() as Arc<dyn Queue>)
+        .collect();
+    let running = match crate::app::start(config, queues, shutdown).await {
+        Ok(r) => r,
+        Err(error) => {
+            eprintln!("cannot start: {error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    running.wait().await;
+    for queue in &redis_queues {
+        match queue.release_all().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(queue = %queue.name(), released = n, "claims handed back"),
+            Err(error) => {
+                tracing::warn!(%error, "could not hand claims back; they return when their lease expires");
+            }
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// Writes the memory queues' results as JSON lines, and hands on what is

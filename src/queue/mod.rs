@@ -4,6 +4,7 @@
 //! Redis, Pub/Sub and the embedded store in their own folders).
 
 mod memory;
+pub mod redis;
 
 use std::fmt;
 use std::time::Duration;
@@ -155,4 +156,23 @@ pub trait Queue: Send + Sync + fmt::Debug {
 
     /// Messages waiting (not leased), if the transport can tell cheaply.
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>>;
+
+    /// Reachability and counters for readiness and metrics, read without
+    /// I/O; `None` when the transport keeps none.
+    fn status(&self) -> Option<TransportStatus> {
+        None
+    }
+}
+
+/// What a transport reports about itself (see [`Queue::status`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportStatus {
+    /// Whether the backend answered the last round trip.
+    pub reachable: bool,
+    /// Claims (leases) currently recorded in the backend, all holders.
+    pub claims_held: u64,
+    /// Expired claims this process returned to the queue.
+    pub reclaims_total: u64,
+    /// Messages this process moved to the dead letters.
+    pub dead_letters_total: u64,
 }

@@ -1,0 +1,155 @@
+//! A real `redis-server` on a free 127.0.0.1 port, in its own directory,
+//! killed by PID (on drop too). Restartable on the same port and data.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A port nothing listens on right now.
+pub(crate) fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+/// How to run the server.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RedisOptions {
+    /// `requirepass`.
+    pub password: Option<String>,
+    /// Append-only file with `appendfsync always`.
+    pub aof: bool,
+    /// Port to use (a free one when absent).
+    pub(crate) port: Option<u16>,
+}
+
+/// A running (or stopped) `redis-server`.
+#[derive(Debug)]
+pub(crate) struct RedisServer {
+    child: Option<Child>,
+    /// Its port.
+    pub(crate) port: u16,
+    dir: PathBuf,
+    options: RedisOptions,
+}
+
+impl RedisServer {
+    /// Starts a server without persistence or password.
+    pub(crate) fn start() -> Self {
+        Self::start_with(RedisOptions::default())
+    }
+
+    /// Starts a server with `options` and waits until it answers.
+    pub(crate) fn start_with(options: RedisOptions) -> Self {
+        let port = options.port.unwrap_or_else(free_port);
+        let dir = std::env::temp_dir().join(format!(
+            "sluicegate-redis-{}-{port}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("redis dir");
+        let mut server = Self {
+            child: None,
+            port,
+            dir,
+            options,
+        };
+        server.spawn();
+        server
+    }
+
+    /// A server that is not running yet on a reserved port (for
+    /// "Redis down at startup"); call [`Self::restart`] to start it.
+    pub(crate) fn not_started() -> Self {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!(
+            "sluicegate-redis-{}-{port}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("redis dir");
+        Self {
+            child: None,
+            port,
+            dir,
+            options: RedisOptions::default(),
+        }
+    }
+
+    fn spawn(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--save")
+            .arg("")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if self.options.aof {
+            cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
+        } else {
+            cmd.args(["--appendonly", "no"]);
+        }
+        if let Some(p) = &self.options.password {
+            cmd.arg("--requirepass").arg(p);
+        }
+        self.child = Some(cmd.spawn().expect("redis-server runs (apt-get install redis-server)"));
+        let give_up = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.cli(&["PING"]).trim() == "PONG" {
+                return;
+            }
+            assert!(Instant::now() < give_up, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis://127.0.0.1:<port>/0` (no credentials).
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Runs `redis-cli` against the server; its standard output.
+    pub(crate) fn cli(&self, args: &[&str]) -> String {
+        let mut cmd = Command::new("redis-cli");
+        cmd.arg("-p").arg(self.port.to_string());
+        if let Some(p) = &self.options.password {
+            cmd.arg("--no-auth-warning").arg("-a").arg(p);
+        }
+        let out = cmd.args(args).output().expect("redis-cli runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// An integer answer of `redis-cli`.
+    pub(crate) fn int(&self, args: &[&str]) -> i64 {
+        let text = self.cli(args);
+        text.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{args:?} answered {text:?}"))
+    }
+
+    /// SIGKILLs the server (by PID).
+    pub(crate) fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and data directory.
+    pub(crate) fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
