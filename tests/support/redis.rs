@@ -18,9 +18,9 @@ pub(crate) fn free_port() -> u16 {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RedisOptions {
     /// `requirepass`.
-    pub password: Option<String>,
+    pub(crate) password: Option<String>,
     /// Append-only file with `appendfsync always`.
-    pub aof: bool,
+    pub(crate) aof: bool,
     /// Port to use (a free one when absent).
     pub(crate) port: Option<u16>,
 }

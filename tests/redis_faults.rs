@@ -1,0 +1,262 @@
+//! The real `sluicegate` binary on the Redis transport under faults:
+//! SIGKILL at random points, SIGTERM, a Redis restart (AOF) mid-drain, and
+//! Redis down at startup. Every id must end with exactly one result and
+//! the queue, retry set and claims must end empty.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rand::RngExt;
+use support::redis::{RedisOptions, RedisServer, free_port};
+use wiremock::matchers::method;
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+const QUEUE: &str = "faults";
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs() as i64
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("sluicegate-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+async fn gateway(delay: Duration) -> MockServer {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_string(r#"{"choices":[{"text":"ok"}]}"#)
+                .set_delay(delay),
+        )
+        .mount(&server)
+        .await;
+    server
+}
+
+/// Submits `n` requests with the `submit` command.
+fn submit(server: &RedisServer, dir: &Path, n: usize) {
+    let file = dir.join("requests.jsonl");
+    let deadline = unix_now() + 3600;
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            serde_json::json!({"id": format!("m-{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&file, lines.join("\n")).expect("write requests");
+    let out = Command::new(BIN)
+        .args(["submit", "--redis-url", &server.url(), "--queue", QUEUE])
+        .arg(&file)
+        .output()
+        .expect("submit runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        summary.contains(&format!("submitted {n} requests")),
+        "{summary}"
+    );
+}
+
+fn dispatcher(redis_url: &str, gateway: &str, lease: &str, listen: &str, log: &Path) -> Child {
+    let log = std::fs::File::create(log).expect("log file");
+    Command::new(BIN)
+        .arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("SLUICEGATE_TRANSPORT", "redis")
+        .env("SLUICEGATE_REDIS_URL", redis_url)
+        .env("SLUICEGATE_QUEUE", QUEUE)
+        .env("SLUICEGATE_GATEWAY_URL", gateway)
+        .env("SLUICEGATE_GATE_TYPE", "constant")
+        .env("SLUICEGATE_QUEUE_MAX_SYS", "64")
+        .env("SLUICEGATE_LISTEN", listen)
+        .env("SLUICEGATE_DISPATCH_LEASE", lease)
+        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
+        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
+        .env("SLUICEGATE_DISPATCH_SHUTDOWN_GRACE", "5s")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("dispatcher runs")
+}
+
+fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .expect("kill runs");
+    assert!(status.success());
+}
+
+/// Waits until `n` results exist and nothing is pending or claimed.
+async fn wait_drained(server: &RedisServer, n: i64, within: Duration) {
+    let give_up = Instant::now() + within;
+    loop {
+        let results = server.int(&["LLEN", "result-list"]);
+        let pending = server.int(&["ZCARD", QUEUE]);
+        let claims = server.int(&["ZCARD", &format!("{QUEUE}:claims-idx")]);
+        let retries = server.int(&["ZCARD", "retry-sortedset"]);
+        if results >= n && pending == 0 && claims == 0 && retries == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "not drained: {results} results, {pending} pending, {claims} claims, {retries} retries"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every id `m-0..n` has exactly one result, and the queue's keys are empty.
+fn assert_exactly_once(server: &RedisServer, n: usize) {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for line in server.cli(&["LRANGE", "result-list", "0", "-1"]).lines() {
+        let r: serde_json::Value = serde_json::from_str(line).expect("result JSON");
+        assert_eq!(r["status_code"], 200, "{r}");
+        *seen
+            .entry(r["id"].as_str().expect("id").to_owned())
+            .or_default() += 1;
+    }
+    let duplicated: Vec<_> = seen.iter().filter(|(_, c)| **c > 1).collect();
+    assert!(duplicated.is_empty(), "duplicate results: {duplicated:?}");
+    assert_eq!(seen.len(), n, "missing results");
+    assert_eq!(server.int(&["ZCARD", QUEUE]), 0);
+    assert_eq!(server.int(&["ZCARD", "retry-sortedset"]), 0);
+    assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claimed")]), 0);
+    assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claim-owners")]), 0);
+    assert_eq!(server.int(&["ZCARD", &format!("{QUEUE}:claims-idx")]), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_at_random_points_never_duplicates_or_loses_results() {
+    let server = RedisServer::start();
+    let gw = gateway(Duration::from_millis(2)).await;
+    let dir = temp_dir("sigkill");
+    submit(&server, &dir, 2000);
+    assert_eq!(server.int(&["ZCARD", QUEUE]), 2000);
+    let mut rng = rand::rng();
+    for round in 0..5 {
+        let mut child = dispatcher(&server.url(), &gw.uri(), "2s", "127.0.0.1:0", &dir.join("run.log"));
+        let after = Duration::from_millis(rng.random_range(150..700));
+        tokio::time::sleep(after).await;
+        child.kill().expect("SIGKILL");
+        let _ = child.wait();
+        let results = server.int(&["LLEN", "result-list"]);
+        eprintln!("round {round}: killed after {after:?}, {results} results so far");
+    }
+    // A last run finishes the work, including what the killed runs held
+    // (their claims come back when their leases expire).
+    let mut child = dispatcher(&server.url(), &gw.uri(), "2s", "127.0.0.1:0", &dir.join("run.log"));
+    wait_drained(&server, 2000, Duration::from_secs(40)).await;
+    sigterm(&child);
+    let _ = child.wait();
+    assert_exactly_once(&server, 2000);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_hands_claims_back_at_once_instead_of_waiting_out_leases() {
+    let server = RedisServer::start();
+    // Slow answers keep many messages claimed when the signal arrives.
+    let gw = gateway(Duration::from_millis(300)).await;
+    let dir = temp_dir("sigterm");
+    submit(&server, &dir, 300);
+    let mut child = dispatcher(&server.url(), &gw.uri(), "10m", "127.0.0.1:0", &dir.join("run.log"));
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while server.int(&["ZCARD", &format!("{QUEUE}:claims-idx")]) == 0 {
+        assert!(Instant::now() < give_up, "nothing claimed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sigterm(&child);
+    let status = child.wait().expect("exits");
+    assert!(status.success(), "{status:?}");
+    // With a 10-minute lease, only a release could have emptied the claims.
+    assert_eq!(server.int(&["ZCARD", &format!("{QUEUE}:claims-idx")]), 0);
+    assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claimed")]), 0);
+    let results = server.int(&["LLEN", "result-list"]);
+    let pending = server.int(&["ZCARD", QUEUE]);
+    assert_eq!(results + pending, 300, "{results} results, {pending} pending");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_restart_with_aof_mid_drain_loses_nothing() {
+    let mut server = RedisServer::start_with(RedisOptions {
+        aof: true,
+        ..RedisOptions::default()
+    });
+    let gw = gateway(Duration::from_millis(20)).await;
+    let dir = temp_dir("aof");
+    submit(&server, &dir, 2000);
+    let mut child = dispatcher(&server.url(), &gw.uri(), "3s", "127.0.0.1:0", &dir.join("run.log"));
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while server.int(&["LLEN", "result-list"]) < 200 {
+        assert!(Instant::now() < give_up, "drain did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    server.restart();
+    wait_drained(&server, 2000, Duration::from_secs(40)).await;
+    sigterm(&child);
+    let _ = child.wait();
+    assert_exactly_once(&server, 2000);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+async fn ready(listen: &str) -> Option<u16> {
+    let response = reqwest::get(format!("http://{listen}/readyz")).await.ok()?;
+    Some(response.status().as_u16())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_down_at_startup_is_reported_not_ready_and_recovers() {
+    let mut server = RedisServer::not_started();
+    let gw = gateway(Duration::ZERO).await;
+    let dir = temp_dir("down");
+    let listen = format!("127.0.0.1:{}", free_port());
+    let log = dir.join("run.log");
+    let mut child = dispatcher(&server.url(), &gw.uri(), "5s", &listen, &log);
+    let give_up = Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(status) = ready(&listen).await {
+            assert_eq!(status, 503, "ready while Redis is down");
+            break;
+        }
+        assert!(Instant::now() < give_up, "telemetry never came up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stderr = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        stderr.contains(&format!("redis at 127.0.0.1:{} is unreachable", server.port))
+            || stderr.contains("did not answer"),
+        "{stderr}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(ready(&listen).await, Some(503));
+    server.restart();
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while ready(&listen).await != Some(200) {
+        assert!(Instant::now() < give_up, "never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    submit(&server, &dir, 5);
+    wait_drained(&server, 5, Duration::from_secs(20)).await;
+    assert_exactly_once(&server, 5);
+    child.kill().expect("SIGKILL");
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(dir);
+}
