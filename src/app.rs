@@ -139,11 +139,7 @@ pub async fn start(
         .map(|d| tokio::spawn(d.run(shutdown.child_token())))
         .collect();
     health.set_ready(all_reachable(&statuses));
-    tokio::spawn(watch_transports(
-        statuses,
-        health.clone(),
-        shutdown.clone(),
-    ));
+    tokio::spawn(watch_transports(statuses, health.clone(), shutdown.clone()));
     tracing::info!(%telemetry_addr, queues = runs.len(), "sluicegate started");
 
     let task = {

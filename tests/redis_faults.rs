@@ -61,7 +61,11 @@ fn submit(server: &RedisServer, dir: &Path, n: usize) {
         .arg(&file)
         .output()
         .expect("submit runs");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let summary = String::from_utf8_lossy(&out.stdout);
     assert!(
         summary.contains(&format!("submitted {n} requests")),
@@ -149,7 +153,13 @@ async fn sigkill_at_random_points_never_duplicates_or_loses_results() {
     assert_eq!(server.int(&["ZCARD", QUEUE]), 2000);
     let mut rng = rand::rng();
     for round in 0..5 {
-        let mut child = dispatcher(&server.url(), &gw.uri(), "2s", "127.0.0.1:0", &dir.join("run.log"));
+        let mut child = dispatcher(
+            &server.url(),
+            &gw.uri(),
+            "2s",
+            "127.0.0.1:0",
+            &dir.join("run.log"),
+        );
         let after = Duration::from_millis(rng.random_range(150..700));
         tokio::time::sleep(after).await;
         child.kill().expect("SIGKILL");
@@ -159,7 +169,13 @@ async fn sigkill_at_random_points_never_duplicates_or_loses_results() {
     }
     // A last run finishes the work, including what the killed runs held
     // (their claims come back when their leases expire).
-    let mut child = dispatcher(&server.url(), &gw.uri(), "2s", "127.0.0.1:0", &dir.join("run.log"));
+    let mut child = dispatcher(
+        &server.url(),
+        &gw.uri(),
+        "2s",
+        "127.0.0.1:0",
+        &dir.join("run.log"),
+    );
     wait_drained(&server, 2000, Duration::from_secs(40)).await;
     sigterm(&child);
     let _ = child.wait();
@@ -174,7 +190,13 @@ async fn sigterm_hands_claims_back_at_once_instead_of_waiting_out_leases() {
     let gw = gateway(Duration::from_millis(300)).await;
     let dir = temp_dir("sigterm");
     submit(&server, &dir, 300);
-    let mut child = dispatcher(&server.url(), &gw.uri(), "10m", "127.0.0.1:0", &dir.join("run.log"));
+    let mut child = dispatcher(
+        &server.url(),
+        &gw.uri(),
+        "10m",
+        "127.0.0.1:0",
+        &dir.join("run.log"),
+    );
     let give_up = Instant::now() + Duration::from_secs(10);
     while server.int(&["ZCARD", &format!("{QUEUE}:claims-idx")]) == 0 {
         assert!(Instant::now() < give_up, "nothing claimed");
@@ -188,7 +210,11 @@ async fn sigterm_hands_claims_back_at_once_instead_of_waiting_out_leases() {
     assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claimed")]), 0);
     let results = server.int(&["LLEN", "result-list"]);
     let pending = server.int(&["ZCARD", QUEUE]);
-    assert_eq!(results + pending, 300, "{results} results, {pending} pending");
+    assert_eq!(
+        results + pending,
+        300,
+        "{results} results, {pending} pending"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -201,7 +227,13 @@ async fn redis_restart_with_aof_mid_drain_loses_nothing() {
     let gw = gateway(Duration::from_millis(20)).await;
     let dir = temp_dir("aof");
     submit(&server, &dir, 2000);
-    let mut child = dispatcher(&server.url(), &gw.uri(), "3s", "127.0.0.1:0", &dir.join("run.log"));
+    let mut child = dispatcher(
+        &server.url(),
+        &gw.uri(),
+        "3s",
+        "127.0.0.1:0",
+        &dir.join("run.log"),
+    );
     let give_up = Instant::now() + Duration::from_secs(20);
     while server.int(&["LLEN", "result-list"]) < 200 {
         assert!(Instant::now() < give_up, "drain did not start");
@@ -241,8 +273,10 @@ async fn redis_down_at_startup_is_reported_not_ready_and_recovers() {
     }
     let stderr = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
-        stderr.contains(&format!("redis at 127.0.0.1:{} is unreachable", server.port))
-            || stderr.contains("did not answer"),
+        stderr.contains(&format!(
+            "redis at 127.0.0.1:{} is unreachable",
+            server.port
+        )) || stderr.contains("did not answer"),
         "{stderr}"
     );
     tokio::time::sleep(Duration::from_millis(500)).await;

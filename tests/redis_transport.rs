@@ -150,7 +150,10 @@ async fn round_trip_through_the_simulator_writes_one_result_per_request() {
     assert_eq!(server.int(&["ZCARD", "rt"]), 60);
     let d = start_dispatcher(redis, &sim.base_url(), "rt", "").await;
     let results = wait_for_len(&server, "result-list", 60).await;
-    let mut ids: Vec<&str> = results.iter().map(|r| r["id"].as_str().expect("id")).collect();
+    let mut ids: Vec<&str> = results
+        .iter()
+        .map(|r| r["id"].as_str().expect("id"))
+        .collect();
     ids.sort_unstable();
     ids.dedup();
     assert_eq!(ids.len(), 60);
@@ -198,7 +201,12 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
         }
     })
     .to_string();
-    server.cli(&["ZADD", "request-sortedset", &deadline.to_string(), &envelope]);
+    server.cli(&[
+        "ZADD",
+        "request-sortedset",
+        &deadline.to_string(),
+        &envelope,
+    ]);
     server.cli(&["SET", "request-active:up-1", "0a1b2c3d", "EX", "600"]);
     // And a bare request, which upstream producers may also write.
     server.cli(&[
@@ -225,7 +233,10 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
         serde_json::from_str(r["payload"].as_str().expect("payload is a string")).expect("json");
     assert!(body["choices"].is_array(), "{body}");
     let defaults = wait_for_len(&server, "result-list", 2).await;
-    let bare = defaults.iter().find(|r| r["id"] == "up-2").expect("bare result");
+    let bare = defaults
+        .iter()
+        .find(|r| r["id"] == "up-2")
+        .expect("bare result");
     assert_eq!(bare["status_code"], 200);
     let invalid = defaults
         .iter()
@@ -298,11 +309,14 @@ async fn failed_attempts_go_through_the_retry_set_into_dead_letters() {
     let dead = wait_for_len(&server, "flaky:dead-letters", 1).await;
     assert_eq!(dead[0]["last_error"]["id"], "doomed");
     assert_eq!(dead[0]["last_error"]["status_code"], 500);
-    let message = parse_message(dead[0]["message"].as_str().expect("message").as_bytes())
-        .expect("envelope");
+    let message =
+        parse_message(dead[0]["message"].as_str().expect("message").as_bytes()).expect("envelope");
     // Two failed attempts were counted in the envelope; the third ended it.
     assert_eq!(message.internal.retry_count, 2);
-    assert_eq!(message.internal.request_queue_name.as_deref(), Some("flaky"));
+    assert_eq!(
+        message.internal.request_queue_name.as_deref(),
+        Some("flaky")
+    );
     assert_eq!(server.int(&["LLEN", "result-list"]), 0);
     assert_eq!(server.int(&["ZCARD", "retry-sortedset"]), 0);
     assert_eq!(server.int(&["HLEN", "flaky:claimed"]), 0);
@@ -336,7 +350,10 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     // Without the password: the transport reports errors, never data.
     let wrong = redis_config(&server, Some("wrong"));
     let c = client(&wrong).expect("client");
-    let queue = RedisQueue::start(manager(&c).expect("manager"), RedisQueueSettings::new("auth"));
+    let queue = RedisQueue::start(
+        manager(&c).expect("manager"),
+        RedisQueueSettings::new("auth"),
+    );
     assert!(queue.backlog().await.is_err());
     drop(queue);
     // From a password file, as a deployment mounts it.
@@ -348,7 +365,12 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
         ..redis_config(&server, None)
     };
     let deadline = unix_now() + 600;
-    submit(&redis, "auth", &[request_line("a-1", deadline), request_line("a-2", deadline)]).await;
+    submit(
+        &redis,
+        "auth",
+        &[request_line("a-1", deadline), request_line("a-2", deadline)],
+    )
+    .await;
     let d = start_dispatcher(redis, &sim.base_url(), "auth", "").await;
     let results = wait_for_len(&server, "result-list", 2).await;
     assert!(results.iter().all(|r| r["status_code"] == 200));

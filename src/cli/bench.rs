@@ -144,7 +144,8 @@ gate_type = "constant"
         queue = args.queue,
         max_sys = args.max_sys,
     );
-    let mut config = Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
+    let mut config =
+        Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
     config.redis = Some(redis_config);
     let mut settings = RedisQueueSettings::new(args.queue.clone());
     settings.result_list = Some(results.clone());
@@ -157,9 +158,13 @@ gate_type = "constant"
     );
     let cpu_before = cpu_seconds().unwrap_or(0.0);
     let started = Instant::now();
-    let running = crate::app::start(&config, vec![queue.clone() as Arc<dyn Queue>], shutdown.clone())
-        .await
-        .map_err(|e| e.to_string())?;
+    let running = crate::app::start(
+        &config,
+        vec![queue.clone() as Arc<dyn Queue>],
+        shutdown.clone(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     loop {
         let n: u64 = redis::cmd("LLEN")
             .arg(&results)
@@ -178,7 +183,10 @@ gate_type = "constant"
     shutdown.cancel();
     running.wait().await;
     let rate = args.messages as f64 / secs;
-    println!("drain benchmark: {} messages, window {}", args.messages, args.max_sys);
+    println!(
+        "drain benchmark: {} messages, window {}",
+        args.messages, args.max_sys
+    );
     println!("  enqueue (pipelined, 1000 per round trip): {fill_secs:.2}s");
     println!("  drained in {secs:.2}s: {rate:.0} messages/s");
     println!(

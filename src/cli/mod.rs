@@ -247,7 +247,10 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
 /// Runs the dispatcher on Redis queues until SIGTERM/SIGINT, then hands
 /// every claim still held back to pending at once.
 async fn run_redis(config: &Config) -> ExitCode {
-    let redis_config = config.redis.clone().unwrap_or_else(submit::default_redis_config);
+    let redis_config = config
+        .redis
+        .clone()
+        .unwrap_or_else(submit::default_redis_config);
     let (client, conn) = match submit::connect(&redis_config) {
         Ok(c) => c,
         Err(error) => {
@@ -265,11 +268,15 @@ async fn run_redis(config: &Config) -> ExitCode {
     match ping {
         Ok(Ok(_)) => tracing::info!(%addr, "redis reachable"),
         Ok(Err(error)) => {
-            eprintln!("redis at {addr} is unreachable: {error}; retrying in the background, not ready until it answers");
+            eprintln!(
+                "redis at {addr} is unreachable: {error}; retrying in the background, not ready until it answers"
+            );
             tracing::error!(%addr, %error, "redis unreachable; not ready until it answers");
         }
         Err(_) => {
-            eprintln!("redis at {addr} did not answer within 3s; retrying in the background, not ready until it answers");
+            eprintln!(
+                "redis at {addr} did not answer within 3s; retrying in the background, not ready until it answers"
+            );
             tracing::error!(%addr, "redis did not answer; not ready until it answers");
         }
     }
@@ -284,7 +291,10 @@ async fn run_redis(config: &Config) -> ExitCode {
                 settings.result_list = Some(q.result_queue_name.clone());
             }
             settings.result_ttl_seconds = q.result_ttl_seconds;
-            Arc::new(crate::queue::redis::RedisQueue::start(conn.clone(), settings))
+            Arc::new(crate::queue::redis::RedisQueue::start(
+                conn.clone(),
+                settings,
+            ))
         })
         .collect();
     let shutdown = CancellationToken::new();

@@ -80,9 +80,11 @@ pub(super) async fn run(args: ResultsArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let client = match args.redis.config().and_then(|c| {
-        crate::queue::redis::client(&c).map_err(|e| e.to_string())
-    }) {
+    let client = match args
+        .redis
+        .config()
+        .and_then(|c| crate::queue::redis::client(&c).map_err(|e| e.to_string()))
+    {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");

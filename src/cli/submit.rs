@@ -21,7 +21,11 @@ const CHUNK: usize = 1000;
 #[derive(Debug, Args)]
 pub(super) struct RedisArgs {
     /// Redis URL (`redis://` or `rediss://`, database number in the path).
-    #[arg(long, env = "SLUICEGATE_REDIS_URL", default_value = "redis://127.0.0.1:6379/0")]
+    #[arg(
+        long,
+        env = "SLUICEGATE_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379/0"
+    )]
     redis_url: String,
     /// Redis ACL user.
     #[arg(long, env = "SLUICEGATE_REDIS_USERNAME")]
@@ -37,8 +41,7 @@ pub(super) struct RedisArgs {
 impl RedisArgs {
     /// The connection settings these flags describe.
     pub(super) fn config(&self) -> Result<RedisConfig, String> {
-        let url = url::Url::parse(&self.redis_url)
-            .map_err(|e| format!("--redis-url: {e}"))?;
+        let url = url::Url::parse(&self.redis_url).map_err(|e| format!("--redis-url: {e}"))?;
         Ok(RedisConfig {
             url: EndpointUrl::new(url),
             username: self.redis_username.clone(),
@@ -158,7 +161,8 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let default_deadline = now_ms / 1000 + i64::try_from(deadline.as_secs()).unwrap_or(i64::MAX / 2);
+    let default_deadline =
+        now_ms / 1000 + i64::try_from(deadline.as_secs()).unwrap_or(i64::MAX / 2);
     let lines: Vec<(usize, &str)> = text
         .lines()
         .enumerate()
@@ -208,7 +212,11 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
         secs,
         submitted as f64 / secs
     );
-    if bad > 0 { ExitCode::FAILURE } else { ExitCode::SUCCESS }
+    if bad > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 #[cfg(test)]

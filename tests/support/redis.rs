@@ -44,10 +44,8 @@ impl RedisServer {
     /// Starts a server with `options` and waits until it answers.
     pub(crate) fn start_with(options: RedisOptions) -> Self {
         let port = options.port.unwrap_or_else(free_port);
-        let dir = std::env::temp_dir().join(format!(
-            "sluicegate-redis-{}-{port}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("sluicegate-redis-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("redis dir");
         let mut server = Self {
@@ -64,10 +62,8 @@ impl RedisServer {
     /// "Redis down at startup"); call [`Self::restart`] to start it.
     pub(crate) fn not_started() -> Self {
         let port = free_port();
-        let dir = std::env::temp_dir().join(format!(
-            "sluicegate-redis-{}-{port}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("sluicegate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("redis dir");
         Self {
             child: None,
@@ -97,7 +93,10 @@ impl RedisServer {
         if let Some(p) = &self.options.password {
             cmd.arg("--requirepass").arg(p);
         }
-        self.child = Some(cmd.spawn().expect("redis-server runs (apt-get install redis-server)"));
+        self.child = Some(
+            cmd.spawn()
+                .expect("redis-server runs (apt-get install redis-server)"),
+        );
         let give_up = Instant::now() + Duration::from_secs(20);
         loop {
             if self.cli(&["PING"]).trim() == "PONG" {

@@ -428,7 +428,13 @@ impl Inner {
                 args.push(json);
                 args.push(ttl.to_string().into_bytes());
                 args.push(result.id.clone().into_bytes());
-                args.push(result.request_token.clone().unwrap_or_default().into_bytes());
+                args.push(
+                    result
+                        .request_token
+                        .clone()
+                        .unwrap_or_default()
+                        .into_bytes(),
+                );
                 settled.push(tag.0.clone());
             }
         }
@@ -468,7 +474,8 @@ impl Inner {
             let member = match parse_message(&h.member) {
                 Ok(mut message) => {
                     if reason.counts_as_failure() {
-                        message.internal.retry_count = message.internal.retry_count.saturating_add(1);
+                        message.internal.retry_count =
+                            message.internal.retry_count.saturating_add(1);
                     }
                     message.internal.request_queue_name = Some(self.settings.name.clone());
                     if message.kind == "plain" {
@@ -481,7 +488,11 @@ impl Inner {
             if delay.is_zero() {
                 (self.keys.pending.clone(), h.score, member)
             } else {
-                (RETRY_SET.to_owned(), now_secs() + delay.as_secs_f64(), member)
+                (
+                    RETRY_SET.to_owned(),
+                    now_secs() + delay.as_secs_f64(),
+                    member,
+                )
             }
         };
         let k = &self.keys;
@@ -504,7 +515,11 @@ impl Inner {
         Ok(())
     }
 
-    async fn dead_letter(&self, tag: &DeliveryTag, last_error: ResultRecord) -> Result<(), QueueError> {
+    async fn dead_letter(
+        &self,
+        tag: &DeliveryTag,
+        last_error: ResultRecord,
+    ) -> Result<(), QueueError> {
         let Some(h) = self.lock_held().get(&tag.0).cloned() else {
             return Ok(());
         };
@@ -583,12 +598,8 @@ impl Inner {
             self.stats.reclaims.fetch_add(reclaimed, Ordering::Relaxed);
         }
         self.move_due_retries().await?;
-        let claims: u64 = self.observed(
-            redis::cmd("ZCARD")
-                .arg(&k.idx)
-                .query_async(&mut conn)
-                .await,
-        )?;
+        let claims: u64 =
+            self.observed(redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await)?;
         self.stats.claims_held.store(claims, Ordering::Relaxed);
         Ok(())
     }

@@ -37,7 +37,10 @@ impl Submission {
         let token = format!("{:032x}", rand::random::<u128>());
         message.internal.request_token = Some(token.clone());
         message.internal.request_queue_name = Some(queue.to_owned());
-        message.internal.queue_id.get_or_insert_with(|| queue.to_owned());
+        message
+            .internal
+            .queue_id
+            .get_or_insert_with(|| queue.to_owned());
         message.internal.enqueued_at_ms = Some(now_ms);
         message.kind = "redis".to_owned();
         let score = queue_score(message.request.deadline, now_ms);
@@ -88,7 +91,10 @@ pub enum CancelOutcome {
 
 /// Cancels the active submission of `id` (upstream protocol: copy the token
 /// from `request-active:<id>` to `request-cancel:<id>`, TTL 7 days).
-pub async fn cancel<C: ConnectionLike>(conn: &mut C, id: &str) -> redis::RedisResult<CancelOutcome> {
+pub async fn cancel<C: ConnectionLike>(
+    conn: &mut C,
+    id: &str,
+) -> redis::RedisResult<CancelOutcome> {
     let token: Option<String> = redis::cmd("GET")
         .arg(format!("request-active:{id}"))
         .query_async(conn)
