@@ -192,6 +192,9 @@ async fn watch_transports(
             let Some(status) = queue.status() else {
                 continue;
             };
+            if let Some(backlog) = status.backlog {
+                m.backlog.set(i64::try_from(backlog).unwrap_or(i64::MAX));
+            }
             m.claims_held
                 .set(i64::try_from(status.claims_held).unwrap_or(i64::MAX));
             m.reclaims

@@ -169,6 +169,8 @@ pub trait Queue: Send + Sync + fmt::Debug {
 pub struct TransportStatus {
     /// Whether the backend answered the last round trip.
     pub reachable: bool,
+    /// Messages waiting, as last read by the transport's own housekeeping.
+    pub backlog: Option<u64>,
     /// Claims (leases) currently recorded in the backend, all holders.
     pub claims_held: u64,
     /// Expired claims this process returned to the queue.

@@ -141,6 +141,7 @@ struct Held {
 struct Stats {
     reachable: AtomicBool,
     claims_held: AtomicU64,
+    backlog: AtomicU64,
     reclaims: AtomicU64,
     dead_letters: AtomicU64,
     cancelled: AtomicU64,
@@ -601,6 +602,13 @@ impl Inner {
         let claims: u64 =
             self.observed(redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await)?;
         self.stats.claims_held.store(claims, Ordering::Relaxed);
+        let backlog: u64 = self.observed(
+            redis::cmd("ZCARD")
+                .arg(&k.pending)
+                .query_async(&mut conn)
+                .await,
+        )?;
+        self.stats.backlog.store(backlog, Ordering::Relaxed);
         Ok(())
     }
 
@@ -732,6 +740,7 @@ impl Queue for RedisQueue {
         let s = &self.inner.stats;
         Some(TransportStatus {
             reachable: s.reachable.load(Ordering::Relaxed),
+            backlog: Some(s.backlog.load(Ordering::Relaxed)),
             claims_held: s.claims_held.load(Ordering::Relaxed),
             reclaims_total: s.reclaims.load(Ordering::Relaxed),
             dead_letters_total: s.dead_letters.load(Ordering::Relaxed),
