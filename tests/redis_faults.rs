@@ -294,3 +294,97 @@ async fn redis_down_at_startup_is_reported_not_ready_and_recovers() {
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn producer_commands_submit_cancel_and_collect_with_line_numbers_for_bad_lines() {
+    let server = RedisServer::start();
+    let gw = gateway(Duration::ZERO).await;
+    let dir = temp_dir("producer");
+    let file = dir.join("batch.jsonl");
+    std::fs::write(
+        &file,
+        [
+            r#"{"custom_id":"b-1","method":"POST","url":"/v1/completions","body":{"model":"m","prompt":"p"}}"#,
+            r#"{"custom_id":"b-2","method":"POST","url":"/v1/completions","body":{"model":"m","prompt":"p"}}"#,
+            "",
+            "{not json",
+            r#"{"id":"b-3","payload":{"model":"m","prompt":"p"}}"#,
+            r#"{"custom_id":"b-4","method":"GET","url":"/v1/models","body":{}}"#,
+        ]
+        .join("\n"),
+    )
+    .expect("write batch");
+    let out = Command::new(BIN)
+        .args([
+            "submit",
+            "--redis-url",
+            &server.url(),
+            "--queue",
+            QUEUE,
+            "--deadline",
+            "1h",
+        ])
+        .arg(&file)
+        .output()
+        .expect("submit runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "bad lines make the exit code 1");
+    assert!(stderr.contains("line 4: not valid JSON"), "{stderr}");
+    assert!(stderr.contains("line 6: method GET"), "{stderr}");
+    assert!(stdout.contains("submitted 3 requests"), "{stdout}");
+    assert_eq!(server.int(&["ZCARD", QUEUE]), 3);
+    let out = Command::new(BIN)
+        .args(["cancel", "--redis-url", &server.url(), "b-2", "unknown"])
+        .output()
+        .expect("cancel runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("b-2: cancelled"), "{stdout}");
+    assert!(stdout.contains("unknown: not active"), "{stdout}");
+    let mut child = dispatcher(
+        &server.url(),
+        &gw.uri(),
+        "5s",
+        "127.0.0.1:0",
+        &dir.join("run.log"),
+    );
+    let results = dir.join("results.jsonl");
+    let out = Command::new(BIN)
+        .args([
+            "results",
+            "--redis-url",
+            &server.url(),
+            "--list",
+            "result-list",
+            "--expect",
+            "3",
+        ])
+        .args(["--timeout", "30s", "--format", "openai", "--out"])
+        .arg(&results)
+        .output()
+        .expect("results runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    child.kill().expect("SIGKILL");
+    let _ = child.wait();
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&results)
+        .expect("results file")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for line in &lines {
+        match line["custom_id"].as_str() {
+            Some("b-2") => assert_eq!(line["error"]["code"], "CANCELLED", "{line}"),
+            Some("b-1" | "b-3") => {
+                assert_eq!(line["response"]["status_code"], 200, "{line}");
+                assert_eq!(line["response"]["body"]["choices"][0]["text"], "ok");
+            }
+            other => panic!("unexpected result {other:?}"),
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
