@@ -46,6 +46,10 @@ async fn gateway(delay: Duration) -> MockServer {
 
 /// Submits `n` requests with the `submit` command.
 fn submit(server: &RedisServer, dir: &Path, n: usize) {
+    submit_with(server, dir, n, &[]);
+}
+
+fn submit_with(server: &RedisServer, dir: &Path, n: usize, env: &[(&str, &Path)]) {
     let file = dir.join("requests.jsonl");
     let deadline = unix_now() + 3600;
     let lines: Vec<String> = (0..n)
@@ -59,6 +63,7 @@ fn submit(server: &RedisServer, dir: &Path, n: usize) {
     let out = Command::new(BIN)
         .args(["submit", "--redis-url", &server.url(), "--queue", QUEUE])
         .arg(&file)
+        .envs(env.iter().copied())
         .output()
         .expect("submit runs");
     assert!(
@@ -74,10 +79,22 @@ fn submit(server: &RedisServer, dir: &Path, n: usize) {
 }
 
 fn dispatcher(redis_url: &str, gateway: &str, lease: &str, listen: &str, log: &Path) -> Child {
+    dispatcher_with(redis_url, gateway, lease, listen, log, &[])
+}
+
+fn dispatcher_with(
+    redis_url: &str,
+    gateway: &str,
+    lease: &str,
+    listen: &str,
+    log: &Path,
+    env: &[(&str, &Path)],
+) -> Child {
     let log = std::fs::File::create(log).expect("log file");
     Command::new(BIN)
         .arg("run")
         .env_clear()
+        .envs(env.iter().copied())
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env("SLUICEGATE_TRANSPORT", "redis")
         .env("SLUICEGATE_REDIS_URL", redis_url)
@@ -386,5 +403,33 @@ async fn producer_commands_submit_cancel_and_collect_with_line_numbers_for_bad_l
             other => panic!("unexpected result {other:?}"),
         }
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rediss_with_a_private_ca_drains_over_tls() {
+    let server = RedisServer::start_with(RedisOptions {
+        tls: true,
+        ..RedisOptions::default()
+    });
+    let gw = gateway(Duration::ZERO).await;
+    let dir = temp_dir("tls");
+    // rustls reads extra trust roots from SSL_CERT_FILE (as a deployment
+    // mounts its CA bundle).
+    let ca = server.ca_file();
+    let env = [("SSL_CERT_FILE", ca.as_path())];
+    submit_with(&server, &dir, 50, &env);
+    let mut child = dispatcher_with(
+        &server.url(),
+        &gw.uri(),
+        "5s",
+        "127.0.0.1:0",
+        &dir.join("run.log"),
+        &env,
+    );
+    wait_drained(&server, 50, Duration::from_secs(20)).await;
+    child.kill().expect("SIGKILL");
+    let _ = child.wait();
+    assert_exactly_once(&server, 50);
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -23,6 +23,9 @@ pub(crate) struct RedisOptions {
     pub(crate) aof: bool,
     /// Port to use (a free one when absent).
     pub(crate) port: Option<u16>,
+    /// TLS only (`rediss://`), with a certificate from a private CA made
+    /// with `openssl` (see [`RedisServer::ca_file`]).
+    pub(crate) tls: bool,
 }
 
 /// A running (or stopped) `redis-server`.
@@ -73,11 +76,89 @@ impl RedisServer {
         }
     }
 
+    /// The private CA's certificate (TLS servers), for `SSL_CERT_FILE`.
+    pub(crate) fn ca_file(&self) -> PathBuf {
+        self.dir.join("ca.pem")
+    }
+
+    fn make_certificates(&self) {
+        let run = |args: &[&str]| {
+            let ok = Command::new("openssl")
+                .args(args)
+                .current_dir(&self.dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("openssl runs")
+                .success();
+            assert!(ok, "openssl {args:?}");
+        };
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=sluicegate-test-ca",
+        ]);
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "srv.key",
+            "-out",
+            "srv.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        std::fs::write(self.dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").expect("ext");
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "srv.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "srv.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ]);
+    }
+
     fn spawn(&mut self) {
         let mut cmd = Command::new("redis-server");
-        cmd.arg("--port")
-            .arg(self.port.to_string())
-            .arg("--bind")
+        if self.options.tls {
+            if !self.ca_file().exists() {
+                self.make_certificates();
+            }
+            cmd.args(["--port", "0", "--tls-port"])
+                .arg(self.port.to_string())
+                .arg("--tls-cert-file")
+                .arg(self.dir.join("srv.pem"))
+                .arg("--tls-key-file")
+                .arg(self.dir.join("srv.key"))
+                .arg("--tls-ca-cert-file")
+                .arg(self.ca_file())
+                .args(["--tls-auth-clients", "no"]);
+        } else {
+            cmd.arg("--port").arg(self.port.to_string());
+        }
+        cmd.arg("--bind")
             .arg("127.0.0.1")
             .arg("--dir")
             .arg(&self.dir)
@@ -107,15 +188,19 @@ impl RedisServer {
         }
     }
 
-    /// `redis://127.0.0.1:<port>/0` (no credentials).
+    /// `redis://127.0.0.1:<port>/0` (`rediss://` with TLS; no credentials).
     pub(crate) fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
+        let scheme = if self.options.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}/0", self.port)
     }
 
     /// Runs `redis-cli` against the server; its standard output.
     pub(crate) fn cli(&self, args: &[&str]) -> String {
         let mut cmd = Command::new("redis-cli");
         cmd.arg("-p").arg(self.port.to_string());
+        if self.options.tls {
+            cmd.arg("--tls").arg("--cacert").arg(self.ca_file());
+        }
         if let Some(p) = &self.options.password {
             cmd.arg("--no-auth-warning").arg("-a").arg(p);
         }
