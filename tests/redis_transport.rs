@@ -54,6 +54,23 @@ async fn start_dispatcher(
     queue: &str,
     extra_dispatch: &str,
 ) -> Dispatcher {
+    start_dispatcher_gated(
+        redis,
+        gateway,
+        queue,
+        extra_dispatch,
+        r#"gate_type = "constant""#,
+    )
+    .await
+}
+
+async fn start_dispatcher_gated(
+    redis: RedisConfig,
+    gateway: &str,
+    queue: &str,
+    extra_dispatch: &str,
+    gate: &str,
+) -> Dispatcher {
     let toml = format!(
         r#"
 transport = "redis"
@@ -70,7 +87,7 @@ listen = "127.0.0.1:0"
 [[queue]]
 queue_name = "{queue}"
 max_sys = 32
-gate_type = "constant"
+{gate}
 "#
     );
     let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
@@ -378,4 +395,67 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     d.stop().await;
     let _ = std::fs::remove_file(file);
     sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancel_arriving_while_a_message_waits_at_the_gate_is_honoured_before_send() {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let server = RedisServer::start();
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_string("{}")
+                .set_delay(Duration::from_millis(1500)),
+        )
+        .mount(&gateway)
+        .await;
+    let redis = redis_config(&server, None);
+    let deadline = unix_now() + 600;
+    submit(
+        &redis,
+        "waits",
+        &[
+            request_line("first", deadline),
+            request_line("second", deadline + 1),
+        ],
+    )
+    .await;
+    // One request at a time; the earlier deadline goes first, so "second"
+    // is received and waits behind "first".
+    let d = start_dispatcher_gated(
+        redis.clone(),
+        &gateway.uri(),
+        "waits",
+        "",
+        r#"gate_type = "local-max-concurrency"
+gate_params = { limit = 1, gating_mode = "blocking" }"#,
+    )
+    .await;
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while server.int(&["HLEN", "waits:claimed"]) < 2 {
+        assert!(Instant::now() < give_up, "both messages never claimed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    {
+        let c = client(&redis).expect("client");
+        let mut conn = manager(&c).expect("manager");
+        let outcome = cancel(&mut conn, "second").await.expect("cancel");
+        assert_eq!(outcome, sluicegate::queue::redis::CancelOutcome::Cancelled);
+    }
+    let results = wait_for_len(&server, "result-list", 2).await;
+    let second = results
+        .iter()
+        .find(|r| r["id"] == "second")
+        .expect("second answered");
+    assert_eq!(second["error_code"], "CANCELLED", "{second}");
+    let first = results
+        .iter()
+        .find(|r| r["id"] == "first")
+        .expect("first answered");
+    assert_eq!(first["status_code"], 200);
+    let sent = gateway.received_requests().await.expect("recording").len();
+    assert_eq!(sent, 1, "the cancelled request must not reach the gateway");
+    d.stop().await;
 }

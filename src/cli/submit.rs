@@ -185,7 +185,9 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
                     if let Some(list) = &args.result_list {
                         message.internal.result_queue_name = Some(list.clone());
                     }
-                    batch.push(Submission::new(message, &args.queue, now_ms));
+                    batch.push(
+                        Submission::new(message, &args.queue, now_ms).in_sequence(*number as u64),
+                    );
                 }
                 Err(reason) => {
                     bad += 1;

@@ -157,6 +157,14 @@ pub trait Queue: Send + Sync + fmt::Debug {
     /// Messages waiting (not leased), if the transport can tell cheaply.
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>>;
 
+    /// Whether the submitter cancelled this delivery after it was received.
+    /// The dispatcher asks right before sending a message that waited
+    /// (parked at a gate), so a cancel that arrived meanwhile is honoured.
+    /// Errors count as "not cancelled". Default: never cancelled.
+    fn cancelled(&self, _tag: &DeliveryTag) -> BoxFuture<'_, bool> {
+        Box::pin(std::future::ready(false))
+    }
+
     /// Reachability and counters for readiness and metrics, read without
     /// I/O; `None` when the transport keeps none.
     fn status(&self) -> Option<TransportStatus> {

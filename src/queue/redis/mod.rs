@@ -736,6 +736,37 @@ impl Queue for RedisQueue {
         })
     }
 
+    fn cancelled(&self, tag: &DeliveryTag) -> BoxFuture<'_, bool> {
+        let claim_key = self
+            .inner
+            .lock_held()
+            .get(&tag.0)
+            .map(|h| h.claim_key.clone());
+        Box::pin(async move {
+            let Some(claim_key) = claim_key else {
+                return false;
+            };
+            let Some((id, token)) = split_claim_key(&claim_key) else {
+                return false;
+            };
+            let mut conn = self.inner.conn.clone();
+            let marker: Option<String> = match self.inner.observed(
+                redis::cmd("GET")
+                    .arg(format!("request-cancel:{id}"))
+                    .query_async(&mut conn)
+                    .await,
+            ) {
+                Ok(m) => m,
+                Err(_) => return false,
+            };
+            match (marker, token) {
+                (Some(marker), Some(token)) => marker == token,
+                (Some(_), None) => true,
+                (None, _) => false,
+            }
+        })
+    }
+
     fn status(&self) -> Option<TransportStatus> {
         let s = &self.inner.stats;
         Some(TransportStatus {

@@ -19,6 +19,10 @@ pub fn queue_score(deadline: i64, enqueued_at_ms: i64) -> f64 {
 /// One message ready to enqueue.
 #[derive(Debug, Clone)]
 pub struct Submission {
+    /// Its deadline (Unix s).
+    deadline: i64,
+    /// Its enqueue time (Unix ms).
+    enqueued_at_ms: i64,
     /// The envelope JSON.
     pub member: String,
     /// Its queue score.
@@ -48,12 +52,32 @@ impl Submission {
             .unwrap_or(0)
             .max(1);
         Self {
+            deadline: message.request.deadline,
+            enqueued_at_ms: now_ms,
             member: message.to_envelope_json(),
             score,
             id: message.request.id.clone(),
             token,
             active_ttl,
         }
+    }
+}
+
+impl Submission {
+    /// Orders this message as the `n`th of one submission among equal
+    /// deadlines: its score moves `n` FIFO steps (62.5 ms each) past the
+    /// enqueue time, so a file submitted within one step keeps its order
+    /// (Redis orders equal scores by member bytes, not arrival).
+    pub fn in_sequence(mut self, n: u64) -> Self {
+        let offset = i64::try_from(n)
+            .unwrap_or(i64::MAX / 128)
+            .saturating_mul(125)
+            / 2;
+        self.score = queue_score(
+            self.deadline,
+            self.enqueued_at_ms.saturating_add(offset + 1),
+        );
+        self
     }
 }
 
@@ -123,5 +147,27 @@ mod tests {
         assert!(a < b);
         assert!(b < queue_score(1_001, 1_700_000_000_000));
         assert!(b - 1_000.0 < 1.0);
+    }
+
+    #[test]
+    fn sequence_keeps_file_order_among_equal_deadlines() {
+        let message = |id: &str| {
+            crate::request::parse_message(
+                format!(r#"{{"id":"{id}","deadline":5000,"payload":{{}}}}"#).as_bytes(),
+            )
+            .expect("valid")
+        };
+        let now = 1_700_000_000_000;
+        let scores: Vec<f64> = ["z", "a", "m"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                Submission::new(message(id), "q", now)
+                    .in_sequence(i as u64)
+                    .score
+            })
+            .collect();
+        assert!(scores[0] < scores[1] && scores[1] < scores[2], "{scores:?}");
+        assert!(scores.iter().all(|s| (5000.0..5001.0).contains(s)));
     }
 }
