@@ -459,3 +459,150 @@ gate_params = { limit = 1, gating_mode = "blocking" }"#,
     assert_eq!(sent, 1, "the cancelled request must not reach the gateway");
     d.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_expired_lease_is_reclaimed_and_the_old_holder_is_fenced_out() {
+    use sluicegate::queue::Completion;
+    use sluicegate::result::ResultRecord;
+    let server = RedisServer::start();
+    let redis = redis_config(&server, None);
+    submit(&redis, "lease", &[request_line("slow", unix_now() + 600)]).await;
+    let c = client(&redis).expect("client");
+    let old_holder = RedisQueue::start(
+        manager(&c).expect("manager"),
+        RedisQueueSettings::new("lease"),
+    );
+    let new_holder = RedisQueue::start(
+        manager(&c).expect("manager"),
+        RedisQueueSettings::new("lease"),
+    );
+    let first = old_holder
+        .receive(10, Duration::from_secs(1), Duration::ZERO)
+        .await
+        .expect("receive");
+    assert_eq!(first.len(), 1);
+    assert_eq!(server.int(&["ZCARD", "lease"]), 0, "claimed, not pending");
+    // Nobody renews the lease: a reclaimer returns it at its old score.
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let second = loop {
+        let got = new_holder
+            .receive(10, Duration::from_secs(30), Duration::from_millis(100))
+            .await
+            .expect("receive");
+        if !got.is_empty() {
+            break got;
+        }
+        assert!(Instant::now() < give_up, "never redelivered");
+    };
+    assert_ne!(first[0].tag, second[0].tag);
+    assert_eq!(first[0].body, second[0].body);
+    let result = |who: &str| ResultRecord::http("slow", None, 200, who.into(), 1);
+    let stale = old_holder
+        .ack(vec![Completion {
+            tag: first[0].tag.clone(),
+            result: result("old"),
+        }])
+        .await
+        .expect("ack");
+    assert_eq!((stale.acked, stale.lease_lost), (0, 1));
+    let fresh = new_holder
+        .ack(vec![Completion {
+            tag: second[0].tag.clone(),
+            result: result("new"),
+        }])
+        .await
+        .expect("ack");
+    assert_eq!((fresh.acked, fresh.lease_lost), (1, 0));
+    let results = server.cli(&["LRANGE", "result-list", "0", "-1"]);
+    assert_eq!(results.lines().count(), 1, "{results}");
+    assert!(results.contains(r#""payload":"new""#), "{results}");
+    assert_eq!(server.int(&["HLEN", "lease:claimed"]), 0);
+    assert!(
+        old_holder.status().expect("status").reclaims_total
+            + new_holder.status().expect("status").reclaims_total
+            >= 1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn several_queues_per_process_each_with_its_gate_and_result_list() {
+    let server = RedisServer::start();
+    let sim = spawn_http(SimConfig {
+        time_scale: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator");
+    let redis = redis_config(&server, None);
+    let deadline = unix_now() + 600;
+    let lines = |p: &str| -> Vec<String> {
+        (0..10)
+            .map(|i| request_line(&format!("{p}-{i}"), deadline))
+            .collect()
+    };
+    submit(&redis, "alpha", &lines("a")).await;
+    submit(&redis, "beta", &lines("b")).await;
+    let toml = format!(
+        r#"
+transport = "redis"
+[gateway]
+url = "{}"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "100ms"
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "alpha"
+result_queue_name = "alpha-results"
+gate_type = "constant"
+[[queue]]
+queue_name = "beta"
+result_queue_name = "beta-results"
+gate_type = "local-max-concurrency"
+gate_params = {{ limit = 2, gating_mode = "blocking" }}
+"#,
+        sim.base_url()
+    );
+    let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let c = client(&redis).expect("client");
+    let conn = manager(&c).expect("manager");
+    config.redis = Some(redis);
+    let queues: Vec<Arc<dyn Queue>> = config
+        .queues
+        .iter()
+        .map(|q| {
+            let mut settings = RedisQueueSettings::new(q.queue_name.clone());
+            settings.result_list = Some(q.result_queue_name.clone());
+            Arc::new(RedisQueue::start(conn.clone(), settings)) as Arc<dyn Queue>
+        })
+        .collect();
+    let shutdown = CancellationToken::new();
+    let running = sluicegate::app::start(&config, queues, shutdown.clone())
+        .await
+        .expect("starts");
+    let alpha = wait_for_len(&server, "alpha-results", 10).await;
+    let beta = wait_for_len(&server, "beta-results", 10).await;
+    assert!(
+        alpha
+            .iter()
+            .all(|r| r["id"].as_str().is_some_and(|id| id.starts_with("a-")))
+    );
+    assert!(
+        beta.iter()
+            .all(|r| r["id"].as_str().is_some_and(|id| id.starts_with("b-")))
+    );
+    assert_eq!(server.int(&["LLEN", "result-list"]), 0);
+    let text = running.metrics.encode();
+    assert!(
+        text.contains(r#"sluicegate_queue_claims_held{queue="alpha"}"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"sluicegate_queue_claims_held{queue="beta"}"#),
+        "{text}"
+    );
+    shutdown.cancel();
+    running.wait().await;
+    sim.shutdown().await.expect("simulator stops");
+}
