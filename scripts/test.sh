@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 # Debian packages the test suites spawn (real servers on loopback).
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
+# The rediss:// test makes a private CA and a server certificate.
+command -v openssl >/dev/null 2>&1 || packages+=(openssl)
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update
