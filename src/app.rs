@@ -139,13 +139,15 @@ pub async fn start(
         .map(|d| tokio::spawn(d.run(shutdown.child_token())))
         .collect();
     health.set_ready(all_reachable(&statuses));
-    tokio::spawn(watch_transports(statuses, health.clone(), shutdown.clone()));
+    let watcher = tokio::spawn(watch_transports(statuses, health.clone(), shutdown.clone()));
     tracing::info!(%telemetry_addr, queues = runs.len(), "sluicegate started");
 
     let task = {
         let health = health.clone();
         tokio::spawn(async move {
             shutdown.cancelled().await;
+            // The watcher stops at once; after it, nothing sets ready again.
+            let _ = watcher.await;
             health.set_ready(false);
             tracing::info!("shutting down");
             for run in runs {
