@@ -387,7 +387,13 @@ impl Inner {
             return Ok(deliveries);
         }
         let n = completions.len() as u64;
-        self.ack(completions).await?;
+        if let Err(error) = self.ack(completions).await {
+            // Deliver them all rather than strand claims nobody handles: a
+            // cancelled one is then sent, and if its CANCELLED result did
+            // land after all, its later ack is fenced out.
+            tracing::warn!(%error, "cancelled results not written; delivering anyway");
+            return Ok(deliveries);
+        }
         self.stats.cancelled.fetch_add(n, Ordering::Relaxed);
         Ok(deliveries
             .into_iter()
