@@ -78,8 +78,32 @@ fn submit_with(server: &RedisServer, dir: &Path, n: usize, env: &[(&str, &Path)]
     );
 }
 
-fn dispatcher(redis_url: &str, gateway: &str, lease: &str, listen: &str, log: &Path) -> Child {
+fn dispatcher(redis_url: &str, gateway: &str, lease: &str, listen: &str, log: &Path) -> Dispatcher {
     dispatcher_with(redis_url, gateway, lease, listen, log, &[])
+}
+
+/// A dispatcher process, SIGKILLed on drop so a failing test leaves none
+/// behind.
+struct Dispatcher(Child);
+
+impl std::ops::Deref for Dispatcher {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Dispatcher {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 fn dispatcher_with(
@@ -89,7 +113,7 @@ fn dispatcher_with(
     listen: &str,
     log: &Path,
     env: &[(&str, &Path)],
-) -> Child {
+) -> Dispatcher {
     let log = std::fs::File::create(log).expect("log file");
     Command::new(BIN)
         .arg("run")
@@ -110,6 +134,7 @@ fn dispatcher_with(
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
+        .map(Dispatcher)
         .expect("dispatcher runs")
 }
 
