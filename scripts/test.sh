@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 # Debian packages the test suites spawn (real servers on loopback).
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || packages+=(prometheus)
 command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
 # The rediss:// test makes a private CA and a server certificate.
 command -v openssl >/dev/null 2>&1 || packages+=(openssl)
@@ -19,6 +20,9 @@ if [ ${#packages[@]} -gt 0 ]; then
     exit 1
   fi
 fi
+
+# Dockerfile and helm chart, with hadolint and helm (installed on first use).
+bash scripts/lint-deploy.sh
 
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, GatewayConfig, QueueConfig};
 use crate::dispatch::{DispatchSettings, QueueDispatcher};
-use crate::gate::{BuildError, FailClosed, build_gate};
+use crate::gate::{BuildError, FailClosed, GateContext, build_gate};
 use crate::gateway::{
     GatewayBuildError, GatewayClient, GatewaySettings, RetryPolicy, Target, TargetError,
 };
@@ -268,10 +268,13 @@ fn dispatcher(
         queue: name.clone(),
         source,
     })?;
-    let gate = build_gate(&queue_config.gate).map_err(|source| AppError::Gate {
-        queue: name.clone(),
-        source,
-    })?;
+    let gate =
+        build_gate(&queue_config.gate, &GateContext::from_config(config)).map_err(|source| {
+            AppError::Gate {
+                queue: name.clone(),
+                source,
+            }
+        })?;
     let settings = DispatchSettings {
         unit: queue_config.unit,
         rounding: queue_config.rounding,

@@ -15,6 +15,9 @@
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission
 //!   verdicts), the gates, and the staleness / fail-closed wrappers.
+//! - [`source`]: metric sources the gates read (PromQL, `/metrics` scrape
+//!   with our own text-format parser, a Redis key) and their single-flight
+//!   TTL cache.
 //! - [`dispatch`]: window arithmetic (pure), request costs (pure), and the
 //!   dispatch loop that pulls, admits, sends and settles.
 //! - [`gateway`]: the HTTP client, endpoint and header rules, response
@@ -36,4 +39,5 @@ pub mod queue;
 pub mod request;
 pub mod result;
 pub mod sim;
+pub mod source;
 pub mod telemetry;

@@ -121,6 +121,16 @@ impl Harness {
     }
 }
 
+/// A gateway answering every POST with `answer`.
+async fn gateway(answer: impl Respond + 'static) -> MockServer {
+    let server = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(answer)
+        .mount(&server)
+        .await;
+    server
+}
+
 fn no_retry_limit() -> RetryPolicy {
     RetryPolicy {
         initial: Duration::from_millis(20),
@@ -166,11 +176,7 @@ async fn every_message_gets_exactly_one_result() {
 
 #[tokio::test]
 async fn expired_and_invalid_messages_get_typed_results_and_are_never_sent() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200))
-        .mount(&server)
-        .await;
+    let server = gateway(ResponseTemplate::new(200)).await;
     let h = Harness::start(
         &server.uri(),
         Box::new(ConstantGate::default()),
@@ -238,14 +244,11 @@ impl Respond for Script {
 
 #[tokio::test]
 async fn congestion_and_server_errors_are_retried_not_failed() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(Script {
-            statuses: vec![(429, Some("1")), (503, None), (500, None), (502, None)],
-            calls: AtomicUsize::new(0),
-        })
-        .mount(&server)
-        .await;
+    let server = gateway(Script {
+        statuses: vec![(429, Some("1")), (503, None), (500, None), (502, None)],
+        calls: AtomicUsize::new(0),
+    })
+    .await;
     let h = Harness::start(
         &server.uri(),
         Box::new(ConstantGate::default()),
@@ -291,11 +294,7 @@ async fn client_errors_are_final_and_attempts_run_out_into_dead_letters() {
     assert_eq!(results[0].payload, "bad model");
     h.stop().await;
 
-    let failing = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(500))
-        .mount(&failing)
-        .await;
+    let failing = gateway(ResponseTemplate::new(500)).await;
     let h = Harness::start(
         &failing.uri(),
         Box::new(ConstantGate::default()),
@@ -340,11 +339,7 @@ impl DispatchGate for FrozenGate {
 
 #[tokio::test]
 async fn one_observation_releases_at_most_n() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200))
-        .mount(&server)
-        .await;
+    let server = gateway(ResponseTemplate::new(200)).await;
     // max_SYS 10 × D 0.3 = 3 requests for this one, never refreshed reading.
     let settings = DispatchSettings {
         max_sys: 10.0,
@@ -388,11 +383,7 @@ async fn closed_gate_sends_nothing_and_unreadable_gate_is_closed() {
             "broken"
         }
     }
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200))
-        .mount(&server)
-        .await;
+    let server = gateway(ResponseTemplate::new(200)).await;
     for gate in [
         Box::new(ConstantGate::new(Budget::ZERO)) as Box<dyn DispatchGate>,
         Box::new(Broken),
@@ -426,11 +417,7 @@ struct Concurrency {
 
 #[tokio::test]
 async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(150)))
-        .mount(&server)
-        .await;
+    let server = gateway(ResponseTemplate::new(200).set_delay(Duration::from_millis(150))).await;
     let gate = Arc::new(LocalMaxConcurrencyGate::new(3, GatingMode::Blocking));
     let probe = gate.clone();
     let h = Harness::start(
@@ -473,11 +460,7 @@ async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
 
 #[tokio::test]
 async fn shutdown_finishes_in_flight_within_grace_and_requeues_the_rest() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_millis(300)))
-        .mount(&server)
-        .await;
+    let server = gateway(ResponseTemplate::new(200).set_delay(Duration::from_millis(300))).await;
     let h = Harness::start(
         &server.uri(),
         Box::new(ConstantGate::default()),
@@ -499,11 +482,7 @@ async fn shutdown_finishes_in_flight_within_grace_and_requeues_the_rest() {
 
     // A gateway slower than the grace period: requests are abandoned and
     // go back to the queue, nothing is lost.
-    let slow = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_secs(20)))
-        .mount(&slow)
-        .await;
+    let slow = gateway(ResponseTemplate::new(200).set_delay(Duration::from_secs(20))).await;
     let h = Harness::start(
         &slow.uri(),
         Box::new(ConstantGate::default()),
@@ -528,11 +507,7 @@ async fn shutdown_finishes_in_flight_within_grace_and_requeues_the_rest() {
 
 #[tokio::test]
 async fn earliest_deadline_goes_first() {
-    let server = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(ResponseTemplate::new(200))
-        .mount(&server)
-        .await;
+    let server = gateway(ResponseTemplate::new(200)).await;
     let queue = Arc::new(MemoryQueue::new("q"));
     queue.push_message(message("late", 7200));
     queue.push_message(message("early", 600));

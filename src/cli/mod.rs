@@ -3,16 +3,17 @@
 
 #![allow(clippy::print_stdout)] // A CLI prints its answers.
 
+mod bench;
+mod cancel;
+mod probe;
+mod results;
+mod submit;
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
-
-mod bench;
-mod cancel;
-mod results;
-mod submit;
 
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
@@ -54,6 +55,17 @@ enum Command {
     /// Benchmarks against real servers.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Dispatch gate commands.
+    #[command(subcommand)]
+    Gate(GateCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum GateCommand {
+    /// Evaluate a queue's gate once against the live sources and explain
+    /// the budget (each source, raw values, D, B, max_SYS, N, open or
+    /// closed and why). `--queue NAME` picks the queue.
+    Probe(probe::ProbeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -158,6 +170,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Results(args) => results::run(args).await,
         Command::Cancel(args) => cancel::run(args).await,
         Command::Bench(command) => bench::run(command).await,
+        Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();

@@ -9,10 +9,7 @@ use serde_json::Value;
 
 use super::Config;
 use super::error::{ConfigError, ConfigErrors};
-use super::raw::{
-    DISPATCH_KEYS, EMBEDDED_KEYS, GATEWAY_KEYS, PROMETHEUS_KEYS, PUBSUB_KEYS, QUEUE_ENV_KEYS,
-    REDIS_KEYS, RawConfig, RawQueue, TELEMETRY_KEYS,
-};
+use super::raw::{QUEUE_ENV_KEYS, RawConfig, RawQueue, SECTIONS};
 use super::validate::validate;
 use super::values::Ctx;
 
@@ -152,15 +149,7 @@ fn env_table() -> Vec<(String, Target)> {
             Target::Section("telemetry", "log_level"),
         ),
     ];
-    for (section, keys) in [
-        ("gateway", GATEWAY_KEYS),
-        ("redis", REDIS_KEYS),
-        ("prometheus", PROMETHEUS_KEYS),
-        ("pubsub", PUBSUB_KEYS),
-        ("embedded", EMBEDDED_KEYS),
-        ("dispatch", DISPATCH_KEYS),
-        ("telemetry", TELEMETRY_KEYS),
-    ] {
+    for &(section, keys) in SECTIONS {
         for key in keys {
             t.push((env_name(section, key), Target::Section(section, key)));
         }
@@ -293,15 +282,7 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<RawConfig> {
         }
     };
     prune_unknown(&mut table, "", TOP_KEYS, ctx);
-    for (section, keys) in [
-        ("gateway", GATEWAY_KEYS),
-        ("redis", REDIS_KEYS),
-        ("prometheus", PROMETHEUS_KEYS),
-        ("pubsub", PUBSUB_KEYS),
-        ("embedded", EMBEDDED_KEYS),
-        ("dispatch", DISPATCH_KEYS),
-        ("telemetry", TELEMETRY_KEYS),
-    ] {
+    for &(section, keys) in SECTIONS {
         match table.get_mut(section) {
             None => {}
             Some(toml::Value::Table(t)) => prune_unknown(t, section, keys, ctx),

@@ -167,6 +167,18 @@ pub(crate) const DISPATCH_KEYS: &[&str] = &[
 ];
 /// `[telemetry]` keys.
 pub(crate) const TELEMETRY_KEYS: &[&str] = &["listen", "log_format", "log_level"];
+/// Every section with its scalar keys: the one list the environment
+/// overlay, unknown-key pruning and the slot test walk.
+pub(crate) const SECTIONS: &[(&str, &[&str])] = &[
+    ("gateway", GATEWAY_KEYS),
+    ("redis", REDIS_KEYS),
+    ("prometheus", PROMETHEUS_KEYS),
+    ("pubsub", PUBSUB_KEYS),
+    ("embedded", EMBEDDED_KEYS),
+    ("dispatch", DISPATCH_KEYS),
+    ("telemetry", TELEMETRY_KEYS),
+];
+
 /// `[[queue]]` keys settable through `SLUICEGATE_QUEUE_<KEY>` (the name,
 /// gate type and gate params have their own contract variables).
 pub(crate) const QUEUE_ENV_KEYS: &[&str] = &[
@@ -301,15 +313,7 @@ mod tests {
     #[test]
     fn every_listed_key_has_a_slot() {
         let mut raw = RawConfig::default();
-        for (section, keys) in [
-            ("gateway", GATEWAY_KEYS),
-            ("redis", REDIS_KEYS),
-            ("prometheus", PROMETHEUS_KEYS),
-            ("pubsub", PUBSUB_KEYS),
-            ("embedded", EMBEDDED_KEYS),
-            ("dispatch", DISPATCH_KEYS),
-            ("telemetry", TELEMETRY_KEYS),
-        ] {
+        for &(section, keys) in SECTIONS {
             for key in keys {
                 assert!(raw.slot(section, key).is_some(), "{section}.{key}");
             }

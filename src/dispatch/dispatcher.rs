@@ -179,10 +179,15 @@ impl QueueDispatcher {
         });
         let background = CancellationToken::new();
         let abandon = CancellationToken::new();
+        let abandon_writes = CancellationToken::new();
         let (results, results_rx) = mpsc::channel(RESULT_BUFFER);
         let observer = tokio::spawn(observe_loop(shared.clone(), background.clone()));
         let keeper = tokio::spawn(lease_keeper(shared.clone(), background.clone()));
-        let writer = tokio::spawn(result_writer(shared.clone(), results_rx, abandon.clone()));
+        let writer = tokio::spawn(result_writer(
+            shared.clone(),
+            results_rx,
+            abandon_writes.clone(),
+        ));
         let tracker = TaskTracker::new();
 
         receive_loop(&shared, &shutdown, &abandon, &tracker, &results).await;
@@ -206,7 +211,7 @@ impl QueueDispatcher {
         // The writer ends once every buffered result is written (or, if the
         // queue stays down past a second grace period, abandons them: their
         // messages were never acknowledged and will be redelivered).
-        let give_up = abandon.clone();
+        let give_up = abandon_writes.clone();
         let writer_deadline = tokio::spawn(async move {
             tokio::time::sleep(grace).await;
             give_up.cancel();

@@ -2,16 +2,25 @@
 //! known to the config loader; a gate whose implementation is not in this
 //! build is a startup error, never an open gate.
 
-use crate::config::GateSpec;
+use std::time::Duration;
 
-use super::{CompositeGate, ConstantGate, DispatchGate, LocalMaxConcurrencyGate, WaitOnRefuseGate};
+use crate::config::{Config, GateSpec, PrometheusConfig, RedisConfig, Secret};
+use crate::source::{Cached, PromAuth, PromClient, RedisKey, Scrape, Source, SourceError};
+
+use super::endpoint_scrape::PodsSource;
+use super::vllm::Roofline;
+use super::{
+    CompositeGate, ConstantGate, DispatchGate, EndpointScrapeGate, LocalMaxConcurrencyGate,
+    PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate, RedisBudgetGate, VllmGate,
+    WaitOnRefuseGate,
+};
 
 /// A gate that cannot be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     /// The gate type is valid configuration but not implemented here yet.
     #[error(
-        "gate type `{gate_type}` is not available in this build; available: constant, composite, local-max-concurrency, wait-on-refuse"
+        "gate type `{gate_type}` is not available in this build; available: constant, composite, local-max-concurrency, wait-on-refuse, prometheus-budget, prometheus-saturation, prometheus-query, endpoint-scrape, redis, vllm"
     )]
     NotAvailable {
         /// The upstream gate name.
@@ -20,10 +29,149 @@ pub enum BuildError {
     /// A composite without inner gates would be an open gate.
     #[error("composite gate has no inner gates")]
     EmptyComposite,
+    /// A `prometheus-*` gate without `[prometheus]`.
+    #[error(
+        "gate `{gate_type}` queries Prometheus: set [prometheus] url or SLUICEGATE_PROMETHEUS_URL"
+    )]
+    NoPrometheus {
+        /// The upstream gate name.
+        gate_type: &'static str,
+    },
+    /// A secret file could not be read.
+    #[error("{key}: cannot read {path}: {source}")]
+    SecretFile {
+        /// The config key naming the file.
+        key: &'static str,
+        /// The file.
+        path: String,
+        /// The read error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A source client could not be built.
+    #[error("{what}: {source}")]
+    Source {
+        /// Which source.
+        what: String,
+        /// Why.
+        #[source]
+        source: SourceError,
+    },
+    /// A URL in the gate parameters does not parse (validated earlier, so
+    /// only reachable when a spec is built by hand).
+    #[error("invalid URL {0:?}")]
+    Url(String),
+}
+
+/// What gates need beyond their own parameters: connections, credentials
+/// and timings from the rest of the configuration.
+#[derive(Debug, Clone)]
+pub struct GateContext {
+    /// Prometheus connection, when configured.
+    pub prometheus: Option<PrometheusConfig>,
+    /// Redis credentials (`[redis]`), used by the `redis` gate.
+    pub redis: Option<RedisConfig>,
+    /// How long a source reading is reused (single-flight cache TTL).
+    pub cache_ttl: Duration,
+    /// Data older than this is no data.
+    pub max_staleness: Duration,
+    /// Bound on one query or scrape.
+    pub source_timeout: Duration,
+    /// The HTTP client for scrapes (one connection pool).
+    pub http: reqwest::Client,
+}
+
+impl GateContext {
+    /// The context of a loaded configuration: cache TTL = poll interval,
+    /// source timeout = the smaller of max_staleness and 10 s.
+    pub fn from_config(config: &Config) -> Self {
+        let d = &config.dispatch;
+        Self::new(
+            config.prometheus.clone(),
+            config.redis.clone(),
+            d.poll_interval,
+            d.max_staleness,
+        )
+    }
+
+    /// A context with explicit timings.
+    pub fn new(
+        prometheus: Option<PrometheusConfig>,
+        redis: Option<RedisConfig>,
+        cache_ttl: Duration,
+        max_staleness: Duration,
+    ) -> Self {
+        Self {
+            prometheus,
+            redis,
+            cache_ttl,
+            max_staleness,
+            source_timeout: max_staleness.min(Duration::from_secs(10)),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    fn cache<S: Source>(&self, source: S) -> Cached<S> {
+        Cached::new(source, self.cache_ttl, self.max_staleness)
+    }
+
+    fn prom_client(&self, gate_type: &'static str) -> Result<PromClient, BuildError> {
+        let p = self
+            .prometheus
+            .as_ref()
+            .ok_or(BuildError::NoPrometheus { gate_type })?;
+        let bearer = secret(
+            p.bearer_token.as_ref(),
+            p.bearer_token_file.as_ref(),
+            "prometheus.bearer_token_file",
+        )?;
+        let password = secret(
+            p.basic_password.as_ref(),
+            p.basic_password_file.as_ref(),
+            "prometheus.basic_password_file",
+        )?;
+        let auth = match (bearer, &p.basic_user) {
+            (Some(token), _) => PromAuth::Bearer(token),
+            (None, Some(user)) => PromAuth::Basic {
+                user: user.clone(),
+                password: password.unwrap_or_default(),
+            },
+            (None, None) => PromAuth::None,
+        };
+        PromClient::new(p.url.expose(), &auth, self.source_timeout).map_err(|source| {
+            BuildError::Source {
+                what: "prometheus".into(),
+                source,
+            }
+        })
+    }
+
+    fn scrape(&self, url: &str) -> Result<Cached<Scrape>, BuildError> {
+        let parsed = url::Url::parse(url).map_err(|_| BuildError::Url(url.to_owned()))?;
+        Ok(self.cache(Scrape::new(self.http.clone(), parsed, self.source_timeout)))
+    }
+}
+
+fn secret(
+    value: Option<&Secret>,
+    file: Option<&std::path::PathBuf>,
+    key: &'static str,
+) -> Result<Option<String>, BuildError> {
+    match (value, file) {
+        (Some(v), _) => Ok(Some(v.expose().to_owned())),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .map(|s| Some(s.trim().to_owned()))
+            .map_err(|source| BuildError::SecretFile {
+                key,
+                path: path.display().to_string(),
+                source,
+            }),
+        (None, None) => Ok(None),
+    }
 }
 
 /// Builds the gate described by `spec`.
-pub fn build_gate(spec: &GateSpec) -> Result<Box<dyn DispatchGate>, BuildError> {
+pub fn build_gate(spec: &GateSpec, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
     Ok(match spec {
         GateSpec::Constant => Box::new(ConstantGate::default()),
         GateSpec::Composite { gates } => {
@@ -32,7 +180,7 @@ pub fn build_gate(spec: &GateSpec) -> Result<Box<dyn DispatchGate>, BuildError> 
             }
             let inner = gates
                 .iter()
-                .map(build_gate)
+                .map(|g| build_gate(g, ctx))
                 .collect::<Result<Vec<_>, _>>()?;
             Box::new(CompositeGate::new(inner))
         }
@@ -42,10 +190,138 @@ pub fn build_gate(spec: &GateSpec) -> Result<Box<dyn DispatchGate>, BuildError> 
                 *gating_mode,
             ))
         }
-        GateSpec::WaitOnRefuse { gate } => Box::new(WaitOnRefuseGate::new(build_gate(gate)?)),
-        other => {
+        GateSpec::WaitOnRefuse { gate } => Box::new(WaitOnRefuseGate::new(build_gate(gate, ctx)?)),
+        GateSpec::PrometheusBudget {
+            pool,
+            namespace,
+            max_concurrency,
+            baseline,
+            fallback,
+        } => {
+            let client = ctx.prom_client(spec.upstream_name())?;
+            Box::new(PrometheusBudgetGate::new(
+                &client,
+                |q| ctx.cache(q),
+                pool,
+                namespace.as_deref(),
+                *max_concurrency,
+                *baseline,
+                *fallback,
+            ))
+        }
+        GateSpec::PrometheusSaturation {
+            pool,
+            namespace,
+            threshold,
+            fallback,
+        } => {
+            let client = ctx.prom_client(spec.upstream_name())?;
+            Box::new(PrometheusSaturationGate::new(
+                &client,
+                |q| ctx.cache(q),
+                pool,
+                namespace.as_deref(),
+                *threshold,
+                *fallback,
+            ))
+        }
+        GateSpec::PrometheusQuery {
+            query,
+            fallback,
+            pool,
+        } => {
+            let client = ctx.prom_client(spec.upstream_name())?;
+            Box::new(PrometheusQueryGate::new(
+                ctx.cache(client.query(query.clone())),
+                *fallback,
+                pool.clone(),
+            ))
+        }
+        GateSpec::EndpointScrape {
+            url,
+            metric,
+            labels,
+            max_count_per_pod,
+            baseline,
+            fallback,
+            pods_url,
+            pods_metric,
+            pods_labels,
+        } => {
+            let pods = match pods_metric {
+                None => None,
+                Some(m) => Some(PodsSource {
+                    page: match pods_url {
+                        Some(u) if u != url => Some(ctx.scrape(u)?),
+                        _ => None,
+                    },
+                    metric: m.clone(),
+                    labels: pods_labels.clone(),
+                }),
+            };
+            Box::new(EndpointScrapeGate::new(
+                ctx.scrape(url)?,
+                metric.clone(),
+                labels.clone(),
+                *max_count_per_pod,
+                *baseline,
+                *fallback,
+                pods,
+            ))
+        }
+        GateSpec::Redis {
+            address,
+            budget_key,
+            missing,
+        } => {
+            let (user, password) = match &ctx.redis {
+                Some(r) => (
+                    r.username.clone(),
+                    secret(
+                        r.password.as_ref(),
+                        r.password_file.as_ref(),
+                        "redis.password_file",
+                    )?,
+                ),
+                None => (None, None),
+            };
+            let key = RedisKey::new(
+                address,
+                user.as_deref(),
+                password.as_deref(),
+                budget_key.clone(),
+                ctx.source_timeout,
+            )
+            .map_err(|source| BuildError::Source {
+                what: format!("redis gate address {address}"),
+                source,
+            })?;
+            Box::new(RedisBudgetGate::new(ctx.cache(key), *missing))
+        }
+        GateSpec::Vllm {
+            urls,
+            kv_ceiling,
+            queue_threshold,
+            max_num_seqs,
+            baseline,
+        } => {
+            let pages = urls
+                .iter()
+                .map(|u| ctx.scrape(u))
+                .collect::<Result<Vec<_>, _>>()?;
+            Box::new(VllmGate::new(
+                pages,
+                Roofline {
+                    kv_ceiling: *kv_ceiling,
+                    queue_threshold: *queue_threshold,
+                    max_num_seqs: max_num_seqs.map(f64::from),
+                },
+                *baseline,
+            ))
+        }
+        GateSpec::RedisQuota { .. } | GateSpec::TierPriorityAdmission { .. } => {
             return Err(BuildError::NotAvailable {
-                gate_type: other.upstream_name(),
+                gate_type: spec.upstream_name(),
             });
         }
     })

@@ -3,7 +3,9 @@
 
 use futures_util::future::{BoxFuture, join_all};
 
-use super::{Admission, AdmissionRequest, DispatchGate, GateError, Observation, Ticket};
+use super::{
+    Admission, AdmissionRequest, DispatchGate, Explanation, GateError, Observation, Ticket,
+};
 
 /// Minimum of inner budgets; a message goes only if every inner gate
 /// admits it.
@@ -74,6 +76,40 @@ impl DispatchGate for CompositeGate {
 
     fn kind(&self) -> &'static str {
         "composite"
+    }
+
+    /// Every inner gate's sources, labelled by gate; the reading itself is
+    /// `observe`'s (inner sources are cached, so both see the same data).
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
+        Box::pin(async move {
+            let inner = join_all(self.gates.iter().map(|g| g.explain())).await;
+            let mut sources = Vec::new();
+            let mut notes = Vec::new();
+            for (i, (gate, e)) in self.gates.iter().zip(inner).enumerate() {
+                let tag = format!("gate {} ({})", i + 1, gate.kind());
+                for mut s in e.sources {
+                    s.role = format!("{tag}: {}", s.role);
+                    sources.push(s);
+                }
+                notes.extend(e.notes.into_iter().map(|n| format!("{tag}: {n}")));
+                notes.push(match e.observation {
+                    Ok(o) => format!(
+                        "{tag}: D {:.4}, B {:.4}, headroom {:.4}: {}",
+                        o.budget.get(),
+                        o.baseline.get(),
+                        o.headroom(),
+                        o.reason
+                    ),
+                    Err(err) => format!("{tag}: unavailable: {err}"),
+                });
+            }
+            notes.push("the composite reads the inner gate with the least headroom".into());
+            Explanation {
+                observation: self.observe().await,
+                sources,
+                notes,
+            }
+        })
     }
 }
 

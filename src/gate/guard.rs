@@ -95,6 +95,10 @@ impl DispatchGate for Box<dyn DispatchGate> {
     fn kind(&self) -> &'static str {
         (**self).kind()
     }
+
+    fn explain(&self) -> BoxFuture<'_, super::Explanation> {
+        (**self).explain()
+    }
 }
 
 #[cfg(test)]

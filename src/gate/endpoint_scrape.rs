@@ -1,0 +1,240 @@
+//! `endpoint-scrape`: saturation read straight from a `/metrics` page, no
+//! Prometheus. Either the metric is already a saturation
+//! (`max_count_per_pod = 0`; several series: the largest counts) or it is a
+//! count (several series: summed) divided by `ready pods × max_count_per_pod`,
+//! with the ready-pod count read live from `pods_metric` (at `pods_url`, or
+//! `url`; several series: the largest counts). `D = 1 − saturation`,
+//! `B = baseline`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use super::reading::{
+    Aggregate, Explanation, SourceReport, non_negative, pool_reading, show_labels, with_fallback,
+};
+use super::{DispatchGate, GateError, Observation};
+use crate::source::{Cached, Exposition, Scrape, Timestamped};
+
+/// Where the ready-pod count comes from.
+#[derive(Debug)]
+pub struct PodsSource {
+    /// The page (a second scrape, or `None` to reuse the metric's page).
+    pub page: Option<Cached<Scrape>>,
+    /// Metric name.
+    pub metric: String,
+    /// Label matchers.
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The `endpoint-scrape` gate.
+#[derive(Debug)]
+pub struct EndpointScrapeGate {
+    page: Cached<Scrape>,
+    metric: String,
+    labels: BTreeMap<String, String>,
+    max_count_per_pod: f64,
+    baseline: f64,
+    fallback: Option<f64>,
+    pods: Option<PodsSource>,
+}
+
+fn select(
+    page: &Exposition,
+    metric: &str,
+    labels: &BTreeMap<String, String>,
+) -> Vec<(String, f64)> {
+    page.named(metric)
+        .filter(|s| s.matches(labels))
+        .map(|s| (show_labels(&s.labels), s.value))
+        .collect()
+}
+
+fn selector(metric: &str, labels: &BTreeMap<String, String>) -> String {
+    if labels.is_empty() {
+        metric.to_owned()
+    } else {
+        format!("{metric}{}", show_labels(labels))
+    }
+}
+
+impl EndpointScrapeGate {
+    /// The gate. `pods` is `None` when no `pods_metric` is configured.
+    pub fn new(
+        page: Cached<Scrape>,
+        metric: String,
+        labels: BTreeMap<String, String>,
+        max_count_per_pod: f64,
+        baseline: f64,
+        fallback: Option<f64>,
+        pods: Option<PodsSource>,
+    ) -> Self {
+        Self {
+            page,
+            metric,
+            labels,
+            max_count_per_pod,
+            baseline,
+            fallback,
+            pods,
+        }
+    }
+
+    async fn evaluate(&self) -> Explanation {
+        let mut sources = Vec::new();
+        let reading = self.read(&mut sources).await;
+        Explanation {
+            observation: with_fallback(reading, self.fallback),
+            sources,
+            notes: Vec::new(),
+        }
+    }
+
+    async fn fetch(
+        page: &Cached<Scrape>,
+        report: &mut SourceReport,
+    ) -> Result<Timestamped<Arc<Exposition>>, GateError> {
+        page.get().await.map_err(|e| {
+            report.outcome = format!("error: {e}");
+            GateError::SourceUnavailable(format!("{}: {e}", report.target))
+        })
+    }
+
+    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+        let target = format!(
+            "{} at {}",
+            selector(&self.metric, &self.labels),
+            self.page.source().url()
+        );
+        let mut report = SourceReport::new("metric", target);
+        let page = match Self::fetch(&self.page, &mut report).await {
+            Ok(p) => p,
+            Err(e) => {
+                sources.push(report);
+                return Err(e);
+            }
+        };
+        report.values = select(&page.value, &self.metric, &self.labels);
+        let direct = self.max_count_per_pod <= 0.0;
+        let how = if direct {
+            Aggregate::Max
+        } else {
+            Aggregate::Sum
+        };
+        let Some(value) = how.apply(report.values.iter().map(|(_, v)| *v)) else {
+            report.outcome = "no sample".into();
+            sources.push(report);
+            return Err(GateError::SourceUnavailable(format!(
+                "no sample of {} (typo in the name or labels?)",
+                selector(&self.metric, &self.labels)
+            )));
+        };
+        let value = match non_negative(value, &self.metric) {
+            Ok(v) => v,
+            Err(e) => {
+                report.outcome = format!("invalid: {e}");
+                sources.push(report);
+                return Err(e);
+            }
+        };
+        report.outcome = format!("used ({} of {} series)", how.name(), report.values.len());
+        sources.push(report);
+        if direct {
+            return Ok(pool_reading(
+                1.0 - value,
+                self.baseline,
+                page.taken_at,
+                None,
+                format!("saturation {value} read directly; D = 1 − saturation"),
+            ));
+        }
+        let (pods, pods_at) = match &self.pods {
+            None => (1.0, page.taken_at),
+            Some(p) => self.read_pods(p, &page, sources).await?,
+        };
+        let max_sys = pods * self.max_count_per_pod;
+        let taken_at = pods_at.min(page.taken_at);
+        if pods < 1.0 {
+            return Ok(pool_reading(
+                0.0,
+                self.baseline,
+                taken_at,
+                Some(0.0),
+                "no ready pods: closed".into(),
+            ));
+        }
+        let saturation = value / max_sys;
+        Ok(pool_reading(
+            1.0 - saturation,
+            self.baseline,
+            taken_at,
+            Some(max_sys),
+            format!(
+                "saturation = {value} / ({pods} pods × {}) = {saturation:.4}; D = 1 − saturation",
+                self.max_count_per_pod
+            ),
+        ))
+    }
+
+    async fn read_pods(
+        &self,
+        p: &PodsSource,
+        metric_page: &Timestamped<Arc<Exposition>>,
+        sources: &mut Vec<SourceReport>,
+    ) -> Result<(f64, Instant), GateError> {
+        let cache = p.page.as_ref().unwrap_or(&self.page);
+        let target = format!(
+            "{} at {}",
+            selector(&p.metric, &p.labels),
+            cache.source().url()
+        );
+        let mut report = SourceReport::new("ready pods", target);
+        let page = match &p.page {
+            None => metric_page.clone(),
+            Some(c) => match Self::fetch(c, &mut report).await {
+                Ok(page) => page,
+                Err(e) => {
+                    sources.push(report);
+                    return Err(e);
+                }
+            },
+        };
+        report.values = select(&page.value, &p.metric, &p.labels);
+        let Some(pods) = Aggregate::Max.apply(report.values.iter().map(|(_, v)| *v)) else {
+            report.outcome = "no sample".into();
+            sources.push(report);
+            return Err(GateError::SourceUnavailable(format!(
+                "no sample of the ready-pod metric {}",
+                selector(&p.metric, &p.labels)
+            )));
+        };
+        match non_negative(pods, &p.metric) {
+            Ok(v) => {
+                report.outcome = format!("used (max of {} series)", report.values.len());
+                sources.push(report);
+                Ok((v, page.taken_at))
+            }
+            Err(e) => {
+                report.outcome = format!("invalid: {e}");
+                sources.push(report);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl DispatchGate for EndpointScrapeGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(async move { self.evaluate().await.observation })
+    }
+
+    fn kind(&self) -> &'static str {
+        "endpoint-scrape"
+    }
+
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
+        Box::pin(self.evaluate())
+    }
+}

@@ -1,0 +1,288 @@
+//! `prometheus-budget`: the endpoint picker's queue / running-requests
+//! cascade over PromQL, with `max_SYS` = ready endpoints × `max_concurrency`.
+//!
+//! Sources, in order; the first that returns a sample wins, each tried
+//! under the current endpoint-picker names, then the legacy ones:
+//! 1. flow-control queue: `D = 1 − sum(queue) / (ready × MC)`
+//! 2. per-endpoint queue: `D = 1 − avg(queue per endpoint) / MC`
+//! 3. running requests: `D = 1 − sum(vllm:num_requests_running) / (ready × MC)`
+//!
+//! Only an *absent* source falls through; a source that errors closes the
+//! gate (a broken Prometheus never reads as "try the next, maybe idle").
+//! Zero ready endpoints reads closed, never idle.
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use super::reading::{
+    Explanation, SourceReport, non_negative, pool_reading, promql_string, show_labels,
+    with_fallback,
+};
+use super::{DispatchGate, GateError, Observation};
+use crate::source::{Cached, PromClient, PromQuery, PromVector, Timestamped};
+
+/// A cached PromQL query with its role.
+#[derive(Debug)]
+struct Query {
+    role: &'static str,
+    query: Cached<PromQuery>,
+}
+
+/// One cascade step: how its value becomes `D`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Pool-wide load, divided by ready × MC.
+    PoolLoad,
+    /// Average load per endpoint, divided by MC.
+    PerEndpoint,
+}
+
+/// The `prometheus-budget` gate.
+#[derive(Debug)]
+pub struct PrometheusBudgetGate {
+    pool: String,
+    max_concurrency: f64,
+    baseline: f64,
+    fallback: Option<f64>,
+    /// Ready endpoints: current name, then legacy.
+    ready: Vec<Query>,
+    /// The cascade, each step with its queries in name order.
+    steps: Vec<(Step, Vec<Query>)>,
+}
+
+/// What a query answered.
+enum Answer {
+    Value(f64, Instant),
+    Absent,
+}
+
+impl PrometheusBudgetGate {
+    /// The gate for `pool` (optionally filtered by `namespace`).
+    pub fn new(
+        client: &PromClient,
+        cache: impl Fn(PromQuery) -> Cached<PromQuery>,
+        pool: &str,
+        namespace: Option<&str>,
+        max_concurrency: f64,
+        baseline: f64,
+        fallback: Option<f64>,
+    ) -> Self {
+        let ns = namespace
+            .map(|n| format!(",namespace={}", promql_string(n)))
+            .unwrap_or_default();
+        let by_name = format!("{{name={}{ns}}}", promql_string(pool));
+        let by_pool = format!("{{inference_pool={}{ns}}}", promql_string(pool));
+        let q = |role: &'static str, text: String| Query {
+            role,
+            query: cache(client.query(text)),
+        };
+        let ready = vec![
+            q(
+                "ready endpoints (current name)",
+                format!("max(llm_d_epp_ready_endpoints{by_name})"),
+            ),
+            q(
+                "ready endpoints (legacy name)",
+                format!("max(inference_pool_ready_pods{by_name})"),
+            ),
+        ];
+        let steps = vec![
+            (
+                Step::PoolLoad,
+                vec![
+                    q(
+                        "flow-control queue (current name)",
+                        format!("sum(llm_d_epp_flow_control_queue_size{by_pool})"),
+                    ),
+                    q(
+                        "flow-control queue (legacy name)",
+                        format!("sum(inference_extension_flow_control_queue_size{by_pool})"),
+                    ),
+                ],
+            ),
+            (
+                Step::PerEndpoint,
+                vec![
+                    q(
+                        "per-endpoint queue (current name)",
+                        format!("avg(llm_d_epp_per_endpoint_queue_size{by_name})"),
+                    ),
+                    q(
+                        "per-endpoint queue (legacy name)",
+                        format!("avg(inference_pool_per_pod_queue_size{by_name})"),
+                    ),
+                ],
+            ),
+            (
+                Step::PoolLoad,
+                vec![q(
+                    "running requests (vLLM)",
+                    format!("sum(vllm:num_requests_running{by_pool})"),
+                )],
+            ),
+        ];
+        let gate = Self {
+            pool: pool.to_owned(),
+            max_concurrency,
+            baseline,
+            fallback,
+            ready,
+            steps,
+        };
+        tracing::info!(
+            pool,
+            max_concurrency,
+            baseline,
+            closes_at_load_per_ready_pod = gate.closing_load(),
+            "prometheus-budget gate closes when the load per ready pod reaches max_concurrency × (1 − baseline); an oversized max_concurrency makes a gate that never closes"
+        );
+        gate
+    }
+
+    /// The load per ready pod at which `D` falls to the baseline.
+    fn closing_load(&self) -> f64 {
+        self.max_concurrency * (1.0 - self.baseline)
+    }
+
+    /// Runs one query; a single aggregated series is expected (the
+    /// queries aggregate), several are summed explicitly.
+    async fn ask(&self, q: &Query, report: &mut SourceReport) -> Result<Answer, GateError> {
+        let answer: Result<Timestamped<PromVector>, _> = q.query.get().await;
+        match answer {
+            Err(e) => {
+                report.outcome = format!("error: {e}");
+                Err(GateError::SourceUnavailable(format!("{}: {e}", q.role)))
+            }
+            Ok(t) if t.value.is_empty() => {
+                report.outcome = "no sample".into();
+                Ok(Answer::Absent)
+            }
+            Ok(t) => {
+                report.values = t
+                    .value
+                    .iter()
+                    .map(|s| (show_labels(&s.labels), s.value))
+                    .collect();
+                let sum: f64 = t.value.iter().map(|s| s.value).sum();
+                match non_negative(sum, q.role) {
+                    Ok(v) => {
+                        report.outcome = "answered".into();
+                        Ok(Answer::Value(v, t.taken_at))
+                    }
+                    Err(e) => {
+                        report.outcome = format!("invalid: {e}");
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    async fn evaluate(&self) -> Explanation {
+        let mut sources = Vec::new();
+        let notes = vec![format!(
+            "closes when the load per ready pod reaches {:.3} (max_concurrency {} × (1 − baseline {}))",
+            self.closing_load(),
+            self.max_concurrency,
+            self.baseline
+        )];
+        let reading = self.cascade(&mut sources).await;
+        Explanation {
+            observation: with_fallback(reading, self.fallback),
+            sources,
+            notes,
+        }
+    }
+
+    async fn cascade(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+        let mut ready: Option<(f64, Instant)> = None;
+        for q in &self.ready {
+            let mut report = SourceReport::new(q.role, q.query.source().text());
+            let answer = self.ask(q, &mut report).await;
+            sources.push(report);
+            if let Answer::Value(v, at) = answer? {
+                ready = Some((v, at));
+                break;
+            }
+        }
+        if let Some((r, at)) = ready {
+            if r < 1.0 {
+                return Ok(pool_reading(
+                    0.0,
+                    self.baseline,
+                    at,
+                    Some(0.0),
+                    format!("pool {} has no ready endpoints: closed", self.pool),
+                ));
+            }
+        }
+        for (step, queries) in &self.steps {
+            if *step == Step::PoolLoad && ready.is_none() {
+                for q in queries {
+                    let mut report = SourceReport::new(q.role, q.query.source().text());
+                    report.outcome = "skipped: needs the ready-endpoint count".into();
+                    sources.push(report);
+                }
+                continue;
+            }
+            for q in queries {
+                let mut report = SourceReport::new(q.role, q.query.source().text());
+                let answer = self.ask(q, &mut report).await;
+                let answer = match answer {
+                    Ok(a) => a,
+                    Err(e) => {
+                        sources.push(report);
+                        return Err(e);
+                    }
+                };
+                let Answer::Value(load, at) = answer else {
+                    sources.push(report);
+                    continue;
+                };
+                report.outcome = "used".into();
+                sources.push(report);
+                let max_sys = ready.map(|(r, _)| r * self.max_concurrency);
+                let (d, explain) = match (step, ready) {
+                    (Step::PoolLoad, Some((r, _))) => (
+                        1.0 - load / (r * self.max_concurrency),
+                        format!("D = 1 − {load} / ({r} ready × {})", self.max_concurrency),
+                    ),
+                    _ => (
+                        1.0 - load / self.max_concurrency,
+                        format!("D = 1 − {load} / {}", self.max_concurrency),
+                    ),
+                };
+                // The data is as old as the older of the two inputs.
+                let taken_at = match ready {
+                    Some((_, r_at)) if r_at < at => r_at,
+                    _ => at,
+                };
+                return Ok(pool_reading(
+                    d,
+                    self.baseline,
+                    taken_at,
+                    max_sys,
+                    format!("{} ({explain}; overload reads 0)", q.role),
+                ));
+            }
+        }
+        Err(GateError::SourceUnavailable(format!(
+            "no source of the cascade returned a sample for pool {} (a missing sample means closed, never idle)",
+            self.pool
+        )))
+    }
+}
+
+impl DispatchGate for PrometheusBudgetGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(async move { self.evaluate().await.observation })
+    }
+
+    fn kind(&self) -> &'static str {
+        "prometheus-budget"
+    }
+
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
+        Box::pin(self.evaluate())
+    }
+}

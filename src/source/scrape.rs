@@ -1,0 +1,92 @@
+//! GET a text-format `/metrics` page and parse it with our own parser.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::time::Instant;
+
+use super::text::{self, Exposition};
+use super::{Source, SourceError, Timestamped};
+
+/// Largest page read; a bigger one is an error rather than a memory spike.
+const MAX_PAGE_BYTES: usize = 32 * 1024 * 1024;
+
+/// A [`Source`] that scrapes one `/metrics` URL.
+#[derive(Debug, Clone)]
+pub struct Scrape {
+    client: reqwest::Client,
+    url: url::Url,
+    timeout: Duration,
+}
+
+impl Scrape {
+    /// Scrapes `url` with `client`, each request bounded by `timeout`.
+    pub fn new(client: reqwest::Client, url: url::Url, timeout: Duration) -> Self {
+        Self {
+            client,
+            url,
+            timeout,
+        }
+    }
+
+    /// The scraped URL.
+    pub fn url(&self) -> &url::Url {
+        &self.url
+    }
+
+    /// The URL, password masked.
+    pub fn describe_url(&self) -> String {
+        crate::config::mask_url(&self.url)
+    }
+
+    async fn read(&self) -> Result<Timestamped<Arc<Exposition>>, SourceError> {
+        // The page describes the pool somewhere between send and receive;
+        // the send time is the conservative choice for the window.
+        let taken_at = Instant::now();
+        let response = self
+            .client
+            .get(self.url.clone())
+            .header(reqwest::header::ACCEPT, "text/plain;version=0.0.4")
+            .timeout(self.timeout)
+            .send()
+            .await
+            .map_err(|e| {
+                if e.is_timeout() {
+                    SourceError::Timeout(self.timeout)
+                } else {
+                    SourceError::transport(e)
+                }
+            })?;
+        let status = response.status();
+        if !status.is_success() {
+            return Err(SourceError::Status(status.as_u16()));
+        }
+        let body = response.bytes().await.map_err(SourceError::transport)?;
+        if body.len() > MAX_PAGE_BYTES {
+            return Err(SourceError::Parse(format!(
+                "page of {} bytes exceeds {MAX_PAGE_BYTES}",
+                body.len()
+            )));
+        }
+        let page = std::str::from_utf8(&body)
+            .map_err(|e| SourceError::Parse(format!("not UTF-8: {e}")))?;
+        let exposition = text::parse(page).map_err(|e| SourceError::Parse(e.to_string()))?;
+        Ok(Timestamped {
+            value: Arc::new(exposition),
+            taken_at,
+        })
+    }
+}
+
+impl Source for Scrape {
+    type Output = Arc<Exposition>;
+
+    fn fetch(&self) -> BoxFuture<'_, Result<Timestamped<Arc<Exposition>>, SourceError>> {
+        Box::pin(self.read())
+    }
+
+    fn describe(&self) -> String {
+        crate::config::mask_url(&self.url)
+    }
+}

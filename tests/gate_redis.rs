@@ -1,0 +1,131 @@
+//! The `redis` gate against a real `redis-server` on a free loopback port.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+use sluicegate::config::GateSpec;
+use sluicegate::gate::{FailClosed, GateContext, build_gate};
+
+const STALENESS: Duration = Duration::from_secs(2);
+
+/// `redis-server` on a free port, no persistence; killed by PID on drop.
+struct Redis {
+    child: Child,
+    port: u16,
+}
+
+impl Redis {
+    async fn start() -> Self {
+        let port = support::free_port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--bind", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let r = Self { child, port };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("redis-server did not start");
+    }
+
+    fn cli(&self, args: &[&str]) {
+        let status = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .stdout(Stdio::null())
+            .status()
+            .expect("redis-cli");
+        assert!(status.success());
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A reading after the cache had time to refresh (it serves the previous
+/// reading while a refresh runs).
+async fn fresh(g: &FailClosed) -> sluicegate::gate::Observation {
+    // Past the TTL, so the next call starts a refresh.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let _ = g.observe().await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    g.observe().await
+}
+
+fn gate(params: serde_json::Value) -> FailClosed {
+    let spec = GateSpec::parse("redis", &params, "test").unwrap();
+    let ctx = GateContext::new(None, None, Duration::from_millis(50), STALENESS);
+    FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_gate_reads_the_budget_key_and_fails_closed_otherwise() {
+    let redis = Redis::start().await;
+    let address = format!("127.0.0.1:{}", redis.port);
+    let g = gate(json!({"address": address}));
+
+    // Missing key: closed (upstream opens).
+    let o = g.observe().await;
+    assert_eq!(o.budget.get(), 0.0);
+    assert!(!o.source_available, "{o:?}");
+
+    redis.cli(&["SET", "dispatch-gate-budget", "0.4"]);
+    let o = fresh(&g).await;
+    assert!(
+        o.source_available && (o.budget.get() - 0.4).abs() < 1e-12,
+        "{o:?}"
+    );
+    assert!(o.sees_own_load);
+
+    for bad in ["abc", "1.5", "-0.1", "NaN"] {
+        redis.cli(&["SET", "dispatch-gate-budget", bad]);
+        let o = fresh(&g).await;
+        assert_eq!(o.budget.get(), 0.0, "{bad}: {o:?}");
+        assert!(!o.source_available, "{bad}");
+    }
+
+    // A custom key and the explicit opt-in to upstream's open-on-missing.
+    let open = gate(json!({"address": format!("redis://{address}/0"), "budget_key": "other", "missing": "open"}))
+        .observe()
+        .await;
+    assert_eq!(open.budget.get(), 1.0);
+    assert!(!open.source_available);
+
+    redis.cli(&["SET", "dispatch-gate-budget", "0.7"]);
+    assert!(fresh(&g).await.is_open());
+    drop(redis);
+    let start = std::time::Instant::now();
+    loop {
+        let o = g.observe().await;
+        if !o.source_available {
+            assert_eq!(o.budget.get(), 0.0);
+            break;
+        }
+        assert!(
+            start.elapsed() < STALENESS + Duration::from_secs(3),
+            "still open: {o:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
