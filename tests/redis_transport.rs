@@ -573,7 +573,7 @@ gate_params = {{ limit = 2, gating_mode = "blocking" }}
         .iter()
         .map(|q| {
             let mut settings = RedisQueueSettings::new(q.queue_name.clone());
-            settings.result_list = Some(q.result_queue_name.clone());
+            settings.result_list = q.result_queue_name.clone();
             Arc::new(RedisQueue::start(conn.clone(), settings)) as Arc<dyn Queue>
         })
         .collect();

@@ -298,11 +298,9 @@ async fn run_redis(config: &Config) -> ExitCode {
         .iter()
         .map(|q| {
             let mut settings = crate::queue::redis::RedisQueueSettings::new(q.queue_name.clone());
-            // The config cannot tell a default list from a chosen one: a
-            // queue naming a non-default list overrides the message's.
-            if q.result_queue_name != crate::queue::redis::DEFAULT_RESULT_LIST {
-                settings.result_list = Some(q.result_queue_name.clone());
-            }
+            // Precedence queue > message > default: only a list the queue
+            // names overrides the message's.
+            settings.result_list = q.result_queue_name.clone();
             settings.result_ttl_seconds = q.result_ttl_seconds;
             Arc::new(crate::queue::redis::RedisQueue::start(
                 conn.clone(),
