@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || packages+=(prometheus)
+command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
+# The rediss:// test makes a private CA and a server certificate.
+command -v openssl >/dev/null 2>&1 || packages+=(openssl)
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update

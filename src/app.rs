@@ -130,17 +130,24 @@ pub async fn start(
             async move { stop.cancelled().await },
         ))
     };
+    let statuses: Vec<(Arc<dyn Queue>, crate::telemetry::QueueMetrics)> = dispatchers
+        .iter()
+        .map(|d| (d.queue.clone(), d.metrics.clone()))
+        .collect();
     let runs: Vec<_> = dispatchers
         .into_iter()
         .map(|d| tokio::spawn(d.run(shutdown.child_token())))
         .collect();
-    health.set_ready(true);
+    health.set_ready(all_reachable(&statuses));
+    let watcher = tokio::spawn(watch_transports(statuses, health.clone(), shutdown.clone()));
     tracing::info!(%telemetry_addr, queues = runs.len(), "sluicegate started");
 
     let task = {
         let health = health.clone();
         tokio::spawn(async move {
             shutdown.cancelled().await;
+            // The watcher stops at once; after it, nothing sets ready again.
+            let _ = watcher.await;
             health.set_ready(false);
             tracing::info!("shutting down");
             for run in runs {
@@ -157,6 +164,64 @@ pub async fn start(
         health,
         task,
     })
+}
+
+/// How often transport status feeds readiness and metrics.
+const STATUS_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+fn all_reachable(queues: &[(Arc<dyn Queue>, crate::telemetry::QueueMetrics)]) -> bool {
+    queues
+        .iter()
+        .all(|(q, _)| q.status().is_none_or(|s| s.reachable))
+}
+
+/// Readiness follows the transports' reachability (not ready while a
+/// backend is down); their counters become metrics. Stops at shutdown,
+/// which owns readiness from then on.
+async fn watch_transports(
+    queues: Vec<(Arc<dyn Queue>, crate::telemetry::QueueMetrics)>,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) {
+    let mut seen: Vec<(u64, u64)> = vec![(0, 0); queues.len()];
+    let mut was_ready = health.is_ready();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(STATUS_EVERY) => {}
+        }
+        for ((queue, m), seen) in queues.iter().zip(seen.iter_mut()) {
+            let Some(status) = queue.status() else {
+                continue;
+            };
+            if let Some(backlog) = status.backlog {
+                m.backlog.set(i64::try_from(backlog).unwrap_or(i64::MAX));
+            }
+            m.claims_held
+                .set(i64::try_from(status.claims_held).unwrap_or(i64::MAX));
+            m.reclaims
+                .inc_by(status.reclaims_total.saturating_sub(seen.0));
+            m.dead_letters
+                .inc_by(status.dead_letters_total.saturating_sub(seen.1));
+            *seen = (
+                seen.0.max(status.reclaims_total),
+                seen.1.max(status.dead_letters_total),
+            );
+        }
+        let ready = all_reachable(&queues);
+        if shutdown.is_cancelled() {
+            return;
+        }
+        if ready != was_ready {
+            if ready {
+                tracing::info!("queue backends reachable; ready");
+            } else {
+                tracing::warn!("a queue backend is unreachable; not ready");
+            }
+            was_ready = ready;
+        }
+        health.set_ready(ready);
+    }
 }
 
 fn gateway_settings(config: &GatewayConfig) -> Result<GatewaySettings, AppError> {

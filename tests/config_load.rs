@@ -107,7 +107,10 @@ fn environment_alone_configures_a_complete_sidecar() {
     assert_eq!(q.max_sys, 100.0);
     assert_eq!(q.unit, Unit::Requests);
     assert_eq!(q.rounding, Rounding::Floor);
-    assert_eq!(q.result_queue_name, "result-list");
+    assert_eq!(
+        q.result_queue_name, None,
+        "no list unless the queue names one"
+    );
     assert_eq!(q.worker_pool_id, "default");
     assert_eq!(
         q.gate,

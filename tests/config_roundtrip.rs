@@ -230,7 +230,7 @@ fn queue() -> impl Strategy<Value = QueueConfig> {
                 inference_objective,
                 worker_pool_id,
                 labels,
-                result_queue_name,
+                result_queue_name: Some(result_queue_name),
                 result_ttl_seconds,
                 max_sys,
                 unit,

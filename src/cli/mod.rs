@@ -4,9 +4,13 @@
 #![allow(clippy::print_stdout)] // A CLI prints its answers.
 
 mod batch;
+mod bench;
+mod cancel;
 mod demo;
 mod embedded;
 mod probe;
+mod results;
+mod submit;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -56,6 +60,15 @@ enum Command {
     SubmitEmbedded(embedded::SubmitEmbeddedArgs),
     /// Print the results of a queue in an embedded store (JSON lines).
     ResultsEmbedded(embedded::ResultsEmbeddedArgs),
+    /// Enqueue requests (JSON lines or OpenAI Batch API lines) into a Redis queue.
+    Submit(submit::SubmitArgs),
+    /// Collect results from a Redis result list into a JSON-lines file.
+    Results(results::ResultsArgs),
+    /// Cancel active submissions by id.
+    Cancel(cancel::CancelArgs),
+    /// Benchmarks against real servers.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
     /// Dispatch gate commands.
     #[command(subcommand)]
     Gate(GateCommand),
@@ -171,6 +184,10 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Demo(args) => demo::run(args).await,
         Command::SubmitEmbedded(args) => embedded::submit(&args),
         Command::ResultsEmbedded(args) => embedded::results(&args),
+        Command::Submit(args) => submit::run(args).await,
+        Command::Results(args) => results::run(args).await,
+        Command::Cancel(args) => cancel::run(args).await,
+        Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
@@ -202,9 +219,12 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
         }
         return embedded::run_worker(&config, args.exit_when_done).await;
     }
+    if config.transport == TransportKind::Redis {
+        return run_redis(&config).await;
+    }
     if config.transport != TransportKind::Memory {
         eprintln!(
-            "transport: `{}` is not available in this build; available: memory, embedded",
+            "transport: `{}` is not available in this build; available: memory, redis, embedded",
             config.transport.as_str()
         );
         return ExitCode::from(EXIT_CONFIG);
@@ -262,6 +282,83 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
     }
     running.wait().await;
     write_results(&memory, args.output.as_ref())
+}
+
+/// Runs the dispatcher on Redis queues until SIGTERM/SIGINT, then hands
+/// every claim still held back to pending at once.
+async fn run_redis(config: &Config) -> ExitCode {
+    let redis_config = config
+        .redis
+        .clone()
+        .unwrap_or_else(submit::default_redis_config);
+    let (client, conn) = match submit::connect(&redis_config) {
+        Ok(c) => c,
+        Err(error) => {
+            eprintln!("{error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let addr = crate::queue::redis::masked_addr(&client);
+    let mut probe = conn.clone();
+    let ping = tokio::time::timeout(
+        Duration::from_secs(3),
+        redis::cmd("PING").query_async::<String>(&mut probe),
+    )
+    .await;
+    match ping {
+        Ok(Ok(_)) => tracing::info!(%addr, "redis reachable"),
+        Ok(Err(error)) => {
+            eprintln!(
+                "redis at {addr} is unreachable: {error}; retrying in the background, not ready until it answers"
+            );
+            tracing::error!(%addr, %error, "redis unreachable; not ready until it answers");
+        }
+        Err(_) => {
+            eprintln!(
+                "redis at {addr} did not answer within 3s; retrying in the background, not ready until it answers"
+            );
+            tracing::error!(%addr, "redis did not answer; not ready until it answers");
+        }
+    }
+    let redis_queues: Vec<Arc<crate::queue::redis::RedisQueue>> = config
+        .queues
+        .iter()
+        .map(|q| {
+            let mut settings = crate::queue::redis::RedisQueueSettings::new(q.queue_name.clone());
+            // Precedence queue > message > default: only a list the queue
+            // names overrides the message's.
+            settings.result_list = q.result_queue_name.clone();
+            settings.result_ttl_seconds = q.result_ttl_seconds;
+            Arc::new(crate::queue::redis::RedisQueue::start(
+                conn.clone(),
+                settings,
+            ))
+        })
+        .collect();
+    let shutdown = CancellationToken::new();
+    spawn_signal_handler(shutdown.clone());
+    let queues: Vec<Arc<dyn Queue>> = redis_queues
+        .iter()
+        .map(|q| q.clone() as Arc<dyn Queue>)
+        .collect();
+    let running = match crate::app::start(config, queues, shutdown).await {
+        Ok(r) => r,
+        Err(error) => {
+            eprintln!("cannot start: {error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    running.wait().await;
+    for queue in &redis_queues {
+        match queue.release_all().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(queue = %queue.name(), released = n, "claims handed back"),
+            Err(error) => {
+                tracing::warn!(%error, "could not hand claims back; they return when their lease expires");
+            }
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// Writes the memory queues' results as JSON lines, and hands on what is

@@ -106,7 +106,7 @@ pub fn format_duration(d: Duration) -> String {
         (1_000, "us"),
     ];
     for (size, name) in UNITS {
-        if nanos % size == 0 {
+        if nanos.is_multiple_of(size) {
             return format!("{}{name}", nanos / size);
         }
     }

@@ -576,13 +576,11 @@ fn apply_layer(raw: &mut RawConfig, settings: Vec<Setting>, ctx: &mut Ctx) {
             if let Some(s) = settings
                 .iter()
                 .find(|s| s.target == Target::Section("gateway", section_key))
+                && let Some(slot) = queues[0].slot(queue_key)
+                && slot.is_some()
             {
-                if let Some(slot) = queues[0].slot(queue_key) {
-                    if slot.is_some() {
-                        *slot = Some(Value::String(s.value.clone()));
-                        ctx.set_origin(format!("queue[0].{queue_key}"), s.origin.clone());
-                    }
-                }
+                *slot = Some(Value::String(s.value.clone()));
+                ctx.set_origin(format!("queue[0].{queue_key}"), s.origin.clone());
             }
         }
     }

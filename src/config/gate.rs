@@ -527,10 +527,10 @@ impl fmt::Display for GateSpec {
                         other => write!(f, "{k}={other}")?,
                     }
                 }
-                if let Some(fb) = fallback_of(self) {
-                    if fb.is_none() {
-                        f.write_str(", fallback=none")?;
-                    }
+                if let Some(fb) = fallback_of(self)
+                    && fb.is_none()
+                {
+                    f.write_str(", fallback=none")?;
                 }
                 f.write_str(")")
             }
@@ -1131,10 +1131,10 @@ fn parse_gate_split(
                 &format!("{path}.saturation_gate_params"),
                 1,
             );
-        if e.origin.is_none() {
-            if let Some(o) = ctx.origin_of(&e.key) {
-                e.origin = Some(o);
-            }
+        if e.origin.is_none()
+            && let Some(o) = ctx.origin_of(&e.key)
+        {
+            e.origin = Some(o);
         }
         ctx.push(e);
     }

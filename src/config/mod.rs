@@ -356,8 +356,9 @@ pub struct QueueConfig {
     pub worker_pool_id: String,
     /// Labels copied onto messages (e.g. `tier`).
     pub labels: BTreeMap<String, String>,
-    /// Redis list results go to.
-    pub result_queue_name: String,
+    /// Redis list results go to, when the queue sets one: it wins over the
+    /// message's `result_queue_name`, which wins over `result-list`.
+    pub result_queue_name: Option<String>,
     /// TTL of result records in seconds; 0 = none.
     pub result_ttl_seconds: u64,
     /// Static capacity `max_SYS` in `unit`s; > 0.

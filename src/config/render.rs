@@ -192,7 +192,9 @@ pub(crate) fn to_redacted_toml(c: &Config) -> String {
                 "labels".into(),
                 T::Table(q.labels.iter().map(|(k, v)| (k.clone(), s(v))).collect()),
             );
-            t.insert("result_queue_name".into(), s(&q.result_queue_name));
+            if let Some(list) = &q.result_queue_name {
+                t.insert("result_queue_name".into(), s(list));
+            }
             t.insert("result_ttl_seconds".into(), int(q.result_ttl_seconds));
             t.insert("max_sys".into(), T::Float(q.max_sys));
             t.insert("unit".into(), s(q.unit.as_str()));

@@ -666,13 +666,11 @@ fn queue(
     let labels = ctx
         .conv(&k("labels"), q.labels.as_ref(), as_string_map)
         .unwrap_or_default();
-    let result_queue_name = ctx
-        .conv(
-            &k("result_queue_name"),
-            q.result_queue_name.as_ref(),
-            as_nonempty_string,
-        )
-        .unwrap_or_else(|| "result-list".to_owned());
+    let result_queue_name = ctx.conv(
+        &k("result_queue_name"),
+        q.result_queue_name.as_ref(),
+        as_nonempty_string,
+    );
     let result_ttl_seconds = ctx
         .conv(
             &k("result_ttl_seconds"),

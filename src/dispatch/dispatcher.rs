@@ -542,6 +542,11 @@ fn park(
     });
 }
 
+/// How long a message must have waited since it was received before the
+/// queue is asked again whether it was cancelled (keeps the hot path free
+/// of an extra round trip per message).
+const CANCEL_RECHECK_AFTER: Duration = Duration::from_millis(500);
+
 /// Sends one released request and decides its fate.
 async fn send_and_settle(
     shared: Arc<Shared>,
@@ -551,6 +556,28 @@ async fn send_and_settle(
     results: Results,
 ) {
     let metrics = shared.metrics();
+    // A message that waited (parked at a gate) may have been cancelled
+    // meanwhile; fresh ones were checked when the transport handed them out.
+    if ready.received_at.elapsed() >= CANCEL_RECHECK_AFTER
+        && shared.queue().cancelled(&ready.delivery.tag).await
+    {
+        let now = Instant::now();
+        {
+            let mut window = shared.window();
+            window.finished(now, ready.cost);
+            shared.export_window(&window, now);
+        }
+        drop(ticket);
+        shared.changed.notify_waiters();
+        shared.finished.notify_waiters();
+        let result = error_result(
+            &ready.message,
+            ErrorCode::Cancelled,
+            "cancelled by the submitter",
+        );
+        settle(&shared, &results, ready.delivery.tag, result).await;
+        return;
+    }
     metrics
         .dispatch_delay
         .observe(ready.received_at.elapsed().as_secs_f64());

@@ -205,16 +205,16 @@ impl PrometheusBudgetGate {
                 break;
             }
         }
-        if let Some((r, at)) = ready {
-            if r < 1.0 {
-                return Ok(pool_reading(
-                    0.0,
-                    self.baseline,
-                    at,
-                    Some(0.0),
-                    format!("pool {} has no ready endpoints: closed", self.pool),
-                ));
-            }
+        if let Some((r, at)) = ready
+            && r < 1.0
+        {
+            return Ok(pool_reading(
+                0.0,
+                self.baseline,
+                at,
+                Some(0.0),
+                format!("pool {} has no ready endpoints: closed", self.pool),
+            ));
         }
         for (step, queries) in &self.steps {
             if *step == Step::PoolLoad && ready.is_none() {

@@ -6,6 +6,7 @@
 
 pub mod embedded;
 mod memory;
+pub mod redis;
 
 use std::fmt;
 use std::time::Duration;
@@ -157,4 +158,33 @@ pub trait Queue: Send + Sync + fmt::Debug {
 
     /// Messages waiting (not leased), if the transport can tell cheaply.
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>>;
+
+    /// Whether the submitter cancelled this delivery after it was received.
+    /// The dispatcher asks right before sending a message that waited
+    /// (parked at a gate), so a cancel that arrived meanwhile is honoured.
+    /// Errors count as "not cancelled". Default: never cancelled.
+    fn cancelled(&self, _tag: &DeliveryTag) -> BoxFuture<'_, bool> {
+        Box::pin(std::future::ready(false))
+    }
+
+    /// Reachability and counters for readiness and metrics, read without
+    /// I/O; `None` when the transport keeps none.
+    fn status(&self) -> Option<TransportStatus> {
+        None
+    }
+}
+
+/// What a transport reports about itself (see [`Queue::status`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportStatus {
+    /// Whether the backend answered the last round trip.
+    pub reachable: bool,
+    /// Messages waiting, as last read by the transport's own housekeeping.
+    pub backlog: Option<u64>,
+    /// Claims (leases) currently recorded in the backend, all holders.
+    pub claims_held: u64,
+    /// Expired claims this process returned to the queue.
+    pub reclaims_total: u64,
+    /// Messages this process moved to the dead letters.
+    pub dead_letters_total: u64,
 }

@@ -300,10 +300,10 @@ impl Live {
         }
         self.pool
             .advance_to(now, &mut self.events, &mut self.released);
-        if let Some(h) = &mut self.history {
-            if h.scrape_due(now) {
-                h.scrape(now, self.pool.snapshot());
-            }
+        if let Some(h) = &mut self.history
+            && h.scrape_due(now)
+        {
+            h.scrape(now, self.pool.snapshot());
         }
         self.flush();
     }
@@ -842,10 +842,10 @@ async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
     } else {
         unary_response(api, ids, p, rx, guard).await
     };
-    if let Some(i) = replica {
-        if let Ok(v) = HeaderValue::from_str(&format!("{}-{i}", s.cfg.pool_name)) {
-            resp.headers_mut().insert("x-sim-replica", v);
-        }
+    if let Some(i) = replica
+        && let Ok(v) = HeaderValue::from_str(&format!("{}-{i}", s.cfg.pool_name))
+    {
+        resp.headers_mut().insert("x-sim-replica", v);
     }
     resp
 }

@@ -78,10 +78,10 @@ pub fn parse_trace(text: &str) -> Result<Vec<TraceRow>, SimError> {
             input_tokens: tok(1, "input_tokens")?,
             output_tokens: tok(2, "output_tokens")?,
         };
-        if let Some(prev) = rows.last() {
-            if row.timestamp < prev.timestamp {
-                return Err(err("timestamps must not decrease".into()));
-            }
+        if let Some(prev) = rows.last()
+            && row.timestamp < prev.timestamp
+        {
+            return Err(err("timestamps must not decrease".into()));
         }
         rows.push(row);
     }

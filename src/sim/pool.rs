@@ -138,11 +138,11 @@ impl Pool {
                 return Admission::Rejected(429);
             }
         }
-        if let Some(cap) = self.gateway.admission_cap_503 {
-            if e.num_waiting() + e.num_running() >= cap as usize {
-                self.rejected_503 += 1;
-                return Admission::Rejected(503);
-            }
+        if let Some(cap) = self.gateway.admission_cap_503
+            && e.num_waiting() + e.num_running() >= cap as usize
+        {
+            self.rejected_503 += 1;
+            return Admission::Rejected(503);
         }
         let now = self.now;
         let e = &mut self.engines[i];

@@ -80,12 +80,11 @@ impl<S: Source> Cached<S> {
         let mut rx = {
             let mut state = lock(&self.state);
             let now = Instant::now();
-            if let Some((data, fetched_at)) = &state.last {
-                if now.saturating_duration_since(*fetched_at) < self.ttl
-                    && now.saturating_duration_since(data.taken_at) <= self.max_staleness
-                {
-                    return Ok(data.clone());
-                }
+            if let Some((data, fetched_at)) = &state.last
+                && now.saturating_duration_since(*fetched_at) < self.ttl
+                && now.saturating_duration_since(data.taken_at) <= self.max_staleness
+            {
+                return Ok(data.clone());
             }
             let rx = match &state.in_flight {
                 // A read whose task died (a panic) left its sender dropped:
@@ -95,10 +94,10 @@ impl<S: Source> Cached<S> {
             };
             // A refresh is under way; usable data is served meanwhile, so a
             // slow source never makes callers queue.
-            if let Some((data, _)) = &state.last {
-                if now.saturating_duration_since(data.taken_at) <= self.max_staleness {
-                    return Ok(data.clone());
-                }
+            if let Some((data, _)) = &state.last
+                && now.saturating_duration_since(data.taken_at) <= self.max_staleness
+            {
+                return Ok(data.clone());
             }
             rx
         };

@@ -125,10 +125,10 @@ impl Exposition {
             return meta.kind;
         }
         for (family, meta) in &self.families {
-            if let Some(rest) = sample_name.strip_prefix(family.as_str()) {
-                if meta.kind.suffixes().contains(&rest) {
-                    return meta.kind;
-                }
+            if let Some(rest) = sample_name.strip_prefix(family.as_str())
+                && meta.kind.suffixes().contains(&rest)
+            {
+                return meta.kind;
             }
         }
         MetricType::Untyped

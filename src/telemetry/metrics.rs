@@ -74,6 +74,9 @@ pub struct Metrics {
     observation_age: Family<QueueLabel, FloatGauge>,
     parked: Family<QueueLabel, Gauge>,
     backlog: Family<QueueLabel, Gauge>,
+    claims_held: Family<QueueLabel, Gauge>,
+    reclaims: Family<QueueLabel, Counter>,
+    dead_letters: Family<QueueLabel, Counter>,
     attempt_latency: HistogramFamily,
     dispatch_delay: HistogramFamily,
 }
@@ -131,6 +134,9 @@ impl Metrics {
             observation_age: Family::default(),
             parked: Family::default(),
             backlog: Family::default(),
+            claims_held: Family::default(),
+            reclaims: Family::default(),
+            dead_letters: Family::default(),
             attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
         };
@@ -236,6 +242,21 @@ impl Metrics {
             m.backlog.clone(),
         );
         r.register(
+            "sluicegate_queue_claims_held",
+            "Claims (leased messages) recorded in the transport, all holders",
+            m.claims_held.clone(),
+        );
+        r.register(
+            "sluicegate_queue_reclaims",
+            "Expired claims returned to the queue by this process",
+            m.reclaims.clone(),
+        );
+        r.register(
+            "sluicegate_queue_dead_letters",
+            "Messages moved to the dead letters by this process",
+            m.dead_letters.clone(),
+        );
+        r.register(
             "sluicegate_attempt_duration_seconds",
             "Gateway attempt latency",
             m.attempt_latency.clone(),
@@ -301,6 +322,9 @@ impl Metrics {
             observation_age: self.observation_age.get_or_create_owned(&l),
             parked: self.parked.get_or_create_owned(&l),
             backlog: self.backlog.get_or_create_owned(&l),
+            claims_held: self.claims_held.get_or_create_owned(&l),
+            reclaims: self.reclaims.get_or_create_owned(&l),
+            dead_letters: self.dead_letters.get_or_create_owned(&l),
             attempt_latency: self.attempt_latency.get_or_create_owned(&l),
             dispatch_delay: self.dispatch_delay.get_or_create_owned(&l),
         }
@@ -355,6 +379,12 @@ pub struct QueueMetrics {
     pub parked: Gauge,
     /// Queue backlog.
     pub backlog: Gauge,
+    /// Claims recorded in the transport.
+    pub claims_held: Gauge,
+    /// Expired claims returned to the queue.
+    pub reclaims: Counter,
+    /// Messages dead-lettered by the transport.
+    pub dead_letters: Counter,
     /// Gateway attempt latency.
     pub attempt_latency: Histogram,
     /// Receive-to-send delay.
@@ -455,6 +485,9 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_observation_age_seconds",
     "sluicegate_parked_requests",
     "sluicegate_queue_backlog_messages",
+    "sluicegate_queue_claims_held",
+    "sluicegate_queue_reclaims_total",
+    "sluicegate_queue_dead_letters_total",
     "sluicegate_attempt_duration_seconds",
     "sluicegate_dispatch_delay_seconds",
 ];

@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod prometheus;
+pub mod redis;
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the server).
 pub fn free_port() -> u16 {

@@ -75,10 +75,10 @@ impl Prometheus {
         let ready = format!("{}/-/ready", self.url());
         let client = reqwest::Client::new();
         for _ in 0..300 {
-            if let Ok(r) = client.get(&ready).send().await {
-                if r.status().is_success() {
-                    return;
-                }
+            if let Ok(r) = client.get(&ready).send().await
+                && r.status().is_success()
+            {
+                return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -1,0 +1,198 @@
+//! `sluicegate bench drain`: N messages through a real Redis and a gateway
+//! that answers instantly; prints messages/s, CPU seconds per 1 000
+//! messages and peak RSS (docs/benchmarks.md).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use tokio_util::sync::CancellationToken;
+
+use super::submit::RedisArgs;
+use crate::config::Config;
+use crate::queue::Queue;
+use crate::queue::redis::{Keys, RedisQueue, RedisQueueSettings, Submission, enqueue};
+use crate::request::parse_message;
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Drain N messages from Redis through an instant gateway.
+    Drain(DrainArgs),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct DrainArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// Messages to drain.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Queue name (its keys are deleted first).
+    #[arg(long, default_value = "bench-drain")]
+    queue: String,
+    /// Window (`max_sys` of the constant gate).
+    #[arg(long, default_value_t = 512.0)]
+    max_sys: f64,
+}
+
+pub(super) async fn run(command: BenchCommand) -> ExitCode {
+    match command {
+        BenchCommand::Drain(args) => match drain(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench drain: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+/// CPU seconds (user + system) of this process so far, from /proc.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may contain spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    // USER_HZ is 100 on Linux.
+    Some((utime + stime) / 100.0)
+}
+
+/// Peak resident set size in MiB, from /proc.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
+    use axum::routing::post;
+    let app = axum::Router::new().fallback(post(|| async {
+        (
+            [("content-type", "application/json")],
+            r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#,
+        )
+    }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((format!("http://{addr}"), task))
+}
+
+async fn drain(args: DrainArgs) -> Result<(), String> {
+    let redis_config = args.redis.config()?;
+    let (_client, mut conn) = args.redis.connect()?;
+    let results = format!("{}-results", args.queue);
+    let keys = Keys::new(&args.queue, false);
+    redis::cmd("DEL")
+        .arg(&args.queue)
+        .arg(&results)
+        .arg(&keys.claimed)
+        .arg(&keys.owners)
+        .arg(&keys.idx)
+        .arg(&keys.scores)
+        .arg(&keys.dead)
+        .query_async::<()>(&mut conn)
+        .await
+        .map_err(|e| format!("redis: {e}"))?;
+    let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
+
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(0));
+    let deadline = now_ms / 1000 + 3600;
+    let fill = Instant::now();
+    for start in (0..args.messages).step_by(1000) {
+        let batch: Vec<Submission> = (start..(start + 1000).min(args.messages))
+            .map(|i| {
+                let line = format!(
+                    r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
+                );
+                // Built from a fixed, valid template.
+                let message = parse_message(line.as_bytes()).map_err(|e| e.reason)?;
+                Ok(Submission::new(message, &args.queue, now_ms + i as i64))
+            })
+            .collect::<Result<_, String>>()?;
+        enqueue(&mut conn, &args.queue, &batch)
+            .await
+            .map_err(|e| format!("redis: {e}"))?;
+    }
+    let fill_secs = fill.elapsed().as_secs_f64();
+
+    let toml = format!(
+        r#"
+transport = "redis"
+[gateway]
+url = "{gateway}"
+[dispatch]
+receive_wait = "50ms"
+[telemetry]
+listen = "127.0.0.1:0"
+log_level = "warn"
+[[queue]]
+queue_name = "{queue}"
+result_queue_name = "{results}"
+max_sys = {max_sys}
+gate_type = "constant"
+"#,
+        queue = args.queue,
+        max_sys = args.max_sys,
+    );
+    let mut config =
+        Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
+    config.redis = Some(redis_config);
+    let mut settings = RedisQueueSettings::new(args.queue.clone());
+    settings.result_list = Some(results.clone());
+    let queue = Arc::new(RedisQueue::start(conn.clone(), settings));
+    let shutdown = CancellationToken::new();
+    let bar = ProgressBar::new(args.messages as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} results {per_sec}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let cpu_before = cpu_seconds().unwrap_or(0.0);
+    let started = Instant::now();
+    let running = crate::app::start(
+        &config,
+        vec![queue.clone() as Arc<dyn Queue>],
+        shutdown.clone(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    loop {
+        let n: u64 = redis::cmd("LLEN")
+            .arg(&results)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| format!("redis: {e}"))?;
+        bar.set_position(n);
+        if n >= args.messages as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds().unwrap_or(0.0) - cpu_before;
+    bar.finish_and_clear();
+    shutdown.cancel();
+    running.wait().await;
+    let rate = args.messages as f64 / secs;
+    println!(
+        "drain benchmark: {} messages, window {}",
+        args.messages, args.max_sys
+    );
+    println!("  enqueue (pipelined, 1000 per round trip): {fill_secs:.2}s");
+    println!("  drained in {secs:.2}s: {rate:.0} messages/s");
+    println!(
+        "  CPU: {:.3}s per 1000 messages (dispatcher + in-process gateway)",
+        cpu / args.messages as f64 * 1000.0
+    );
+    println!("  peak RSS: {:.1} MiB", peak_rss_mib().unwrap_or(0.0));
+    Ok(())
+}

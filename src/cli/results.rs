@@ -1,0 +1,215 @@
+//! `sluicegate results`: pops results from a Redis list (oldest first, as
+//! upstream readers do) into a JSON-lines file.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::submit::RedisArgs;
+use crate::queue::redis::blocking;
+use crate::result::ResultRecord;
+
+/// Output shape.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    /// Result records as written to the list.
+    Native,
+    /// OpenAI Batch API output lines.
+    Openai,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ResultsArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// Result list to read (popped: each result is read once).
+    #[arg(long, default_value = "result-list")]
+    list: String,
+    /// File to append results to (JSON lines).
+    #[arg(long)]
+    out: PathBuf,
+    /// Wait until this many results were collected; without it, collect
+    /// what is there and stop.
+    #[arg(long)]
+    expect: Option<u64>,
+    /// Give up waiting after this long (e.g. `10m`); default: wait forever.
+    #[arg(long)]
+    timeout: Option<String>,
+    /// Output shape.
+    #[arg(long, value_enum, default_value = "native")]
+    format: Format,
+}
+
+/// One OpenAI Batch API output line for `record`.
+fn openai_line(record: &ResultRecord, n: u64) -> serde_json::Value {
+    let (response, error) = match record.status_code {
+        Some(status) => {
+            let body = serde_json::from_str::<serde_json::Value>(&record.payload)
+                .unwrap_or_else(|_| serde_json::Value::String(record.payload.clone()));
+            (
+                serde_json::json!({"status_code": status, "request_id": record.request_token, "body": body}),
+                serde_json::Value::Null,
+            )
+        }
+        None => (
+            serde_json::Value::Null,
+            serde_json::json!({
+                "code": record.error_code.map(|c| c.as_str()),
+                "message": record.error_message,
+            }),
+        ),
+    };
+    serde_json::json!({
+        "id": format!("batch_req_{n}"),
+        "custom_id": record.id,
+        "response": response,
+        "error": error,
+    })
+}
+
+pub(super) async fn run(args: ResultsArgs) -> ExitCode {
+    let timeout = match args.timeout.as_deref().map(crate::config::parse_duration) {
+        None => None,
+        Some(Ok(d)) => Some(d),
+        Some(Err(e)) => {
+            eprintln!("--timeout: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let client = match args
+        .redis
+        .config()
+        .and_then(|c| crate::queue::redis::client(&c).map_err(|e| e.to_string()))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut conn = match blocking(&client).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.out);
+    let mut out = match file {
+        Ok(f) => std::io::BufWriter::new(f),
+        Err(e) => {
+            eprintln!("cannot open {}: {e}", args.out.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    let bar = match args.expect {
+        Some(n) => ProgressBar::new(n),
+        None => ProgressBar::new_spinner(),
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} results {per_sec} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let started = Instant::now();
+    let (mut got, mut errors, mut unparsable) = (0u64, 0u64, 0u64);
+    loop {
+        if args.expect.is_some_and(|n| got >= n) {
+            break;
+        }
+        if timeout.is_some_and(|t| started.elapsed() >= t) {
+            break;
+        }
+        let popped: redis::RedisResult<Option<(String, String)>> = if args.expect.is_some() {
+            redis::cmd("BRPOP")
+                .arg(&args.list)
+                .arg(1)
+                .query_async(&mut conn)
+                .await
+        } else {
+            redis::cmd("RPOP")
+                .arg(&args.list)
+                .query_async::<Option<String>>(&mut conn)
+                .await
+                .map(|v| v.map(|s| (args.list.clone(), s)))
+        };
+        let text = match popped {
+            Ok(Some((_, text))) => text,
+            Ok(None) if args.expect.is_some() => continue,
+            Ok(None) => break,
+            Err(error) => {
+                bar.suspend(|| eprintln!("redis: {error}; retrying"));
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                if let Ok(c) = blocking(&client).await {
+                    conn = c;
+                }
+                continue;
+            }
+        };
+        got += 1;
+        let line = match serde_json::from_str::<ResultRecord>(&text) {
+            Ok(record) => {
+                if record.status_code.is_none_or(|s| !(200..300).contains(&s)) {
+                    errors += 1;
+                }
+                match args.format {
+                    Format::Native => text,
+                    Format::Openai => openai_line(&record, got).to_string(),
+                }
+            }
+            Err(_) => {
+                unparsable += 1;
+                text
+            }
+        };
+        if let Err(e) = writeln!(out, "{line}") {
+            eprintln!("cannot write {}: {e}", args.out.display());
+            return ExitCode::FAILURE;
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if let Err(e) = out.flush() {
+        eprintln!("cannot write {}: {e}", args.out.display());
+        return ExitCode::FAILURE;
+    }
+    println!(
+        "collected {got} results from `{}` into {} ({errors} not 2xx, {unparsable} unparsable) in {:.1}s",
+        args.list,
+        args.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    match args.expect {
+        Some(n) if got < n => {
+            eprintln!("expected {n} results, got {got}");
+            ExitCode::FAILURE
+        }
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::result::ErrorCode;
+
+    #[test]
+    fn openai_lines_carry_body_or_error() {
+        let ok = ResultRecord::http("a", Some("t"), 200, r#"{"x":1}"#.into(), 1);
+        let line = openai_line(&ok, 1);
+        assert_eq!(line["custom_id"], "a");
+        assert_eq!(line["response"]["status_code"], 200);
+        assert_eq!(line["response"]["body"]["x"], 1);
+        assert!(line["error"].is_null());
+        let err = ResultRecord::error("b", None, ErrorCode::Cancelled, "cancelled");
+        let line = openai_line(&err, 2);
+        assert!(line["response"].is_null());
+        assert_eq!(line["error"]["code"], "CANCELLED");
+    }
+}

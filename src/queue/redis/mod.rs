@@ -1,0 +1,811 @@
+//! Redis sorted-set transport, wire-compatible with llm-d-async's
+//! `redis-sortedset` (REFERENCE.md §4), with durable claims and
+//! exactly-once results. Keys, guarantees and differences from upstream:
+//! `docs/transports.md`.
+//!
+//! - `receive` claims a batch atomically (one Lua call): pending → claimed,
+//!   with owner and lease expiry, then drops cancelled messages with a
+//!   `CANCELLED` result.
+//! - `ack` pushes every result and drops its claim in one Lua call, fenced
+//!   by owner: a delivery whose lease was lost writes nothing.
+//! - A background task per queue returns expired claims to pending with
+//!   their original score, moves due retries back to their origin queue at
+//!   their deadline score, and watches reachability for readiness.
+
+mod connect;
+mod producer;
+mod scripts;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use redis::aio::ConnectionManager;
+use serde::Deserialize;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::{
+    AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
+};
+use crate::request::parse_message;
+use crate::result::{ErrorCode, ResultRecord};
+
+pub use connect::{ConnectError, blocking, client, manager, masked_addr};
+pub use producer::{CancelOutcome, Submission, cancel, enqueue, queue_score};
+
+/// Upstream's retry set, shared by every queue.
+pub const RETRY_SET: &str = "retry-sortedset";
+/// Upstream's default result list.
+pub const DEFAULT_RESULT_LIST: &str = "result-list";
+/// How long a cancel marker lives (upstream: 7 days).
+pub const CANCEL_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Most expired claims returned, or due retries moved, per pass.
+const HOUSEKEEPING_BATCH: usize = 1000;
+/// How often housekeeping (reclaim, retry mover, reachability) runs.
+const HOUSEKEEPING_EVERY: Duration = Duration::from_millis(250);
+/// Pause between claim attempts while the queue is empty.
+const EMPTY_POLL: Duration = Duration::from_millis(20);
+/// Length of an owner token in hex characters (prefix of every tag).
+const OWNER_LEN: usize = 16;
+
+/// The Redis keys of one queue (upstream layout, standalone mode).
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// Pending ZSET, scored by deadline plus the FIFO fraction.
+    pub pending: String,
+    /// HASH claim key → member.
+    pub claimed: String,
+    /// HASH claim key → owner token.
+    pub owners: String,
+    /// ZSET claim key → lease expiry (Unix s).
+    pub idx: String,
+    /// HASH claim key → original queue score (sluicegate addition).
+    pub scores: String,
+    /// LIST of dead letters (sluicegate addition).
+    pub dead: String,
+}
+
+impl Keys {
+    /// The keys of queue `name`. With `cluster`, bookkeeping keys carry the
+    /// `{name}` hash tag so they share the pending key's slot.
+    pub fn new(name: &str, cluster: bool) -> Self {
+        let base = if cluster && !has_hash_tag(name) {
+            format!("{{{name}}}")
+        } else {
+            name.to_owned()
+        };
+        Self {
+            pending: name.to_owned(),
+            claimed: format!("{base}:claimed"),
+            owners: format!("{base}:claim-owners"),
+            idx: format!("{base}:claims-idx"),
+            scores: format!("{base}:claim-scores"),
+            dead: format!("{base}:dead-letters"),
+        }
+    }
+}
+
+fn has_hash_tag(key: &str) -> bool {
+    key.find('{')
+        .and_then(|start| key[start + 1..].find('}'))
+        .is_some_and(|len| len > 0)
+}
+
+/// Settings of one Redis queue.
+#[derive(Debug, Clone)]
+pub struct RedisQueueSettings {
+    /// Queue name (the pending key).
+    pub name: String,
+    /// Result list set on the queue itself; wins over the message's.
+    pub result_list: Option<String>,
+    /// Result list when neither queue nor message names one.
+    pub default_result_list: String,
+    /// TTL applied to the result list after each push (0 = none), unless
+    /// the message asks for its own.
+    pub result_ttl_seconds: u64,
+    /// Use Redis Cluster hash tags for bookkeeping keys.
+    pub cluster: bool,
+}
+
+impl RedisQueueSettings {
+    /// Defaults for queue `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            result_list: None,
+            default_result_list: DEFAULT_RESULT_LIST.to_owned(),
+            result_ttl_seconds: 0,
+            cluster: false,
+        }
+    }
+}
+
+/// What this process holds for one delivery.
+#[derive(Debug, Clone)]
+struct Held {
+    claim_key: String,
+    owner: String,
+    member: Bytes,
+    score: f64,
+    result_list: Option<String>,
+    result_ttl: Option<u64>,
+}
+
+/// Counters shared with the housekeeping task.
+#[derive(Debug, Default)]
+struct Stats {
+    reachable: AtomicBool,
+    claims_held: AtomicU64,
+    backlog: AtomicU64,
+    reclaims: AtomicU64,
+    dead_letters: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    settings: RedisQueueSettings,
+    keys: Keys,
+    conn: ConnectionManager,
+    held: Mutex<HashMap<String, Held>>,
+    stats: Stats,
+}
+
+/// A queue in Redis. Cloning shares the connection and bookkeeping.
+#[derive(Debug)]
+pub struct RedisQueue {
+    inner: Arc<Inner>,
+    _housekeeping: DropGuard,
+}
+
+impl RedisQueue {
+    /// A queue on `conn`; starts its housekeeping task (stopped on drop).
+    /// Does not wait for Redis: while it is unreachable, operations fail
+    /// with [`QueueError::Unavailable`] and [`Queue::status`] says so.
+    pub fn start(conn: ConnectionManager, settings: RedisQueueSettings) -> Self {
+        let keys = Keys::new(&settings.name, settings.cluster);
+        let inner = Arc::new(Inner {
+            settings,
+            keys,
+            conn,
+            held: Mutex::new(HashMap::new()),
+            stats: Stats::default(),
+        });
+        let stop = CancellationToken::new();
+        tokio::spawn(housekeeping(inner.clone(), stop.clone()));
+        Self {
+            inner,
+            _housekeeping: stop.drop_guard(),
+        }
+    }
+
+    /// The queue's keys.
+    pub fn keys(&self) -> &Keys {
+        &self.inner.keys
+    }
+
+    /// Messages cancelled at claim so far.
+    pub fn cancelled_total(&self) -> u64 {
+        self.inner.stats.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Whether the last round trip reached Redis.
+    pub fn is_reachable(&self) -> bool {
+        self.inner.stats.reachable.load(Ordering::Relaxed)
+    }
+
+    /// Hands every claim this process holds back to pending at once (for a
+    /// shutdown that does not go through the dispatcher's drain).
+    pub async fn release_all(&self) -> Result<usize, QueueError> {
+        let tags: Vec<String> = self.inner.lock_held().keys().cloned().collect();
+        let mut released = 0;
+        for tag in tags {
+            self.inner
+                .release(&DeliveryTag(tag), Duration::ZERO, NackReason::Shutdown)
+                .await?;
+            released += 1;
+        }
+        Ok(released)
+    }
+}
+
+fn unavailable(error: redis::RedisError) -> QueueError {
+    QueueError::Unavailable(error.to_string())
+}
+
+/// Unix time in seconds, as a float.
+fn now_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn random_hex() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+/// The envelope fields the transport needs, read without building the
+/// whole message.
+#[derive(Debug, Default, Deserialize)]
+struct Peek {
+    #[serde(default)]
+    internal: Option<PeekInternal>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PeekInternal {
+    #[serde(default)]
+    retry_count: Option<u32>,
+    #[serde(default)]
+    result_queue_name: Option<String>,
+    #[serde(default)]
+    result_ttl_seconds: Option<u64>,
+}
+
+/// Splits a claim key into id and token (`None` for undecodable messages).
+fn split_claim_key(key: &str) -> Option<(&str, Option<&str>)> {
+    if key.starts_with("invalid\0") {
+        return None;
+    }
+    Some(match key.split_once('\0') {
+        Some((id, token)) => (id, Some(token)),
+        None => (key, None),
+    })
+}
+
+impl Inner {
+    fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
+        // The map is consistent between statements; a panic elsewhere
+        // while holding it leaves nothing half-done.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn observed<T>(&self, result: redis::RedisResult<T>) -> Result<T, QueueError> {
+        match result {
+            Ok(v) => {
+                self.stats.reachable.store(true, Ordering::Relaxed);
+                Ok(v)
+            }
+            Err(error) => {
+                if error.is_io_error()
+                    || error.is_connection_dropped()
+                    || error.is_connection_refusal()
+                    || error.is_timeout()
+                {
+                    self.stats.reachable.store(false, Ordering::Relaxed);
+                }
+                Err(unavailable(error))
+            }
+        }
+    }
+
+    async fn claim(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, QueueError> {
+        let owner = random_hex();
+        let expiry = now_secs() + lease.as_secs_f64();
+        let mut conn = self.conn.clone();
+        let k = &self.keys;
+        let raw: Vec<(String, Vec<u8>, f64)> = self.observed(
+            scripts::CLAIM
+                .key(&k.pending)
+                .key(&k.claimed)
+                .key(&k.owners)
+                .key(&k.idx)
+                .key(&k.scores)
+                .arg(max)
+                .arg(expiry)
+                .arg(&owner)
+                .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
+                .await,
+        )?;
+        if raw.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut deliveries = Vec::with_capacity(raw.len());
+        {
+            let mut held = self.lock_held();
+            for (claim_key, member, score) in raw {
+                let peek: Peek = serde_json::from_slice(&member).unwrap_or_default();
+                let internal = peek.internal.unwrap_or_default();
+                let member = Bytes::from(member);
+                let tag = format!("{owner}{claim_key}");
+                deliveries.push(Delivery {
+                    tag: DeliveryTag(tag.clone()),
+                    body: member.clone(),
+                    retry_count: internal.retry_count.unwrap_or(0),
+                });
+                held.insert(
+                    tag,
+                    Held {
+                        claim_key,
+                        owner: owner.clone(),
+                        member,
+                        score,
+                        result_list: internal.result_queue_name.filter(|l| !l.is_empty()),
+                        result_ttl: internal.result_ttl_seconds,
+                    },
+                );
+            }
+        }
+        self.drop_cancelled(deliveries).await
+    }
+
+    /// Answers cancelled messages with `CANCELLED` and returns the rest.
+    async fn drop_cancelled(&self, deliveries: Vec<Delivery>) -> Result<Vec<Delivery>, QueueError> {
+        let ids: Vec<(usize, String, Option<String>)> = deliveries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| {
+                let key = &d.tag.0[OWNER_LEN..];
+                split_claim_key(key).map(|(id, token)| (i, id.to_owned(), token.map(str::to_owned)))
+            })
+            .collect();
+        if ids.is_empty() {
+            return Ok(deliveries);
+        }
+        let mut cmd = redis::cmd("MGET");
+        for (_, id, _) in &ids {
+            cmd.arg(format!("request-cancel:{id}"));
+        }
+        let mut conn = self.conn.clone();
+        let markers: Vec<Option<String>> =
+            match self.observed(cmd.query_async::<Vec<Option<String>>>(&mut conn).await) {
+                Ok(m) => m,
+                // The claims are ours; the dispatcher will still see them
+                // and the cancel check simply did not happen this time.
+                Err(error) => {
+                    tracing::warn!(%error, "cancel check failed; delivering anyway");
+                    return Ok(deliveries);
+                }
+            };
+        let mut cancelled = vec![false; deliveries.len()];
+        let mut completions = Vec::new();
+        for ((i, id, token), marker) in ids.iter().zip(markers) {
+            let Some(marker) = marker else { continue };
+            let matches = match token {
+                Some(t) => *t == marker,
+                None => true,
+            };
+            if matches {
+                cancelled[*i] = true;
+                completions.push(Completion {
+                    tag: deliveries[*i].tag.clone(),
+                    result: ResultRecord::error(
+                        id,
+                        token.as_deref(),
+                        ErrorCode::Cancelled,
+                        "cancelled by the submitter",
+                    ),
+                });
+            }
+        }
+        if completions.is_empty() {
+            return Ok(deliveries);
+        }
+        let n = completions.len() as u64;
+        if let Err(error) = self.ack(completions).await {
+            // Deliver them all rather than strand claims nobody handles: a
+            // cancelled one is then sent, and if its CANCELLED result did
+            // land after all, its later ack is fenced out.
+            tracing::warn!(%error, "cancelled results not written; delivering anyway");
+            return Ok(deliveries);
+        }
+        self.stats.cancelled.fetch_add(n, Ordering::Relaxed);
+        Ok(deliveries
+            .into_iter()
+            .zip(cancelled)
+            .filter_map(|(d, c)| (!c).then_some(d))
+            .collect())
+    }
+
+    async fn ack(&self, completions: Vec<Completion>) -> Result<AckReport, QueueError> {
+        let mut report = AckReport::default();
+        let mut invocation = scripts::ACK.prepare_invoke();
+        let k = &self.keys;
+        invocation
+            .key(&k.claimed)
+            .key(&k.owners)
+            .key(&k.idx)
+            .key(&k.scores);
+        let mut settled = Vec::with_capacity(completions.len());
+        let mut args: Vec<Vec<u8>> = Vec::with_capacity(completions.len() * 7);
+        {
+            let held = self.lock_held();
+            for Completion { tag, result } in &completions {
+                let Some(h) = held.get(&tag.0) else {
+                    report.lease_lost += 1;
+                    continue;
+                };
+                let list = self
+                    .settings
+                    .result_list
+                    .clone()
+                    .or_else(|| h.result_list.clone())
+                    .unwrap_or_else(|| self.settings.default_result_list.clone());
+                let ttl = h.result_ttl.unwrap_or(self.settings.result_ttl_seconds);
+                // A result is strings and numbers: serialising cannot fail.
+                let json = serde_json::to_vec(result).unwrap_or_default();
+                args.push(h.claim_key.clone().into_bytes());
+                args.push(h.owner.clone().into_bytes());
+                args.push(list.into_bytes());
+                args.push(json);
+                args.push(ttl.to_string().into_bytes());
+                args.push(result.id.clone().into_bytes());
+                args.push(
+                    result
+                        .request_token
+                        .clone()
+                        .unwrap_or_default()
+                        .into_bytes(),
+                );
+                settled.push(tag.0.clone());
+            }
+        }
+        if settled.is_empty() {
+            return Ok(report);
+        }
+        invocation.arg(settled.len());
+        for a in args {
+            invocation.arg(a);
+        }
+        let mut conn = self.conn.clone();
+        let (acked, lost): (usize, usize) =
+            self.observed(invocation.invoke_async(&mut conn).await)?;
+        report.acked += acked;
+        report.lease_lost += lost;
+        let mut held = self.lock_held();
+        for tag in settled {
+            held.remove(&tag);
+        }
+        Ok(report)
+    }
+
+    async fn release(
+        &self,
+        tag: &DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> Result<(), QueueError> {
+        let Some(h) = self.lock_held().get(&tag.0).cloned() else {
+            return Ok(());
+        };
+        let (target, score, member) = if delay.is_zero() && !reason.counts_as_failure() {
+            (self.keys.pending.clone(), h.score, h.member.to_vec())
+        } else {
+            // Through the retry set: the envelope must name its origin, and
+            // a failed attempt is counted in it.
+            let member = match parse_message(&h.member) {
+                Ok(mut message) => {
+                    if reason.counts_as_failure() {
+                        message.internal.retry_count =
+                            message.internal.retry_count.saturating_add(1);
+                    }
+                    message.internal.request_queue_name = Some(self.settings.name.clone());
+                    if message.kind == "plain" {
+                        message.kind = "redis".to_owned();
+                    }
+                    message.to_envelope_json().into_bytes()
+                }
+                Err(_) => h.member.to_vec(),
+            };
+            if delay.is_zero() {
+                (self.keys.pending.clone(), h.score, member)
+            } else {
+                (
+                    RETRY_SET.to_owned(),
+                    now_secs() + delay.as_secs_f64(),
+                    member,
+                )
+            }
+        };
+        let k = &self.keys;
+        let mut conn = self.conn.clone();
+        let _: i64 = self.observed(
+            scripts::RELEASE
+                .key(&k.claimed)
+                .key(&k.owners)
+                .key(&k.idx)
+                .key(&k.scores)
+                .key(&target)
+                .arg(&h.claim_key)
+                .arg(&h.owner)
+                .arg(score)
+                .arg(member)
+                .invoke_async(&mut conn)
+                .await,
+        )?;
+        self.lock_held().remove(&tag.0);
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        tag: &DeliveryTag,
+        last_error: ResultRecord,
+    ) -> Result<(), QueueError> {
+        let Some(h) = self.lock_held().get(&tag.0).cloned() else {
+            return Ok(());
+        };
+        let record = serde_json::json!({
+            "queue": self.settings.name,
+            "message": String::from_utf8_lossy(&h.member),
+            "last_error": last_error,
+            "dead_at_ms": (now_secs() * 1000.0) as i64,
+        })
+        .to_string();
+        let k = &self.keys;
+        let mut conn = self.conn.clone();
+        let done: i64 = self.observed(
+            scripts::DEAD
+                .key(&k.claimed)
+                .key(&k.owners)
+                .key(&k.idx)
+                .key(&k.scores)
+                .key(&k.dead)
+                .arg(&h.claim_key)
+                .arg(&h.owner)
+                .arg(record)
+                .invoke_async(&mut conn)
+                .await,
+        )?;
+        if done == 1 {
+            self.stats.dead_letters.fetch_add(1, Ordering::Relaxed);
+        }
+        self.lock_held().remove(&tag.0);
+        Ok(())
+    }
+
+    async fn extend(&self, tags: Vec<DeliveryTag>, lease: Duration) -> Result<(), QueueError> {
+        let pairs: Vec<(String, String)> = {
+            let held = self.lock_held();
+            tags.iter()
+                .filter_map(|t| held.get(&t.0))
+                .map(|h| (h.claim_key.clone(), h.owner.clone()))
+                .collect()
+        };
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let mut invocation = scripts::EXTEND.prepare_invoke();
+        invocation
+            .key(&self.keys.owners)
+            .key(&self.keys.idx)
+            .arg(now_secs() + lease.as_secs_f64());
+        for (ck, owner) in pairs {
+            invocation.arg(ck).arg(owner);
+        }
+        let mut conn = self.conn.clone();
+        let _: i64 = self.observed(invocation.invoke_async(&mut conn).await)?;
+        Ok(())
+    }
+
+    /// One housekeeping pass: reclaim expired claims, move due retries,
+    /// refresh the claims gauge.
+    async fn housekeep(&self) -> Result<(), QueueError> {
+        let k = &self.keys;
+        let mut conn = self.conn.clone();
+        let reclaimed: u64 = self.observed(
+            scripts::RECLAIM
+                .key(&k.pending)
+                .key(&k.claimed)
+                .key(&k.owners)
+                .key(&k.idx)
+                .key(&k.scores)
+                .arg(now_secs())
+                .arg(HOUSEKEEPING_BATCH)
+                .invoke_async(&mut conn)
+                .await,
+        )?;
+        if reclaimed > 0 {
+            tracing::info!(queue = %self.settings.name, reclaimed, "expired claims returned to the queue");
+            self.stats.reclaims.fetch_add(reclaimed, Ordering::Relaxed);
+        }
+        self.move_due_retries().await?;
+        let claims: u64 =
+            self.observed(redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await)?;
+        self.stats.claims_held.store(claims, Ordering::Relaxed);
+        let backlog: u64 = self.observed(
+            redis::cmd("ZCARD")
+                .arg(&k.pending)
+                .query_async(&mut conn)
+                .await,
+        )?;
+        self.stats.backlog.store(backlog, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Moves due entries of the retry set back to their origin queue at
+    /// their deadline score (so a retry never jumps ahead of earlier-due
+    /// work). Entries of every origin are moved, so a queue without a
+    /// running dispatcher still gets its retries back.
+    async fn move_due_retries(&self) -> Result<(), QueueError> {
+        let mut conn = self.conn.clone();
+        let due: Vec<Vec<u8>> = self.observed(
+            redis::cmd("ZRANGEBYSCORE")
+                .arg(RETRY_SET)
+                .arg("-inf")
+                .arg(now_secs())
+                .arg("LIMIT")
+                .arg(0)
+                .arg(HOUSEKEEPING_BATCH)
+                .query_async(&mut conn)
+                .await,
+        )?;
+        if due.is_empty() {
+            return Ok(());
+        }
+        let mut invocation = scripts::MOVE.prepare_invoke();
+        invocation.key(RETRY_SET);
+        for member in due {
+            let (origin, score) = match parse_message(&member) {
+                Ok(m) => (
+                    m.internal
+                        .request_queue_name
+                        .clone()
+                        .filter(|q| !q.is_empty())
+                        .unwrap_or_else(|| self.settings.name.clone()),
+                    queue_score(m.request.deadline, m.internal.enqueued_at_ms.unwrap_or(0)),
+                ),
+                Err(_) => (self.settings.name.clone(), 0.0),
+            };
+            invocation.arg(member).arg(origin).arg(score);
+        }
+        let _: i64 = self.observed(invocation.invoke_async(&mut conn).await)?;
+        Ok(())
+    }
+}
+
+async fn housekeeping(inner: Arc<Inner>, stop: CancellationToken) {
+    loop {
+        if let Err(error) = inner.housekeep().await {
+            tracing::debug!(%error, queue = %inner.settings.name, "redis housekeeping failed");
+            let mut conn = inner.conn.clone();
+            let ping = redis::cmd("PING").query_async::<String>(&mut conn).await;
+            if inner.observed(ping).is_err() && inner.stats.reachable.load(Ordering::Relaxed) {
+                inner.stats.reachable.store(false, Ordering::Relaxed);
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(HOUSEKEEPING_EVERY) => {}
+        }
+    }
+}
+
+impl Queue for RedisQueue {
+    fn name(&self) -> &str {
+        &self.inner.settings.name
+    }
+
+    fn receive(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            let give_up = tokio::time::Instant::now() + wait;
+            loop {
+                let got = self.inner.claim(max.max(1), lease).await?;
+                let now = tokio::time::Instant::now();
+                if !got.is_empty() || now >= give_up {
+                    return Ok(got);
+                }
+                tokio::time::sleep(EMPTY_POLL.min(give_up - now)).await;
+            }
+        })
+    }
+
+    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
+        Box::pin(self.inner.ack(completions))
+    }
+
+    fn nack(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(async move { self.inner.release(&tag, delay, reason).await })
+    }
+
+    fn extend_lease(
+        &self,
+        tags: Vec<DeliveryTag>,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(self.inner.extend(tags, lease))
+    }
+
+    fn dead_letter(
+        &self,
+        tag: DeliveryTag,
+        last_error: ResultRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(async move { self.inner.dead_letter(&tag, last_error).await })
+    }
+
+    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        Box::pin(async move {
+            let mut conn = self.inner.conn.clone();
+            let n: u64 = self.inner.observed(
+                redis::cmd("ZCARD")
+                    .arg(&self.inner.keys.pending)
+                    .query_async(&mut conn)
+                    .await,
+            )?;
+            Ok(Some(n))
+        })
+    }
+
+    fn cancelled(&self, tag: &DeliveryTag) -> BoxFuture<'_, bool> {
+        let claim_key = self
+            .inner
+            .lock_held()
+            .get(&tag.0)
+            .map(|h| h.claim_key.clone());
+        Box::pin(async move {
+            let Some(claim_key) = claim_key else {
+                return false;
+            };
+            let Some((id, token)) = split_claim_key(&claim_key) else {
+                return false;
+            };
+            let mut conn = self.inner.conn.clone();
+            let marker: Option<String> = match self.inner.observed(
+                redis::cmd("GET")
+                    .arg(format!("request-cancel:{id}"))
+                    .query_async(&mut conn)
+                    .await,
+            ) {
+                Ok(m) => m,
+                Err(_) => return false,
+            };
+            match (marker, token) {
+                (Some(marker), Some(token)) => marker == token,
+                (Some(_), None) => true,
+                (None, _) => false,
+            }
+        })
+    }
+
+    fn status(&self) -> Option<TransportStatus> {
+        let s = &self.inner.stats;
+        Some(TransportStatus {
+            reachable: s.reachable.load(Ordering::Relaxed),
+            backlog: Some(s.backlog.load(Ordering::Relaxed)),
+            claims_held: s.claims_held.load(Ordering::Relaxed),
+            reclaims_total: s.reclaims.load(Ordering::Relaxed),
+            dead_letters_total: s.dead_letters.load(Ordering::Relaxed),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bookkeeping_keys_follow_upstream_layout() {
+        let k = Keys::new("request-sortedset", false);
+        assert_eq!(k.claimed, "request-sortedset:claimed");
+        assert_eq!(k.owners, "request-sortedset:claim-owners");
+        assert_eq!(k.idx, "request-sortedset:claims-idx");
+        let c = Keys::new("q", true);
+        assert_eq!(c.pending, "q");
+        assert_eq!(c.idx, "{q}:claims-idx");
+        let tagged = Keys::new("{t}q", true);
+        assert_eq!(tagged.idx, "{t}q:claims-idx");
+    }
+
+    #[test]
+    fn claim_keys_split_into_id_and_token() {
+        assert_eq!(split_claim_key("a\0t"), Some(("a", Some("t"))));
+        assert_eq!(split_claim_key("a"), Some(("a", None)));
+        assert_eq!(split_claim_key("invalid\0abc"), None);
+    }
+}

@@ -1,0 +1,173 @@
+//! The producer side, as upstream producers write it: envelope into the
+//! pending sorted set, `request-active:<id>` holding the submission token
+//! until the deadline, and cancellation through `request-cancel:<id>`.
+
+use redis::aio::ConnectionLike;
+
+use super::CANCEL_TTL;
+use crate::request::Message;
+
+/// Score of a message in its queue: the deadline plus a fraction encoding
+/// the enqueue time in 62.5 ms steps over a 2^17 s horizon, so equal
+/// deadlines are served first in, first out.
+pub fn queue_score(deadline: i64, enqueued_at_ms: i64) -> f64 {
+    const STEPS: i64 = 1 << 21; // 2^17 s / 62.5 ms
+    let step = (enqueued_at_ms.max(0) * 2 / 125).rem_euclid(STEPS);
+    deadline as f64 + step as f64 / STEPS as f64
+}
+
+/// One message ready to enqueue.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    /// Its deadline (Unix s).
+    deadline: i64,
+    /// Its enqueue time (Unix ms).
+    enqueued_at_ms: i64,
+    /// The envelope JSON.
+    pub member: String,
+    /// Its queue score.
+    pub score: f64,
+    /// The request id.
+    pub id: String,
+    /// The submission token.
+    pub token: String,
+    /// Seconds until the deadline (TTL of `request-active:<id>`).
+    pub active_ttl: u64,
+}
+
+impl Submission {
+    /// Wraps `message` for `queue`: fresh token, enqueue time, routing.
+    pub fn new(mut message: Message, queue: &str, now_ms: i64) -> Self {
+        let token = format!("{:032x}", rand::random::<u128>());
+        message.internal.request_token = Some(token.clone());
+        message.internal.request_queue_name = Some(queue.to_owned());
+        message
+            .internal
+            .queue_id
+            .get_or_insert_with(|| queue.to_owned());
+        message.internal.enqueued_at_ms = Some(now_ms);
+        message.kind = "redis".to_owned();
+        let score = queue_score(message.request.deadline, now_ms);
+        let active_ttl = u64::try_from(message.request.deadline - now_ms / 1000)
+            .unwrap_or(0)
+            .max(1);
+        Self {
+            deadline: message.request.deadline,
+            enqueued_at_ms: now_ms,
+            member: message.to_envelope_json(),
+            score,
+            id: message.request.id.clone(),
+            token,
+            active_ttl,
+        }
+    }
+}
+
+impl Submission {
+    /// Orders this message as the `n`th of one submission among equal
+    /// deadlines: its score moves `n` FIFO steps (62.5 ms each) past the
+    /// enqueue time, so a file submitted within one step keeps its order
+    /// (Redis orders equal scores by member bytes, not arrival).
+    pub fn in_sequence(mut self, n: u64) -> Self {
+        let offset = i64::try_from(n)
+            .unwrap_or(i64::MAX / 128)
+            .saturating_mul(125)
+            / 2;
+        self.score = queue_score(
+            self.deadline,
+            self.enqueued_at_ms.saturating_add(offset + 1),
+        );
+        self
+    }
+}
+
+/// Enqueues `batch` into `queue` in one pipelined round trip.
+pub async fn enqueue<C: ConnectionLike>(
+    conn: &mut C,
+    queue: &str,
+    batch: &[Submission],
+) -> redis::RedisResult<()> {
+    let mut pipe = redis::pipe();
+    for s in batch {
+        pipe.cmd("ZADD")
+            .arg(queue)
+            .arg(s.score)
+            .arg(&s.member)
+            .ignore();
+        pipe.cmd("SET")
+            .arg(format!("request-active:{}", s.id))
+            .arg(&s.token)
+            .arg("EX")
+            .arg(s.active_ttl)
+            .ignore();
+    }
+    pipe.query_async::<()>(conn).await
+}
+
+/// What `cancel` did for one id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The active submission's token was copied to `request-cancel:<id>`.
+    Cancelled,
+    /// No active submission (finished, expired or unknown).
+    NotActive,
+}
+
+/// Cancels the active submission of `id` (upstream protocol: copy the token
+/// from `request-active:<id>` to `request-cancel:<id>`, TTL 7 days).
+pub async fn cancel<C: ConnectionLike>(
+    conn: &mut C,
+    id: &str,
+) -> redis::RedisResult<CancelOutcome> {
+    let token: Option<String> = redis::cmd("GET")
+        .arg(format!("request-active:{id}"))
+        .query_async(conn)
+        .await?;
+    let Some(token) = token else {
+        return Ok(CancelOutcome::NotActive);
+    };
+    redis::cmd("SET")
+        .arg(format!("request-cancel:{id}"))
+        .arg(token)
+        .arg("EX")
+        .arg(CANCEL_TTL.as_secs())
+        .query_async::<()>(conn)
+        .await?;
+    Ok(CancelOutcome::Cancelled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_deadlines_keep_enqueue_order_and_deadline_dominates() {
+        let a = queue_score(1_000, 1_700_000_000_000);
+        let b = queue_score(1_000, 1_700_000_000_063);
+        assert!(a < b);
+        assert!(b < queue_score(1_001, 1_700_000_000_000));
+        assert!(b - 1_000.0 < 1.0);
+    }
+
+    #[test]
+    fn sequence_keeps_file_order_among_equal_deadlines() {
+        let message = |id: &str| {
+            crate::request::parse_message(
+                format!(r#"{{"id":"{id}","deadline":5000,"payload":{{}}}}"#).as_bytes(),
+            )
+            .expect("valid")
+        };
+        let now = 1_700_000_000_000;
+        let scores: Vec<f64> = ["z", "a", "m"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                Submission::new(message(id), "q", now)
+                    .in_sequence(i as u64)
+                    .score
+            })
+            .collect();
+        assert!(scores[0] < scores[1] && scores[1] < scores[2], "{scores:?}");
+        assert!(scores.iter().all(|s| (5000.0..5001.0).contains(s)));
+    }
+}
