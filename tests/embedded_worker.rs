@@ -1,4 +1,4 @@
-//! `run` with the embedded transport, fed by `submit-embedded`: two worker
+//! `run` with the embedded transport, fed by `submit --embedded`: two worker
 //! processes on one store file answer every message exactly once.
 
 use std::path::{Path, PathBuf};
@@ -61,7 +61,7 @@ async fn two_workers_on_one_file_answer_every_submission_once() {
     let file = dir.join("in.jsonl");
     std::fs::write(&file, lines.join("\n")).expect("input");
     let submitted = Command::new(BIN)
-        .args(["submit-embedded", "--embedded"])
+        .args(["submit", "--embedded"])
         .arg(&db)
         .args(["--queue", "batch"])
         .arg(&file)

@@ -1,6 +1,6 @@
 //! Batch input lines: OpenAI Batch API lines (`custom_id`, `method`, `url`,
 //! `body`) and sluicegate request lines (REFERENCE.md §1), turned into
-//! queue messages. Shared by `sluicegate batch` and `submit-embedded`.
+//! queue messages. Shared by `sluicegate batch` and `submit --embedded`.
 
 use std::collections::HashMap;
 

@@ -1,8 +1,8 @@
 //! The embedded transport from the command line: `run` with
-//! `transport = "embedded"`, `submit-embedded` (to be folded into
-//! `submit --embedded PATH`) and `results-embedded`.
+//! `transport = "embedded"`, `submit --embedded PATH` and
+//! `results-embedded`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -15,22 +15,6 @@ use crate::config::Config;
 use crate::queue::Queue;
 use crate::queue::embedded::EmbeddedQueue;
 
-/// Flags of `sluicegate submit-embedded`.
-#[derive(Debug, Args)]
-pub(crate) struct SubmitEmbeddedArgs {
-    /// The embedded store file (the `embedded.path` of the worker's config).
-    #[arg(long)]
-    pub(crate) embedded: PathBuf,
-    /// Queue name in the store (a `queue_name` of the worker's config).
-    #[arg(long, default_value = "batch")]
-    pub(crate) queue: String,
-    /// Deadline, in seconds from now, of lines without one.
-    #[arg(long, default_value_t = 86_400)]
-    pub(crate) deadline_secs: u64,
-    /// Request lines or OpenAI batch lines (JSON lines).
-    pub(crate) file: PathBuf,
-}
-
 /// Flags of `sluicegate results-embedded`.
 #[derive(Debug, Args)]
 pub(crate) struct ResultsEmbeddedArgs {
@@ -42,25 +26,27 @@ pub(crate) struct ResultsEmbeddedArgs {
     pub(crate) queue: String,
 }
 
-/// Enqueues every valid line of `args.file`; invalid lines are reported
-/// on standard error and not enqueued (exit 1 if there were any).
-pub(crate) fn submit(args: &SubmitEmbeddedArgs) -> ExitCode {
-    let text = match std::fs::read_to_string(&args.file) {
+/// `sluicegate submit --embedded PATH`: enqueues every valid line of
+/// `file` into `queue` of the store at `store`, with `deadline_in` from now
+/// for lines without a deadline; invalid lines are reported on standard
+/// error with their line number and not enqueued (exit 1 if there were any).
+pub(crate) fn submit(store: &Path, queue: &str, deadline_in: Duration, file: &Path) -> ExitCode {
+    let text = match std::fs::read_to_string(file) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("{}: {e}", args.file.display());
+            eprintln!("{}: {e}", file.display());
             return ExitCode::from(super::EXIT_CONFIG);
         }
     };
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let deadline = i64::try_from(now.saturating_add(args.deadline_secs)).unwrap_or(i64::MAX);
+    let deadline = i64::try_from(now.saturating_add(deadline_in.as_secs())).unwrap_or(i64::MAX);
     let parsed = parse_input(&text, deadline);
     for bad in &parsed.invalid {
         eprintln!("skipped {}", bad.message);
     }
-    let queue = match EmbeddedQueue::open(&args.embedded, args.queue.clone()) {
+    let store_queue = match EmbeddedQueue::open(store, queue.to_owned()) {
         Ok(q) => q,
         Err(e) => {
             eprintln!("{e}");
@@ -72,15 +58,15 @@ pub(crate) fn submit(args: &SubmitEmbeddedArgs) -> ExitCode {
         .iter()
         .map(|l| (l.body.clone(), l.deadline))
         .collect();
-    if let Err(e) = queue.enqueue_with_deadlines(&items, &[]) {
+    if let Err(e) = store_queue.enqueue_with_deadlines(&items, &[]) {
         eprintln!("{e}");
         return ExitCode::FAILURE;
     }
     println!(
         "submitted {} messages to queue `{}` in {}",
         items.len(),
-        args.queue,
-        args.embedded.display()
+        queue,
+        store.display()
     );
     if parsed.invalid.is_empty() {
         ExitCode::SUCCESS

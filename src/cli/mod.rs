@@ -55,9 +55,6 @@ enum Command {
     /// The one-command demo: a simulated pool with interactive waves, a
     /// batch through a metric-driven gate, a report and a chart.
     Demo(demo::DemoArgs),
-    /// Submit request or OpenAI batch lines to an embedded store (to be
-    /// folded into `submit --embedded PATH`).
-    SubmitEmbedded(embedded::SubmitEmbeddedArgs),
     /// Print the results of a queue in an embedded store (JSON lines).
     ResultsEmbedded(embedded::ResultsEmbeddedArgs),
     /// Enqueue requests (JSON lines or OpenAI Batch API lines) into a Redis queue.
@@ -182,7 +179,6 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Run(args) => run_dispatcher(args).await,
         Command::Batch(args) => batch::run(args).await,
         Command::Demo(args) => demo::run(args).await,
-        Command::SubmitEmbedded(args) => embedded::submit(&args),
         Command::ResultsEmbedded(args) => embedded::results(&args),
         Command::Submit(args) => submit::run(args).await,
         Command::Results(args) => results::run(args).await,
@@ -213,7 +209,7 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
     if config.transport == TransportKind::Embedded {
         if args.input.is_some() || args.output.is_some() {
             eprintln!(
-                "--input/--output are for the memory transport; feed the embedded store with `sluicegate submit-embedded`"
+                "--input/--output are for the memory transport; feed the embedded store with `sluicegate submit --embedded PATH`"
             );
             return ExitCode::from(EXIT_CONFIG);
         }

@@ -89,6 +89,10 @@ pub(crate) struct SubmitArgs {
     /// Result list to ask for (envelope `result_queue_name`).
     #[arg(long)]
     result_list: Option<String>,
+    /// Submit into this embedded store file (the worker's `embedded.path`)
+    /// instead of Redis.
+    #[arg(long, conflicts_with = "result_list")]
+    embedded: Option<PathBuf>,
     /// Request lines: sluicegate/upstream request JSON, envelopes, or
     /// OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`).
     file: PathBuf,
@@ -144,6 +148,9 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(store) = &args.embedded {
+        return super::embedded::submit(store, &args.queue, deadline, &args.file);
+    }
     let text = match std::fs::read_to_string(&args.file) {
         Ok(t) => t,
         Err(e) => {

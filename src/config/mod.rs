@@ -266,7 +266,7 @@ pub struct PubSubConfig {
     pub emulator_host: Option<String>,
 }
 
-/// `[embedded]`: the single-node durable store (parsed now, used later).
+/// `[embedded]`: the single-node durable store (SQLite file) of the `embedded` transport.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EmbeddedConfig {
     /// Database file.
