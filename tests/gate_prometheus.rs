@@ -10,8 +10,8 @@ use serde_json::json;
 use sluicegate::config::{EndpointUrl, GateSpec, PrometheusConfig};
 use sluicegate::gate::{Explanation, Observation};
 use sluicegate::gate::{FailClosed, GateContext, build_gate};
-use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
 use support::prometheus::{Prometheus, PrometheusSpec};
+use support::sim::{flood, small_pool};
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
@@ -64,38 +64,6 @@ fn used_source(e: &Explanation) -> Option<&str> {
         .iter()
         .find(|s| s.outcome == "used")
         .map(|s| s.role.as_str())
-}
-
-/// A small, fast pool that queues quickly: 2 replicas of 2 sequences.
-async fn small_pool() -> SimHandle {
-    let mut cfg = SimConfig {
-        pool_name: "p".into(),
-        time_scale: 4.0,
-        ..SimConfig::default()
-    };
-    cfg.engine.max_num_seqs = 2;
-    spawn_http(cfg).await.unwrap()
-}
-
-async fn flood(sim: &SimHandle, n: usize, max_tokens: u32) -> Vec<tokio::task::JoinHandle<()>> {
-    let client = reqwest::Client::new();
-    (0..n)
-        .map(|_| {
-            let c = client.clone();
-            let url = format!("{}/v1/completions", sim.base_url());
-            tokio::spawn(async move {
-                let _ = c
-                    .post(url)
-                    .header("content-type", "application/json")
-                    .body(
-                        json!({"model": "m", "prompt": "hello", "max_tokens": max_tokens})
-                            .to_string(),
-                    )
-                    .send()
-                    .await;
-            })
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

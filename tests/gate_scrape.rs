@@ -2,13 +2,15 @@
 //! against the live simulator, and the scrape source on its real page.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::time::Duration;
 
 use serde_json::json;
 use sluicegate::config::GateSpec;
 use sluicegate::gate::{FailClosed, GateContext, Observation, build_gate};
-use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
 use sluicegate::source::{Cached, MetricType, Scrape};
+use support::sim::{flood, small_pool};
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
@@ -18,37 +20,6 @@ fn gate(kind: &str, params: serde_json::Value) -> FailClosed {
     let spec = GateSpec::parse(kind, &params, "test").unwrap();
     let ctx = GateContext::new(None, None, Duration::from_millis(100), STALENESS);
     FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS)
-}
-
-async fn small_pool() -> SimHandle {
-    let mut cfg = SimConfig {
-        pool_name: "p".into(),
-        time_scale: 4.0,
-        ..SimConfig::default()
-    };
-    cfg.engine.max_num_seqs = 2;
-    spawn_http(cfg).await.unwrap()
-}
-
-async fn flood(sim: &SimHandle, n: usize, max_tokens: u32) -> Vec<tokio::task::JoinHandle<()>> {
-    let client = reqwest::Client::new();
-    (0..n)
-        .map(|_| {
-            let c = client.clone();
-            let url = format!("{}/v1/completions", sim.base_url());
-            tokio::spawn(async move {
-                let _ = c
-                    .post(url)
-                    .header("content-type", "application/json")
-                    .body(
-                        json!({"model": "m", "prompt": "hello", "max_tokens": max_tokens})
-                            .to_string(),
-                    )
-                    .send()
-                    .await;
-            })
-        })
-        .collect()
 }
 
 async fn until(

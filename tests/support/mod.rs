@@ -5,6 +5,7 @@
 
 pub mod prometheus;
 pub mod redis;
+pub mod sim;
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the server).
 pub fn free_port() -> u16 {

@@ -1,0 +1,39 @@
+//! The pool simulator as a test fixture: a small pool that queues quickly,
+//! and a load generator that floods it.
+
+use serde_json::json;
+use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
+
+/// A small, fast pool that queues quickly: 2 replicas of 2 sequences.
+pub async fn small_pool() -> SimHandle {
+    let mut cfg = SimConfig {
+        pool_name: "p".into(),
+        time_scale: 4.0,
+        ..SimConfig::default()
+    };
+    cfg.engine.max_num_seqs = 2;
+    spawn_http(cfg).await.expect("simulator starts")
+}
+
+/// Sends `n` completion requests of `max_tokens` at once; the handles end
+/// when the answers arrive.
+pub async fn flood(sim: &SimHandle, n: usize, max_tokens: u32) -> Vec<tokio::task::JoinHandle<()>> {
+    let client = reqwest::Client::new();
+    (0..n)
+        .map(|_| {
+            let c = client.clone();
+            let url = format!("{}/v1/completions", sim.base_url());
+            tokio::spawn(async move {
+                let _ = c
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(
+                        json!({"model": "m", "prompt": "hello", "max_tokens": max_tokens})
+                            .to_string(),
+                    )
+                    .send()
+                    .await;
+            })
+        })
+        .collect()
+}
