@@ -2,11 +2,14 @@
 //! dispatching into the pool simulator over real HTTP, stopped by SIGTERM;
 //! and the configuration commands' exit codes and redaction.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sluicegate::sim::{SimConfig, spawn_http};
+use support::TempDir;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
 
@@ -15,12 +18,6 @@ fn unix_now() -> i64 {
         .duration_since(UNIX_EPOCH)
         .expect("clock after 1970")
         .as_secs() as i64
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluicegate-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
 }
 
 fn write_requests(path: &Path, n: usize, max_tokens: u32) {
@@ -75,7 +72,8 @@ async fn env_configured_sidecar_drains_a_batch_through_the_simulator() {
     })
     .await
     .expect("simulator starts");
-    let dir = temp_dir("drain");
+    let tmp = TempDir::new("drain");
+    let dir = &tmp.0;
     let input = dir.join("requests.jsonl");
     let output = dir.join("results.jsonl");
     write_requests(&input, 40, 16);
@@ -121,7 +119,8 @@ async fn sigterm_drains_and_hands_back_everything_unsettled() {
     let sim = spawn_http(SimConfig::default())
         .await
         .expect("simulator starts");
-    let dir = temp_dir("sigterm");
+    let tmp = TempDir::new("sigterm");
+    let dir = &tmp.0;
     let input = dir.join("requests.jsonl");
     let output = dir.join("results.jsonl");
     write_requests(&input, 60, 200);
@@ -191,7 +190,8 @@ fn check_config_exits_0_with_a_summary_or_2_naming_the_key() {
     );
     assert!(!ok.stdout.is_empty());
 
-    let dir = temp_dir("check");
+    let tmp = TempDir::new("check");
+    let dir = &tmp.0;
     let bad = dir.join("bad.toml");
     std::fs::write(
         &bad,

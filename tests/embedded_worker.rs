@@ -1,7 +1,9 @@
 //! `run` with the embedded transport, fed by `submit --embedded`: two worker
 //! processes on one store file answer every message exactly once.
 
-use std::path::{Path, PathBuf};
+mod support;
+
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -9,14 +11,6 @@ use sluicegate::queue::embedded::EmbeddedQueue;
 use sluicegate::sim::{SimConfig, spawn_http};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("sluicegate-embedded-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
 
 fn worker(config: &Path, db: &Path) -> Command {
     let mut cmd = Command::new(BIN);
@@ -37,7 +31,8 @@ async fn two_workers_on_one_file_answer_every_submission_once() {
     })
     .await
     .expect("sim");
-    let dir = temp_dir("two");
+    let tmp = support::TempDir::new("embedded-two");
+    let dir = &tmp.0;
     let db = dir.join("store.db");
     let config = dir.join("embedded.toml");
     let example =
