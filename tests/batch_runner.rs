@@ -3,8 +3,10 @@
 //! with their line number, and a run killed with SIGKILL resumes without
 //! sending again what already has a result.
 
+mod support;
+
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -13,13 +15,6 @@ use sluicegate::queue::embedded::EmbeddedQueue;
 use sluicegate::sim::{SimConfig, spawn_http};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluicegate-batch-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
 
 fn openai_line(i: usize, max_tokens: u32) -> String {
     serde_json::json!({
@@ -72,7 +67,8 @@ async fn every_line_gets_one_result_and_invalid_lines_name_their_line() {
     })
     .await
     .expect("sim");
-    let dir = temp_dir("all");
+    let tmp = support::TempDir::new("batch-all");
+    let dir = &tmp.0;
     let input = dir.join("in.jsonl");
     let output = dir.join("out.jsonl");
     let mut lines: Vec<String> = (0..30).map(|i| openai_line(i, 8)).collect();
@@ -119,7 +115,8 @@ async fn killed_run_resumes_and_every_custom_id_appears_exactly_once() {
     })
     .await
     .expect("sim");
-    let dir = temp_dir("resume");
+    let tmp = support::TempDir::new("batch-resume");
+    let dir = &tmp.0;
     let input = dir.join("in.jsonl");
     let output = dir.join("out.jsonl");
     let n = 120;
@@ -173,7 +170,8 @@ async fn killed_run_resumes_and_every_custom_id_appears_exactly_once() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn second_runner_on_one_state_dir_and_changed_input_are_refused() {
-    let dir = temp_dir("locked");
+    let tmp = support::TempDir::new("batch-locked");
+    let dir = &tmp.0;
     let input = dir.join("in.jsonl");
     let output = dir.join("out.jsonl");
     std::fs::write(&input, openai_line(0, 4)).expect("input");
@@ -217,7 +215,8 @@ async fn ctrl_c_writes_partial_output_exits_130_and_the_rerun_completes() {
     })
     .await
     .expect("sim");
-    let dir = temp_dir("sigint");
+    let tmp = support::TempDir::new("batch-sigint");
+    let dir = &tmp.0;
     let input = dir.join("in.jsonl");
     let output = dir.join("out.jsonl");
     let n = 100;

@@ -6,7 +6,7 @@
 mod support;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -23,12 +23,6 @@ fn unix_now() -> i64 {
         .duration_since(UNIX_EPOCH)
         .expect("clock after 1970")
         .as_secs() as i64
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sluicegate-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
 }
 
 async fn gateway(delay: Duration) -> MockServer {
@@ -190,8 +184,9 @@ fn assert_exactly_once(server: &RedisServer, n: usize) {
 async fn sigkill_at_random_points_never_duplicates_or_loses_results() {
     let server = RedisServer::start();
     let gw = gateway(Duration::from_millis(2)).await;
-    let dir = temp_dir("sigkill");
-    submit(&server, &dir, 2000);
+    let tmp = support::TempDir::new("sigkill");
+    let dir = &tmp.0;
+    submit(&server, dir, 2000);
     assert_eq!(server.int(&["ZCARD", QUEUE]), 2000);
     let mut rng = rand::rng();
     for round in 0..5 {
@@ -222,7 +217,6 @@ async fn sigkill_at_random_points_never_duplicates_or_loses_results() {
     sigterm(&child);
     let _ = child.wait();
     assert_exactly_once(&server, 2000);
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -230,8 +224,9 @@ async fn sigterm_hands_claims_back_at_once_instead_of_waiting_out_leases() {
     let server = RedisServer::start();
     // Slow answers keep many messages claimed when the signal arrives.
     let gw = gateway(Duration::from_millis(300)).await;
-    let dir = temp_dir("sigterm");
-    submit(&server, &dir, 300);
+    let tmp = support::TempDir::new("sigterm");
+    let dir = &tmp.0;
+    submit(&server, dir, 300);
     let mut child = dispatcher(
         &server.url(),
         &gw.uri(),
@@ -257,7 +252,6 @@ async fn sigterm_hands_claims_back_at_once_instead_of_waiting_out_leases() {
         300,
         "{results} results, {pending} pending"
     );
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -267,8 +261,9 @@ async fn redis_restart_with_aof_mid_drain_loses_nothing() {
         ..RedisOptions::default()
     });
     let gw = gateway(Duration::from_millis(20)).await;
-    let dir = temp_dir("aof");
-    submit(&server, &dir, 2000);
+    let tmp = support::TempDir::new("aof");
+    let dir = &tmp.0;
+    submit(&server, dir, 2000);
     let mut child = dispatcher(
         &server.url(),
         &gw.uri(),
@@ -276,11 +271,10 @@ async fn redis_restart_with_aof_mid_drain_loses_nothing() {
         "127.0.0.1:0",
         &dir.join("run.log"),
     );
-    let give_up = Instant::now() + Duration::from_secs(20);
-    while server.int(&["LLEN", "result-list"]) < 200 {
-        assert!(Instant::now() < give_up, "drain did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::wait_until(Duration::from_secs(20), "drain did not start", || {
+        server.int(&["LLEN", "result-list"]) >= 200
+    })
+    .await;
     server.kill();
     tokio::time::sleep(Duration::from_millis(700)).await;
     server.restart();
@@ -288,7 +282,6 @@ async fn redis_restart_with_aof_mid_drain_loses_nothing() {
     sigterm(&child);
     let _ = child.wait();
     assert_exactly_once(&server, 2000);
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 async fn ready(listen: &str) -> Option<u16> {
@@ -300,7 +293,8 @@ async fn ready(listen: &str) -> Option<u16> {
 async fn redis_down_at_startup_is_reported_not_ready_and_recovers() {
     let mut server = RedisServer::not_started();
     let gw = gateway(Duration::ZERO).await;
-    let dir = temp_dir("down");
+    let tmp = support::TempDir::new("down");
+    let dir = &tmp.0;
     let listen = format!("127.0.0.1:{}", free_port());
     let log = dir.join("run.log");
     let mut child = dispatcher(&server.url(), &gw.uri(), "5s", &listen, &log);
@@ -329,19 +323,19 @@ async fn redis_down_at_startup_is_reported_not_ready_and_recovers() {
         assert!(Instant::now() < give_up, "never became ready");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    submit(&server, &dir, 5);
+    submit(&server, dir, 5);
     wait_drained(&server, 5, Duration::from_secs(20)).await;
     assert_exactly_once(&server, 5);
     child.kill().expect("SIGKILL");
     let _ = child.wait();
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn producer_commands_submit_cancel_and_collect_with_line_numbers_for_bad_lines() {
     let server = RedisServer::start();
     let gw = gateway(Duration::ZERO).await;
-    let dir = temp_dir("producer");
+    let tmp = support::TempDir::new("producer");
+    let dir = &tmp.0;
     let file = dir.join("batch.jsonl");
     std::fs::write(
         &file,
@@ -428,7 +422,6 @@ async fn producer_commands_submit_cancel_and_collect_with_line_numbers_for_bad_l
             other => panic!("unexpected result {other:?}"),
         }
     }
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -438,12 +431,13 @@ async fn rediss_with_a_private_ca_drains_over_tls() {
         ..RedisOptions::default()
     });
     let gw = gateway(Duration::ZERO).await;
-    let dir = temp_dir("tls");
+    let tmp = support::TempDir::new("tls");
+    let dir = &tmp.0;
     // rustls reads extra trust roots from SSL_CERT_FILE (as a deployment
     // mounts its CA bundle).
     let ca = server.ca_file();
     let env = [("SSL_CERT_FILE", ca.as_path())];
-    submit_with(&server, &dir, 50, &env);
+    submit_with(&server, dir, 50, &env);
     let mut child = dispatcher_with(
         &server.url(),
         &gw.uri(),
@@ -456,5 +450,4 @@ async fn rediss_with_a_private_ca_drains_over_tls() {
     child.kill().expect("SIGKILL");
     let _ = child.wait();
     assert_exactly_once(&server, 50);
-    let _ = std::fs::remove_dir_all(dir);
 }

@@ -337,11 +337,10 @@ async fn failed_attempts_go_through_the_retry_set_into_dead_letters() {
     assert_eq!(server.int(&["LLEN", "result-list"]), 0);
     assert_eq!(server.int(&["ZCARD", "retry-sortedset"]), 0);
     assert_eq!(server.int(&["HLEN", "flaky:claimed"]), 0);
-    let give_up = Instant::now() + Duration::from_secs(5);
-    while d.queue.status().expect("status").dead_letters_total < 1 {
-        assert!(Instant::now() < give_up);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::wait_until(Duration::from_secs(5), "a dead letter", || {
+        d.queue.status().expect("status").dead_letters_total >= 1
+    })
+    .await;
     // The metric follows the transport's counter.
     tokio::time::sleep(Duration::from_millis(400)).await;
     let text = d.running.metrics.encode();
@@ -433,11 +432,12 @@ async fn a_cancel_arriving_while_a_message_waits_at_the_gate_is_honoured_before_
 gate_params = { limit = 1, gating_mode = "blocking" }"#,
     )
     .await;
-    let give_up = Instant::now() + Duration::from_secs(10);
-    while server.int(&["HLEN", "waits:claimed"]) < 2 {
-        assert!(Instant::now() < give_up, "both messages never claimed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::wait_until(
+        Duration::from_secs(10),
+        "both messages never claimed",
+        || server.int(&["HLEN", "waits:claimed"]) >= 2,
+    )
+    .await;
     {
         let c = client(&redis).expect("client");
         let mut conn = manager(&c).expect("manager");

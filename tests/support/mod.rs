@@ -38,3 +38,16 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Polls `done` every 20 ms until it holds; fails the test with `what`
+/// after `within`.
+pub async fn wait_until(within: std::time::Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let give_up = std::time::Instant::now() + within;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "timed out after {within:?}: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
