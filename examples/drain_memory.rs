@@ -15,9 +15,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::routing::post;
-use sluicegate::dispatch::{DispatchSettings, QueueDispatcher};
+use sluicegate::app::Tasks;
+use sluicegate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use sluicegate::gate::{ConstantGate, FailClosed};
-use sluicegate::gateway::{GatewayClient, GatewaySettings, RetryPolicy, Target};
+use sluicegate::gateway::{GatewayClient, GatewaySettings, Target};
 use sluicegate::queue::MemoryQueue;
 use sluicegate::telemetry::Metrics;
 use tokio_util::sync::CancellationToken;
@@ -95,7 +96,8 @@ async fn main() {
     let shutdown = CancellationToken::new();
     let cpu_start = cpu_seconds();
     let start = Instant::now();
-    let run = tokio::spawn(dispatcher.run(shutdown.clone()));
+    let tasks = Tasks::new();
+    let run = tokio::spawn(dispatcher.run(shutdown.clone(), tasks.clone()));
     while queue.result_count() < messages {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -103,6 +105,7 @@ async fn main() {
     let cpu = cpu_seconds() - cpu_start;
     shutdown.cancel();
     run.await.unwrap();
+    tasks.stop().await;
     let ok = queue
         .results()
         .iter()

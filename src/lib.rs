@@ -10,25 +10,31 @@
 //! The data flow, one module per step:
 //!
 //! - [`queue`]: the [`queue::Queue`] contract (lease, ack with result,
-//!   nack with delay, extend lease, dead letter) and its transports
-//!   (in-memory; [`queue::embedded`], a durable SQLite file).
+//!   nack with delay, extend lease, dead letter, close) and its transports:
+//!   in-memory (`src/queue/memory.rs`), [`queue::redis`] (Redis sorted
+//!   sets, `src/queue/redis/`), [`queue::embedded`] (the durable SQLite
+//!   store, `src/queue/embedded/`); [`queue::open`] builds the configured
+//!   one.
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission
 //!   verdicts), the gates, and the staleness / fail-closed wrappers.
 //! - [`source`]: metric sources the gates read (PromQL, `/metrics` scrape
 //!   with our own text-format parser, a Redis key) and their single-flight
 //!   TTL cache.
-//! - [`dispatch`]: window arithmetic (pure), request costs (pure), and the
-//!   dispatch loop that pulls, admits, sends and settles.
-//! - [`gateway`]: the HTTP client, endpoint and header rules, response
-//!   classification and the retry policy.
+//! - [`dispatch`]: window arithmetic and request costs (pure), the retry
+//!   policy (pure), settings from the typed config, and the dispatch loop
+//!   split by task (receive, send, settle, observe).
+//! - [`gateway`]: the HTTP client, endpoint and header rules, and response
+//!   classification.
 //! - [`result`]: result records and error codes.
 //! - [`telemetry`]: the metrics registry, `/metrics` `/healthz` `/readyz`,
 //!   and logging.
 //! - [`config`]: file + environment + flags into a typed configuration.
-//! - [`batch`]: the batch-file runner (OpenAI batch files through a gate,
-//!   resumable through an embedded store) and the demo's interim gate.
-//! - [`app`]: wiring and the shutdown order; [`cli`]: the subcommands.
+//! - [`batch`]: the batch-file runner (OpenAI batch files through a
+//!   catalogue gate, resumable through an embedded store), the one
+//!   OpenAI-line converter, and the demo's chart.
+//! - [`app`]: wiring ([`app::run`]), the task tree and the shutdown order;
+//!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 
 pub mod app;

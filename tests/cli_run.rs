@@ -247,10 +247,7 @@ fn config_show_redacts_secrets() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sim_serve_command_answers_completions_and_serves_metrics() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("free port");
-        l.local_addr().expect("addr").port()
-    };
+    let port = support::free_port();
     let mut child = Command::new(BIN)
         .args([
             "sim",

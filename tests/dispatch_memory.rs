@@ -7,12 +7,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
+use sluicegate::app::Tasks;
 use sluicegate::config::{GatingMode, Rounding, Unit};
-use sluicegate::dispatch::{DispatchSettings, QueueDispatcher};
+use sluicegate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use sluicegate::gate::{
     Budget, ConstantGate, DispatchGate, FailClosed, GateError, LocalMaxConcurrencyGate, Observation,
 };
-use sluicegate::gateway::{GatewayClient, GatewaySettings, RetryPolicy, Target};
+use sluicegate::gateway::{GatewayClient, GatewaySettings, Target};
 use sluicegate::queue::MemoryQueue;
 use sluicegate::result::{ErrorCode, ResultRecord};
 use sluicegate::telemetry::Metrics;
@@ -52,6 +53,7 @@ struct Harness {
     queue: Arc<MemoryQueue>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
+    tasks: Tasks,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -94,11 +96,13 @@ impl Harness {
             labels: BTreeMap::new(),
         };
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(dispatcher.run(shutdown.clone()));
+        let tasks = Tasks::new();
+        let task = tokio::spawn(dispatcher.run(shutdown.clone(), tasks.clone()));
         Self {
             queue,
             metrics,
             shutdown,
+            tasks,
             task,
         }
     }
@@ -117,6 +121,8 @@ impl Harness {
     async fn stop(self) -> Arc<MemoryQueue> {
         self.shutdown.cancel();
         self.task.await.expect("dispatcher ends cleanly");
+        self.tasks.stop().await;
+        assert!(self.tasks.panicked().is_empty(), "no task panicked");
         self.queue
     }
 }

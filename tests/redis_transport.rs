@@ -44,7 +44,7 @@ struct Dispatcher {
 impl Dispatcher {
     async fn stop(self) {
         self.shutdown.cancel();
-        self.running.wait().await;
+        self.running.wait().await.expect("clean drain");
     }
 }
 
@@ -91,21 +91,9 @@ max_sys = 32
 "#
     );
     let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
-    let c = client(&redis).expect("client");
-    let conn = manager(&c).expect("manager");
     config.redis = Some(redis);
-    let queue = Arc::new(RedisQueue::start(
-        conn,
-        RedisQueueSettings::new(queue.to_owned()),
-    ));
-    let shutdown = CancellationToken::new();
-    let running = sluicegate::app::start(
-        &config,
-        vec![queue.clone() as Arc<dyn Queue>],
-        shutdown.clone(),
-    )
-    .await
-    .expect("starts");
+    let support::App { running, shutdown } = support::start_app(&config).await;
+    let queue = running.transports().redis()[0].clone();
     Dispatcher {
         running,
         shutdown,
@@ -565,22 +553,8 @@ gate_params = {{ limit = 2, gating_mode = "blocking" }}
         sim.base_url()
     );
     let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
-    let c = client(&redis).expect("client");
-    let conn = manager(&c).expect("manager");
     config.redis = Some(redis);
-    let queues: Vec<Arc<dyn Queue>> = config
-        .queues
-        .iter()
-        .map(|q| {
-            let mut settings = RedisQueueSettings::new(q.queue_name.clone());
-            settings.result_list = q.result_queue_name.clone();
-            Arc::new(RedisQueue::start(conn.clone(), settings)) as Arc<dyn Queue>
-        })
-        .collect();
-    let shutdown = CancellationToken::new();
-    let running = sluicegate::app::start(&config, queues, shutdown.clone())
-        .await
-        .expect("starts");
+    let support::App { running, shutdown } = support::start_app(&config).await;
     let alpha = wait_for_len(&server, "alpha-results", 10).await;
     let beta = wait_for_len(&server, "beta-results", 10).await;
     assert!(
@@ -603,6 +577,6 @@ gate_params = {{ limit = 2, gating_mode = "blocking" }}
         "{text}"
     );
     shutdown.cancel();
-    running.wait().await;
+    running.wait().await.expect("clean drain");
     sim.shutdown().await.expect("simulator stops");
 }

@@ -1,14 +1,13 @@
 //! The running application serves `/metrics`, `/healthz` and `/readyz`,
 //! and `/metrics` carries every documented metric.
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sluicegate::config::Config;
-use sluicegate::queue::{MemoryQueue, Queue};
 use sluicegate::telemetry::METRIC_NAMES;
-use tokio_util::sync::CancellationToken;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
@@ -36,7 +35,8 @@ gate_type = "constant"
         server.uri()
     );
     let config = Config::from_toml_str(&toml, &BTreeMap::new()).expect("valid config");
-    let queue = Arc::new(MemoryQueue::new("q"));
+    let app = support::start_app(&config).await;
+    let queue = app.running.transports().memory()[0].clone();
     let deadline = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .expect("clock")
@@ -45,15 +45,7 @@ gate_type = "constant"
     queue.push_message(format!(
         r#"{{"id":"a","deadline":{deadline},"payload":{{}}}}"#
     ));
-    let shutdown = CancellationToken::new();
-    let running = sluicegate::app::start(
-        &config,
-        vec![queue.clone() as Arc<dyn Queue>],
-        shutdown.clone(),
-    )
-    .await
-    .expect("starts");
-    let base = format!("http://{}", running.telemetry_addr);
+    let base = format!("http://{}", app.running.telemetry_addr);
     let client = reqwest::Client::new();
     let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
     while queue.results().is_empty() && tokio::time::Instant::now() < give_up {
@@ -99,8 +91,7 @@ gate_type = "constant"
         );
     }
 
-    let health = running.health.clone();
-    shutdown.cancel();
-    running.wait().await;
+    let health = app.running.health.clone();
+    app.stop().await;
     assert!(!health.is_ready(), "not ready once draining");
 }

@@ -113,47 +113,7 @@ pub fn convert_line(
         Err(e) => return Err(invalid(None, format!("not JSON: {e}"))),
     };
     let bytes = if object.contains_key("custom_id") {
-        let parsed: OpenAiLine = serde_json::from_str(text)
-            .map_err(|e| invalid(None, format!("not an OpenAI batch line: {e}")))?;
-        let Value::String(custom_id) = parsed.custom_id else {
-            return Err(invalid(None, "custom_id must be a non-empty string".into()));
-        };
-        if custom_id.is_empty() {
-            return Err(invalid(None, "custom_id must be a non-empty string".into()));
-        }
-        let id = Some(custom_id.clone());
-        if let Some(method) = parsed.method.as_deref().filter(|m| *m != "POST") {
-            return Err(invalid(
-                id,
-                format!("method `{method}` is not supported; only POST"),
-            ));
-        }
-        let Some(url) = parsed.url.filter(|u| u.starts_with('/')) else {
-            return Err(invalid(
-                id,
-                "url must be a path starting with '/', e.g. /v1/chat/completions".into(),
-            ));
-        };
-        let Some(body) = parsed.body else {
-            return Err(invalid(id, "body is required".into()));
-        };
-        if !body.get().trim_start().starts_with('{') {
-            return Err(invalid(id, "body must be a JSON object".into()));
-        }
-        #[derive(serde::Serialize)]
-        struct Out<'a> {
-            id: &'a str,
-            deadline: i64,
-            payload: &'a RawValue,
-            endpoint: &'a str,
-        }
-        serde_json::to_vec(&Out {
-            id: &custom_id,
-            deadline: default_deadline,
-            payload: &body,
-            endpoint: &url,
-        })
-        .map_err(|e| invalid(id, e.to_string()))?
+        openai_request(text, default_deadline).map_err(|(id, why)| invalid(id, why))?
     } else if object.contains_key("id") {
         if object.contains_key("deadline") {
             text.as_bytes().to_vec()
@@ -177,6 +137,54 @@ pub fn convert_line(
         }),
         Err(failure) => Err(invalid(failure.id, failure.reason)),
     }
+}
+
+/// Converts one OpenAI Batch API line (`custom_id`, `method`, `url`,
+/// `body`) into the bytes of a request message with `default_deadline`:
+/// the one converter `batch`, `submit` and `submit --embedded` share.
+/// Errors carry the id when one was read, and say what is wrong.
+pub fn openai_request(
+    text: &str,
+    default_deadline: i64,
+) -> Result<Vec<u8>, (Option<String>, String)> {
+    let parsed: OpenAiLine =
+        serde_json::from_str(text).map_err(|e| (None, format!("not an OpenAI batch line: {e}")))?;
+    let Value::String(custom_id) = parsed.custom_id else {
+        return Err((None, "custom_id must be a non-empty string".into()));
+    };
+    if custom_id.is_empty() {
+        return Err((None, "custom_id must be a non-empty string".into()));
+    }
+    let id = Some(custom_id.clone());
+    if let Some(method) = parsed.method.as_deref().filter(|m| *m != "POST") {
+        return Err((id, format!("method {method} is not supported; only POST")));
+    }
+    let Some(url) = parsed.url.filter(|u| u.starts_with('/')) else {
+        return Err((
+            id,
+            "url must be a path starting with '/', e.g. /v1/chat/completions".into(),
+        ));
+    };
+    let Some(body) = parsed.body else {
+        return Err((id, "body is required".into()));
+    };
+    if !body.get().trim_start().starts_with('{') {
+        return Err((id, "body must be a JSON object".into()));
+    }
+    #[derive(serde::Serialize)]
+    struct Out<'a> {
+        id: &'a str,
+        deadline: i64,
+        payload: &'a RawValue,
+        endpoint: &'a str,
+    }
+    serde_json::to_vec(&Out {
+        id: &custom_id,
+        deadline: default_deadline,
+        payload: &body,
+        endpoint: &url,
+    })
+    .map_err(|e| (id, e.to_string()))
 }
 
 /// A fingerprint of the input file (length and 64-bit FNV-1a), recorded at

@@ -3,8 +3,9 @@
 //! output shape, resumable after Ctrl-C or a crash.
 //!
 //! Files: `input.rs` parses and converts input lines; `output.rs` writes
-//! output lines; `watch.rs` records what the gate said; `scrape_gate.rs`
-//! is the interim metric-driven gate of the demo; `chart.rs` writes SVG.
+//! output lines; `watch.rs` records what the gate said; `chart.rs` writes
+//! SVG. Gates are the catalogue's ([`crate::gate::build_gate`]); the
+//! dispatcher is built as `run` builds it ([`crate::app::build_dispatcher`]).
 //!
 //! Resume: the state directory holds an embedded store
 //! ([`crate::queue::embedded`]). The first run imports every valid line
@@ -18,7 +19,6 @@
 pub mod chart;
 pub mod input;
 pub mod output;
-pub mod scrape_gate;
 pub mod watch;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -31,14 +31,18 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{DispatchSettings, QueueDispatcher};
-use crate::gate::{DispatchGate, FailClosed};
-use crate::gateway::{GatewayClient, GatewaySettings, RetryPolicy, Target};
+use crate::app::Tasks;
+use crate::config::{
+    Config, DispatchConfig, EndpointUrl, GateSpec, GatewayConfig, QueueConfig, Rounding,
+    TelemetryConfig, TransportKind, Unit,
+};
+use crate::dispatch::QueueDispatcher;
+use crate::gate::DispatchGate;
+use crate::gateway::{GatewayClient, GatewaySettings};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
 use crate::result::ResultRecord;
 use crate::telemetry::Metrics;
 
-pub use scrape_gate::{ScrapeGateParams, SimVllmScrapeGate};
 pub use watch::{GateStats, GateWatch, GateWatchHandle};
 
 /// Queue name of the batch inside its store.
@@ -133,6 +137,10 @@ pub enum BatchError {
     /// The gateway URL or client is unusable.
     #[error("gateway: {0}")]
     Gateway(String),
+    /// Dispatcher tasks panicked (logged with their names); the store
+    /// keeps what was settled and a re-run resumes.
+    #[error("task panicked: {}", .0.join(", "))]
+    Panicked(Vec<String>),
     /// The output could not be written.
     #[error("--output {path}: {source}")]
     Output {
@@ -313,8 +321,12 @@ pub async fn run_batch(
     let mut interrupted = false;
     if queue.unsettled_count()? > 0 {
         let dispatcher = build_dispatcher(options, Arc::new(queue.clone()), watch)?;
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(dispatcher.run(stop.clone()));
+        let tasks = Tasks::new();
+        let stop = tasks.drain_token().child_token();
+        let task = tasks.spawn(
+            format!("queue `{QUEUE}`: dispatcher"),
+            dispatcher.run(stop.clone(), tasks.clone()),
+        );
         let bar = progress_bar(options, total, settled_at_start);
         let mut last_line = Instant::now();
         loop {
@@ -351,6 +363,11 @@ pub async fn run_batch(
         bar.finish_and_clear();
         stop.cancel();
         let _ = task.await;
+        tasks.stop().await;
+        let panicked = tasks.panicked();
+        if !panicked.is_empty() {
+            return Err(BatchError::Panicked(panicked));
+        }
     }
 
     // Output, in input order, from the store.
@@ -437,46 +454,77 @@ fn progress_bar(options: &BatchOptions, total: u64, start: u64) -> ProgressBar {
     bar
 }
 
+/// The batch run as a typed config: the embedded store's one queue, the
+/// batch's timings, a constant gate placeholder (the real gate is passed
+/// in already built). The dispatcher is then built exactly as `run` builds
+/// it ([`crate::app::build_dispatcher`]).
+fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
+    let url = url::Url::parse(&options.gateway_url)
+        .map_err(|e| BatchError::Gateway(format!("{}: {e}", options.gateway_url)))?;
+    let url = EndpointUrl::new(url);
+    Ok(Config {
+        transport: TransportKind::Embedded,
+        gateway: GatewayConfig {
+            url: Some(url.clone()),
+            request_path: options.request_path.clone(),
+            attempt_timeout: options.attempt_timeout,
+            max_connections_per_host: 64,
+            ..GatewayConfig::default()
+        },
+        redis: None,
+        prometheus: None,
+        pubsub: None,
+        embedded: None,
+        dispatch: DispatchConfig {
+            poll_interval: options.poll_interval,
+            max_staleness: Duration::from_secs(10),
+            lease: Duration::from_secs(120),
+            receive_wait: Duration::from_millis(250),
+            max_attempts: options.max_attempts,
+            retry_initial_backoff: Duration::from_millis(500),
+            retry_max_backoff: Duration::from_secs(30),
+            congestion_backoff: Duration::from_secs(1),
+            wait_requeue_delay: Duration::from_millis(500),
+            shutdown_grace: Duration::from_secs(10),
+            default_deadline: options.deadline,
+        },
+        telemetry: TelemetryConfig::default(),
+        queues: vec![QueueConfig {
+            queue_name: QUEUE.to_owned(),
+            igw_base_url: url,
+            request_path_url: options.request_path.clone(),
+            inference_objective: None,
+            worker_pool_id: String::new(),
+            labels: BTreeMap::new(),
+            result_queue_name: None,
+            result_ttl_seconds: 0,
+            max_sys: options.max_in_flight.max(1.0),
+            unit: Unit::Requests,
+            rounding: Rounding::Floor,
+            gate: GateSpec::Constant,
+        }],
+    })
+}
+
 fn build_dispatcher(
     options: &BatchOptions,
     queue: Arc<EmbeddedQueue>,
     watch: GateWatch,
 ) -> Result<QueueDispatcher, BatchError> {
-    let gateway = GatewayClient::new(GatewaySettings {
-        attempt_timeout: options.attempt_timeout,
-        max_idle_per_host: 64,
-        ..GatewaySettings::default()
-    })
-    .map_err(|e| BatchError::Gateway(e.to_string()))?;
-    let target = Target::new(&options.gateway_url, &options.request_path, None)
+    let config = batch_config(options)?;
+    let settings = GatewaySettings::try_from(&config.gateway)
         .map_err(|e| BatchError::Gateway(e.to_string()))?;
-    let settings = DispatchSettings {
-        max_sys: options.max_in_flight.max(1.0),
-        poll_interval: options.poll_interval,
-        max_staleness: Duration::from_secs(10),
-        lease: Duration::from_secs(120),
-        receive_wait: Duration::from_millis(250),
-        congestion_backoff: Duration::from_secs(1),
-        wait_requeue_delay: Duration::from_millis(500),
-        shutdown_grace: Duration::from_secs(10),
-        ..DispatchSettings::default()
-    };
+    let gateway = GatewayClient::new(settings).map_err(|e| BatchError::Gateway(e.to_string()))?;
     let metrics = Metrics::new();
-    Ok(QueueDispatcher {
+    crate::app::build_dispatcher(
+        &config,
+        &config.queues[0],
         queue,
-        gate: Arc::new(FailClosed::new(Box::new(watch), settings.max_staleness)),
+        Box::new(watch),
         gateway,
-        target,
-        retry: RetryPolicy {
-            initial: Duration::from_millis(500),
-            max: Duration::from_secs(30),
-            max_attempts: options.max_attempts,
-            jitter: true,
-        },
-        settings,
-        metrics: metrics.queue(QUEUE),
-        labels: BTreeMap::new(),
-    })
+        &metrics,
+    )
+    .map_err(|e| BatchError::Gateway(e.to_string()))
 }
 
 /// Whether `path` looks like a batch state directory (holds a store).

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::{BatchOptions, ScrapeGateParams, SimVllmScrapeGate, run_batch};
+use crate::batch::{BatchOptions, run_batch};
 use crate::config::GateSpec;
 use crate::gate::{DispatchGate, GateContext, build_gate};
 
@@ -29,8 +29,7 @@ pub(crate) struct BatchArgs {
     #[arg(long)]
     gateway: String,
     /// Gate type, as in the config (`constant`, `local-max-concurrency`,
-    /// `composite`, ...), or `vllm-scrape` (interim: scrapes a vLLM
-    /// /metrics page, params `{"url": ...}`).
+    /// `vllm`, `composite`, ...).
     #[arg(long, default_value = "constant")]
     gate: String,
     /// Gate parameters as JSON, as `gate_params` in the config.
@@ -61,10 +60,6 @@ pub(crate) struct BatchArgs {
 pub(crate) fn gate_from_flags(gate: &str, params: &str) -> Result<Box<dyn DispatchGate>, String> {
     let params: serde_json::Value =
         serde_json::from_str(params).map_err(|e| format!("--gate-params: not JSON: {e}"))?;
-    if gate == "vllm-scrape" {
-        let p = ScrapeGateParams::from_json(&params)?;
-        return Ok(Box::new(SimVllmScrapeGate::new(p)?));
-    }
     let spec = GateSpec::parse(gate, &params, "--gate").map_err(|e| e.to_string())?;
     // No `[prometheus]` or `[redis]` section on this command line: gates
     // that need one report it; scrape gates (`vllm`, `endpoint-scrape`)

@@ -3,7 +3,6 @@
 //! messages and peak RSS (docs/benchmarks.md).
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::{Args, Subcommand};
@@ -12,8 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::submit::RedisArgs;
 use crate::config::Config;
-use crate::queue::Queue;
-use crate::queue::redis::{Keys, RedisQueue, RedisQueueSettings, Submission, enqueue};
+use crate::queue::redis::{Keys, Submission, enqueue};
 use crate::request::parse_message;
 
 #[derive(Debug, Subcommand)]
@@ -147,9 +145,6 @@ gate_type = "constant"
     let mut config =
         Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
     config.redis = Some(redis_config);
-    let mut settings = RedisQueueSettings::new(args.queue.clone());
-    settings.result_list = Some(results.clone());
-    let queue = Arc::new(RedisQueue::start(conn.clone(), settings));
     let shutdown = CancellationToken::new();
     let bar = ProgressBar::new(args.messages as u64);
     bar.set_style(
@@ -160,8 +155,8 @@ gate_type = "constant"
     let started = Instant::now();
     let running = crate::app::start(
         &config,
-        vec![queue.clone() as Arc<dyn Queue>],
-        shutdown.clone(),
+        crate::app::RunOptions::default(),
+        shutdown.clone().cancelled_owned(),
     )
     .await
     .map_err(|e| e.to_string())?;
@@ -181,7 +176,7 @@ gate_type = "constant"
     let cpu = cpu_seconds().unwrap_or(0.0) - cpu_before;
     bar.finish_and_clear();
     shutdown.cancel();
-    running.wait().await;
+    running.wait().await.map_err(|e| e.to_string())?;
     let rate = args.messages as f64 / secs;
     println!(
         "drain benchmark: {} messages, window {}",

@@ -17,9 +17,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::batch::chart::{Series, render};
-use crate::batch::{
-    BatchOptions, GateWatch, GateWatchHandle, ScrapeGateParams, SimVllmScrapeGate, run_batch,
-};
+use crate::batch::{BatchOptions, GateWatch, GateWatchHandle, run_batch};
 use crate::queue::embedded::EmbeddedQueue;
 use crate::sim::config::LoadMode;
 use crate::sim::{SimConfig, spawn_http};
@@ -155,7 +153,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         "simulated pool (2 vLLM replicas, interactive waves) on {pool_url}; batch-free twin on {twin_url}"
     );
     eprintln!(
-        "batch: {} chat completions in {}; gate: vllm-scrape (interim metric gate) on {pool_url}/metrics",
+        "batch: {} chat completions in {}; gate: composite of vllm (on {pool_url}/metrics) and local-max-concurrency 16",
         plan.lines,
         input.display()
     );
@@ -167,10 +165,13 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         .timeout(Duration::from_secs(30))
         .build()
         .map_err(|e| e.to_string())?;
+    // The demo's helpers run on a task tree too, so a panic is named.
+    let tasks = crate::app::Tasks::new();
     let prober = {
         let (probes, stop, client) = (probes.clone(), stop.clone(), client.clone());
         let (pool_url, twin_url) = (pool_url.clone(), twin_url.clone());
-        tokio::spawn(async move {
+        let probe_tasks = tasks.clone();
+        tasks.spawn("demo prober", async move {
             let mut tick = tokio::time::interval(plan.probe_every);
             loop {
                 tokio::select! {
@@ -179,7 +180,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
                 }
                 let (probes, client) = (probes.clone(), client.clone());
                 let (pool_url, twin_url) = (pool_url.clone(), twin_url.clone());
-                tokio::spawn(async move {
+                probe_tasks.spawn("demo probe", async move {
                     let t = started.elapsed().as_secs_f64();
                     let (a, b) = tokio::join!(probe(&client, &pool_url), probe(&client, &twin_url));
                     let mut p = probes.lock().unwrap_or_else(|e| e.into_inner());
@@ -194,14 +195,24 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         })
     };
 
-    // Interim gate (src/batch/scrape_gate.rs). The catalogue's `vllm`
-    // gate (`--gate vllm` in `batch`) computes the same roofline; with
-    // max_SYS = Σ max_num_seqs it needs tuning before it can pace this
-    // demo in about a minute, so the demo keeps the interim gate for now.
-    let mut params = ScrapeGateParams::new(format!("{pool_url}/metrics"));
-    params.baseline = 0.3;
-    params.max_concurrency_per_pod = 8.0;
-    let gate: Box<dyn crate::gate::DispatchGate> = Box::new(SimVllmScrapeGate::new(params)?);
+    // A catalogue gate, built as `run` builds any queue's gate: the `vllm`
+    // roofline over the pool's own /metrics (baseline 0.3 kept for the
+    // interactive waves), capped by `local-max-concurrency` so the batch
+    // never holds more than 16 requests at once (two replicas × 8).
+    let gate = super::batch::gate_from_flags(
+        "composite",
+        &serde_json::json!({"gates": [
+            {"gate_type": "vllm", "gate_params": {
+                "urls": [format!("{pool_url}/metrics")],
+                "baseline": 0.3,
+            }},
+            {"gate_type": "local-max-concurrency", "gate_params": {
+                "limit": 16,
+                "gating_mode": "blocking",
+            }},
+        ]})
+        .to_string(),
+    )?;
     let (watched, gate_stats) = GateWatch::new(gate);
 
     // Samples for the chart: (t, batch done %, budget D).
@@ -210,7 +221,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         let (samples, stop, stats) = (samples.clone(), stop.clone(), gate_stats.clone());
         let db = state.join("queue.db");
         let lines = plan.lines as f64;
-        tokio::spawn(async move {
+        tasks.spawn("demo sampler", async move {
             let mut store: Option<EmbeddedQueue> = None;
             loop {
                 tokio::select! {
@@ -260,6 +271,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     stop.cancel();
     let _ = prober.await;
     let _ = sampler.await;
+    tasks.stop().await;
     let (summary, _) = result.map_err(|e| e.to_string())?;
     let elapsed = started.elapsed().as_secs_f64();
     let _ = pool.shutdown().await;

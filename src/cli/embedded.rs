@@ -1,18 +1,14 @@
-//! The embedded transport from the command line: `run` with
-//! `transport = "embedded"`, `submit --embedded PATH` and
-//! `results-embedded`.
+//! The embedded transport from the command line: `submit --embedded PATH`
+//! and `results-embedded` (`run` with `transport = "embedded"` goes
+//! through [`crate::app::run`] like every transport).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
-use tokio_util::sync::CancellationToken;
 
 use crate::batch::input::parse_input;
-use crate::config::Config;
-use crate::queue::Queue;
 use crate::queue::embedded::EmbeddedQueue;
 
 /// Flags of `sluicegate results-embedded`.
@@ -96,56 +92,4 @@ pub(crate) fn results(args: &ResultsEmbeddedArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// `run` with the embedded transport: a long-running worker on the store
-/// in `embedded.path`, one queue per `[[queue]]`, until SIGTERM/SIGINT.
-/// Several workers may share one file (every step is a transaction and a
-/// delivery tag fences each lease).
-pub(crate) async fn run_worker(config: &Config, exit_when_done: bool) -> ExitCode {
-    let path = config
-        .embedded
-        .as_ref()
-        .map_or_else(|| PathBuf::from("sluicegate.db"), |e| e.path.clone());
-    let mut stores = Vec::new();
-    for q in &config.queues {
-        match EmbeddedQueue::open(&path, q.queue_name.clone()) {
-            Ok(store) => stores.push(store),
-            Err(e) => {
-                eprintln!("embedded.path: {e}");
-                return ExitCode::from(super::EXIT_CONFIG);
-            }
-        }
-    }
-    let shutdown = CancellationToken::new();
-    super::spawn_signal_handler(shutdown.clone());
-    let queues: Vec<Arc<dyn Queue>> = stores
-        .iter()
-        .map(|s| Arc::new(s.clone()) as Arc<dyn Queue>)
-        .collect();
-    let running = match crate::app::start(config, queues, shutdown.clone()).await {
-        Ok(r) => r,
-        Err(error) => {
-            eprintln!("cannot start: {error}");
-            return ExitCode::from(super::EXIT_CONFIG);
-        }
-    };
-    if exit_when_done {
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                let left: u64 = stores
-                    .iter()
-                    .map(|s| s.unsettled_count().unwrap_or(1))
-                    .sum();
-                if left == 0 {
-                    stop.cancel();
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        });
-    }
-    running.wait().await;
-    ExitCode::SUCCESS
 }

@@ -12,20 +12,17 @@ mod probe;
 mod results;
 mod submit;
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
+use crate::app::{ResultsOutput, RunOptions};
 use crate::config::{Config, ConfigSources, Overrides, TransportKind};
-use crate::queue::{MemoryQueue, Queue};
 
 /// Exit code for configuration errors (as `check-config` documents).
-pub(crate) const EXIT_CONFIG: u8 = 2;
+pub(crate) const EXIT_CONFIG: u8 = crate::app::EXIT_CONFIG;
 
 /// sluicegate: dispatches LLM batch work into an inference pool only as
 /// fast as the pool has slack.
@@ -206,207 +203,26 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
         Err(code) => return code,
     };
     crate::telemetry::logging::init(config.telemetry.log_format, &config.telemetry.log_level);
-    if config.transport == TransportKind::Embedded {
-        if args.input.is_some() || args.output.is_some() {
-            eprintln!(
-                "--input/--output are for the memory transport; feed the embedded store with `sluicegate submit --embedded PATH`"
-            );
-            return ExitCode::from(EXIT_CONFIG);
-        }
-        return embedded::run_worker(&config, args.exit_when_done).await;
-    }
-    if config.transport == TransportKind::Redis {
-        return run_redis(&config).await;
-    }
-    if config.transport != TransportKind::Memory {
-        eprintln!(
-            "transport: `{}` is not available in this build; available: memory, redis, embedded",
-            config.transport.as_str()
-        );
-        return ExitCode::from(EXIT_CONFIG);
-    }
-    if config.queues.len() != 1 && args.input.is_some() {
-        eprintln!("--input needs exactly one configured queue");
-        return ExitCode::from(EXIT_CONFIG);
-    }
-    let memory: Vec<Arc<MemoryQueue>> = config
-        .queues
-        .iter()
-        .map(|q| Arc::new(MemoryQueue::new(q.queue_name.clone())))
-        .collect();
-    let mut loaded = 0usize;
-    if let (Some(path), Some(queue)) = (&args.input, memory.first()) {
-        match std::fs::read_to_string(path) {
-            Ok(text) => {
-                for line in text.lines().filter(|l| !l.trim().is_empty()) {
-                    queue.push_message(line.to_owned());
-                    loaded += 1;
-                }
-            }
-            Err(error) => {
-                eprintln!("--input: cannot read {}: {error}", path.display());
-                return ExitCode::from(EXIT_CONFIG);
-            }
-        }
-    }
+    // The memory transport keeps nothing after exit: its results always go
+    // somewhere (standard output when no file is named).
+    let output = match (config.transport, args.output) {
+        (TransportKind::Memory, Some(path)) => Some(ResultsOutput::File(path)),
+        (TransportKind::Memory, None) => Some(ResultsOutput::Stdout),
+        (_, Some(path)) => Some(ResultsOutput::File(path)),
+        (_, None) => None,
+    };
+    let options = RunOptions {
+        input: args.input,
+        output,
+        exit_when_done: args.exit_when_done,
+    };
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
-    let queues: Vec<Arc<dyn Queue>> = memory.iter().map(|q| q.clone() as Arc<dyn Queue>).collect();
-    let running = match crate::app::start(&config, queues, shutdown.clone()).await {
-        Ok(r) => r,
-        Err(error) => {
-            eprintln!("cannot start: {error}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
-    if args.exit_when_done {
-        let queues = memory.clone();
-        let stop = shutdown.clone();
-        tokio::spawn(async move {
-            loop {
-                let settled: usize = queues
-                    .iter()
-                    .map(|q| q.result_count() + q.dead_letters().len())
-                    .sum();
-                if settled >= loaded {
-                    stop.cancel();
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        });
-    }
-    running.wait().await;
-    write_results(&memory, args.output.as_ref())
-}
-
-/// Runs the dispatcher on Redis queues until SIGTERM/SIGINT, then hands
-/// every claim still held back to pending at once.
-async fn run_redis(config: &Config) -> ExitCode {
-    let redis_config = config
-        .redis
-        .clone()
-        .unwrap_or_else(submit::default_redis_config);
-    let (client, conn) = match submit::connect(&redis_config) {
-        Ok(c) => c,
-        Err(error) => {
-            eprintln!("{error}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
-    let addr = crate::queue::redis::masked_addr(&client);
-    let mut probe = conn.clone();
-    let ping = tokio::time::timeout(
-        Duration::from_secs(3),
-        redis::cmd("PING").query_async::<String>(&mut probe),
-    )
-    .await;
-    match ping {
-        Ok(Ok(_)) => tracing::info!(%addr, "redis reachable"),
-        Ok(Err(error)) => {
-            eprintln!(
-                "redis at {addr} is unreachable: {error}; retrying in the background, not ready until it answers"
-            );
-            tracing::error!(%addr, %error, "redis unreachable; not ready until it answers");
-        }
-        Err(_) => {
-            eprintln!(
-                "redis at {addr} did not answer within 3s; retrying in the background, not ready until it answers"
-            );
-            tracing::error!(%addr, "redis did not answer; not ready until it answers");
-        }
-    }
-    let redis_queues: Vec<Arc<crate::queue::redis::RedisQueue>> = config
-        .queues
-        .iter()
-        .map(|q| {
-            let mut settings = crate::queue::redis::RedisQueueSettings::new(q.queue_name.clone());
-            // Precedence queue > message > default: only a list the queue
-            // names overrides the message's.
-            settings.result_list = q.result_queue_name.clone();
-            settings.result_ttl_seconds = q.result_ttl_seconds;
-            Arc::new(crate::queue::redis::RedisQueue::start(
-                conn.clone(),
-                settings,
-            ))
-        })
-        .collect();
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
-    let queues: Vec<Arc<dyn Queue>> = redis_queues
-        .iter()
-        .map(|q| q.clone() as Arc<dyn Queue>)
-        .collect();
-    let running = match crate::app::start(config, queues, shutdown).await {
-        Ok(r) => r,
-        Err(error) => {
-            eprintln!("cannot start: {error}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
-    running.wait().await;
-    for queue in &redis_queues {
-        match queue.release_all().await {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(queue = %queue.name(), released = n, "claims handed back"),
-            Err(error) => {
-                tracing::warn!(%error, "could not hand claims back; they return when their lease expires");
-            }
-        }
-    }
-    ExitCode::SUCCESS
-}
-
-/// Writes the memory queues' results as JSON lines, and hands on what is
-/// still unsettled (the memory transport keeps nothing after exit).
-fn write_results(queues: &[Arc<MemoryQueue>], output: Option<&PathBuf>) -> ExitCode {
-    let mut results = String::new();
-    let mut unsettled = String::new();
-    let mut unsettled_count = 0usize;
-    for queue in queues {
-        for result in queue.results() {
-            // A result is plain strings and numbers: serialising cannot fail.
-            results.push_str(&serde_json::to_string(&result).unwrap_or_default());
-            results.push('\n');
-        }
-        for dead in queue.dead_letters() {
-            eprintln!(
-                "dead letter: {}",
-                serde_json::to_string(&dead.last_error).unwrap_or_default()
-            );
-        }
-        for body in queue.unsettled() {
-            unsettled.push_str(&String::from_utf8_lossy(&body));
-            unsettled.push('\n');
-            unsettled_count += 1;
-        }
-    }
-    let written = match output {
-        Some(path) => std::fs::write(path, &results).and_then(|()| {
-            if unsettled_count == 0 {
-                return Ok(());
-            }
-            let mut rest = path.clone().into_os_string();
-            rest.push(".unsettled.jsonl");
-            let rest = PathBuf::from(rest);
-            eprintln!(
-                "{unsettled_count} messages were not settled; written to {}",
-                rest.display()
-            );
-            std::fs::write(rest, &unsettled)
-        }),
-        None => {
-            if unsettled_count > 0 {
-                eprintln!("{unsettled_count} messages were not settled:\n{unsettled}");
-            }
-            std::io::stdout().write_all(results.as_bytes())
-        }
-    };
-    match written {
+    match crate::app::run(&config, options, shutdown.cancelled_owned()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("cannot write results: {error}");
-            ExitCode::FAILURE
+            eprintln!("{error}");
+            ExitCode::from(error.exit_code())
         }
     }
 }

@@ -56,19 +56,6 @@ impl RedisArgs {
     }
 }
 
-/// `[redis]` defaults (local Redis, database 0).
-pub(super) fn default_redis_config() -> RedisConfig {
-    RedisConfig {
-        url: EndpointUrl::new(
-            // A constant, valid URL.
-            url::Url::parse("redis://127.0.0.1:6379/0").unwrap_or_else(|_| unreachable!()),
-        ),
-        username: None,
-        password: None,
-        password_file: None,
-    }
-}
-
 /// A client and a lazily connecting manager for `config`.
 pub(super) fn connect(config: &RedisConfig) -> Result<(Client, ConnectionManager), String> {
     let c = client(config).map_err(|e: ConnectError| e.to_string())?;
@@ -105,26 +92,10 @@ fn to_request(line: &str, default_deadline: i64) -> Result<crate::request::Messa
         serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
     let object = value.as_object_mut().ok_or("not a JSON object")?;
     if object.contains_key("custom_id") {
-        let id = object
-            .get("custom_id")
-            .and_then(|v| v.as_str())
-            .ok_or("custom_id must be a string")?
-            .to_owned();
-        if let Some(method) = object.get("method").and_then(|v| v.as_str())
-            && !method.eq_ignore_ascii_case("POST")
-        {
-            return Err(format!("method {method} is not supported (POST only)"));
-        }
-        let body = object.remove("body").ok_or("body is missing")?;
-        let mut request = serde_json::json!({
-            "id": id,
-            "deadline": default_deadline,
-            "payload": body,
-        });
-        if let Some(url) = object.get("url").and_then(|v| v.as_str()) {
-            request["endpoint"] = serde_json::Value::String(url.to_owned());
-        }
-        value = request;
+        // The converter `batch` uses: one shape for OpenAI lines everywhere.
+        let bytes =
+            crate::batch::input::openai_request(line, default_deadline).map_err(|(_, why)| why)?;
+        return parse_message(&bytes).map_err(|e| e.reason);
     } else {
         let target = if object.contains_key("data") {
             object.get_mut("data").and_then(|d| d.as_object_mut())

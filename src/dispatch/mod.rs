@@ -1,11 +1,19 @@
 //! The dispatch path: window arithmetic (`window.rs`, pure), request costs
-//! (`cost.rs`, pure), tunables (`settings.rs`) and the loop that pulls,
-//! admits, sends and settles messages (`dispatcher.rs`).
+//! (`cost.rs`, pure), the retry policy (`retry.rs`, pure), tunables
+//! (`settings.rs`, from the typed config) and the loop that pulls, admits,
+//! sends and settles messages, split by task: `dispatcher.rs` (state, start
+//! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
 
 pub mod cost;
 mod dispatcher;
+mod observe;
+mod receive;
+mod retry;
+mod send;
 mod settings;
+mod settle;
 pub mod window;
 
 pub use dispatcher::QueueDispatcher;
-pub use settings::DispatchSettings;
+pub use retry::{RetryDecision, RetryPolicy};
+pub use settings::{DispatchSettings, MAX_PARK, MAX_PARKED, RECEIVE_BATCH};

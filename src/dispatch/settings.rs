@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::config::{Rounding, Unit};
+use crate::config::{DispatchConfig, QueueConfig, Rounding, Unit};
 
 /// How one queue is dispatched.
 #[derive(Debug, Clone)]
@@ -38,22 +38,53 @@ pub struct DispatchSettings {
     pub shutdown_grace: Duration,
 }
 
-impl Default for DispatchSettings {
-    fn default() -> Self {
+/// Most messages pulled in one receive (not configurable: the window
+/// bounds what is pulled).
+pub const RECEIVE_BATCH: usize = 256;
+/// Longest a message stays parked at a gate.
+pub const MAX_PARK: Duration = Duration::from_secs(30);
+/// Most messages parked at once.
+pub const MAX_PARKED: usize = 256;
+
+/// The `[dispatch]` timings; the per-queue fields (unit, rounding,
+/// `max_sys`) take the `[[queue]]` defaults until [`DispatchSettings::for_queue`].
+impl From<&DispatchConfig> for DispatchSettings {
+    fn from(d: &DispatchConfig) -> Self {
         Self {
             unit: Unit::Requests,
             rounding: Rounding::Floor,
-            max_sys: 100.0,
-            poll_interval: Duration::from_secs(1),
-            max_staleness: Duration::from_secs(30),
-            lease: Duration::from_secs(300),
-            receive_wait: Duration::from_secs(1),
-            receive_batch: 256,
-            congestion_backoff: Duration::from_secs(2),
-            wait_requeue_delay: Duration::from_secs(1),
-            max_park: Duration::from_secs(30),
-            max_parked: 256,
-            shutdown_grace: Duration::from_secs(30),
+            max_sys: DEFAULT_MAX_SYS,
+            poll_interval: d.poll_interval,
+            max_staleness: d.max_staleness,
+            lease: d.lease,
+            receive_wait: d.receive_wait,
+            receive_batch: RECEIVE_BATCH,
+            congestion_backoff: d.congestion_backoff,
+            wait_requeue_delay: d.wait_requeue_delay,
+            max_park: MAX_PARK,
+            max_parked: MAX_PARKED,
+            shutdown_grace: d.shutdown_grace,
         }
+    }
+}
+
+/// `max_sys` of a `[[queue]]` that sets none.
+const DEFAULT_MAX_SYS: f64 = 100.0;
+
+impl DispatchSettings {
+    /// These settings with the queue's unit, rounding and `max_sys`.
+    #[must_use]
+    pub fn for_queue(mut self, queue: &QueueConfig) -> Self {
+        self.unit = queue.unit;
+        self.rounding = queue.rounding;
+        self.max_sys = queue.max_sys;
+        self
+    }
+}
+
+/// The config's defaults (one place for them).
+impl Default for DispatchSettings {
+    fn default() -> Self {
+        Self::from(&DispatchConfig::default())
     }
 }

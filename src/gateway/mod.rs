@@ -4,7 +4,8 @@
 //! The gateway is vLLM behind an endpoint picker, reached over HTTP through
 //! one shared connection pool. This module performs single attempts only:
 //! retries go back through the queue and the dispatch gate, so the retry
-//! policy here is a pure calculator, not a loop.
+//! policy (in [`crate::dispatch`], beside the loop that applies it) is a
+//! pure calculator, not a loop.
 //!
 //! Files and their roles:
 //!
@@ -15,8 +16,6 @@
 //!   request headers of REFERENCE.md §3 ([`PreparedRequest`]).
 //! - `classify.rs`: [`AttemptOutcome`], [`AttemptFailure`], the status
 //!   classes and `Retry-After` parsing.
-//! - `retry.rs`: [`RetryPolicy`], exponential backoff with jitter, bounded
-//!   by the deadline and an optional attempt count.
 //! - `time.rs`: [`deadline_instant`], Unix-seconds deadlines on tokio's
 //!   clock.
 //!
@@ -28,11 +27,13 @@
 //! limit.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
+
+use crate::config::GatewayConfig;
 
 mod classify;
 mod client;
-mod retry;
 mod target;
 mod time;
 
@@ -41,7 +42,6 @@ pub use classify::{
     parse_retry_after, parse_retry_after_at,
 };
 pub use client::{GatewayBuildError, GatewayClient};
-pub use retry::{RetryDecision, RetryPolicy};
 pub use target::{EndpointError, PrepareError, PreparedRequest, Target, TargetError};
 pub use time::{deadline_instant, deadline_instant_at};
 
@@ -78,17 +78,58 @@ pub struct GatewaySettings {
     pub fairness_attribute: Option<String>,
 }
 
+/// The gateway token file named in the config could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("gateway.token_file: cannot read {path}: {source}")]
+pub struct SecretFileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The read error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl GatewaySettings {
+    /// The settings of `config` with `bearer_token` as the token.
+    fn with_token(config: &GatewayConfig, bearer_token: Option<String>) -> Self {
+        Self {
+            attempt_timeout: config.attempt_timeout,
+            connect_timeout: config.connect_timeout,
+            max_response_bytes: usize::try_from(config.max_response_bytes).unwrap_or(usize::MAX),
+            max_idle_per_host: config.max_connections_per_host,
+            bearer_token,
+            objective_header: config.objective_header.header_name().to_owned(),
+            fairness_attribute: config.fairness_attribute.clone().filter(|a| !a.is_empty()),
+        }
+    }
+}
+
+/// The configured client: `token`, else the contents of `token_file`.
+impl TryFrom<&GatewayConfig> for GatewaySettings {
+    type Error = SecretFileError;
+
+    fn try_from(config: &GatewayConfig) -> Result<Self, Self::Error> {
+        let bearer_token = match (&config.token, &config.token_file) {
+            (Some(token), _) => Some(token.expose().to_owned()),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|source| SecretFileError {
+                        path: path.clone(),
+                        source,
+                    })?
+                    .trim()
+                    .to_owned(),
+            ),
+            (None, None) => None,
+        };
+        Ok(Self::with_token(config, bearer_token))
+    }
+}
+
+/// The `[gateway]` defaults of the config (one place for them).
 impl Default for GatewaySettings {
     fn default() -> Self {
-        Self {
-            attempt_timeout: Duration::from_secs(300),
-            connect_timeout: Duration::from_secs(5),
-            max_response_bytes: 16 * 1024 * 1024,
-            max_idle_per_host: 32,
-            bearer_token: None,
-            objective_header: GATEWAY_OBJECTIVE_HEADER.to_owned(),
-            fairness_attribute: Some("userid".to_owned()),
-        }
+        Self::with_token(&GatewayConfig::default(), None)
     }
 }
 
@@ -123,5 +164,14 @@ mod tests {
         let shown = format!("{settings:?}");
         assert!(!shown.contains("s3cr3t"), "{shown}");
         assert!(shown.contains("<redacted>"), "{shown}");
+    }
+
+    #[test]
+    fn defaults_are_the_configs() {
+        let settings = GatewaySettings::default();
+        let config = GatewayConfig::default();
+        assert_eq!(settings.attempt_timeout, config.attempt_timeout);
+        assert_eq!(settings.max_idle_per_host, config.max_connections_per_host);
+        assert_eq!(settings.objective_header, GATEWAY_OBJECTIVE_HEADER);
     }
 }

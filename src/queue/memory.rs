@@ -303,6 +303,13 @@ impl Queue for MemoryQueue {
         let n = self.lock().pending.len() as u64;
         Box::pin(std::future::ready(Ok(Some(n))))
     }
+
+    fn outstanding(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        let state = self.lock();
+        let n = (state.pending.len() + state.leased.len()) as u64;
+        drop(state);
+        Box::pin(std::future::ready(Ok(Some(n))))
+    }
 }
 
 #[cfg(test)]

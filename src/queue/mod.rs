@@ -1,11 +1,13 @@
 //! Queue transports: where requests come from and where their results go.
 //!
-//! [`Queue`] is the contract every transport implements (in-memory here;
-//! Redis, Pub/Sub and the embedded store in their own folders;
-//! [`embedded`] is the single-machine durable store).
+//! [`Queue`] is the contract every transport implements: `memory.rs` (in
+//! process, tests and `run --input`), [`redis`] (sorted sets, wire
+//! compatible with upstream), [`embedded`] (the single-machine durable
+//! SQLite store). [`open`] builds the configured transport's queues.
 
 pub mod embedded;
 mod memory;
+mod open;
 pub mod redis;
 
 use std::fmt;
@@ -17,6 +19,7 @@ use futures_util::future::BoxFuture;
 use crate::result::ResultRecord;
 
 pub use memory::{DeadLetter, MemoryQueue};
+pub use open::{OpenError, Transports, default_redis_config, open};
 
 /// Transport handle of one delivery. Opaque to the dispatcher; a new tag
 /// per delivery, so a holder whose lease expired cannot acknowledge a
@@ -119,6 +122,14 @@ impl QueueError {
 /// - `extend_lease` keeps long-running deliveries leased.
 /// - `dead_letter` moves a message out of the queue with its last error,
 ///   after the attempts allowed for it are used up.
+/// - `close` is called once, after the dispatcher has drained: it hands
+///   every delivery this process still holds back to the queue at once
+///   (visible immediately, no attempt counted), so another worker need not
+///   wait for the leases to expire. Nothing is lost if it fails or is never
+///   called: the leases expire and the messages are redelivered.
+/// - `outstanding` counts messages not yet settled (waiting, delayed or
+///   leased) for `--exit-when-done`; transports that cannot tell return
+///   `None` and cannot be run that way.
 pub trait Queue: Send + Sync + fmt::Debug {
     /// The queue's name, for logs and metric labels.
     fn name(&self) -> &str;
@@ -171,6 +182,19 @@ pub trait Queue: Send + Sync + fmt::Debug {
     /// I/O; `None` when the transport keeps none.
     fn status(&self) -> Option<TransportStatus> {
         None
+    }
+
+    /// Hands back every delivery this process still holds (see the
+    /// contract above); returns how many. Default: holds nothing beyond
+    /// what the dispatcher already handed back.
+    fn close(&self) -> BoxFuture<'_, Result<usize, QueueError>> {
+        Box::pin(std::future::ready(Ok(0)))
+    }
+
+    /// Messages not yet settled, all holders; `None` when the transport
+    /// cannot tell. Default: `None`.
+    fn outstanding(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        Box::pin(std::future::ready(Ok(None)))
     }
 }
 

@@ -51,3 +51,34 @@ pub async fn wait_until(within: std::time::Duration, what: &str, mut done: impl 
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// The application started in process, with a shutdown the test controls.
+#[derive(Debug)]
+pub struct App {
+    /// The running application (telemetry address, metrics, queues).
+    pub running: sluicegate::app::Running,
+    /// Cancel to start the drain.
+    pub shutdown: tokio_util::sync::CancellationToken,
+}
+
+impl App {
+    /// Starts the drain and waits for it; fails the test if the run failed.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.running.wait().await.expect("the run drains cleanly");
+    }
+}
+
+/// Starts the application for `config` exactly as `sluicegate run` does
+/// (no `--input`, results kept in the queues), stopped by [`App::stop`].
+pub async fn start_app(config: &sluicegate::config::Config) -> App {
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = sluicegate::app::start(
+        config,
+        sluicegate::app::RunOptions::default(),
+        shutdown.clone().cancelled_owned(),
+    )
+    .await
+    .expect("the application starts");
+    App { running, shutdown }
+}

@@ -1,18 +1,11 @@
 //! A real `redis-server` on a free 127.0.0.1 port, in its own directory,
 //! killed by PID (on drop too). Restartable on the same port and data.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A port nothing listens on right now.
-pub(crate) fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port()
-}
+pub(crate) use super::free_port;
 
 /// How to run the server.
 #[derive(Debug, Clone, Default)]

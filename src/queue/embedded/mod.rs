@@ -548,6 +548,26 @@ impl Queue for EmbeddedQueue {
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
         Box::pin(async move { self.blocking(|i| i.backlog()).await.map(Some) })
     }
+
+    // `close` keeps the default: several workers may share one store, and
+    // the dispatcher's drain has already handed back what this one held.
+
+    fn outstanding(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        Box::pin(async move {
+            self.blocking(|i| {
+                i.read(|c, queue| {
+                    c.query_row(
+                        "SELECT COUNT(*) FROM messages WHERE queue = ?1",
+                        [queue],
+                        |r| r.get::<_, i64>(0),
+                    )
+                    .map(|n| u64::try_from(n).unwrap_or(0))
+                })
+            })
+            .await
+            .map(Some)
+        })
+    }
 }
 
 /// An exclusive claim on a store, held for the life of the value: a second

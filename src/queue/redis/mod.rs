@@ -198,20 +198,6 @@ impl RedisQueue {
     pub fn is_reachable(&self) -> bool {
         self.inner.stats.reachable.load(Ordering::Relaxed)
     }
-
-    /// Hands every claim this process holds back to pending at once (for a
-    /// shutdown that does not go through the dispatcher's drain).
-    pub async fn release_all(&self) -> Result<usize, QueueError> {
-        let tags: Vec<String> = self.inner.lock_held().keys().cloned().collect();
-        let mut released = 0;
-        for tag in tags {
-            self.inner
-                .release(&DeliveryTag(tag), Duration::ZERO, NackReason::Shutdown)
-                .await?;
-            released += 1;
-        }
-        Ok(released)
-    }
 }
 
 fn unavailable(error: redis::RedisError) -> QueueError {
@@ -781,6 +767,22 @@ impl Queue for RedisQueue {
             claims_held: s.claims_held.load(Ordering::Relaxed),
             reclaims_total: s.reclaims.load(Ordering::Relaxed),
             dead_letters_total: s.dead_letters.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Hands every claim this process still holds back to pending at once,
+    /// so another worker need not wait for the leases to expire.
+    fn close(&self) -> BoxFuture<'_, Result<usize, QueueError>> {
+        Box::pin(async move {
+            let tags: Vec<String> = self.inner.lock_held().keys().cloned().collect();
+            let mut released = 0;
+            for tag in tags {
+                self.inner
+                    .release(&DeliveryTag(tag), Duration::ZERO, NackReason::Shutdown)
+                    .await?;
+                released += 1;
+            }
+            Ok(released)
         })
     }
 }

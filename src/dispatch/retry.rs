@@ -20,6 +20,8 @@ use std::time::Duration;
 use rand::RngExt;
 use tokio::time::Instant;
 
+use crate::config::DispatchConfig;
+
 /// Backoff parameters for retryable failures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
@@ -36,14 +38,22 @@ pub struct RetryPolicy {
     pub jitter: bool,
 }
 
-impl Default for RetryPolicy {
-    fn default() -> Self {
+/// The `[dispatch]` retry keys, with jitter.
+impl From<&DispatchConfig> for RetryPolicy {
+    fn from(config: &DispatchConfig) -> Self {
         Self {
-            initial: Duration::from_secs(1),
-            max: Duration::from_secs(60),
-            max_attempts: None,
+            initial: config.retry_initial_backoff,
+            max: config.retry_max_backoff,
+            max_attempts: config.max_attempts,
             jitter: true,
         }
+    }
+}
+
+/// The config's defaults (one place for them).
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self::from(&DispatchConfig::default())
     }
 }
 

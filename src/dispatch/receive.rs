@@ -1,0 +1,352 @@
+//! The receiver: takes permits before it pulls, then parses, checks
+//! deadlines, admits and releases each message (or parks it at its gate).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::cost::request_cost;
+use super::dispatcher::{Ready, Results, Shared, unix_now};
+use super::send::{error_result, send_and_settle};
+use super::settle::settle;
+use crate::gate::{Admission, AdmissionRequest, Ticket};
+use crate::queue::{Delivery, NackReason};
+use crate::request::parse_message;
+use crate::result::{ErrorCode, ResultRecord};
+
+/// How often a parked message asks its gate again when nothing else wakes it.
+const PARK_RECHECK: Duration = Duration::from_millis(250);
+
+/// Pulls messages while the window has room.
+pub(super) async fn receive_loop(
+    shared: &Arc<Shared>,
+    shutdown: &CancellationToken,
+    abandon: &CancellationToken,
+    tracker: &TaskTracker,
+    results: &Results,
+) {
+    let settings = shared.settings().clone();
+    let mut receive_errors = 0u32;
+    while !shutdown.is_cancelled() {
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let available = shared.window().available(Instant::now());
+        if available == 0 {
+            shared.refresh.notify_one();
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = &mut changed => {}
+                () = tokio::time::sleep(settings.poll_interval) => {}
+            }
+            continue;
+        }
+        // Permits before pull: never lease more than the window can send.
+        let max = match settings.unit {
+            crate::config::Unit::Requests => usize::try_from(available)
+                .unwrap_or(usize::MAX)
+                .min(settings.receive_batch),
+            // Costs are known only after parsing: take one at a time.
+            crate::config::Unit::Tokens | crate::config::Unit::Bytes => 1,
+        };
+        let received = tokio::select! {
+            () = shutdown.cancelled() => break,
+            r = shared.queue().receive(max, settings.lease, settings.receive_wait) => r,
+        };
+        let deliveries = match received {
+            Ok(d) => {
+                receive_errors = 0;
+                d
+            }
+            Err(error) => {
+                receive_errors = receive_errors.saturating_add(1);
+                let pause = Duration::from_millis(100)
+                    .saturating_mul(1 << receive_errors.min(6))
+                    .min(settings.poll_interval.max(Duration::from_secs(5)));
+                tracing::warn!(%error, queue = shared.queue().name(), "receive failed");
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                continue;
+            }
+        };
+        for delivery in deliveries {
+            shared.metrics().received.inc();
+            shared.held().insert(delivery.tag.clone());
+            if shutdown.is_cancelled() {
+                shared
+                    .nack(delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                    .await;
+                continue;
+            }
+            handle(shared, delivery, shutdown, abandon, tracker, results).await;
+        }
+    }
+}
+
+/// Takes one delivery from bytes to a released request (or a settled,
+/// requeued or parked message).
+pub(super) async fn handle(
+    shared: &Arc<Shared>,
+    delivery: Delivery,
+    shutdown: &CancellationToken,
+    abandon: &CancellationToken,
+    tracker: &TaskTracker,
+    results: &Results,
+) {
+    let Some(ready) = check(shared, delivery, results).await else {
+        return;
+    };
+    match release(shared, &ready, shutdown).await {
+        Release::Go(ticket) => {
+            let worker = send_and_settle(
+                shared.clone(),
+                ready,
+                ticket,
+                abandon.clone(),
+                results.clone(),
+            );
+            tracker.spawn(worker);
+        }
+        Release::Shutdown => {
+            shared
+                .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                .await;
+        }
+        Release::NotAdmitted(Admission::Wait { .. }) => {
+            park(shared, ready, shutdown, abandon, tracker, results);
+        }
+        Release::NotAdmitted(Admission::Drop { reason }) => {
+            let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
+            settle(shared, results, ready.delivery.tag, result).await;
+        }
+        Release::NotAdmitted(Admission::Refuse { .. } | Admission::Continue(_)) => {
+            let delay = shared.settings().wait_requeue_delay;
+            shared
+                .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
+                .await;
+        }
+    }
+}
+
+/// What came of trying to release one message.
+pub(super) enum Release {
+    /// Window and gate agree: send it, holding the ticket until it ends.
+    Go(Ticket),
+    /// The gate said wait, refuse or drop (never `Continue`).
+    NotAdmitted(Admission),
+    /// Shutdown came first.
+    Shutdown,
+}
+
+/// Waits for window room, then asks the gate, and records the send only
+/// when both agree. It never holds an admission ticket while waiting for
+/// the window: a concurrency gate whose slots were held by waiting messages
+/// would read zero budget, and the window would never reopen.
+pub(super) async fn release(
+    shared: &Shared,
+    ready: &Ready,
+    shutdown: &CancellationToken,
+) -> Release {
+    loop {
+        if !wait_for_room(shared, ready.cost, shutdown).await {
+            return Release::Shutdown;
+        }
+        match admit(shared, ready).await {
+            Admission::Continue(ticket) => {
+                let now = Instant::now();
+                let mut window = shared.window();
+                if window.allows(now, ready.cost) {
+                    window.sent(now, ready.cost);
+                    shared.export_window(&window, now);
+                    return Release::Go(ticket);
+                }
+                // The room went while the gate was asked (a 429, say):
+                // give the reservation back and wait again.
+            }
+            verdict => return Release::NotAdmitted(verdict),
+        }
+    }
+}
+
+/// Parses and validates a delivery. Anything unusable is answered here
+/// with a typed result, never dropped.
+pub(super) async fn check(
+    shared: &Arc<Shared>,
+    delivery: Delivery,
+    results: &Results,
+) -> Option<Ready> {
+    let received_at = Instant::now();
+    let message = match parse_message(&delivery.body) {
+        Ok(message) => message,
+        Err(failure) => {
+            let id = failure
+                .id
+                .clone()
+                .unwrap_or_else(|| format!("invalid:{}", delivery.tag));
+            tracing::info!(id, reason = failure.reason, "invalid message");
+            let result = ResultRecord::error(
+                &id,
+                failure.token.as_deref(),
+                ErrorCode::InvalidRequest,
+                &failure.reason,
+            );
+            settle(shared, results, delivery.tag, result).await;
+            return None;
+        }
+    };
+    if message.request.deadline <= unix_now() {
+        let result = error_result(&message, ErrorCode::DeadlineExceeded, "deadline exceeded");
+        settle(shared, results, delivery.tag, result).await;
+        return None;
+    }
+    let prepared = match shared
+        .config
+        .gateway
+        .prepare(&shared.config.target, &message.request)
+    {
+        Ok(prepared) => prepared,
+        Err(error) => {
+            let result = error_result(&message, ErrorCode::InvalidRequest, &error.to_string());
+            settle(shared, results, delivery.tag, result).await;
+            return None;
+        }
+    };
+    let cost = request_cost(shared.settings().unit, &message.request.payload);
+    Some(Ready {
+        delivery,
+        message,
+        prepared,
+        cost,
+        received_at,
+    })
+}
+
+/// Asks the gate about one message and counts the verdict.
+pub(super) async fn admit(shared: &Shared, ready: &Ready) -> Admission {
+    let mut labels = shared.config.labels.clone();
+    labels.extend(
+        ready
+            .message
+            .internal
+            .labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    let verdict = shared
+        .config
+        .gate
+        .admit(AdmissionRequest {
+            id: &ready.message.request.id,
+            metadata: &ready.message.request.metadata,
+            labels: &labels,
+        })
+        .await;
+    shared
+        .metrics()
+        .decision(verdict.verdict_label(), verdict.reason_label());
+    verdict
+}
+
+/// Waits until the window has room for a request of `cost`. Returns false
+/// if shutdown came first.
+pub(super) async fn wait_for_room(
+    shared: &Shared,
+    cost: u64,
+    shutdown: &CancellationToken,
+) -> bool {
+    loop {
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        if shared.window().allows(Instant::now(), cost) {
+            return true;
+        }
+        shared.refresh.notify_one();
+        tokio::select! {
+            () = shutdown.cancelled() => return false,
+            () = &mut changed => {}
+            () = tokio::time::sleep(shared.settings().poll_interval) => {}
+        }
+    }
+}
+
+/// Holds a message the gate told to wait, asking again until it is admitted,
+/// its park time or deadline ends, or shutdown. Parked messages do not use
+/// the window, so a waiting tenant cannot block the others.
+pub(super) fn park(
+    shared: &Arc<Shared>,
+    ready: Ready,
+    shutdown: &CancellationToken,
+    abandon: &CancellationToken,
+    tracker: &TaskTracker,
+    results: &Results,
+) {
+    let settings = shared.settings();
+    let parked_now = shared.parked.fetch_add(1, Ordering::AcqRel);
+    if parked_now >= settings.max_parked {
+        shared.parked.fetch_sub(1, Ordering::AcqRel);
+        let shared = shared.clone();
+        tracker.spawn(async move {
+            let delay = shared.settings().wait_requeue_delay;
+            shared
+                .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
+                .await;
+        });
+        return;
+    }
+    shared.metrics().parked.inc();
+    let shared = shared.clone();
+    let shutdown = shutdown.clone();
+    let abandon = abandon.clone();
+    let results = results.clone();
+    tracker.spawn(async move {
+        let give_up = Instant::now() + shared.settings().max_park;
+        let outcome = loop {
+            let finished = shared.finished.notified();
+            tokio::select! {
+                () = shutdown.cancelled() => break Release::Shutdown,
+                () = finished => {}
+                () = tokio::time::sleep(PARK_RECHECK) => {}
+            }
+            if Instant::now() >= give_up || ready.message.request.deadline <= unix_now() {
+                break Release::NotAdmitted(Admission::Refuse {
+                    reason: "park_expired",
+                });
+            }
+            match release(&shared, &ready, &shutdown).await {
+                Release::NotAdmitted(Admission::Wait { .. } | Admission::Refuse { .. }) => {}
+                decided => break decided,
+            }
+        };
+        shared.parked.fetch_sub(1, Ordering::AcqRel);
+        shared.metrics().parked.dec();
+        match outcome {
+            Release::Go(ticket) => {
+                send_and_settle(shared, ready, ticket, abandon, results).await;
+            }
+            Release::NotAdmitted(Admission::Drop { reason }) => {
+                let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
+                settle(&shared, &results, ready.delivery.tag, result).await;
+            }
+            Release::Shutdown => {
+                shared
+                    .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                    .await;
+            }
+            Release::NotAdmitted(_) => {
+                // Back to the queue without using an attempt; an expired
+                // deadline is answered when it is next received.
+                let delay = shared.settings().wait_requeue_delay;
+                shared
+                    .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
+                    .await;
+            }
+        }
+    });
+}

@@ -1,0 +1,170 @@
+//! The worker of one released message: sends it and decides its fate
+//! (result, requeue with backoff, or dead letter).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::dispatcher::{Ready, Results, Shared};
+use super::retry::RetryDecision;
+use super::settle::settle;
+use crate::gate::Ticket;
+use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
+use crate::queue::NackReason;
+use crate::request::Message;
+use crate::result::{ErrorCode, ResultRecord};
+
+/// How long a message must have waited since it was received before the
+/// queue is asked again whether it was cancelled (keeps the hot path free
+/// of an extra round trip per message).
+pub(super) const CANCEL_RECHECK_AFTER: Duration = Duration::from_millis(500);
+
+/// Sends one released request and decides its fate.
+pub(super) async fn send_and_settle(
+    shared: Arc<Shared>,
+    ready: Ready,
+    ticket: Ticket,
+    abandon: CancellationToken,
+    results: Results,
+) {
+    let metrics = shared.metrics();
+    // A message that waited (parked at a gate) may have been cancelled
+    // meanwhile; fresh ones were checked when the transport handed them out.
+    if ready.received_at.elapsed() >= CANCEL_RECHECK_AFTER
+        && shared.queue().cancelled(&ready.delivery.tag).await
+    {
+        let now = Instant::now();
+        {
+            let mut window = shared.window();
+            window.finished(now, ready.cost);
+            shared.export_window(&window, now);
+        }
+        drop(ticket);
+        shared.changed.notify_waiters();
+        shared.finished.notify_waiters();
+        let result = error_result(
+            &ready.message,
+            ErrorCode::Cancelled,
+            "cancelled by the submitter",
+        );
+        settle(&shared, &results, ready.delivery.tag, result).await;
+        return;
+    }
+    metrics
+        .dispatch_delay
+        .observe(ready.received_at.elapsed().as_secs_f64());
+    metrics.sent.inc();
+    let deadline = deadline_instant(ready.message.request.deadline);
+    let started = Instant::now();
+    let outcome = tokio::select! {
+        o = shared.config.gateway.send(&ready.prepared, deadline) => Some(o),
+        () = abandon.cancelled() => None,
+    };
+    let now = Instant::now();
+    {
+        let mut window = shared.window();
+        window.finished(now, ready.cost);
+        if let Some(AttemptOutcome::Congested { retry_after, .. }) = &outcome {
+            window.congested(now, *retry_after);
+        }
+        shared.export_window(&window, now);
+    }
+    // The pool no longer holds this request: free the gate's reservation
+    // and wake anyone waiting for room or for a slot.
+    drop(ticket);
+    shared.changed.notify_waiters();
+    shared.finished.notify_waiters();
+    let Some(outcome) = outcome else {
+        shared
+            .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+            .await;
+        return;
+    };
+    metrics
+        .attempt_latency
+        .observe(now.duration_since(started).as_secs_f64());
+    metrics.attempt(outcome.label());
+    let attempts = ready.delivery.retry_count.saturating_add(1);
+    let message = &ready.message;
+    let tag = ready.delivery.tag;
+    let (id, token) = (&message.request.id, message.token());
+    match outcome {
+        AttemptOutcome::Success { status, body } | AttemptOutcome::Final { status, body } => {
+            let result = ResultRecord::http(id, token, status, body, attempts);
+            settle(&shared, &results, tag, result).await;
+        }
+        AttemptOutcome::Congested {
+            status,
+            body,
+            retry_after,
+            dropped_reason,
+        } => {
+            metrics.congestion.inc();
+            tracing::debug!(id, status, ?retry_after, ?dropped_reason, "pool congested");
+            let delay = retry_after.unwrap_or(shared.settings().congestion_backoff);
+            if now + delay >= deadline {
+                // No time left for another try: the last answer is the result.
+                let result = ResultRecord::http(id, token, status, body, attempts);
+                settle(&shared, &results, tag, result).await;
+            } else {
+                shared.nack(tag, delay, NackReason::Congested).await;
+            }
+        }
+        AttemptOutcome::Retryable {
+            failure,
+            retry_after,
+        } => match shared
+            .config
+            .retry
+            .decide(attempts, retry_after, now, deadline)
+        {
+            RetryDecision::Retry { delay } => {
+                tracing::debug!(id, %failure, ?delay, attempts, "retrying");
+                shared.nack(tag, delay, NackReason::Failed).await;
+            }
+            RetryDecision::DeadLetter => {
+                let last = failure_result(message, &failure, attempts);
+                metrics.outcome("dead_letter");
+                tracing::warn!(id, %failure, attempts, "attempts used up; dead-lettering");
+                if let Err(error) = shared.queue().dead_letter(tag.clone(), last).await {
+                    tracing::warn!(%error, id, "dead-letter write failed; message will be redelivered");
+                }
+                shared.held().remove(&tag);
+            }
+            RetryDecision::GiveUp => {
+                let result = failure_result(message, &failure, attempts);
+                settle(&shared, &results, tag, result).await;
+            }
+        },
+        AttemptOutcome::Failed { failure } => {
+            let result = failure_result(message, &failure, attempts);
+            settle(&shared, &results, tag, result).await;
+        }
+        AttemptOutcome::DeadlineExceeded => {
+            let result = error_result(message, ErrorCode::DeadlineExceeded, "deadline exceeded")
+                .with_attempts(attempts);
+            settle(&shared, &results, tag, result).await;
+        }
+    }
+}
+
+/// The result for a failure with no more attempts: the last HTTP answer if
+/// there was one, else `INFERENCE_ERROR`.
+pub(super) fn failure_result(
+    message: &Message,
+    failure: &AttemptFailure,
+    attempts: u32,
+) -> ResultRecord {
+    let (id, token) = (&message.request.id, message.token());
+    match failure.http_answer() {
+        Some((status, body)) => ResultRecord::http(id, token, status, body.to_owned(), attempts),
+        None => ResultRecord::error(id, token, ErrorCode::InferenceError, &failure.to_string())
+            .with_attempts(attempts),
+    }
+}
+
+pub(super) fn error_result(message: &Message, code: ErrorCode, text: &str) -> ResultRecord {
+    ResultRecord::error(&message.request.id, message.token(), code, text)
+}

@@ -1,0 +1,159 @@
+//! Opening the configured transport: one queue per `[[queue]]`, in config
+//! order, so the wiring never has to check that the two lists match.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Config, EndpointUrl, RedisConfig, TransportKind};
+
+use super::embedded::{EmbeddedError, EmbeddedQueue};
+use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, client, manager, masked_addr};
+use super::{MemoryQueue, Queue};
+
+/// Store file of the embedded transport when `[embedded]` names none.
+const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";
+/// How long the start-up PING may take before Redis is reported down.
+const REDIS_PING_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The opened queues of one transport: `queues()[i]` serves
+/// `config.queues[i]`. The concrete handles stay reachable for what only
+/// one transport does (the memory transport's input and output).
+#[derive(Debug, Clone)]
+pub enum Transports {
+    /// In-process queues (tests, `run --input`).
+    Memory(Vec<Arc<MemoryQueue>>),
+    /// Redis sorted-set queues.
+    Redis(Vec<Arc<RedisQueue>>),
+    /// Queues in one embedded store file.
+    Embedded(Vec<Arc<EmbeddedQueue>>),
+}
+
+impl Transports {
+    /// The queues behind the [`Queue`] contract, in config order.
+    pub fn queues(&self) -> Vec<Arc<dyn Queue>> {
+        match self {
+            Self::Memory(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
+            Self::Redis(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
+            Self::Embedded(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
+        }
+    }
+
+    /// Which transport these are.
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            Self::Memory(_) => TransportKind::Memory,
+            Self::Redis(_) => TransportKind::Redis,
+            Self::Embedded(_) => TransportKind::Embedded,
+        }
+    }
+
+    /// The memory queues; empty for other transports.
+    pub fn memory(&self) -> &[Arc<MemoryQueue>] {
+        match self {
+            Self::Memory(q) => q,
+            Self::Redis(_) | Self::Embedded(_) => &[],
+        }
+    }
+
+    /// The Redis queues; empty for other transports.
+    pub fn redis(&self) -> &[Arc<RedisQueue>] {
+        match self {
+            Self::Redis(q) => q,
+            Self::Memory(_) | Self::Embedded(_) => &[],
+        }
+    }
+}
+
+/// Why the configured transport could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The transport is accepted by the config but not implemented yet.
+    #[error("transport: `{}` is not built yet; available: memory, redis, embedded", .0.as_str())]
+    NotBuilt(TransportKind),
+    /// The Redis client could not be built from `[redis]`.
+    #[error(transparent)]
+    Redis(#[from] ConnectError),
+    /// The embedded store could not be opened.
+    #[error("embedded.path: {0}")]
+    Embedded(#[source] EmbeddedError),
+}
+
+/// Opens one queue per `[[queue]]` on the configured transport. Redis is
+/// not waited for: an unreachable server is logged, and the transport
+/// retries in the background (readiness follows it).
+pub async fn open(config: &Config) -> Result<Transports, OpenError> {
+    match config.transport {
+        TransportKind::Memory => Ok(Transports::Memory(
+            config
+                .queues
+                .iter()
+                .map(|q| Arc::new(MemoryQueue::new(q.queue_name.clone())))
+                .collect(),
+        )),
+        TransportKind::Redis => open_redis(config).await,
+        TransportKind::Embedded => {
+            let path = config
+                .embedded
+                .as_ref()
+                .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
+            let mut queues = Vec::with_capacity(config.queues.len());
+            for q in &config.queues {
+                let queue = EmbeddedQueue::open(&path, q.queue_name.clone())
+                    .map_err(OpenError::Embedded)?;
+                queues.push(Arc::new(queue));
+            }
+            Ok(Transports::Embedded(queues))
+        }
+        TransportKind::PubSub => Err(OpenError::NotBuilt(TransportKind::PubSub)),
+    }
+}
+
+/// `[redis]` when the config names none: local Redis, database 0.
+pub fn default_redis_config() -> RedisConfig {
+    RedisConfig {
+        // A constant, valid URL: parsing cannot fail.
+        url: EndpointUrl::new(
+            url::Url::parse("redis://127.0.0.1:6379/0").unwrap_or_else(|_| unreachable!()),
+        ),
+        username: None,
+        password: None,
+        password_file: None,
+    }
+}
+
+async fn open_redis(config: &Config) -> Result<Transports, OpenError> {
+    let redis_config = config.redis.clone().unwrap_or_else(default_redis_config);
+    let client = client(&redis_config)?;
+    let conn = manager(&client)?;
+    let addr = masked_addr(&client);
+    let mut probe = conn.clone();
+    let ping = tokio::time::timeout(
+        REDIS_PING_TIMEOUT,
+        redis::cmd("PING").query_async::<String>(&mut probe),
+    )
+    .await;
+    match ping {
+        Ok(Ok(_)) => tracing::info!(%addr, "redis reachable"),
+        Ok(Err(error)) => tracing::error!(
+            "redis at {addr} is unreachable: {error}; retrying in the background, not ready until it answers"
+        ),
+        Err(_) => tracing::error!(
+            "redis at {addr} did not answer within {}s; retrying in the background, not ready until it answers",
+            REDIS_PING_TIMEOUT.as_secs()
+        ),
+    }
+    let queues = config
+        .queues
+        .iter()
+        .map(|q| {
+            let mut settings = RedisQueueSettings::new(q.queue_name.clone());
+            // Precedence queue > message > default: only a list the queue
+            // names overrides the message's.
+            settings.result_list = q.result_queue_name.clone();
+            settings.result_ttl_seconds = q.result_ttl_seconds;
+            Arc::new(RedisQueue::start(conn.clone(), settings))
+        })
+        .collect();
+    Ok(Transports::Redis(queues))
+}
