@@ -36,7 +36,7 @@ use crate::gateway::{
     Target, deadline_instant,
 };
 use crate::queue::{Completion, Delivery, DeliveryTag, NackReason, Queue};
-use crate::request::{Message, parse_message};
+use crate::request::{AttemptRecord, LastAnswer, Message, log_id, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::QueueMetrics;
 
@@ -125,6 +125,17 @@ impl Shared {
 
     /// Hands a delivery back to the queue and stops renewing its lease.
     async fn nack(&self, tag: DeliveryTag, delay: Duration, reason: NackReason) {
+        self.requeue(tag, delay, reason, None).await;
+    }
+
+    /// [`Self::nack`], keeping what a sent attempt learned with the message.
+    async fn requeue(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: Option<AttemptRecord>,
+    ) {
         let label = match reason {
             NackReason::Failed => "failed",
             NackReason::Congested => "congested",
@@ -132,7 +143,13 @@ impl Shared {
             NackReason::Shutdown => "shutdown",
         };
         self.metrics().retry(label);
-        if let Err(error) = self.queue().nack(tag.clone(), delay, reason).await {
+        let requeued = match record {
+            Some(r) => self
+                .queue()
+                .requeue_after_attempt(tag.clone(), delay, reason, r),
+            None => self.queue().nack(tag.clone(), delay, reason),
+        };
+        if let Err(error) = requeued.await {
             // Not lost: the lease expires and the message is redelivered.
             tracing::warn!(%error, %tag, "nack failed; message returns when its lease expires");
         }
@@ -380,11 +397,8 @@ async fn check(shared: &Arc<Shared>, delivery: Delivery, results: &Results) -> O
     let message = match parse_message(&delivery.body) {
         Ok(message) => message,
         Err(failure) => {
-            let id = failure
-                .id
-                .clone()
-                .unwrap_or_else(|| format!("invalid:{}", delivery.tag));
-            tracing::info!(id, reason = failure.reason, "invalid message");
+            let id = failure.result_id.clone();
+            tracing::info!(id = log_id(&id), reason = failure.reason, "invalid message");
             let result = ResultRecord::error(
                 &id,
                 failure.token.as_deref(),
@@ -396,7 +410,8 @@ async fn check(shared: &Arc<Shared>, delivery: Delivery, results: &Results) -> O
         }
     };
     if message.request.deadline <= unix_now() {
-        let result = error_result(&message, ErrorCode::DeadlineExceeded, "deadline exceeded");
+        let attempts = message.previous_attempts(delivery.retry_count);
+        let result = deadline_result(&message, attempts);
         settle(shared, results, delivery.tag, result).await;
         return None;
     }
@@ -612,8 +627,21 @@ async fn send_and_settle(
         .attempt_latency
         .observe(now.duration_since(started).as_secs_f64());
     metrics.attempt(outcome.label());
-    let attempts = ready.delivery.retry_count.saturating_add(1);
+    // Failures bound the retries; attempts (congested ones too) are reported.
+    let failures = ready.delivery.retry_count.saturating_add(1);
+    let attempts = ready
+        .message
+        .previous_attempts(ready.delivery.retry_count)
+        .saturating_add(1);
     let message = &ready.message;
+    let last_answer = |answer: Option<(u16, &str)>| {
+        answer
+            .map(|(status_code, body)| LastAnswer {
+                status_code,
+                body: body.to_owned(),
+            })
+            .or_else(|| message.last_answer().cloned())
+    };
     let tag = ready.delivery.tag;
     let (id, token) = (&message.request.id, message.token());
     match outcome {
@@ -628,14 +656,27 @@ async fn send_and_settle(
             dropped_reason,
         } => {
             metrics.congestion.inc();
-            tracing::debug!(id, status, ?retry_after, ?dropped_reason, "pool congested");
+            tracing::debug!(
+                id = log_id(id),
+                status,
+                ?retry_after,
+                ?dropped_reason,
+                "pool congested"
+            );
             let delay = retry_after.unwrap_or(shared.settings().congestion_backoff);
             if now + delay >= deadline {
                 // No time left for another try: the last answer is the result.
                 let result = ResultRecord::http(id, token, status, body, attempts);
                 settle(&shared, &results, tag, result).await;
             } else {
-                shared.nack(tag, delay, NackReason::Congested).await;
+                let last_answer = last_answer(Some((status, &body)));
+                let record = AttemptRecord {
+                    attempts,
+                    last_answer,
+                };
+                shared
+                    .requeue(tag, delay, NackReason::Congested, Some(record))
+                    .await;
             }
         }
         AttemptOutcome::Retryable {
@@ -644,23 +685,36 @@ async fn send_and_settle(
         } => match shared
             .config
             .retry
-            .decide(attempts, retry_after, now, deadline)
+            .decide(failures, retry_after, now, deadline)
         {
             RetryDecision::Retry { delay } => {
-                tracing::debug!(id, %failure, ?delay, attempts, "retrying");
-                shared.nack(tag, delay, NackReason::Failed).await;
+                tracing::debug!(id = log_id(id), %failure, ?delay, attempts, "retrying");
+                let last_answer = last_answer(failure.http_answer());
+                let record = AttemptRecord {
+                    attempts,
+                    last_answer,
+                };
+                shared
+                    .requeue(tag, delay, NackReason::Failed, Some(record))
+                    .await;
             }
             RetryDecision::DeadLetter => {
                 let last = failure_result(message, &failure, attempts);
                 metrics.outcome("dead_letter");
-                tracing::warn!(id, %failure, attempts, "attempts used up; dead-lettering");
+                tracing::warn!(id = log_id(id), %failure, attempts, "attempts used up; dead-lettering");
                 if let Err(error) = shared.queue().dead_letter(tag.clone(), last).await {
-                    tracing::warn!(%error, id, "dead-letter write failed; message will be redelivered");
+                    tracing::warn!(%error, id = log_id(id), "dead-letter write failed; message will be redelivered");
                 }
                 shared.held().remove(&tag);
             }
             RetryDecision::GiveUp => {
-                let result = failure_result(message, &failure, attempts);
+                // The deadline ends it: an earlier HTTP answer beats a
+                // transport error.
+                let result = if failure.http_answer().is_none() && message.last_answer().is_some() {
+                    deadline_result(message, attempts)
+                } else {
+                    failure_result(message, &failure, attempts)
+                };
                 settle(&shared, &results, tag, result).await;
             }
         },
@@ -669,8 +723,7 @@ async fn send_and_settle(
             settle(&shared, &results, tag, result).await;
         }
         AttemptOutcome::DeadlineExceeded => {
-            let result = error_result(message, ErrorCode::DeadlineExceeded, "deadline exceeded")
-                .with_attempts(attempts);
+            let result = deadline_result(message, attempts);
             settle(&shared, &results, tag, result).await;
         }
     }
@@ -685,6 +738,13 @@ fn failure_result(message: &Message, failure: &AttemptFailure, attempts: u32) ->
         None => ResultRecord::error(id, token, ErrorCode::InferenceError, &failure.to_string())
             .with_attempts(attempts),
     }
+}
+
+/// The result of a message its deadline ended: the last HTTP answer, else
+/// `DEADLINE_EXCEEDED`.
+fn deadline_result(message: &Message, attempts: u32) -> ResultRecord {
+    let last = message.last_answer();
+    ResultRecord::ended_by_deadline(&message.request.id, message.token(), last, attempts)
 }
 
 fn error_result(message: &Message, code: ErrorCode, text: &str) -> ResultRecord {
