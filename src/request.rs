@@ -353,8 +353,7 @@ fn id_problem(id: &str) -> Option<String> {
 fn recover_ids(value: &serde_json::Value, is_envelope: bool) -> (RecoveredId, Option<String>) {
     let request = if is_envelope { &value["data"] } else { value };
     let id = match request["id"].as_str() {
-        None => RecoveredId::Missing,
-        Some(id) if id.is_empty() => RecoveredId::Missing,
+        None | Some("") => RecoveredId::Missing,
         Some(id) => match id_problem(id) {
             None => RecoveredId::Usable(id.to_owned()),
             Some(problem) => RecoveredId::Unusable {
