@@ -8,12 +8,27 @@
 //! `INVALID_REQUEST` result for it.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 /// Longest request id we accept; ids are keys in Redis and labels in logs.
 pub const MAX_ID_LEN: usize = 512;
+
+/// Furthest a deadline may lie in the future: 10 years (of 365.25 days).
+/// A later deadline (year 9999, a millisecond timestamp written as
+/// seconds) is a producer bug, answered with `INVALID_REQUEST` rather than
+/// silently clamped.
+pub const MAX_DEADLINE_HORIZON: Duration = Duration::from_secs(315_576_000);
+
+/// The envelope `request_kind`s upstream producers write; any other is
+/// `INVALID_REQUEST`.
+pub const REQUEST_KINDS: [&str; 3] = ["plain", "redis", "pubsub"];
+
+/// Longest id written into a log line or an error message (longer ones
+/// are cut and marked with `…`).
+pub const LOG_ID_LEN: usize = 64;
 
 /// One inference request, validated.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -40,6 +55,10 @@ pub struct Request {
     /// Model name, for labels only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Result list some upstream producers set on the request itself;
+    /// below the queue's and the envelope's (`docs/transports.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_queue_name: Option<String>,
 }
 
 impl PartialEq for Request {
@@ -52,6 +71,7 @@ impl PartialEq for Request {
             && self.headers == other.headers
             && self.endpoint == other.endpoint
             && self.model == other.model
+            && self.result_queue_name == other.result_queue_name
     }
 }
 
@@ -82,6 +102,34 @@ pub struct Internal {
     /// When the producer enqueued the message, Unix milliseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub enqueued_at_ms: Option<i64>,
+    /// Attempts sent to the gateway so far, congested ones included
+    /// (sluicegate addition; `retry_count` counts failures only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
+    /// The last HTTP answer of an earlier attempt (sluicegate addition), so
+    /// a deadline that ends the message while it waits in the queue still
+    /// answers with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_answer: Option<LastAnswer>,
+}
+
+/// An HTTP answer of the gateway, kept across requeues.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LastAnswer {
+    /// HTTP status.
+    pub status_code: u16,
+    /// The body as the result would carry it.
+    pub body: String,
+}
+
+/// What an attempt that went back to the queue learned, for the next
+/// holder of the message (see `Queue::requeue_after_attempt`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptRecord {
+    /// Attempts sent so far, this one included.
+    pub attempts: u32,
+    /// The latest HTTP answer seen, this attempt's or an earlier one's.
+    pub last_answer: Option<LastAnswer>,
 }
 
 /// A parsed queue message: the request plus the envelope's routing facts
@@ -100,6 +148,22 @@ impl Message {
     /// The submission token, if the producer set one.
     pub fn token(&self) -> Option<&str> {
         self.internal.request_token.as_deref()
+    }
+
+    /// Attempts sent before this delivery: the envelope's count, and never
+    /// fewer than the transport's failure count (`retry_count`), which is
+    /// all a message from an upstream dispatcher carries.
+    pub fn previous_attempts(&self, retry_count: u32) -> u32 {
+        self.internal
+            .attempts
+            .unwrap_or(0)
+            .max(self.internal.retry_count)
+            .max(retry_count)
+    }
+
+    /// The last HTTP answer an earlier attempt got, if any.
+    pub fn last_answer(&self) -> Option<&LastAnswer> {
+        self.internal.last_answer.as_ref()
     }
 
     /// Serialises the message as a Redis envelope.
@@ -126,8 +190,13 @@ struct EnvelopeOut<'a> {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("invalid request: {reason}")]
 pub struct ParseFailure {
-    /// The request id, when one could be read.
+    /// The request id, when a usable one could be read.
     pub id: Option<String>,
+    /// The id to file the `INVALID_REQUEST` result under: the request id
+    /// when usable, else a stable printable synthetic one
+    /// ([`synthetic_id`]), never longer than [`MAX_ID_LEN`] and never
+    /// containing NUL.
+    pub result_id: String,
     /// The submission token, when one could be read.
     pub token: Option<String>,
     /// Human-readable reason, safe to return to the submitter.
@@ -136,31 +205,46 @@ pub struct ParseFailure {
 
 /// Parses queue bytes (envelope or bare request) into a validated message.
 pub fn parse_message(bytes: &[u8]) -> Result<Message, ParseFailure> {
-    let text = std::str::from_utf8(bytes).map_err(|e| ParseFailure {
+    parse_message_at(bytes, unix_now())
+}
+
+/// [`parse_message`] with the current Unix time supplied, for tests.
+pub fn parse_message_at(bytes: &[u8], now_unix: i64) -> Result<Message, ParseFailure> {
+    let anonymous = |reason: String| ParseFailure {
         id: None,
+        result_id: format!("invalid:{:016x}", fnv1a(bytes)),
         token: None,
-        reason: format!("message is not valid UTF-8: {e}"),
-    })?;
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| ParseFailure {
-        id: None,
-        token: None,
-        reason: format!("message is not valid JSON: {e}"),
-    })?;
+        reason,
+    };
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| anonymous(format!("message is not valid UTF-8: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| anonymous(format!("message is not valid JSON: {e}")))?;
     let Some(object) = value.as_object() else {
-        return Err(ParseFailure {
-            id: None,
-            token: None,
-            reason: "message is not a JSON object".into(),
-        });
+        return Err(anonymous("message is not a JSON object".into()));
     };
     let is_envelope = object.contains_key("data")
         && (object.contains_key("internal") || object.contains_key("request_kind"));
     let (id, token) = recover_ids(&value, is_envelope);
+    let result_id = match &id {
+        RecoveredId::Usable(id) => id.clone(),
+        RecoveredId::Unusable { synthetic, .. } => synthetic.clone(),
+        RecoveredId::Missing => anonymous(String::new()).result_id,
+    };
+    let usable = match &id {
+        RecoveredId::Usable(id) => Some(id.clone()),
+        _ => None,
+    };
     let fail = |reason: String| ParseFailure {
-        id: id.clone(),
+        id: usable.clone(),
+        result_id: result_id.clone(),
         token: token.clone(),
         reason,
     };
+    // An unusable id is named first: it is why the result has another id.
+    if let RecoveredId::Unusable { problem, .. } = &id {
+        return Err(fail(problem.clone()));
+    }
     let message = if is_envelope {
         let envelope: EnvelopeIn = serde_json::from_str(text).map_err(|e| fail(e.to_string()))?;
         Message {
@@ -176,8 +260,54 @@ pub fn parse_message(bytes: &[u8]) -> Result<Message, ParseFailure> {
             kind: "plain".into(),
         }
     };
-    validate(&message.request).map_err(fail)?;
+    if !REQUEST_KINDS.contains(&message.kind.as_str()) {
+        return Err(fail(format!(
+            "unknown request_kind {:?}; expected one of {}",
+            log_id(&message.kind),
+            REQUEST_KINDS.join(", ")
+        )));
+    }
+    validate(&message.request, now_unix).map_err(fail)?;
     Ok(message)
+}
+
+/// A stable, printable stand-in for an id that cannot be used as one
+/// (too long, or containing NUL): `invalid-id-<16 hex digits>`, a 64-bit
+/// FNV-1a hash of the original bytes, so every redelivery gets the same id.
+pub fn synthetic_id(original: &str) -> String {
+    format!("invalid-id-{:016x}", fnv1a(original.as_bytes()))
+}
+
+/// An id as it may appear in a log line or an error message: at most
+/// [`LOG_ID_LEN`] characters (cut ones end in `…`), control characters
+/// (NUL, newlines) escaped.
+pub fn log_id(id: &str) -> String {
+    let mut out: String = id
+        .chars()
+        .take(LOG_ID_LEN)
+        .flat_map(char::escape_debug)
+        .collect();
+    if id.chars().nth(LOG_ID_LEN).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+/// 64-bit FNV-1a: tiny, and stable across Rust releases (unlike the
+/// standard library's hasher), which keeps synthetic ids stable.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 #[derive(Deserialize)]
@@ -189,29 +319,68 @@ struct EnvelopeIn {
     data: Request,
 }
 
+/// What could be read of a message's id.
+enum RecoveredId {
+    /// A string id fit for results and Redis keys.
+    Usable(String),
+    /// A string id that is not: its stand-in and why.
+    Unusable { synthetic: String, problem: String },
+    /// No string id at all.
+    Missing,
+}
+
+/// Why `id` cannot be used as a result id and Redis key part, if it
+/// cannot: empty, over [`MAX_ID_LEN`] bytes, or containing NUL (claim keys
+/// are `id\0token`).
+fn id_problem(id: &str) -> Option<String> {
+    if id.is_empty() {
+        Some("id must not be empty".into())
+    } else if id.len() > MAX_ID_LEN {
+        Some(format!(
+            "id \"{}\" ({} bytes) is longer than {MAX_ID_LEN} bytes",
+            log_id(id),
+            id.len()
+        ))
+    } else if id.contains('\0') {
+        Some(format!("id \"{}\" contains a NUL character", log_id(id)))
+    } else {
+        None
+    }
+}
+
 /// Best-effort id and token from a message that may not parse, so even a
 /// broken message gets a result its submitter can correlate.
-fn recover_ids(value: &serde_json::Value, is_envelope: bool) -> (Option<String>, Option<String>) {
+fn recover_ids(value: &serde_json::Value, is_envelope: bool) -> (RecoveredId, Option<String>) {
     let request = if is_envelope { &value["data"] } else { value };
-    let id = request["id"]
-        .as_str()
-        .filter(|id| !id.is_empty() && id.len() <= MAX_ID_LEN)
-        .map(str::to_owned);
+    let id = match request["id"].as_str() {
+        None | Some("") => RecoveredId::Missing,
+        Some(id) => match id_problem(id) {
+            None => RecoveredId::Usable(id.to_owned()),
+            Some(problem) => RecoveredId::Unusable {
+                synthetic: synthetic_id(id),
+                problem,
+            },
+        },
+    };
     let token = value["internal"]["request_token"]
         .as_str()
         .map(str::to_owned);
     (id, token)
 }
 
-fn validate(request: &Request) -> Result<(), String> {
-    if request.id.is_empty() {
-        return Err("id must not be empty".into());
-    }
-    if request.id.len() > MAX_ID_LEN {
-        return Err(format!("id is longer than {MAX_ID_LEN} bytes"));
+fn validate(request: &Request, now_unix: i64) -> Result<(), String> {
+    if let Some(problem) = id_problem(&request.id) {
+        return Err(problem);
     }
     if request.deadline <= 0 {
         return Err("deadline must be a positive Unix time in seconds".into());
+    }
+    let horizon = i64::try_from(MAX_DEADLINE_HORIZON.as_secs()).unwrap_or(i64::MAX);
+    if request.deadline > now_unix.saturating_add(horizon) {
+        return Err(format!(
+            "deadline {} is more than 10 years ahead (Unix seconds expected)",
+            request.deadline
+        ));
     }
     if !request.payload.get().trim_start().starts_with('{') {
         return Err("payload must be a JSON object".into());
@@ -284,5 +453,94 @@ mod tests {
         assert!(parse_message(b"[1,2]").is_err());
         assert!(parse_message(br#"{"id":"","deadline":1,"payload":{}}"#).is_err());
         assert!(parse_message(br#"{"id":"k","deadline":0,"payload":{}}"#).is_err());
+    }
+
+    const NOW: i64 = 1_700_000_000;
+
+    #[test]
+    fn unknown_request_kind_is_invalid() {
+        let bytes = br#"{"internal":{},"request_kind":"sqs","data":{"id":"k","deadline":1700000100,"payload":{}}}"#;
+        let err = parse_message_at(bytes, NOW).expect_err("unknown kind");
+        assert!(err.reason.contains("request_kind"), "{}", err.reason);
+        assert_eq!(err.result_id, "k");
+        for kind in REQUEST_KINDS {
+            let ok = format!(
+                r#"{{"request_kind":"{kind}","data":{{"id":"k","deadline":1700000100,"payload":{{}}}}}}"#
+            );
+            assert!(parse_message_at(ok.as_bytes(), NOW).is_ok(), "{kind}");
+        }
+    }
+
+    #[test]
+    fn deadline_beyond_ten_years_is_invalid_not_clamped() {
+        let year_9999 = br#"{"id":"k","deadline":253402300799,"payload":{}}"#;
+        let err = parse_message_at(year_9999, NOW).expect_err("too far");
+        assert!(err.reason.contains("10 years"), "{}", err.reason);
+        let horizon = NOW + 315_576_000;
+        let at = format!(r#"{{"id":"k","deadline":{horizon},"payload":{{}}}}"#);
+        assert!(parse_message_at(at.as_bytes(), NOW).is_ok());
+        let past = format!(r#"{{"id":"k","deadline":{},"payload":{{}}}}"#, horizon + 1);
+        assert!(parse_message_at(past.as_bytes(), NOW).is_err());
+    }
+
+    #[test]
+    fn unusable_ids_get_a_stable_printable_synthetic_id() {
+        let long = "x".repeat(MAX_ID_LEN + 1);
+        for id in [long.as_str(), r"a\u0000b"] {
+            let bytes = format!(r#"{{"id":"{id}","deadline":1700000100,"payload":{{}}}}"#);
+            let err = parse_message_at(bytes.as_bytes(), NOW).expect_err("unusable id");
+            assert!(
+                err.result_id.starts_with("invalid-id-"),
+                "{}",
+                err.result_id
+            );
+            assert!(err.result_id.len() <= MAX_ID_LEN);
+            assert!(err.result_id.chars().all(|c| c.is_ascii_graphic()));
+            assert_eq!(err.id, None);
+            let again = parse_message_at(bytes.as_bytes(), NOW).expect_err("unusable id");
+            assert_eq!(again.result_id, err.result_id);
+            assert!(!err.reason.contains('\0'), "{:?}", err.reason);
+            assert!(err.reason.len() < 200, "{}", err.reason);
+        }
+        let at_limit = "y".repeat(MAX_ID_LEN);
+        let bytes = format!(r#"{{"id":"{at_limit}","deadline":1700000100,"payload":{{}}}}"#);
+        assert!(parse_message_at(bytes.as_bytes(), NOW).is_ok());
+    }
+
+    #[test]
+    fn messages_without_an_id_get_a_stable_result_id() {
+        let a = parse_message(b"not json").expect_err("garbage");
+        assert!(a.result_id.starts_with("invalid:"), "{}", a.result_id);
+        assert_eq!(
+            parse_message(b"not json").expect_err("garbage").result_id,
+            a.result_id
+        );
+        assert_ne!(
+            parse_message(b"not json!").expect_err("garbage").result_id,
+            a.result_id
+        );
+    }
+
+    #[test]
+    fn log_ids_are_cut_and_escaped() {
+        assert_eq!(log_id("abc"), "abc");
+        assert_eq!(log_id("a\0b\n"), "a\\0b\\n");
+        let cut = log_id(&"z".repeat(1000));
+        assert!(cut.ends_with('…') && cut.chars().count() == LOG_ID_LEN + 1);
+    }
+
+    #[test]
+    fn request_result_list_and_attempt_record_round_trip() {
+        let m = parse_message_at(
+            br#"{"internal":{"retry_count":1,"attempts":4,"last_answer":{"status_code":429,"body":"busy"}},"request_kind":"redis","data":{"id":"x","deadline":1700000100,"payload":{},"result_queue_name":"mine"}}"#,
+            NOW,
+        )
+        .expect("valid");
+        assert_eq!(m.request.result_queue_name.as_deref(), Some("mine"));
+        assert_eq!(m.previous_attempts(0), 4);
+        assert_eq!(m.previous_attempts(7), 7);
+        assert_eq!(m.last_answer().map(|a| a.status_code), Some(429));
+        let again = parse_message_at(m.to_envelope_json().as_bytes(), NOW).expect("round trip");
+        assert_eq!(again, m);
     }
 }

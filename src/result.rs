@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::request::LastAnswer;
+
 /// Why a request ended without an HTTP answer. A closed set: result
 /// readers switch on these strings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -92,6 +94,46 @@ impl ResultRecord {
         }
     }
 
+    /// The result of a message its deadline ended: the last HTTP answer an
+    /// attempt got (REFERENCE.md §2), else `DEADLINE_EXCEEDED`.
+    pub fn ended_by_deadline(
+        id: &str,
+        token: Option<&str>,
+        last_answer: Option<&LastAnswer>,
+        attempts: u32,
+    ) -> Self {
+        match last_answer {
+            Some(answer) => {
+                Self::http(id, token, answer.status_code, answer.body.clone(), attempts)
+            }
+            None => Self::error(id, token, ErrorCode::DeadlineExceeded, "deadline exceeded")
+                .with_attempts(attempts),
+        }
+    }
+
+    /// The result written with a dead letter: `INFERENCE_ERROR` saying the
+    /// attempts ran out, keeping the last answer (`status_code` and its
+    /// body as `payload`) or the last error, so a reader waiting for every
+    /// result is not left waiting.
+    pub fn dead_lettered(last: &Self) -> Self {
+        let mut result = last.clone();
+        let what = match (last.status_code, &last.error_message) {
+            (Some(status), _) => format!("last answer HTTP {status}"),
+            (None, Some(message)) => format!("last error: {message}"),
+            (None, None) => "no answer".to_owned(),
+        };
+        let message = format!(
+            "attempts exhausted after {} attempts; {what}",
+            last.attempts
+        );
+        if last.status_code.is_none() {
+            result.payload = serde_json::json!({ "error": message }).to_string();
+        }
+        result.error_code = Some(ErrorCode::InferenceError);
+        result.error_message = Some(message);
+        result
+    }
+
     /// Sets the attempt count.
     pub fn with_attempts(mut self, attempts: u32) -> Self {
         self.attempts = attempts;
@@ -136,6 +178,43 @@ mod tests {
         assert_eq!(v["error_code"], "DEADLINE_EXCEEDED");
         assert_eq!(v["payload"], r#"{"error":"deadline exceeded"}"#);
         assert!(v.get("status_code").is_none());
+    }
+
+    #[test]
+    fn deadline_result_is_the_last_answer_when_there_was_one() {
+        let answer = LastAnswer {
+            status_code: 429,
+            body: "busy".into(),
+        };
+        let r = ResultRecord::ended_by_deadline("a", Some("t"), Some(&answer), 4);
+        assert_eq!(
+            (r.status_code, r.payload.as_str(), r.attempts),
+            (Some(429), "busy", 4)
+        );
+        assert_eq!(r.error_code, None);
+        let r = ResultRecord::ended_by_deadline("a", None, None, 0);
+        assert_eq!(r.error_code, Some(ErrorCode::DeadlineExceeded));
+    }
+
+    #[test]
+    fn dead_letter_result_keeps_the_last_answer_or_error() {
+        let http =
+            ResultRecord::dead_lettered(&ResultRecord::http("a", None, 500, "boom".into(), 3));
+        assert_eq!(
+            (http.status_code, http.payload.as_str()),
+            (Some(500), "boom")
+        );
+        assert_eq!(http.error_code, Some(ErrorCode::InferenceError));
+        assert!(
+            http.error_message
+                .as_deref()
+                .is_some_and(|m| m.contains("3 attempts"))
+        );
+        let error = ResultRecord::dead_lettered(
+            &ResultRecord::error("a", None, ErrorCode::InferenceError, "reset").with_attempts(2),
+        );
+        assert_eq!(error.status_code, None);
+        assert!(error.payload.contains("reset"), "{}", error.payload);
     }
 
     #[test]

@@ -165,7 +165,7 @@ gate_type = "constant"
     assert_eq!(c.telemetry.listen.to_string(), "127.0.0.1:1111");
     assert_eq!(c.telemetry.log_format, LogFormat::Json);
     assert_eq!(c.telemetry.log_level, "info", "default");
-    assert_eq!(c.dispatch.lease, Duration::from_secs(300), "default");
+    assert_eq!(c.dispatch.lease, Duration::from_secs(30), "default");
     assert_eq!(c.dispatch.poll_interval, Duration::from_secs(3), "file");
     assert_eq!(c.queues[0].queue_name, "file-queue");
     assert_eq!(

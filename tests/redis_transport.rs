@@ -322,7 +322,12 @@ async fn failed_attempts_go_through_the_retry_set_into_dead_letters() {
         message.internal.request_queue_name.as_deref(),
         Some("flaky")
     );
-    assert_eq!(server.int(&["LLEN", "result-list"]), 0);
+    // A dead letter also writes its result (the last answer, flagged as
+    // exhausted), so readers waiting for every result are not left waiting.
+    let results = wait_for_len(&server, "result-list", 1).await;
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0]["id"], "doomed");
+    assert_eq!(results[0]["error_code"], "INFERENCE_ERROR");
     assert_eq!(server.int(&["ZCARD", "retry-sortedset"]), 0);
     assert_eq!(server.int(&["HLEN", "flaky:claimed"]), 0);
     support::wait_until(Duration::from_secs(5), "a dead letter", || {

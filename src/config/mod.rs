@@ -306,7 +306,7 @@ impl Default for DispatchConfig {
         Self {
             poll_interval: Duration::from_secs(1),
             max_staleness: Duration::from_secs(30),
-            lease: Duration::from_secs(300),
+            lease: Duration::from_secs(30),
             receive_wait: Duration::from_secs(1),
             max_attempts: None,
             retry_initial_backoff: Duration::from_secs(1),

@@ -42,7 +42,7 @@ use crate::app::Tasks;
 use crate::gate::FailClosed;
 use crate::gateway::{GatewayClient, PreparedRequest, Target};
 use crate::queue::{Completion, Delivery, DeliveryTag, NackReason, Queue};
-use crate::request::Message;
+use crate::request::{AttemptRecord, Message};
 use crate::telemetry::QueueMetrics;
 
 /// Results buffered between workers and the writer; a full buffer slows
@@ -124,6 +124,18 @@ impl Shared {
 
     /// Hands a delivery back to the queue and stops renewing its lease.
     pub(super) async fn nack(&self, tag: DeliveryTag, delay: Duration, reason: NackReason) {
+        self.requeue(tag, delay, reason, None).await;
+    }
+
+    /// [`Self::nack`], keeping what a sent attempt learned with the message
+    /// (attempt count, last HTTP answer) where the transport can carry it.
+    pub(super) async fn requeue(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: Option<AttemptRecord>,
+    ) {
         let label = match reason {
             NackReason::Failed => "failed",
             NackReason::Congested => "congested",
@@ -131,7 +143,13 @@ impl Shared {
             NackReason::Shutdown => "shutdown",
         };
         self.metrics().retry(label);
-        if let Err(error) = self.queue().nack(tag.clone(), delay, reason).await {
+        let requeued = match record {
+            Some(r) => self
+                .queue()
+                .requeue_after_attempt(tag.clone(), delay, reason, r),
+            None => self.queue().nack(tag.clone(), delay, reason),
+        };
+        if let Err(error) = requeued.await {
             // Not lost: the lease expires and the message is redelivered.
             tracing::warn!(%error, %tag, "nack failed; message returns when its lease expires");
         }

@@ -11,11 +11,11 @@ use tokio_util::task::TaskTracker;
 
 use super::cost::request_cost;
 use super::dispatcher::{Ready, Results, Shared, unix_now};
-use super::send::{error_result, send_and_settle};
+use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
 use crate::gate::{Admission, AdmissionRequest, Ticket};
 use crate::queue::{Delivery, NackReason};
-use crate::request::parse_message;
+use crate::request::{log_id, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
 /// How often a parked message asks its gate again when nothing else wakes it.
@@ -185,11 +185,8 @@ pub(super) async fn check(
     let message = match parse_message(&delivery.body) {
         Ok(message) => message,
         Err(failure) => {
-            let id = failure
-                .id
-                .clone()
-                .unwrap_or_else(|| format!("invalid:{}", delivery.tag));
-            tracing::info!(id, reason = failure.reason, "invalid message");
+            let id = failure.result_id.clone();
+            tracing::info!(id = log_id(&id), reason = failure.reason, "invalid message");
             let result = ResultRecord::error(
                 &id,
                 failure.token.as_deref(),
@@ -201,7 +198,8 @@ pub(super) async fn check(
         }
     };
     if message.request.deadline <= unix_now() {
-        let result = error_result(&message, ErrorCode::DeadlineExceeded, "deadline exceeded");
+        let attempts = message.previous_attempts(delivery.retry_count);
+        let result = deadline_result(&message, attempts);
         settle(shared, results, delivery.tag, result).await;
         return None;
     }

@@ -13,7 +13,7 @@ use super::settle::settle;
 use crate::gate::Ticket;
 use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
 use crate::queue::NackReason;
-use crate::request::Message;
+use crate::request::{AttemptRecord, LastAnswer, Message, log_id};
 use crate::result::{ErrorCode, ResultRecord};
 
 /// How long a message must have waited since it was received before the
@@ -86,8 +86,21 @@ pub(super) async fn send_and_settle(
         .attempt_latency
         .observe(now.duration_since(started).as_secs_f64());
     metrics.attempt(outcome.label());
-    let attempts = ready.delivery.retry_count.saturating_add(1);
+    // Failures bound the retries; attempts (congested ones too) are reported.
+    let failures = ready.delivery.retry_count.saturating_add(1);
+    let attempts = ready
+        .message
+        .previous_attempts(ready.delivery.retry_count)
+        .saturating_add(1);
     let message = &ready.message;
+    let last_answer = |answer: Option<(u16, &str)>| {
+        answer
+            .map(|(status_code, body)| LastAnswer {
+                status_code,
+                body: body.to_owned(),
+            })
+            .or_else(|| message.last_answer().cloned())
+    };
     let tag = ready.delivery.tag;
     let (id, token) = (&message.request.id, message.token());
     match outcome {
@@ -102,14 +115,27 @@ pub(super) async fn send_and_settle(
             dropped_reason,
         } => {
             metrics.congestion.inc();
-            tracing::debug!(id, status, ?retry_after, ?dropped_reason, "pool congested");
+            tracing::debug!(
+                id = log_id(id),
+                status,
+                ?retry_after,
+                ?dropped_reason,
+                "pool congested"
+            );
             let delay = retry_after.unwrap_or(shared.settings().congestion_backoff);
             if now + delay >= deadline {
                 // No time left for another try: the last answer is the result.
                 let result = ResultRecord::http(id, token, status, body, attempts);
                 settle(&shared, &results, tag, result).await;
             } else {
-                shared.nack(tag, delay, NackReason::Congested).await;
+                let last_answer = last_answer(Some((status, &body)));
+                let record = AttemptRecord {
+                    attempts,
+                    last_answer,
+                };
+                shared
+                    .requeue(tag, delay, NackReason::Congested, Some(record))
+                    .await;
             }
         }
         AttemptOutcome::Retryable {
@@ -118,23 +144,36 @@ pub(super) async fn send_and_settle(
         } => match shared
             .config
             .retry
-            .decide(attempts, retry_after, now, deadline)
+            .decide(failures, retry_after, now, deadline)
         {
             RetryDecision::Retry { delay } => {
-                tracing::debug!(id, %failure, ?delay, attempts, "retrying");
-                shared.nack(tag, delay, NackReason::Failed).await;
+                tracing::debug!(id = log_id(id), %failure, ?delay, attempts, "retrying");
+                let last_answer = last_answer(failure.http_answer());
+                let record = AttemptRecord {
+                    attempts,
+                    last_answer,
+                };
+                shared
+                    .requeue(tag, delay, NackReason::Failed, Some(record))
+                    .await;
             }
             RetryDecision::DeadLetter => {
                 let last = failure_result(message, &failure, attempts);
                 metrics.outcome("dead_letter");
-                tracing::warn!(id, %failure, attempts, "attempts used up; dead-lettering");
+                tracing::warn!(id = log_id(id), %failure, attempts, "attempts used up; dead-lettering");
                 if let Err(error) = shared.queue().dead_letter(tag.clone(), last).await {
-                    tracing::warn!(%error, id, "dead-letter write failed; message will be redelivered");
+                    tracing::warn!(%error, id = log_id(id), "dead-letter write failed; message will be redelivered");
                 }
                 shared.held().remove(&tag);
             }
             RetryDecision::GiveUp => {
-                let result = failure_result(message, &failure, attempts);
+                // The deadline ends it: an earlier HTTP answer beats a
+                // transport error.
+                let result = if failure.http_answer().is_none() && message.last_answer().is_some() {
+                    deadline_result(message, attempts)
+                } else {
+                    failure_result(message, &failure, attempts)
+                };
                 settle(&shared, &results, tag, result).await;
             }
         },
@@ -143,8 +182,7 @@ pub(super) async fn send_and_settle(
             settle(&shared, &results, tag, result).await;
         }
         AttemptOutcome::DeadlineExceeded => {
-            let result = error_result(message, ErrorCode::DeadlineExceeded, "deadline exceeded")
-                .with_attempts(attempts);
+            let result = deadline_result(message, attempts);
             settle(&shared, &results, tag, result).await;
         }
     }
@@ -163,6 +201,13 @@ pub(super) fn failure_result(
         None => ResultRecord::error(id, token, ErrorCode::InferenceError, &failure.to_string())
             .with_attempts(attempts),
     }
+}
+
+/// The result of a message its deadline ended: the last HTTP answer, else
+/// `DEADLINE_EXCEEDED`.
+pub(super) fn deadline_result(message: &Message, attempts: u32) -> ResultRecord {
+    let last = message.last_answer();
+    ResultRecord::ended_by_deadline(&message.request.id, message.token(), last, attempts)
 }
 
 pub(super) fn error_result(message: &Message, code: ErrorCode, text: &str) -> ResultRecord {

@@ -16,6 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
+use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
 
 pub use memory::{DeadLetter, MemoryQueue};
@@ -152,6 +153,19 @@ pub trait Queue: Send + Sync + fmt::Debug {
         delay: Duration,
         reason: NackReason,
     ) -> BoxFuture<'_, Result<(), QueueError>>;
+
+    /// [`Queue::nack`] after an attempt that reached the gateway, keeping
+    /// what it learned (attempt count, last HTTP answer) with the message
+    /// so its next holder reports them. Default: a plain nack.
+    fn requeue_after_attempt(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        _record: AttemptRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.nack(tag, delay, reason)
+    }
 
     /// Extends the leases of deliveries still being worked on.
     fn extend_lease(

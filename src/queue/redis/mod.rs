@@ -31,7 +31,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
 };
-use crate::request::parse_message;
+use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
 pub use connect::{ConnectError, blocking, client, manager, masked_addr};
@@ -221,6 +221,40 @@ fn random_hex() -> String {
 struct Peek {
     #[serde(default)]
     internal: Option<PeekInternal>,
+    /// The request of an envelope.
+    #[serde(default)]
+    data: Option<PeekData>,
+    /// `result_queue_name` of a bare request (no envelope).
+    #[serde(default)]
+    result_queue_name: Option<String>,
+}
+
+/// The request fields the transport needs.
+#[derive(Debug, Default, Deserialize)]
+struct PeekData {
+    #[serde(default)]
+    result_queue_name: Option<String>,
+}
+
+impl Peek {
+    /// The message's own result list: the envelope's
+    /// `internal.result_queue_name`, else the request's
+    /// `result_queue_name` (upstream producers write either). The queue's
+    /// own setting wins over both (see [`Inner::result_list`]).
+    fn result_list(&self) -> Option<String> {
+        let internal = self
+            .internal
+            .as_ref()
+            .and_then(|i| i.result_queue_name.clone());
+        let request = match &self.data {
+            Some(data) => data.result_queue_name.clone(),
+            None => self.result_queue_name.clone(),
+        };
+        [internal, request]
+            .into_iter()
+            .flatten()
+            .find(|l| !l.is_empty())
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -245,6 +279,20 @@ fn split_claim_key(key: &str) -> Option<(&str, Option<&str>)> {
 }
 
 impl Inner {
+    /// Where the result of `h` goes and its list TTL. Precedence: the
+    /// queue's `result_queue_name`, the envelope's, the request's, the
+    /// default (`docs/transports.md`).
+    fn result_list(&self, h: &Held) -> (String, u64) {
+        let list = self
+            .settings
+            .result_list
+            .clone()
+            .or_else(|| h.result_list.clone())
+            .unwrap_or_else(|| self.settings.default_result_list.clone());
+        let ttl = h.result_ttl.unwrap_or(self.settings.result_ttl_seconds);
+        (list, ttl)
+    }
+
     fn lock_held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
         // The map is consistent between statements; a panic elsewhere
         // while holding it leaves nothing half-done.
@@ -296,6 +344,7 @@ impl Inner {
             let mut held = self.lock_held();
             for (claim_key, member, score) in raw {
                 let peek: Peek = serde_json::from_slice(&member).unwrap_or_default();
+                let result_list = peek.result_list();
                 let internal = peek.internal.unwrap_or_default();
                 let member = Bytes::from(member);
                 let tag = format!("{owner}{claim_key}");
@@ -311,7 +360,7 @@ impl Inner {
                         owner: owner.clone(),
                         member,
                         score,
-                        result_list: internal.result_queue_name.filter(|l| !l.is_empty()),
+                        result_list,
                         result_ttl: internal.result_ttl_seconds,
                     },
                 );
@@ -406,13 +455,7 @@ impl Inner {
                     report.lease_lost += 1;
                     continue;
                 };
-                let list = self
-                    .settings
-                    .result_list
-                    .clone()
-                    .or_else(|| h.result_list.clone())
-                    .unwrap_or_else(|| self.settings.default_result_list.clone());
-                let ttl = h.result_ttl.unwrap_or(self.settings.result_ttl_seconds);
+                let (list, ttl) = self.result_list(h);
                 // A result is strings and numbers: serialising cannot fail.
                 let json = serde_json::to_vec(result).unwrap_or_default();
                 args.push(h.claim_key.clone().into_bytes());
@@ -455,39 +498,49 @@ impl Inner {
         tag: &DeliveryTag,
         delay: Duration,
         reason: NackReason,
+        record: Option<AttemptRecord>,
     ) -> Result<(), QueueError> {
         let Some(h) = self.lock_held().get(&tag.0).cloned() else {
             return Ok(());
         };
-        let (target, score, member) = if delay.is_zero() && !reason.counts_as_failure() {
-            (self.keys.pending.clone(), h.score, h.member.to_vec())
-        } else {
-            // Through the retry set: the envelope must name its origin, and
-            // a failed attempt is counted in it.
-            let member = match parse_message(&h.member) {
-                Ok(mut message) => {
-                    if reason.counts_as_failure() {
-                        message.internal.retry_count =
-                            message.internal.retry_count.saturating_add(1);
-                    }
-                    message.internal.request_queue_name = Some(self.settings.name.clone());
-                    if message.kind == "plain" {
-                        message.kind = "redis".to_owned();
-                    }
-                    message.to_envelope_json().into_bytes()
-                }
-                Err(_) => h.member.to_vec(),
-            };
-            if delay.is_zero() {
-                (self.keys.pending.clone(), h.score, member)
+        let (target, score, member) =
+            if delay.is_zero() && !reason.counts_as_failure() && record.is_none() {
+                (self.keys.pending.clone(), h.score, h.member.to_vec())
             } else {
-                (
-                    RETRY_SET.to_owned(),
-                    now_secs() + delay.as_secs_f64(),
-                    member,
-                )
-            }
-        };
+                // Through the retry set: the envelope must name its origin, a
+                // failed attempt is counted in it, and what an attempt learned
+                // travels with it (so a deadline that passes while it waits
+                // still answers with the last HTTP answer).
+                let member = match parse_message(&h.member) {
+                    Ok(mut message) => {
+                        if reason.counts_as_failure() {
+                            message.internal.retry_count =
+                                message.internal.retry_count.saturating_add(1);
+                        }
+                        if let Some(record) = record {
+                            message.internal.attempts = Some(record.attempts);
+                            if record.last_answer.is_some() {
+                                message.internal.last_answer = record.last_answer;
+                            }
+                        }
+                        message.internal.request_queue_name = Some(self.settings.name.clone());
+                        if message.kind == "plain" {
+                            message.kind = "redis".to_owned();
+                        }
+                        message.to_envelope_json().into_bytes()
+                    }
+                    Err(_) => h.member.to_vec(),
+                };
+                if delay.is_zero() {
+                    (self.keys.pending.clone(), h.score, member)
+                } else {
+                    (
+                        RETRY_SET.to_owned(),
+                        now_secs() + delay.as_secs_f64(),
+                        member,
+                    )
+                }
+            };
         let k = &self.keys;
         let mut conn = self.conn.clone();
         let _: i64 = self.observed(
@@ -516,6 +569,10 @@ impl Inner {
         let Some(h) = self.lock_held().get(&tag.0).cloned() else {
             return Ok(());
         };
+        let result = ResultRecord::dead_lettered(&last_error);
+        let (list, ttl) = self.result_list(&h);
+        // A result is strings and numbers: serialising cannot fail.
+        let result_json = serde_json::to_vec(&result).unwrap_or_default();
         let record = serde_json::json!({
             "queue": self.settings.name,
             "message": String::from_utf8_lossy(&h.member),
@@ -535,6 +592,11 @@ impl Inner {
                 .arg(&h.claim_key)
                 .arg(&h.owner)
                 .arg(record)
+                .arg(list)
+                .arg(result_json)
+                .arg(ttl)
+                .arg(&result.id)
+                .arg(result.request_token.as_deref().unwrap_or_default())
                 .invoke_async(&mut conn)
                 .await,
         )?;
@@ -696,7 +758,17 @@ impl Queue for RedisQueue {
         delay: Duration,
         reason: NackReason,
     ) -> BoxFuture<'_, Result<(), QueueError>> {
-        Box::pin(async move { self.inner.release(&tag, delay, reason).await })
+        Box::pin(async move { self.inner.release(&tag, delay, reason, None).await })
+    }
+
+    fn requeue_after_attempt(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: AttemptRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(async move { self.inner.release(&tag, delay, reason, Some(record)).await })
     }
 
     fn extend_lease(
@@ -778,7 +850,12 @@ impl Queue for RedisQueue {
             let mut released = 0;
             for tag in tags {
                 self.inner
-                    .release(&DeliveryTag(tag), Duration::ZERO, NackReason::Shutdown)
+                    .release(
+                        &DeliveryTag(tag),
+                        Duration::ZERO,
+                        NackReason::Shutdown,
+                        None,
+                    )
                     .await?;
                 released += 1;
             }

@@ -2,8 +2,9 @@
 //! in one round trip and is called by SHA (`EVALSHA`, loaded on first use).
 //!
 //! Claim keys are `id\0token` (or `id` without a token), as upstream.
-//! Messages that cannot be decoded are claimed under `invalid\0<sha1>` so
-//! they still get a result.
+//! Messages that cannot be decoded, or whose id is longer than
+//! `MAX_ID_LEN` (512) bytes or contains NUL, are claimed under
+//! `invalid\0<sha1>` so they still get a result.
 //!
 //! Result lists, `request-active:<id>`, `request-cancel:<id>` and retry
 //! origins are addressed by name inside the scripts: fine on a standalone
@@ -37,7 +38,12 @@ for i = 1, #items, 2 do
         token = internal['request_token']
       end
     end
-    if type(req['id']) == 'string' and req['id'] ~= '' then
+    local id = req['id']
+    -- Ids that cannot be part of a claim key (too long, or holding the
+    -- NUL separator) are claimed as undecodable; the dispatcher answers
+    -- them under a synthetic id.
+    if type(id) == 'string' and id ~= '' and #id <= 512
+      and not string.find(id, '\0', 1, true) then
       ck = req['id']
       if token then ck = ck .. '\0' .. token end
     end
@@ -113,18 +119,32 @@ return 1
     )
 });
 
-/// DEAD: moves an owned claim to the dead-letter list.
+/// DEAD: moves an owned claim to the dead-letter list and writes its
+/// result (as ACK does: result list, list TTL, producer keys cleaned when
+/// they still hold this token), so a reader waiting for every result is
+/// not left waiting.
 /// KEYS: claimed, owners, idx, scores, dead list. ARGV: claim key, owner,
-/// record JSON. Returns 1, or 0 when the claim is no longer ours.
+/// record JSON, result list, result JSON, ttl seconds, id, token.
+/// Returns 1, or 0 when the claim is no longer ours.
 pub(super) static DEAD: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('LPUSH', KEYS[5], ARGV[3])
+redis.call('LPUSH', ARGV[4], ARGV[5])
+local ttl = tonumber(ARGV[6])
+if ttl > 0 then redis.call('EXPIRE', ARGV[4], ttl) end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
+local id, token = ARGV[7], ARGV[8]
+if token ~= '' then
+  local active = 'request-active:' .. id
+  if redis.call('GET', active) == token then redis.call('DEL', active) end
+  local cancel = 'request-cancel:' .. id
+  if redis.call('GET', cancel) == token then redis.call('DEL', cancel) end
+end
 return 1
 "#,
     )

@@ -1,0 +1,613 @@
+//! Delivery edge cases of the Redis transport against a real
+//! `redis-server`: the last HTTP answer survives a requeue past the
+//! deadline, attempts count congested tries, per-message result lists in
+//! their precedence, unknown request kinds and absurd deadlines, unusable
+//! ids, dead letters that still answer, and (ignored, prints a figure) how
+//! fast the claims of a SIGKILLed dispatcher are dispatched again.
+//!
+//! Messages are fed both as our producer writes them and hand-written in
+//! the upstream envelope shape (REFERENCE.md §1/§4) with `redis-cli`.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use sluicegate::config::{Config, EndpointUrl, RedisConfig};
+use sluicegate::queue::redis::{RedisQueueSettings, Submission, client, enqueue, manager};
+use sluicegate::request::{MAX_ID_LEN, parse_message, synthetic_id};
+use support::redis::RedisServer;
+use wiremock::matchers::method;
+use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
+
+fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_secs() as i64
+}
+
+fn redis_config(server: &RedisServer) -> RedisConfig {
+    RedisConfig {
+        url: EndpointUrl::new(url::Url::parse(&server.url()).expect("url")),
+        username: None,
+        password: None,
+        password_file: None,
+    }
+}
+
+/// An in-process dispatcher on one Redis queue.
+/// A dispatcher started in process through `support::start_app`.
+type Dispatcher = support::App;
+
+/// Starts `sluicegate run`'s application on one Redis queue named after
+/// `settings` (its `result_list`, when set, becomes `result_queue_name`).
+async fn start_dispatcher(
+    server: &RedisServer,
+    gateway: &str,
+    settings: RedisQueueSettings,
+    extra_dispatch: &str,
+) -> Dispatcher {
+    let result_list = settings
+        .result_list
+        .as_ref()
+        .map(|l| format!("result_queue_name = \"{l}\""))
+        .unwrap_or_default();
+    let toml = format!(
+        r#"
+transport = "redis"
+[gateway]
+url = "{gateway}"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "100ms"
+retry_initial_backoff = "100ms"
+retry_max_backoff = "200ms"
+{extra_dispatch}
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "{}"
+{result_list}
+max_sys = 32
+gate_type = "constant"
+"#,
+        settings.name
+    );
+    let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    config.redis = Some(redis_config(server));
+    support::start_app(&config).await
+}
+
+async fn wait_for_len(server: &RedisServer, list: &str, n: i64) -> Vec<serde_json::Value> {
+    let give_up = Instant::now() + Duration::from_secs(30);
+    while server.int(&["LLEN", list]) < n {
+        assert!(Instant::now() < give_up, "{list} never reached {n}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    server
+        .cli(&["LRANGE", list, "0", "-1"])
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("result is JSON"))
+        .collect()
+}
+
+fn find<'a>(results: &'a [serde_json::Value], id: &str) -> &'a serde_json::Value {
+    results
+        .iter()
+        .find(|r| r["id"] == id)
+        .unwrap_or_else(|| panic!("{id} answered: {results:?}"))
+}
+
+fn request_line(id: &str, deadline: i64) -> String {
+    serde_json::json!({
+        "id": id,
+        "deadline": deadline,
+        "payload": {"model": "m", "prompt": "p", "max_tokens": 1}
+    })
+    .to_string()
+}
+
+/// Submits through our producer (envelope, token, `request-active:<id>`).
+async fn submit(server: &RedisServer, queue: &str, lines: &[String]) {
+    let c = client(&redis_config(server)).expect("client");
+    let mut conn = manager(&c).expect("manager");
+    let now_ms = unix_now() * 1000;
+    let batch: Vec<Submission> = lines
+        .iter()
+        .map(|l| Submission::new(parse_message(l.as_bytes()).expect("valid"), queue, now_ms))
+        .collect();
+    enqueue(&mut conn, queue, &batch).await.expect("enqueued");
+}
+
+/// Writes an upstream-shaped envelope with `redis-cli`, as an upstream
+/// producer does (score = deadline, active key holding the token).
+fn upstream(
+    server: &RedisServer,
+    queue: &str,
+    data: serde_json::Value,
+    internal: serde_json::Value,
+) {
+    let deadline = data["deadline"]
+        .as_i64()
+        .or_else(|| data["deadline"].as_str().and_then(|s| s.parse().ok()))
+        .unwrap_or(0);
+    let envelope = serde_json::json!({
+        "internal": internal,
+        "request_kind": "redis",
+        "data": data,
+    })
+    .to_string();
+    server.cli(&["ZADD", queue, &deadline.to_string(), &envelope]);
+    if let (Some(id), Some(token)) = (data["id"].as_str(), internal["request_token"].as_str()) {
+        server.cli(&["SET", &format!("request-active:{id}"), token, "EX", "600"]);
+    }
+}
+
+/// Answers with the scripted statuses in order (body `answer-<n>`), then
+/// the last one for ever.
+struct Script(Vec<u16>, AtomicUsize);
+
+impl Respond for Script {
+    fn respond(&self, _: &Request) -> ResponseTemplate {
+        let n = self.1.fetch_add(1, Ordering::SeqCst);
+        let status = self.0[n.min(self.0.len() - 1)];
+        ResponseTemplate::new(status).set_body_string(format!("answer-{n}"))
+    }
+}
+
+async fn scripted_gateway(statuses: Vec<u16>) -> MockServer {
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(Script(statuses, AtomicUsize::new(0)))
+        .mount(&gateway)
+        .await;
+    gateway
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadline_passing_while_requeued_answers_with_the_last_http_answer() {
+    let server = RedisServer::start();
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(429)
+                .insert_header("retry-after", "3")
+                .set_body_string("pool busy"),
+        )
+        .mount(&gateway)
+        .await;
+    let deadline = unix_now() + 7;
+    // One of ours, one hand-written upstream envelope.
+    submit(&server, "late", &[request_line("ours", deadline)]).await;
+    upstream(
+        &server,
+        "late",
+        serde_json::json!({"id": "theirs", "deadline": deadline.to_string(),
+            "payload": {"model": "m", "prompt": "p"}}),
+        serde_json::json!({"retry_count": 0, "request_token": "feed01",
+            "request_queue_name": "late"}),
+    );
+    let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("late"), "").await;
+    // Both were answered 429 once and went to the retry set (due in 3 s,
+    // before the deadline); stop before they come back.
+    support::wait_until(Duration::from_secs(10), "both requeued after a 429", || {
+        server.int(&["ZCARD", "retry-sortedset"]) == 2
+    })
+    .await;
+    d.stop().await;
+    assert_eq!(server.int(&["LLEN", "result-list"]), 0);
+    // The deadline passes while they wait in the queue; the next
+    // dispatcher finds them expired.
+    while unix_now() <= deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("late"), "").await;
+    let results = wait_for_len(&server, "result-list", 2).await;
+    for id in ["ours", "theirs"] {
+        let r = find(&results, id);
+        assert_eq!(r["status_code"], 429, "{r}");
+        assert_eq!(r["payload"], "pool busy", "{r}");
+        assert!(r.get("error_code").is_none(), "{r}");
+        assert_eq!(r["attempts"], 1, "{r}");
+    }
+    assert_eq!(find(&results, "theirs")["request_token"], "feed01");
+    assert_eq!(
+        gateway.received_requests().await.expect("recorded").len(),
+        2
+    );
+    assert_eq!(server.int(&["EXISTS", "request-active:theirs"]), 0);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attempts_count_congested_tries_too() {
+    let server = RedisServer::start();
+    let gateway = scripted_gateway(vec![429, 503, 500, 200]).await;
+    submit(
+        &server,
+        "count",
+        &[request_line("counted", unix_now() + 600)],
+    )
+    .await;
+    let d = start_dispatcher(
+        &server,
+        &gateway.uri(),
+        RedisQueueSettings::new("count"),
+        r#"congestion_backoff = "100ms""#,
+    )
+    .await;
+    let results = wait_for_len(&server, "result-list", 1).await;
+    let r = &results[0];
+    assert_eq!(r["status_code"], 200, "{r}");
+    assert_eq!(r["payload"], "answer-3");
+    // 429, 503 (congested), 500 (failed) and the 200.
+    assert_eq!(r["attempts"], 4, "{r}");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn result_lists_follow_queue_then_envelope_then_request_then_default() {
+    let server = RedisServer::start();
+    let gateway = scripted_gateway(vec![200]).await;
+    let deadline = unix_now() + 600;
+    let data = |id: &str, list: Option<&str>| {
+        let mut d = serde_json::json!({"id": id, "deadline": deadline,
+            "payload": {"model": "m", "prompt": "p"}});
+        if let Some(list) = list {
+            d["result_queue_name"] = list.into();
+        }
+        d
+    };
+    let internal = |token: &str, list: Option<&str>| {
+        let mut i = serde_json::json!({"request_token": token});
+        if let Some(list) = list {
+            i["result_queue_name"] = list.into();
+        }
+        i
+    };
+    upstream(
+        &server,
+        "lists",
+        data("both", Some("data-list")),
+        internal("t1", Some("internal-list")),
+    );
+    upstream(
+        &server,
+        "lists",
+        data("data-only", Some("data-list")),
+        internal("t2", None),
+    );
+    upstream(
+        &server,
+        "lists",
+        data("neither", None),
+        internal("t3", None),
+    );
+    // A bare request naming its own list, written as-is.
+    let bare = serde_json::json!({"id": "bare", "deadline": deadline,
+        "payload": {"model": "m"}, "result_queue_name": "bare-list"});
+    server.cli(&["ZADD", "lists", &deadline.to_string(), &bare.to_string()]);
+    // And our producer's envelope with the list on the request.
+    submit(
+        &server,
+        "lists",
+        &[
+            serde_json::json!({"id": "ours", "deadline": deadline, "payload": {},
+            "result_queue_name": "data-list"})
+            .to_string(),
+        ],
+    )
+    .await;
+    let d = start_dispatcher(
+        &server,
+        &gateway.uri(),
+        RedisQueueSettings::new("lists"),
+        "",
+    )
+    .await;
+    let internal_list = wait_for_len(&server, "internal-list", 1).await;
+    assert_eq!(internal_list[0]["id"], "both");
+    let data_list = wait_for_len(&server, "data-list", 2).await;
+    let mut ids: Vec<&str> = data_list.iter().filter_map(|r| r["id"].as_str()).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["data-only", "ours"]);
+    assert_eq!(wait_for_len(&server, "bare-list", 1).await[0]["id"], "bare");
+    assert_eq!(
+        wait_for_len(&server, "result-list", 1).await[0]["id"],
+        "neither"
+    );
+    d.stop().await;
+
+    // The queue's own list wins over both of the message's.
+    upstream(
+        &server,
+        "pinned",
+        data("both", Some("data-list")),
+        internal("t4", Some("internal-list")),
+    );
+    let mut pinned = RedisQueueSettings::new("pinned");
+    pinned.result_list = Some("queue-list".into());
+    let d = start_dispatcher(&server, &gateway.uri(), pinned, "").await;
+    assert_eq!(
+        wait_for_len(&server, "queue-list", 1).await[0]["id"],
+        "both"
+    );
+    assert_eq!(server.int(&["LLEN", "internal-list"]), 1);
+    assert_eq!(server.int(&["LLEN", "data-list"]), 2);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_request_kinds_and_far_deadlines_are_invalid_and_never_sent() {
+    let server = RedisServer::start();
+    let gateway = scripted_gateway(vec![200]).await;
+    let soon = unix_now() + 600;
+    let kind = serde_json::json!({"internal": {"request_token": "k1"}, "request_kind": "sqs",
+        "data": {"id": "odd-kind", "deadline": soon, "payload": {}}});
+    server.cli(&["ZADD", "strict", &soon.to_string(), &kind.to_string()]);
+    upstream(
+        &server,
+        "strict",
+        serde_json::json!({"id": "year-9999", "deadline": 253_402_300_799_i64, "payload": {}}),
+        serde_json::json!({"request_token": "k2"}),
+    );
+    // A millisecond timestamp written as seconds.
+    let ms = unix_now() * 1000;
+    server.cli(&["ZADD", "strict", "1", &request_line("millis", ms)]);
+    let d = start_dispatcher(
+        &server,
+        &gateway.uri(),
+        RedisQueueSettings::new("strict"),
+        "",
+    )
+    .await;
+    let results = wait_for_len(&server, "result-list", 3).await;
+    for id in ["odd-kind", "year-9999", "millis"] {
+        let r = find(&results, id);
+        assert_eq!(r["error_code"], "INVALID_REQUEST", "{r}");
+        assert!(r.get("status_code").is_none(), "{r}");
+    }
+    assert!(
+        find(&results, "odd-kind")["error_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("request_kind"))
+    );
+    assert!(
+        find(&results, "year-9999")["error_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("10 years"))
+    );
+    assert_eq!(find(&results, "year-9999")["request_token"], "k2");
+    assert!(
+        gateway
+            .received_requests()
+            .await
+            .expect("recorded")
+            .is_empty()
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unusable_ids_get_short_printable_stable_result_ids() {
+    let server = RedisServer::start();
+    let gateway = scripted_gateway(vec![200]).await;
+    let deadline = unix_now() + 600;
+    let long = "L".repeat(MAX_ID_LEN + 100);
+    upstream(
+        &server,
+        "ids",
+        serde_json::json!({"id": long, "deadline": deadline, "payload": {}}),
+        serde_json::json!({"request_token": "tok-long"}),
+    );
+    // `\u0000` inside the JSON string: a NUL in the decoded id.
+    let nul = format!(
+        r#"{{"internal":{{"request_token":"tok-nul"}},"request_kind":"redis","data":{{"id":"a\u0000b","deadline":{deadline},"payload":{{}}}}}}"#
+    );
+    server.cli(&["ZADD", "ids", &deadline.to_string(), &nul]);
+    server.cli(&["ZADD", "ids", "1", "\x01 not json at all"]);
+    let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("ids"), "").await;
+    let results = wait_for_len(&server, "result-list", 3).await;
+    for r in &results {
+        let id = r["id"].as_str().expect("id");
+        assert!(id.len() <= MAX_ID_LEN, "{} bytes", id.len());
+        assert!(
+            !id.contains('\0') && id.chars().all(|c| c.is_ascii_graphic()),
+            "{id:?}"
+        );
+        assert_eq!(r["error_code"], "INVALID_REQUEST", "{r}");
+        let message = r["error_message"].as_str().expect("message");
+        assert!(
+            message.len() < 300 && !message.contains('\0'),
+            "{message:?}"
+        );
+    }
+    let long_result = find(&results, &synthetic_id(&long));
+    assert_eq!(long_result["request_token"], "tok-long");
+    assert!(
+        long_result["error_message"]
+            .as_str()
+            .is_some_and(|m| m.contains("LLLL") && m.contains('…'))
+    );
+    let nul_result = find(&results, &synthetic_id("a\0b"));
+    assert!(
+        nul_result["error_message"]
+            .as_str()
+            .is_some_and(|m| m.contains(r"a\0b"))
+    );
+    assert!(results.iter().any(|r| {
+        r["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("invalid:"))
+    }));
+    assert!(
+        gateway
+            .received_requests()
+            .await
+            .expect("recorded")
+            .is_empty()
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(server.int(&["HLEN", "ids:claimed"]), 0);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_also_writes_a_result_and_cleans_its_active_key() {
+    let server = RedisServer::start();
+    let gateway = scripted_gateway(vec![500]).await;
+    let deadline = unix_now() + 600;
+    submit(
+        &server,
+        "dead",
+        &[
+            request_line("doomed", deadline),
+            request_line("resubmitted", deadline),
+        ],
+    )
+    .await;
+    upstream(
+        &server,
+        "dead",
+        serde_json::json!({"id": "upstream-doomed", "deadline": deadline, "payload": {}}),
+        serde_json::json!({"request_token": "up-tok", "result_queue_name": "up-results"}),
+    );
+    // "resubmitted" was submitted again meanwhile: its active key holds
+    // another token and must survive.
+    server.cli(&[
+        "SET",
+        "request-active:resubmitted",
+        "newer-token",
+        "EX",
+        "600",
+    ]);
+    let d = start_dispatcher(
+        &server,
+        &gateway.uri(),
+        RedisQueueSettings::new("dead"),
+        "max_attempts = 2",
+    )
+    .await;
+    let results = wait_for_len(&server, "result-list", 2).await;
+    for id in ["doomed", "resubmitted"] {
+        let r = find(&results, id);
+        assert_eq!(r["error_code"], "INFERENCE_ERROR", "{r}");
+        assert_eq!(r["status_code"], 500, "{r}");
+        assert!(
+            r["payload"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("answer-")),
+            "{r}"
+        );
+        assert_eq!(r["attempts"], 2, "{r}");
+        assert!(
+            r["error_message"]
+                .as_str()
+                .is_some_and(|m| m.contains("attempts exhausted")),
+            "{r}"
+        );
+    }
+    let up = wait_for_len(&server, "up-results", 1).await;
+    assert_eq!(up[0]["id"], "upstream-doomed");
+    assert_eq!(up[0]["request_token"], "up-tok");
+    assert_eq!(server.int(&["LLEN", "dead:dead-letters"]), 3);
+    assert_eq!(server.int(&["EXISTS", "request-active:doomed"]), 0);
+    assert_eq!(server.int(&["EXISTS", "request-active:upstream-doomed"]), 0);
+    assert_eq!(
+        server.cli(&["GET", "request-active:resubmitted"]).trim(),
+        "newer-token"
+    );
+    assert_eq!(server.int(&["HLEN", "dead:claimed"]), 0);
+    d.stop().await;
+}
+
+/// A `sluicegate run` process, SIGKILLed on drop.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn run_process(server: &RedisServer, gateway: &str) -> Process {
+    Command::new(env!("CARGO_BIN_EXE_sluicegate"))
+        .arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("SLUICEGATE_TRANSPORT", "redis")
+        .env("SLUICEGATE_REDIS_URL", server.url())
+        .env("SLUICEGATE_QUEUE", "crash")
+        .env("SLUICEGATE_GATEWAY_URL", gateway)
+        .env("SLUICEGATE_GATE_TYPE", "constant")
+        .env("SLUICEGATE_QUEUE_MAX_SYS", "64")
+        .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
+        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
+        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map(Process)
+        .expect("sluicegate run starts")
+}
+
+/// Measures crash recovery with the default lease: a `sluicegate run`
+/// holding 20 claims (its gateway answers slowly) is SIGKILLed; a second
+/// process is started at once against a fast gateway; the figure is the
+/// time from the kill until that gateway received the last of the 20.
+/// Prints it; asserts only that every claim came back (no wall clock).
+///
+/// `cargo test --test redis_delivery -- --ignored --nocapture crash_recovery`
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark: takes about one lease (30 s); prints a figure"]
+async fn crash_recovery_time_after_sigkill_with_the_default_lease() {
+    const N: usize = 20;
+    let server = RedisServer::start();
+    let slow = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(ResponseTemplate::new(200).set_delay(Duration::from_secs(600)))
+        .mount(&slow)
+        .await;
+    let fast = scripted_gateway(vec![200]).await;
+    let deadline = unix_now() + 3600;
+    let lines: Vec<String> = (0..N)
+        .map(|i| request_line(&format!("c-{i}"), deadline))
+        .collect();
+    submit(&server, "crash", &lines).await;
+    let mut first = run_process(&server, &slow.uri());
+    let give_up = Instant::now() + Duration::from_secs(30);
+    while slow.received_requests().await.map_or(0, |r| r.len()) < N {
+        assert!(
+            Instant::now() < give_up,
+            "first process never took every message"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Let the heartbeat renew once, as in a long-running process.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let killed_at = Instant::now();
+    first.0.kill().expect("SIGKILL");
+    let _ = first.0.wait();
+    let _second = run_process(&server, &fast.uri());
+    let give_up = Instant::now() + Duration::from_secs(120);
+    loop {
+        let seen = fast.received_requests().await.map_or(0, |r| r.len());
+        if seen >= N {
+            break;
+        }
+        assert!(
+            Instant::now() < give_up,
+            "only {seen} of {N} claims came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let recovery = killed_at.elapsed();
+    eprintln!(
+        "crash recovery: {N} claims of a SIGKILLed dispatcher dispatched again by a second process {:.1} s after the kill (dispatch.lease default 30 s, heartbeat every 10 s)",
+        recovery.as_secs_f64()
+    );
+    wait_for_len(&server, "result-list", N as i64).await;
+}
