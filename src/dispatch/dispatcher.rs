@@ -186,7 +186,7 @@ impl QueueDispatcher {
     /// The observer, lease keeper and result writer run on `tasks`, under
     /// one token of this dispatcher that is a child of the task tree's root.
     pub async fn run(self, shutdown: CancellationToken, tasks: Tasks) {
-        let window = Window::new(Instant::now(), self.settings.max_staleness * 2);
+        let window = Window::new(Instant::now(), self.settings.max_staleness);
         let name = self.queue.name().to_owned();
         let shared = Arc::new(Shared {
             config: self,

@@ -4,6 +4,7 @@
 //! sends and settles messages, split by task: `dispatcher.rs` (state, start
 //! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
 
+pub mod congestion;
 pub mod cost;
 mod dispatcher;
 mod observe;

@@ -92,6 +92,10 @@ pub struct Window {
     /// flight when the observation's data was taken?".
     marks: VecDeque<Mark>,
     history: Duration,
+    /// A grant is spent or void once its observation is this old: budget
+    /// from data older than `max_staleness` is no budget, even while the
+    /// observer is blocked and no newer reading replaces it.
+    grant_lifetime: Duration,
     grant: Option<Grant>,
     last_taken_at: Option<Instant>,
     congested_at: Option<Instant>,
@@ -99,9 +103,10 @@ pub struct Window {
 }
 
 impl Window {
-    /// A closed window created at `now` that remembers `history` of its own
-    /// sends (at least the gate's staleness limit).
-    pub fn new(now: Instant, history: Duration) -> Self {
+    /// A closed window created at `now` for a gate whose data is no data
+    /// once older than `max_staleness`. It remembers twice that span of its
+    /// own sends, so any usable observation finds the counters of its time.
+    pub fn new(now: Instant, max_staleness: Duration) -> Self {
         let mut marks = VecDeque::new();
         marks.push_back(Mark {
             at: now,
@@ -113,7 +118,8 @@ impl Window {
             done: 0,
             last_event: now,
             marks,
-            history,
+            history: max_staleness.saturating_mul(2),
+            grant_lifetime: max_staleness,
             grant: None,
             last_taken_at: None,
             congested_at: None,
@@ -183,7 +189,9 @@ impl Window {
         if self.is_held(now) {
             return 0;
         }
-        let Some(grant) = self.grant else { return 0 };
+        let Some(grant) = self.live_grant(now) else {
+            return 0;
+        };
         let released = self.sent - grant.sent_at_taken;
         let by_budget = grant.n.saturating_sub(released);
         let by_window = grant.limit.saturating_sub(self.in_flight());
@@ -194,14 +202,20 @@ impl Window {
     /// that does not fit waits for the next budget.
     pub fn allows(&self, now: Instant, cost: u64) -> bool {
         if cost <= self.available(now) {
-            return self.grant.is_some();
+            return self.live_grant(now).is_some();
         }
-        match self.grant {
+        match self.live_grant(now) {
             Some(grant) if grant.at_least_one && !self.is_held(now) => {
                 self.sent == grant.sent_at_taken
             }
             _ => false,
         }
+    }
+
+    /// The grant, unless its observation has outlived `max_staleness`.
+    fn live_grant(&self, now: Instant) -> Option<Grant> {
+        self.grant
+            .filter(|g| now.saturating_duration_since(g.taken_at) <= self.grant_lifetime)
     }
 
     /// Records `cost` units sent at `now`. Call only after [`Self::allows`].
@@ -407,6 +421,19 @@ mod tests {
         assert_eq!(w.available(newer), 0);
         let after_hold = now + Duration::from_secs(6);
         assert_eq!(w.available(after_hold), 10);
+    }
+
+    #[test]
+    fn grant_expires_when_its_observation_outlives_max_staleness() {
+        let now = t0();
+        let mut w = Window::new(now, Duration::from_secs(10));
+        w.observe(now, 10, false, true);
+        w.sent(now, 2);
+        let late = now + Duration::from_secs(10);
+        assert_eq!(w.available(late), 8);
+        let stale = now + Duration::from_millis(10_001);
+        assert_eq!(w.available(stale), 0);
+        assert!(!w.allows(stale, 1));
     }
 
     #[derive(Debug, Clone)]
