@@ -196,7 +196,10 @@ mod tests {
         assert_eq!(p.backoff(1, 1.0), secs(1.0));
         assert_eq!(p.backoff(3, 0.0), secs(2.0));
         let near_top = p.backoff(3, 0.999_999);
-        assert!(near_top > secs(3.99) && near_top <= secs(4.0), "{near_top:?}");
+        assert!(
+            near_top > secs(3.99) && near_top <= secs(4.0),
+            "{near_top:?}"
+        );
         assert_eq!(p.backoff(10, 1.0), secs(30.0));
         assert_eq!(p.backoff(u32::MAX, 1.0), secs(30.0));
         assert_eq!(p.backoff(2, f64::NAN), secs(1.0));

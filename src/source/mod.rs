@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 pub use cache::Cached;
 pub use prom::{PromAuth, PromClient, PromQuery, PromSample, PromVector};
-pub use redis_key::RedisKey;
+pub use redis_key::{APPLIED_SUFFIX, BudgetRecord, RecordError, RedisKey, parse_budget_record};
 pub use scrape::Scrape;
 pub use text::{Exposition, MetricType, ParseError};
 

@@ -2,7 +2,7 @@
 //! (`prometheus-http-query`, on the process' one reqwest/rustls stack).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -97,16 +97,52 @@ impl PromClient {
         &self.shown_url
     }
 
-    /// A source that runs `query`.
+    /// A source that runs `query`, dated when the query is sent: Prometheus
+    /// cannot tell the age of the samples behind an arbitrary expression.
+    /// Gates that read such a source must treat it as blind to their own
+    /// load (see [`PromQuery::is_dated_by_scrape`]).
     pub fn query(&self, query: impl Into<String>) -> PromQuery {
         PromQuery {
             client: self.clone(),
             query: Arc::from(query.into()),
+            freshness: None,
+            dating: Arc::new(Mutex::new(None)),
         }
     }
 
-    /// Runs one instant query.
+    /// A source that runs `query` and dates its answer by the scrape time
+    /// of the oldest sample `selector` (a plain series selector such as
+    /// `vllm:num_requests_running{inference_pool="p"}`) matches, read with
+    /// `min(timestamp(selector))` in the same round trip.
+    ///
+    /// Why: an instant query is evaluated at Prometheus' "now", so its
+    /// result says nothing about how old the scraped data is. With a 15 s
+    /// scrape and a 1 s poll, dating by the query would make every poll a
+    /// "fresh" observation that releases another `N` on top of work the
+    /// metrics do not show yet.
+    pub fn dated_query(&self, query: impl Into<String>, selector: &str) -> PromQuery {
+        PromQuery {
+            freshness: Some(Arc::from(format!("min(timestamp({selector}))"))),
+            ..self.query(query)
+        }
+    }
+
+    /// Runs one instant query, dated when it was sent.
     pub async fn instant(&self, query: &str) -> Result<Timestamped<PromVector>, SourceError> {
+        let (samples, sent, _) = self.evaluate(query).await?;
+        Ok(Timestamped {
+            value: samples,
+            taken_at: sent,
+        })
+    }
+
+    /// Runs one instant query: its samples, when it was sent, and
+    /// Prometheus' evaluation time (Unix seconds, Prometheus' clock) when
+    /// the answer carries one.
+    async fn evaluate(
+        &self,
+        query: &str,
+    ) -> Result<(PromVector, Instant, Option<f64>), SourceError> {
         let sent = Instant::now();
         let answer = tokio::time::timeout(self.timeout, self.client.query(query).get())
             .await
@@ -115,35 +151,33 @@ impl PromClient {
             prometheus_http_query::Error::Prometheus(p) => SourceError::Query(p.to_string()),
             other => SourceError::transport(other),
         })?;
+        let mut evaluated_at = None;
         let samples = match result.into_inner().0 {
             Data::Vector(v) => v
                 .into_iter()
                 .map(|s| {
                     let (labels, sample) = s.into_inner();
+                    evaluated_at = Some(sample.timestamp());
                     PromSample {
                         labels: labels.into_iter().collect(),
                         value: sample.value(),
                     }
                 })
                 .collect(),
-            Data::Scalar(s) => vec![PromSample {
-                labels: BTreeMap::new(),
-                value: s.value(),
-            }],
+            Data::Scalar(s) => {
+                evaluated_at = Some(s.timestamp());
+                vec![PromSample {
+                    labels: BTreeMap::new(),
+                    value: s.value(),
+                }]
+            }
             Data::Matrix(_) => {
                 return Err(SourceError::Parse(
                     "a range vector; the query must return an instant vector or scalar".into(),
                 ));
             }
         };
-        // Prometheus evaluates at its own "now", which is when it got the
-        // query; the result's timestamp says nothing about how old the
-        // scraped samples are, and comparing clocks would only measure
-        // clock skew. So the data is dated when the query was sent.
-        Ok(Timestamped {
-            value: samples,
-            taken_at: sent,
-        })
+        Ok((samples, sent, evaluated_at))
     }
 }
 
@@ -152,6 +186,12 @@ impl PromClient {
 pub struct PromQuery {
     client: PromClient,
     query: Arc<str>,
+    /// `min(timestamp(selector))`, when the data can be dated by scrape.
+    freshness: Option<Arc<str>>,
+    /// The newest scrape time seen (Prometheus' Unix seconds) and the local
+    /// instant it was mapped to, so re-reading the same scrape gives the
+    /// very same `taken_at` (and so releases nothing new).
+    dating: Arc<Mutex<Option<(f64, Instant)>>>,
 }
 
 impl PromQuery {
@@ -159,13 +199,68 @@ impl PromQuery {
     pub fn text(&self) -> &str {
         &self.query
     }
+
+    /// Whether answers are dated by the scrape time of their samples (true)
+    /// or by when the query was sent (false).
+    pub fn is_dated_by_scrape(&self) -> bool {
+        self.freshness.is_some()
+    }
+
+    async fn fetch_dated(&self, freshness: &str) -> Result<Timestamped<PromVector>, SourceError> {
+        let (main, dates) = futures_util::future::join(
+            self.client.evaluate(&self.query),
+            self.client.evaluate(freshness),
+        )
+        .await;
+        let (samples, sent, _) = main?;
+        let (dates, _, evaluated_at) = dates?;
+        let scraped_at = dates.first().map(|s| s.value).filter(|v| v.is_finite());
+        let taken_at = match (scraped_at, evaluated_at) {
+            (Some(scraped_at), Some(evaluated_at)) => {
+                self.local_instant(scraped_at, evaluated_at, sent)
+            }
+            // No series behind the query: nothing to date, and gates read
+            // an empty answer as "absent" whatever its time.
+            _ => sent,
+        };
+        Ok(Timestamped {
+            value: samples,
+            taken_at,
+        })
+    }
+
+    /// Maps a scrape time to a local instant. The age is measured on
+    /// Prometheus' own clock (evaluation time − scrape time), so clock skew
+    /// between hosts does not matter; it is subtracted from when the query
+    /// was sent, which makes the data look slightly older than it is (the
+    /// safe side: more of our sends count against its `N`).
+    fn local_instant(&self, scraped_at: f64, evaluated_at: f64, sent: Instant) -> Instant {
+        let age = Duration::try_from_secs_f64((evaluated_at - scraped_at).max(0.0))
+            .unwrap_or(Duration::MAX);
+        let estimate = sent.checked_sub(age).unwrap_or(sent);
+        let mut dating = self.dating.lock().unwrap_or_else(|p| p.into_inner());
+        let taken_at = match *dating {
+            Some((seen, at)) if scraped_at == seen => at,
+            // A newer scrape must not map to an earlier instant than the
+            // one before it (network jitter), or it would read as not newer.
+            Some((seen, at)) if scraped_at > seen => estimate.max(at + Duration::from_millis(1)),
+            Some(_) | None => estimate,
+        };
+        if dating.is_none_or(|(seen, _)| scraped_at >= seen) {
+            *dating = Some((scraped_at, taken_at));
+        }
+        taken_at
+    }
 }
 
 impl Source for PromQuery {
     type Output = PromVector;
 
     fn fetch(&self) -> BoxFuture<'_, Result<Timestamped<PromVector>, SourceError>> {
-        Box::pin(self.client.instant(&self.query))
+        match &self.freshness {
+            Some(freshness) => Box::pin(self.fetch_dated(freshness)),
+            None => Box::pin(self.client.instant(&self.query)),
+        }
     }
 
     fn describe(&self) -> String {

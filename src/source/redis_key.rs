@@ -1,7 +1,29 @@
-//! A value written to a Redis key by an external controller.
+//! A value written to a Redis key by an external controller, and the
+//! controller's decision protocol.
+//!
+//! The key holds either a bare number (upstream llm-d-async: `0.42`) or a
+//! decision record (JSON):
+//!
+//! ```json
+//! {"budget": 0.42, "timestamp": 1763900000.25, "decision_id": "d-17", "sees_own_load": true}
+//! ```
+//!
+//! - `budget` (required): `D` in [0, 1].
+//! - `timestamp` (required in a record): Unix seconds, when the data the
+//!   controller decided on was taken. The reading is dated by it, so a key
+//!   left behind by a dead controller goes stale and closes the gate.
+//! - `decision_id` (optional): each replica that applies the decision
+//!   writes it back to the hash `<key>:applied` (field = replica name), so
+//!   the controller can tell when its decision took effect.
+//! - `sees_own_load` (optional, default false): whether the controller's
+//!   data already counts the batch work sluicegate has in flight; only then
+//!   may the window add `N` to what is in flight.
+//!
+//! A bare number has no date: it is dated when read and never sees our load
+//! (the window is `N` itself).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
 use redis::AsyncCommands;
@@ -103,6 +125,132 @@ impl RedisKey {
     }
 }
 
+/// Suffix of the hash where replicas acknowledge decisions.
+pub const APPLIED_SUFFIX: &str = ":applied";
+
+/// How long acknowledgements are kept after the last write: long enough for
+/// a controller to read them, short enough that dead replicas disappear.
+const APPLIED_TTL_SECONDS: i64 = 3600;
+
+/// What the budget key says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BudgetRecord {
+    /// `D`, in [0, 1].
+    pub budget: f64,
+    /// When the controller's data was taken (a local instant); `None` for
+    /// a bare number, which is dated when it was read.
+    pub taken_at: Option<Instant>,
+    /// The controller's decision id, if any.
+    pub decision_id: Option<String>,
+    /// Whether the controller's data counts our own in-flight work.
+    pub sees_own_load: bool,
+}
+
+/// Why a budget key's value is unusable.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RecordError {
+    /// Neither a number nor a decision record.
+    #[error("{0:?} is neither a number in [0, 1] nor a decision record")]
+    Unreadable(String),
+    /// The budget is outside [0, 1] or not a number.
+    #[error("budget {0} is not a number in [0, 1]")]
+    OutOfRange(f64),
+    /// A record without a usable `timestamp`.
+    #[error("a decision record needs \"timestamp\" (Unix seconds of the controller's data)")]
+    NoTimestamp,
+    /// The record's timestamp is in the future (beyond clock tolerance).
+    #[error("timestamp is {0:.1} s in the future; check the controller's clock")]
+    FromTheFuture(f64),
+}
+
+/// Clock difference between the controller and us that is tolerated
+/// before a future timestamp is an error.
+const CLOCK_TOLERANCE_SECONDS: f64 = 5.0;
+
+/// Parses the key's value read at `read_at` (local) / `wall` (Unix clock).
+/// Ages are measured on the wall clock, so the controller's clock must be
+/// synchronised (NTP); a record from the future beyond a small tolerance
+/// is refused rather than trusted.
+pub fn parse_budget_record(
+    text: &str,
+    read_at: Instant,
+    wall: SystemTime,
+) -> Result<BudgetRecord, RecordError> {
+    let text = text.trim();
+    let in_range = |d: f64| {
+        if (0.0..=1.0).contains(&d) {
+            Ok(d)
+        } else {
+            Err(RecordError::OutOfRange(d))
+        }
+    };
+    if let Ok(d) = text.parse::<f64>() {
+        return Ok(BudgetRecord {
+            budget: in_range(d)?,
+            taken_at: None,
+            decision_id: None,
+            sees_own_load: false,
+        });
+    }
+    #[derive(serde::Deserialize)]
+    struct Raw {
+        budget: f64,
+        timestamp: Option<f64>,
+        decision_id: Option<String>,
+        #[serde(default)]
+        sees_own_load: bool,
+    }
+    let raw: Raw = serde_json::from_str(text)
+        .map_err(|_| RecordError::Unreadable(text.chars().take(80).collect()))?;
+    let budget = in_range(raw.budget)?;
+    let timestamp = raw
+        .timestamp
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .ok_or(RecordError::NoTimestamp)?;
+    let now = wall
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let age = now - timestamp;
+    if age < -CLOCK_TOLERANCE_SECONDS {
+        return Err(RecordError::FromTheFuture(-age));
+    }
+    let age = Duration::try_from_secs_f64(age.max(0.0)).unwrap_or(Duration::MAX);
+    Ok(BudgetRecord {
+        budget,
+        // Older than the process' clock can express: as old as possible,
+        // which the staleness limit then refuses.
+        taken_at: Some(read_at.checked_sub(age).unwrap_or(read_at)),
+        decision_id: raw.decision_id,
+        sees_own_load: raw.sees_own_load,
+    })
+}
+
+impl RedisKey {
+    /// Records that `replica` applied `decision_id`: `HSET <key>:applied
+    /// <replica> <decision_id>`, kept for an hour after the last write.
+    pub async fn acknowledge(&self, replica: &str, decision_id: &str) -> Result<(), SourceError> {
+        let applied = format!("{}{APPLIED_SUFFIX}", self.key);
+        let work = async {
+            let manager = self
+                .connection
+                .get()
+                .ok_or_else(|| SourceError::Parse("not connected yet".into()))?;
+            let mut conn = manager.clone();
+            redis::pipe()
+                .hset(&applied, replica, decision_id)
+                .ignore()
+                .expire(&applied, APPLIED_TTL_SECONDS)
+                .ignore()
+                .query_async::<()>(&mut conn)
+                .await
+                .map_err(|e| SourceError::Redis(Arc::new(e)))
+        };
+        tokio::time::timeout(self.timeout, work)
+            .await
+            .map_err(|_| SourceError::Timeout(self.timeout))?
+    }
+}
+
 impl Source for RedisKey {
     type Output = Option<String>;
 
@@ -112,5 +260,59 @@ impl Source for RedisKey {
 
     fn describe(&self) -> String {
         self.describe_key()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(unix: f64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs_f64(unix)
+    }
+
+    #[test]
+    fn bare_number_is_undated_and_blind() {
+        let now = Instant::now();
+        let r = parse_budget_record(" 0.4 ", now, at(1000.0)).unwrap();
+        assert_eq!(r.budget, 0.4);
+        assert_eq!(r.taken_at, None);
+        assert!(!r.sees_own_load);
+        assert_eq!(
+            parse_budget_record("1.5", now, at(1000.0)),
+            Err(RecordError::OutOfRange(1.5))
+        );
+    }
+
+    #[test]
+    fn record_is_dated_by_its_timestamp() {
+        let now = Instant::now() + Duration::from_secs(100);
+        let r = parse_budget_record(
+            r#"{"budget": 0.25, "timestamp": 990.0, "decision_id": "d-1", "sees_own_load": true}"#,
+            now,
+            at(1000.0),
+        )
+        .unwrap();
+        assert_eq!(r.budget, 0.25);
+        assert_eq!(r.taken_at, Some(now - Duration::from_secs(10)));
+        assert_eq!(r.decision_id.as_deref(), Some("d-1"));
+        assert!(r.sees_own_load);
+    }
+
+    #[test]
+    fn record_without_timestamp_or_from_the_future_is_refused() {
+        let now = Instant::now();
+        assert_eq!(
+            parse_budget_record(r#"{"budget": 0.5}"#, now, at(1000.0)),
+            Err(RecordError::NoTimestamp)
+        );
+        assert!(matches!(
+            parse_budget_record(r#"{"budget": 0.5, "timestamp": 1100}"#, now, at(1000.0)),
+            Err(RecordError::FromTheFuture(_))
+        ));
+        assert!(matches!(
+            parse_budget_record("open", now, at(1000.0)),
+            Err(RecordError::Unreadable(_))
+        ));
     }
 }

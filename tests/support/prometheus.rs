@@ -26,13 +26,21 @@ pub struct Prometheus {
 }
 
 impl Prometheus {
-    /// Writes the config and starts Prometheus; returns once it is ready.
+    /// Writes the config and starts Prometheus scraping every second;
+    /// returns once it is ready.
     pub async fn start(spec: &PrometheusSpec) -> Self {
+        Self::start_scraping_every(spec, Duration::from_secs(1)).await
+    }
+
+    /// Like [`Self::start`] with another scrape interval: real deployments
+    /// scrape every 15 to 60 s, which is what the lag tests reproduce.
+    pub async fn start_scraping_every(spec: &PrometheusSpec, interval: Duration) -> Self {
         let dir = TempDir::new("prometheus");
         let targets: Vec<String> = spec.targets.iter().map(|t| format!("'{t}'")).collect();
+        let interval_ms = interval.as_millis();
         let mut config = format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-             scrape_configs:\n  - job_name: pool\n    scrape_interval: 1s\n    scrape_timeout: 900ms\n\
+            "global:\n  scrape_interval: {interval_ms}ms\n  evaluation_interval: 1s\n\
+             scrape_configs:\n  - job_name: pool\n    scrape_interval: {interval_ms}ms\n    scrape_timeout: 900ms\n\
              \x20   static_configs:\n      - targets: [{}]\n",
             targets.join(", ")
         );
