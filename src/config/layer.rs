@@ -1,17 +1,20 @@
 //! Sources and layering: the file, the `SLUICEGATE_*` environment and
-//! command-line flags are applied in that order onto the raw config, each
-//! overridden key remembering which variable or flag set it.
+//! command-line flags are applied in that order onto one loose tree (the
+//! file's shape as JSON values), each overridden key remembering which
+//! variable or flag set it; `check` then turns the tree into a `Config`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::Config;
+use super::check::build;
 use super::error::{ConfigError, ConfigErrors};
-use super::raw::{QUEUE_ENV_KEYS, RawConfig, RawQueue, SECTIONS};
-use super::validate::validate;
 use super::values::Ctx;
+use super::{Config, QueueConfig, SECTIONS};
+
+/// The loose tree: top-level keys, section tables and the `queue` array.
+type Tree = Map<String, Value>;
 
 /// Prefix of every environment variable sluicegate reads.
 pub const ENV_PREFIX: &str = "SLUICEGATE_";
@@ -119,49 +122,38 @@ const EMPTY_MEANS_SOMETHING: &[&str] = &[
     "SLUICEGATE_QUEUE_INFERENCE_OBJECTIVE",
 ];
 
-/// Every variable and its target. Short contract names come first; the
-/// generic `SLUICEGATE_<SECTION>_<KEY>` names follow.
+/// Every variable and its target: the short contract names, then
+/// `SLUICEGATE_<SECTION>_<KEY>` for every declared key.
 fn env_table() -> Vec<(String, Target)> {
-    let mut t: Vec<(String, Target)> = vec![
-        ("SLUICEGATE_CONFIG".into(), Target::ConfigFile),
-        ("SLUICEGATE_TRANSPORT".into(), Target::Transport),
-        ("SLUICEGATE_QUEUE".into(), Target::Queue("queue_name")),
-        ("SLUICEGATE_GATE_TYPE".into(), Target::Queue("gate_type")),
-        (
-            "SLUICEGATE_GATE_PARAMS".into(),
-            Target::Queue("gate_params"),
-        ),
-        ("SLUICEGATE_QUEUES_JSON".into(), Target::QueuesJson),
-        (
-            "SLUICEGATE_REQUEST_PATH".into(),
-            Target::Section("gateway", "request_path"),
-        ),
-        (
-            "SLUICEGATE_LISTEN".into(),
-            Target::Section("telemetry", "listen"),
-        ),
-        (
-            "SLUICEGATE_LOG_FORMAT".into(),
-            Target::Section("telemetry", "log_format"),
-        ),
-        (
-            "SLUICEGATE_LOG_LEVEL".into(),
-            Target::Section("telemetry", "log_level"),
-        ),
+    let short = [
+        ("CONFIG", Target::ConfigFile),
+        ("TRANSPORT", Target::Transport),
+        ("QUEUE", Target::Queue("queue_name")),
+        ("GATE_TYPE", Target::Queue("gate_type")),
+        ("GATE_PARAMS", Target::Queue("gate_params")),
+        ("QUEUES_JSON", Target::QueuesJson),
+        ("REQUEST_PATH", Target::Section("gateway", "request_path")),
+        ("LISTEN", Target::Section("telemetry", "listen")),
+        ("LOG_FORMAT", Target::Section("telemetry", "log_format")),
+        ("LOG_LEVEL", Target::Section("telemetry", "log_level")),
     ];
-    for &(section, keys) in SECTIONS {
-        for key in keys {
-            t.push((env_name(section, key), Target::Section(section, key)));
-        }
-    }
-    for key in QUEUE_ENV_KEYS {
-        t.push((env_name("queue", key), Target::Queue(key)));
-    }
-    t
+    let sections = SECTIONS.iter().flat_map(|&(section, keys)| {
+        keys.iter()
+            .map(move |key| (env_name(section, key), Target::Section(section, key)))
+    });
+    let queue = QueueConfig::FIELD_KEYS
+        .iter()
+        .map(|key| (env_name("queue", key), Target::Queue(key)));
+    short
+        .into_iter()
+        .map(|(n, t)| (format!("{ENV_PREFIX}{n}"), t))
+        .chain(sections)
+        .chain(queue)
+        .collect()
 }
 
 fn env_name(section: &str, key: &str) -> String {
-    format!("{ENV_PREFIX}{}_{}", section, key).to_uppercase()
+    format!("{ENV_PREFIX}{section}_{key}").to_uppercase()
 }
 
 /// Every environment variable sluicegate reads, sorted.
@@ -186,25 +178,19 @@ fn target_key(t: Target) -> String {
 /// Loads from `sources` (see [`Config::load`]).
 pub(crate) fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
     let file = sources.file.clone().or_else(|| {
-        sources
-            .env
-            .get("SLUICEGATE_CONFIG")
-            .filter(|p| !p.is_empty())
-            .map(PathBuf::from)
+        let named = sources.env.get("SLUICEGATE_CONFIG");
+        named.filter(|p| !p.is_empty()).map(PathBuf::from)
     });
-    match file {
-        None => load_text(None, &sources.env, &sources.overrides),
-        Some(path) => match std::fs::read_to_string(&path) {
-            Ok(text) => load_text(
-                Some((&text, &path.display().to_string())),
-                &sources.env,
-                &sources.overrides,
-            ),
-            Err(e) => Err(ConfigErrors(vec![ConfigError::new(
-                path.display().to_string(),
-                format!("cannot read config file: {e}"),
-            )])),
-        },
+    let Some(path) = file else {
+        return load_text(None, &sources.env, &sources.overrides);
+    };
+    let name = path.display().to_string();
+    match std::fs::read_to_string(&path) {
+        Ok(text) => load_text(Some((&text, &name)), &sources.env, &sources.overrides),
+        Err(e) => Err(ConfigErrors(vec![ConfigError::new(
+            name,
+            format!("cannot read config file: {e}"),
+        )])),
     }
 }
 
@@ -215,16 +201,14 @@ pub(crate) fn load_text(
     overrides: &Overrides,
 ) -> Result<Config, ConfigErrors> {
     let mut ctx = Ctx::default();
-    let mut raw = match file {
-        None => RawConfig::default(),
-        Some((text, name)) => match parse_file(text, name, &mut ctx) {
-            Some(raw) => raw,
-            None => return Err(ConfigErrors(ctx.errors)),
-        },
+    let mut tree = match file {
+        None => Tree::new(),
+        Some((text, name)) => parse_file(text, name, &mut ctx)
+            .ok_or_else(|| ConfigErrors(std::mem::take(&mut ctx.errors)))?,
     };
-    apply_env(&mut raw, env, &mut ctx);
-    apply_overrides(&mut raw, overrides, &mut ctx);
-    let config = validate(raw, &mut ctx);
+    apply_env(&mut tree, env, &mut ctx);
+    apply_overrides(&mut tree, overrides, &mut ctx);
+    let config = build(tree, &mut ctx);
     if ctx.errors.is_empty() {
         Ok(config)
     } else {
@@ -232,40 +216,10 @@ pub(crate) fn load_text(
     }
 }
 
-const TOP_KEYS: &[&str] = &[
-    "transport",
-    "gateway",
-    "redis",
-    "prometheus",
-    "pubsub",
-    "embedded",
-    "dispatch",
-    "telemetry",
-    "queue",
-];
-
-/// Every key of a queue entry (file or upstream JSON).
-pub(crate) const QUEUE_KEYS: &[&str] = &[
-    "queue_name",
-    "subscriber_id",
-    "igw_base_url",
-    "request_path_url",
-    "inference_objective",
-    "worker_pool_id",
-    "labels",
-    "result_queue_name",
-    "result_ttl_seconds",
-    "max_sys",
-    "unit",
-    "rounding",
-    "gate_type",
-    "gate_params",
-];
-
 /// Parses the file, reporting every unknown key (with the allowed ones)
-/// rather than only the first. Unknown keys are dropped so that validation
-/// can report the remaining problems too.
-fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<RawConfig> {
+/// rather than only the first. Unknown keys and misshapen sections are
+/// dropped so that the remaining problems are reported too.
+fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
     let mut table: toml::Table = match text.parse() {
         Ok(t) => t,
         Err(e) => {
@@ -281,11 +235,22 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<RawConfig> {
             return None;
         }
     };
-    prune_unknown(&mut table, "", TOP_KEYS, ctx);
+    let top: Vec<&str> = ["transport"]
+        .into_iter()
+        .chain(SECTIONS.iter().map(|(s, _)| *s))
+        .chain(["queue"])
+        .collect();
+    for k in unknown_keys(table.keys(), "", &top, ctx) {
+        table.remove(&k);
+    }
     for &(section, keys) in SECTIONS {
         match table.get_mut(section) {
             None => {}
-            Some(toml::Value::Table(t)) => prune_unknown(t, section, keys, ctx),
+            Some(toml::Value::Table(t)) => {
+                for k in unknown_keys(t.keys(), section, keys, ctx) {
+                    t.remove(&k);
+                }
+            }
             Some(other) => {
                 ctx.err(
                     section,
@@ -302,7 +267,11 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<RawConfig> {
             for (i, item) in items.iter_mut().enumerate() {
                 match item {
                     toml::Value::Table(t) => {
-                        prune_unknown(t, &format!("queue[{i}]"), QUEUE_KEYS, ctx)
+                        for k in
+                            unknown_keys(t.keys(), &format!("queue[{i}]"), QueueConfig::KEYS, ctx)
+                        {
+                            t.remove(&k);
+                        }
                     }
                     other => {
                         bad = true;
@@ -328,36 +297,38 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<RawConfig> {
             table.remove("queue");
         }
     }
-    match toml::Value::Table(table).try_into::<RawConfig>() {
-        Ok(raw) => Some(raw),
+    match serde_json::to_value(table) {
+        Ok(Value::Object(tree)) => Some(tree),
+        // A TOML table always becomes a JSON object; kept as a backstop
+        // that still names the file.
+        Ok(_) => Some(Tree::new()),
         Err(e) => {
-            // Unreachable after pruning (every field accepts any value);
-            // kept as a backstop that still names the file.
-            ctx.err(name, e.message().to_owned());
+            ctx.err(name, e.to_string());
             None
         }
     }
 }
 
-fn prune_unknown(table: &mut toml::Table, path: &str, allowed: &[&str], ctx: &mut Ctx) {
-    let unknown: Vec<String> = table
-        .keys()
+/// Reports each of `keys` that is not `allowed` (with a close name when
+/// there is one) and returns them, for the caller to drop.
+fn unknown_keys<'a>(
+    keys: impl Iterator<Item = &'a String>,
+    path: &str,
+    allowed: &[&str],
+    ctx: &mut Ctx,
+) -> Vec<String> {
+    let unknown: Vec<String> = keys
         .filter(|k| !allowed.contains(&k.as_str()))
         .cloned()
         .collect();
-    for k in unknown {
-        let key = if path.is_empty() {
-            k.clone()
-        } else {
-            format!("{path}.{k}")
-        };
-        let hint = suggest(&k, allowed)
+    for k in &unknown {
+        let hint = suggest(k, allowed)
             .map(|s| format!(" (did you mean `{s}`?)"))
             .unwrap_or_default();
-        let where_ = if path.is_empty() {
-            "at the top level".to_owned()
-        } else {
-            format!("in {}", path.split('[').next().unwrap_or(path))
+        let (key, where_) = match path {
+            "" => (k.clone(), "at the top level".to_owned()),
+            p if p.starts_with("queue[") => (format!("{p}.{k}"), "in a queue".to_owned()),
+            p => (format!("{p}.{k}"), format!("in {p}")),
         };
         ctx.err(
             key,
@@ -366,8 +337,8 @@ fn prune_unknown(table: &mut toml::Table, path: &str, allowed: &[&str], ctx: &mu
                 allowed.join(", ")
             ),
         );
-        table.remove(&k);
     }
+    unknown
 }
 
 /// The closest allowed name, if it is close (edit distance <= 2).
@@ -401,14 +372,11 @@ struct Setting {
     value: String,
 }
 
-fn apply_env(raw: &mut RawConfig, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
+fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
     let table = env_table();
     let names: Vec<&str> = table.iter().map(|(n, _)| n.as_str()).collect();
     let mut settings = Vec::new();
-    for (name, value) in env {
-        if !name.starts_with(ENV_PREFIX) {
-            continue;
-        }
+    for (name, value) in env.iter().filter(|(n, _)| n.starts_with(ENV_PREFIX)) {
         let Some((_, target)) = table.iter().find(|(n, _)| n == name) else {
             ctx.push(ConfigError::new(
                 name.clone(),
@@ -419,13 +387,14 @@ fn apply_env(raw: &mut RawConfig, env: &BTreeMap<String, String>, ctx: &mut Ctx)
         if value.is_empty() && !EMPTY_MEANS_SOMETHING.contains(&name.as_str()) {
             continue;
         }
+        let (origin, target, value) = (name.clone(), *target, value.clone());
         settings.push(Setting {
-            origin: name.clone(),
-            target: *target,
-            value: value.clone(),
+            origin,
+            target,
+            value,
         });
     }
-    apply_layer(raw, settings, ctx);
+    apply_layer(tree, settings, ctx);
 }
 
 fn unknown_var_message(name: &str, names: &[&str]) -> String {
@@ -434,47 +403,37 @@ fn unknown_var_message(name: &str, names: &[&str]) -> String {
         .unwrap_or_default();
     // List the variables of the same section when the section is known,
     // else the sidecar contract.
-    let rest = &name[ENV_PREFIX.len()..];
-    let section = [
-        "GATEWAY",
-        "REDIS",
-        "PROMETHEUS",
-        "PUBSUB",
-        "EMBEDDED",
-        "DISPATCH",
-        "TELEMETRY",
-        "QUEUE",
-    ]
-    .into_iter()
-    .find(|s| rest.starts_with(&format!("{s}_")));
-    let listed: Vec<&str> = match section {
-        Some(s) => {
-            let prefix = format!("{ENV_PREFIX}{s}_");
-            names
-                .iter()
-                .copied()
-                .filter(|n| n.starts_with(&prefix) && *n != "SLUICEGATE_QUEUES_JSON")
-                .collect()
-        }
+    let section = SECTIONS
+        .iter()
+        .map(|(s, _)| *s)
+        .chain(["queue"])
+        .map(|s| format!("{ENV_PREFIX}{}_", s.to_uppercase()))
+        .find(|prefix| name.starts_with(prefix.as_str()));
+    let listed: Vec<&str> = match &section {
+        Some(prefix) => names
+            .iter()
+            .copied()
+            .filter(|n| n.starts_with(prefix.as_str()) && *n != "SLUICEGATE_QUEUES_JSON")
+            .collect(),
         None => CONTRACT_ENV_VARS
             .iter()
             .copied()
             .chain(["SLUICEGATE_QUEUES_JSON", "SLUICEGATE_LOG_LEVEL"])
             .collect(),
     };
+    let which = if section.is_some() {
+        " in this section"
+    } else {
+        " include"
+    };
     format!(
-        "unknown environment variable{hint}; allowed{}: {} (every variable is listed in docs/configuration.md)",
-        if section.is_some() {
-            " in this section"
-        } else {
-            " include"
-        },
+        "unknown environment variable{hint}; allowed{which}: {} (every variable is listed in docs/configuration.md)",
         listed.join(", ")
     )
 }
 
-fn apply_overrides(raw: &mut RawConfig, o: &Overrides, ctx: &mut Ctx) {
-    let flags: [(&str, &Option<String>, Target); 7] = [
+fn apply_overrides(tree: &mut Tree, o: &Overrides, ctx: &mut Ctx) {
+    let flags = [
         ("--transport", &o.transport, Target::Transport),
         (
             "--gateway-url",
@@ -506,45 +465,59 @@ fn apply_overrides(raw: &mut RawConfig, o: &Overrides, ctx: &mut Ctx) {
     let settings = flags
         .into_iter()
         .filter_map(|(flag, v, target)| {
-            v.as_ref().map(|value| Setting {
+            let value = v.clone()?;
+            Some(Setting {
                 origin: flag.to_owned(),
                 target,
-                value: value.clone(),
+                value,
             })
         })
         .collect();
-    apply_layer(raw, settings, ctx);
+    apply_layer(tree, settings, ctx);
 }
 
-/// Applies one layer (environment or flags) onto `raw`.
-fn apply_layer(raw: &mut RawConfig, settings: Vec<Setting>, ctx: &mut Ctx) {
+/// The table `name` of `parent`, created when absent or not a table.
+fn table<'a>(parent: &'a mut Tree, name: &str) -> &'a mut Tree {
+    let slot = parent
+        .entry(name)
+        .or_insert_with(|| Value::Object(Tree::new()));
+    if !slot.is_object() {
+        *slot = Value::Object(Tree::new());
+    }
+    match slot {
+        Value::Object(m) => m,
+        _ => unreachable!("made an object just above"),
+    }
+}
+
+/// Applies one layer (environment or flags) onto `tree`.
+fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     // Two names for one key in the same layer must agree.
     let mut by_key: BTreeMap<String, &Setting> = BTreeMap::new();
-    let mut conflicting = Vec::new();
     for s in &settings {
-        if let Some(first) = by_key.get(&target_key(s.target)) {
-            if first.value != s.value {
-                conflicting.push(
-                    ConfigError::new(
-                        target_key(s.target),
-                        format!(
-                            "set by both {} and {} with different values; set only one",
-                            first.origin, s.origin
-                        ),
-                    )
-                    .with_origin(s.origin.clone()),
-                );
+        match by_key.get(&target_key(s.target)) {
+            Some(first) if first.value != s.value => ctx.push(
+                ConfigError::new(
+                    target_key(s.target),
+                    format!(
+                        "set by both {} and {} with different values; set only one",
+                        first.origin, s.origin
+                    ),
+                )
+                .with_origin(s.origin.clone()),
+            ),
+            Some(_) => {}
+            None => {
+                by_key.insert(target_key(s.target), s);
             }
-        } else {
-            by_key.insert(target_key(s.target), s);
         }
     }
-    conflicting.into_iter().for_each(|e| ctx.push(e));
+    let string = |s: &Setting| Value::String(s.value.clone());
 
     // 1. The queue list as upstream JSON replaces the file's queues.
     for s in settings.iter().filter(|s| s.target == Target::QueuesJson) {
         if let Some(queues) = parse_queues_json(&s.value, &s.origin, ctx) {
-            raw.queue = Some(queues);
+            tree.insert("queue".to_owned(), Value::Array(queues));
             ctx.set_origin("queue", s.origin.clone());
         }
     }
@@ -552,34 +525,36 @@ fn apply_layer(raw: &mut RawConfig, settings: Vec<Setting>, ctx: &mut Ctx) {
     for s in &settings {
         match s.target {
             Target::Transport => {
-                raw.transport = Some(Value::String(s.value.clone()));
-                ctx.set_origin("transport", s.origin.clone());
+                tree.insert("transport".to_owned(), string(s));
             }
             Target::Section(section, key) => {
-                if let Some(slot) = raw.slot(section, key) {
-                    *slot = Some(Value::String(s.value.clone()));
-                    ctx.set_origin(format!("{section}.{key}"), s.origin.clone());
-                }
+                table(tree, section).insert(key.to_owned(), string(s));
             }
-            Target::ConfigFile | Target::Queue(_) | Target::QueuesJson => {}
+            Target::ConfigFile | Target::Queue(_) | Target::QueuesJson => continue,
         }
+        ctx.set_origin(target_key(s.target), s.origin.clone());
     }
+    let queues = match tree
+        .entry("queue")
+        .or_insert_with(|| Value::Array(Vec::new()))
+    {
+        Value::Array(items) => items,
+        // The file reader and the JSON reader only store arrays here.
+        _ => return,
+    };
     // 3. With exactly one queue, the gateway URL and request path also
     // override that queue's own values (a sidecar's environment wins over
     // its file). With several queues they are only the defaults.
-    let queues = raw.queue.get_or_insert_with(Vec::new);
-    if queues.len() == 1 {
+    if let [Value::Object(q)] = queues.as_mut_slice() {
         for (section_key, queue_key) in [
             ("url", "igw_base_url"),
             ("request_path", "request_path_url"),
         ] {
-            if let Some(s) = settings
-                .iter()
-                .find(|s| s.target == Target::Section("gateway", section_key))
-                && let Some(slot) = queues[0].slot(queue_key)
-                && slot.is_some()
+            let target = Target::Section("gateway", section_key);
+            if let Some(s) = settings.iter().find(|s| s.target == target)
+                && q.contains_key(queue_key)
             {
-                *slot = Some(Value::String(s.value.clone()));
+                q.insert(queue_key.to_owned(), string(s));
                 ctx.set_origin(format!("queue[0].{queue_key}"), s.origin.clone());
             }
         }
@@ -593,116 +568,99 @@ fn apply_layer(raw: &mut RawConfig, settings: Vec<Setting>, ctx: &mut Ctx) {
     if queue_settings.is_empty() {
         return;
     }
-    match queues.len() {
-        0 => queues.push(RawQueue::default()),
-        1 => {}
-        n => {
-            let names: Vec<String> = queues
-                .iter()
-                .map(|q| {
-                    q.queue_name
-                        .as_ref()
-                        .or(q.subscriber_id.as_ref())
-                        .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
-                        .unwrap_or_else(|| "<unnamed>".to_owned())
-                })
-                .collect();
-            for s in queue_settings {
-                ctx.push(
-                    ConfigError::new(
-                        "queue",
-                        format!(
-                            "queue-level setting needs exactly one queue, but {n} are configured ({}); set it in each [[queue]] of the file instead",
-                            names.join(", ")
-                        ),
-                    )
-                    .with_origin(s.origin.clone()),
-                );
-            }
-            return;
+    if queues.len() > 1 {
+        let names: Vec<String> = queues
+            .iter()
+            .map(
+                |q| match q.get("queue_name").or_else(|| q.get("subscriber_id")) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v) => v.to_string(),
+                    None => "<unnamed>".to_owned(),
+                },
+            )
+            .collect();
+        for s in queue_settings {
+            let msg = format!(
+                "queue-level setting needs exactly one queue, but {} are configured ({}); set it in each [[queue]] of the file instead",
+                queues.len(),
+                names.join(", ")
+            );
+            ctx.push(ConfigError::new("queue", msg).with_origin(s.origin.clone()));
         }
+        return;
     }
-    let q = &mut queues[0];
+    if queues.is_empty() {
+        queues.push(Value::Object(Tree::new()));
+    }
+    let Some(q) = queues[0].as_object_mut() else {
+        return;
+    };
     // A new gate type invalidates the parameters of the old one.
     if let Some(ty) = queue_settings
         .iter()
         .find(|s| s.target == Target::Queue("gate_type"))
+        && q.get("gate_type").and_then(Value::as_str) != Some(ty.value.as_str())
     {
-        let same_type = q.gate_type.as_ref().and_then(Value::as_str) == Some(ty.value.as_str());
-        if !same_type {
-            q.gate_params = None;
-        }
+        q.remove("gate_params");
     }
     for s in queue_settings {
         let Target::Queue(key) = s.target else {
             continue;
         };
         if key == "queue_name" {
-            q.subscriber_id = None;
+            q.remove("subscriber_id");
         }
-        if let Some(slot) = q.slot(key) {
-            *slot = Some(Value::String(s.value.clone()));
-            ctx.set_origin(format!("queue[0].{key}"), s.origin.clone());
-        }
+        q.insert(key.to_owned(), string(s));
+        ctx.set_origin(target_key(s.target), s.origin.clone());
     }
 }
 
 /// `SLUICEGATE_QUEUES_JSON`: an array of upstream queue objects (or one object).
-fn parse_queues_json(text: &str, origin: &str, ctx: &mut Ctx) -> Option<Vec<RawQueue>> {
-    let fail = |ctx: &mut Ctx, key: String, msg: String| {
+fn parse_queues_json(text: &str, origin: &str, ctx: &mut Ctx) -> Option<Vec<Value>> {
+    let fail = |ctx: &mut Ctx, key: String, msg: &str| {
         ctx.push(ConfigError::new(key, msg).with_origin(origin.to_owned()));
     };
-    let value: Value = match serde_json::from_str(text) {
-        Ok(v) => v,
+    let items = match serde_json::from_str(text) {
+        Ok(Value::Array(a)) => a,
+        Ok(obj @ Value::Object(_)) => vec![obj],
+        Ok(_) => {
+            fail(
+                ctx,
+                "queue".into(),
+                "expected a JSON array of queue objects",
+            );
+            return None;
+        }
         Err(e) => {
             fail(
                 ctx,
                 "queue".into(),
-                format!("expected a JSON array of queue objects: {e}"),
+                &format!("expected a JSON array of queue objects: {e}"),
             );
             return None;
         }
     };
-    let items = match value {
-        Value::Array(a) => a,
-        obj @ Value::Object(_) => vec![obj],
-        _ => {
-            fail(
-                ctx,
-                "queue".into(),
-                "expected a JSON array of queue objects".into(),
-            );
-            return None;
-        }
-    };
-    let mut out = Vec::new();
     let mut ok = true;
+    let mut out = Vec::new();
     for (i, item) in items.into_iter().enumerate() {
         let Value::Object(mut obj) = item else {
-            fail(ctx, format!("queue[{i}]"), "expected a queue object".into());
+            fail(ctx, format!("queue[{i}]"), "expected a queue object");
             ok = false;
             continue;
         };
-        let unknown: Vec<String> = obj
-            .keys()
-            .filter(|k| !QUEUE_KEYS.contains(&k.as_str()))
-            .cloned()
-            .collect();
-        for k in unknown {
-            fail(
-                ctx,
-                format!("queue[{i}].{k}"),
-                format!("unknown key in a queue; allowed: {}", QUEUE_KEYS.join(", ")),
-            );
+        let mut sub = Ctx::default();
+        for k in unknown_keys(
+            obj.keys(),
+            &format!("queue[{i}]"),
+            QueueConfig::KEYS,
+            &mut sub,
+        ) {
             obj.remove(&k);
         }
-        match serde_json::from_value::<RawQueue>(Value::Object(obj)) {
-            Ok(q) => out.push(q),
-            Err(e) => {
-                fail(ctx, format!("queue[{i}]"), e.to_string());
-                ok = false;
-            }
-        }
+        sub.errors
+            .into_iter()
+            .for_each(|e| ctx.push(e.with_origin(origin)));
+        out.push(Value::Object(obj));
     }
     ok.then_some(out)
 }
