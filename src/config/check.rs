@@ -7,7 +7,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
@@ -18,9 +18,12 @@ use super::secret::{EndpointUrl, Secret};
 use super::values::{Ctx, as_choice, as_duration, as_nonempty_string, as_string};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, TelemetryConfig, TransportKind,
-    format_duration,
+    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, Section, TelemetryConfig,
+    TransportKind, format_duration,
 };
+
+/// The loose tree of one section or of the whole file.
+type Tree = Map<String, Value>;
 
 /// Smallest duration that counts as "greater than 0".
 pub(crate) const NONZERO: Duration = Duration::from_nanos(1);
@@ -142,68 +145,44 @@ pub(crate) fn duration_min(min: Duration) -> impl Fn(&Value) -> Result<Duration,
     }
 }
 
-/// Resolves a secret given inline or as a file (not both), reading the
-/// file now: this is the one place secret files are read.
-fn secret(
-    ctx: &mut Ctx,
-    section: &str,
-    key: &str,
-    inline: Option<Secret>,
-    file: Option<&Path>,
-) -> Option<Secret> {
-    let file_key = format!("{section}.{key}_file");
-    match (inline, file) {
-        (Some(_), Some(_)) => {
-            ctx.err(
-                format!("{section}.{key}"),
-                format!("set either {section}.{key} or {file_key}, not both"),
-            );
-            None
+/// Resolves a secret given inline or as a file (`<key>_file`), not both,
+/// reading the file now: the one place secret files are read.
+fn secret(ctx: &mut Ctx, key: &str, value: &mut Option<Secret>, file: &Option<PathBuf>) {
+    let file_key = format!("{key}_file");
+    match (value.is_some(), file) {
+        (_, None) => {}
+        (true, Some(_)) => {
+            ctx.err(key, format!("set either {key} or {file_key}, not both"));
+            *value = None;
         }
-        (inline, None) => inline,
-        (None, Some(p)) => match std::fs::read_to_string(p) {
-            Ok(text) => {
-                let v = text.trim_end_matches(['\r', '\n']);
-                if v.is_empty() {
-                    ctx.err(file_key, format!("{} is empty", p.display()));
-                    return None;
-                }
-                Some(Secret::new(v))
+        (false, Some(p)) => match std::fs::read_to_string(p) {
+            Ok(text) if text.trim_end_matches(['\r', '\n']).is_empty() => {
+                ctx.err(file_key, format!("{} is empty", p.display()));
             }
-            Err(e) => {
-                ctx.err(file_key, format!("cannot read {}: {e}", p.display()));
-                None
-            }
+            Ok(text) => *value = Some(Secret::new(text.trim_end_matches(['\r', '\n']))),
+            Err(e) => ctx.err(file_key, format!("cannot read {}: {e}", p.display())),
         },
     }
 }
 
-/// Takes a section's table out of the tree; `None` when absent.
-fn take(root: &mut Map<String, Value>, name: &str) -> Option<Map<String, Value>> {
-    match root.remove(name)? {
-        Value::Object(m) => Some(m),
+/// Reads a section present in the tree (or required anyway) over its
+/// defaults; also returns its table, to check for required keys.
+fn read<T: Section>(root: &mut Tree, required: bool, ctx: &mut Ctx) -> Option<(T, Tree)> {
+    let map = match root.remove(T::NAME) {
+        Some(Value::Object(m)) => m,
         // The layer only ever stores tables here.
-        _ => Some(Map::new()),
-    }
-}
-
-/// Reads a section present in the tree (or required by the transport).
-fn read<T: Default>(
-    root: &mut Map<String, Value>,
-    name: &str,
-    required: bool,
-    ctx: &mut Ctx,
-    merge: fn(&mut T, &Map<String, Value>, &str, &mut Ctx),
-) -> Option<(T, Map<String, Value>)> {
-    let map = take(root, name).or_else(|| required.then(Map::new))?;
+        Some(_) => Tree::new(),
+        None if required => Tree::new(),
+        None => return None,
+    };
     let mut t = T::default();
-    merge(&mut t, &map, name, ctx);
+    t.merge(&map, T::NAME, ctx);
     Some((t, map))
 }
 
 /// The loose tree (file, environment and flags already layered) as a
 /// typed config.
-pub(crate) fn build(mut root: Map<String, Value>, ctx: &mut Ctx) -> Config {
+pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
     let transport = match root.get("transport") {
         None => {
             ctx.err(
@@ -216,31 +195,16 @@ pub(crate) fn build(mut root: Map<String, Value>, ctx: &mut Ctx) -> Config {
     };
     let is = |t| transport == Some(t);
 
-    let (mut gateway, _) =
-        read(&mut root, "gateway", true, ctx, GatewayConfig::merge).unwrap_or_default();
-    gateway.token = secret(
+    let (mut gateway, _) = read::<GatewayConfig>(&mut root, true, ctx).unwrap_or_default();
+    secret(
         ctx,
-        "gateway",
-        "token",
-        gateway.token.take(),
-        gateway.token_file.as_deref(),
+        "gateway.token",
+        &mut gateway.token,
+        &gateway.token_file,
     );
 
-    let redis = read(
-        &mut root,
-        "redis",
-        is(TransportKind::Redis),
-        ctx,
-        RedisConfig::merge,
-    )
-    .map(|(mut r, _)| {
-        r.password = secret(
-            ctx,
-            "redis",
-            "password",
-            r.password.take(),
-            r.password_file.as_deref(),
-        );
+    let redis = read::<RedisConfig>(&mut root, is(TransportKind::Redis), ctx).map(|(mut r, _)| {
+        secret(ctx, "redis.password", &mut r.password, &r.password_file);
         if r.password.is_some() && r.url.has_password() {
             ctx.err(
                 "redis.password",
@@ -250,15 +214,15 @@ pub(crate) fn build(mut root: Map<String, Value>, ctx: &mut Ctx) -> Config {
         r
     });
 
-    let prometheus = read(&mut root, "prometheus", false, ctx, PrometheusConfig::merge).map(|(mut p, map)| {
+    let prometheus = read::<PrometheusConfig>(&mut root, false, ctx).map(|(mut p, map)| {
         if !map.contains_key("url") {
             ctx.err(
                 "prometheus.url",
                 "required when [prometheus] is configured; an http(s) URL such as http://127.0.0.1:9090",
             );
         }
-        p.bearer_token = secret(ctx, "prometheus", "bearer_token", p.bearer_token.take(), p.bearer_token_file.as_deref());
-        p.basic_password = secret(ctx, "prometheus", "basic_password", p.basic_password.take(), p.basic_password_file.as_deref());
+        secret(ctx, "prometheus.bearer_token", &mut p.bearer_token, &p.bearer_token_file);
+        secret(ctx, "prometheus.basic_password", &mut p.basic_password, &p.basic_password_file);
         if p.bearer_token.is_some() && (p.basic_user.is_some() || p.basic_password.is_some()) {
             ctx.err(
                 "prometheus.bearer_token",
@@ -271,7 +235,7 @@ pub(crate) fn build(mut root: Map<String, Value>, ctx: &mut Ctx) -> Config {
         p
     });
 
-    let pubsub = read(&mut root, "pubsub", is(TransportKind::PubSub), ctx, PubSubConfig::merge).map(|(p, map)| {
+    let pubsub = read::<PubSubConfig>(&mut root, is(TransportKind::PubSub), ctx).map(|(p, map)| {
         if !map.contains_key("project_id") {
             ctx.err(
                 "pubsub.project_id",
@@ -280,17 +244,9 @@ pub(crate) fn build(mut root: Map<String, Value>, ctx: &mut Ctx) -> Config {
         }
         p
     });
-    let embedded = read(
-        &mut root,
-        "embedded",
-        is(TransportKind::Embedded),
-        ctx,
-        EmbeddedConfig::merge,
-    )
-    .map(|(e, _)| e);
+    let embedded = read::<EmbeddedConfig>(&mut root, is(TransportKind::Embedded), ctx).map(|e| e.0);
 
-    let (dispatch, _) =
-        read(&mut root, "dispatch", true, ctx, DispatchConfig::merge).unwrap_or_default();
+    let (dispatch, _) = read::<DispatchConfig>(&mut root, true, ctx).unwrap_or_default();
     let d = &dispatch;
     if d.max_staleness < d.poll_interval {
         ctx.err(
@@ -311,8 +267,7 @@ pub(crate) fn build(mut root: Map<String, Value>, ctx: &mut Ctx) -> Config {
             ),
         );
     }
-    let (telemetry, _) =
-        read(&mut root, "telemetry", true, ctx, TelemetryConfig::merge).unwrap_or_default();
+    let (telemetry, _) = read::<TelemetryConfig>(&mut root, true, ctx).unwrap_or_default();
 
     let raw_queues = match root.remove("queue") {
         Some(Value::Array(items)) => items,

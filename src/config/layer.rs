@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use super::check::build;
 use super::error::{ConfigError, ConfigErrors};
-use super::values::Ctx;
+use super::values::{Ctx, kind};
 use super::{Config, QueueConfig, SECTIONS};
 
 /// The loose tree: top-level keys, section tables and the `queue` array.
@@ -216,22 +216,31 @@ pub(crate) fn load_text(
     }
 }
 
-/// Parses the file, reporting every unknown key (with the allowed ones)
-/// rather than only the first. Unknown keys and misshapen sections are
-/// dropped so that the remaining problems are reported too.
+/// Parses the file into the loose tree, dropping what [`prune`] reports.
 fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
-    let mut table: toml::Table = match text.parse() {
+    let table: toml::Table = match text.parse() {
         Ok(t) => t,
         Err(e) => {
             let e: toml::de::Error = e;
             let line = e
                 .span()
-                .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
-            let at = line.map(|l| format!(" (line {l})")).unwrap_or_default();
+                .map(|s| text[..s.start.min(text.len())].lines().count());
+            let at = line
+                .map(|l| format!(" (line {})", l.max(1)))
+                .unwrap_or_default();
             ctx.err(
                 name,
                 format!("invalid TOML{at}: {}", e.message().trim_end()),
             );
+            return None;
+        }
+    };
+    let mut tree = match serde_json::to_value(table) {
+        Ok(Value::Object(tree)) => tree,
+        // A TOML table always becomes an object; a backstop naming the file.
+        other => {
+            let why = other.err().map(|e| e.to_string()).unwrap_or_default();
+            ctx.err(name, format!("cannot read the file: {why}"));
             return None;
         }
     };
@@ -240,88 +249,62 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
         .chain(SECTIONS.iter().map(|(s, _)| *s))
         .chain(["queue"])
         .collect();
-    for k in unknown_keys(table.keys(), "", &top, ctx) {
-        table.remove(&k);
-    }
+    prune(&mut tree, "", &top, ctx);
     for &(section, keys) in SECTIONS {
-        match table.get_mut(section) {
-            None => {}
-            Some(toml::Value::Table(t)) => {
-                for k in unknown_keys(t.keys(), section, keys, ctx) {
-                    t.remove(&k);
-                }
-            }
+        match tree.get_mut(section) {
+            Some(Value::Object(t)) => prune(t, section, keys, ctx),
             Some(other) => {
-                ctx.err(
-                    section,
-                    format!("expected a table [{section}], got a {}", other.type_str()),
-                );
-                table.remove(section);
+                let msg = format!("expected a table [{section}], got {}", kind(other));
+                ctx.err(section, msg);
+                tree.remove(section);
             }
+            None => {}
         }
     }
-    match table.get_mut("queue") {
-        None => {}
-        Some(toml::Value::Array(items)) => {
-            let mut bad = false;
-            for (i, item) in items.iter_mut().enumerate() {
-                match item {
-                    toml::Value::Table(t) => {
-                        for k in
-                            unknown_keys(t.keys(), &format!("queue[{i}]"), QueueConfig::KEYS, ctx)
-                        {
-                            t.remove(&k);
-                        }
-                    }
-                    other => {
-                        bad = true;
-                        ctx.err(
-                            format!("queue[{i}]"),
-                            format!("expected a [[queue]] table, got a {}", other.type_str()),
-                        );
-                    }
-                }
-            }
-            if bad {
-                table.remove("queue");
-            }
-        }
+    let queues_ok = match tree.get_mut("queue") {
+        None => true,
+        Some(Value::Array(items)) => prune_queues(items, ctx),
         Some(other) => {
+            let got = kind(other);
             ctx.err(
                 "queue",
-                format!(
-                    "expected [[queue]] tables (an array of tables), got a {}",
-                    other.type_str()
-                ),
+                format!("expected [[queue]] tables (an array of tables), got {got}"),
             );
-            table.remove("queue");
+            false
         }
+    };
+    if !queues_ok {
+        tree.remove("queue");
     }
-    match serde_json::to_value(table) {
-        Ok(Value::Object(tree)) => Some(tree),
-        // A TOML table always becomes a JSON object; kept as a backstop
-        // that still names the file.
-        Ok(_) => Some(Tree::new()),
-        Err(e) => {
-            ctx.err(name, e.to_string());
-            None
-        }
-    }
+    Some(tree)
 }
 
-/// Reports each of `keys` that is not `allowed` (with a close name when
-/// there is one) and returns them, for the caller to drop.
-fn unknown_keys<'a>(
-    keys: impl Iterator<Item = &'a String>,
-    path: &str,
-    allowed: &[&str],
-    ctx: &mut Ctx,
-) -> Vec<String> {
-    let unknown: Vec<String> = keys
-        .filter(|k| !allowed.contains(&k.as_str()))
-        .cloned()
-        .collect();
-    for k in &unknown {
+/// Prunes each queue entry; false when one is not a table.
+fn prune_queues(items: &mut [Value], ctx: &mut Ctx) -> bool {
+    let mut ok = true;
+    for (i, item) in items.iter_mut().enumerate() {
+        let path = format!("queue[{i}]");
+        match item {
+            Value::Object(t) => prune(t, &path, QueueConfig::KEYS, ctx),
+            other => {
+                ctx.err(
+                    &path,
+                    format!("expected a queue table, got {}", kind(other)),
+                );
+                ok = false;
+            }
+        }
+    }
+    ok
+}
+
+/// Reports and drops every key of `map` that is not `allowed` (with a close
+/// name when there is one), so that the remaining problems are reported too.
+fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
+    map.retain(|k, _| {
+        if allowed.contains(&k.as_str()) {
+            return true;
+        }
         let hint = suggest(k, allowed)
             .map(|s| format!(" (did you mean `{s}`?)"))
             .unwrap_or_default();
@@ -337,8 +320,8 @@ fn unknown_keys<'a>(
                 allowed.join(", ")
             ),
         );
-    }
-    unknown
+        false
+    });
 }
 
 /// The closest allowed name, if it is close (edit distance <= 2).
@@ -432,42 +415,27 @@ fn unknown_var_message(name: &str, names: &[&str]) -> String {
     )
 }
 
+/// Each flag sets what its environment variable (`SLUICEGATE_` + the
+/// second name) sets.
 fn apply_overrides(tree: &mut Tree, o: &Overrides, ctx: &mut Ctx) {
+    let table = env_table();
     let flags = [
-        ("--transport", &o.transport, Target::Transport),
-        (
-            "--gateway-url",
-            &o.gateway_url,
-            Target::Section("gateway", "url"),
-        ),
-        (
-            "--request-path",
-            &o.request_path,
-            Target::Section("gateway", "request_path"),
-        ),
-        ("--queue", &o.queue, Target::Queue("queue_name")),
-        (
-            "--listen",
-            &o.listen,
-            Target::Section("telemetry", "listen"),
-        ),
-        (
-            "--log-format",
-            &o.log_format,
-            Target::Section("telemetry", "log_format"),
-        ),
-        (
-            "--log-level",
-            &o.log_level,
-            Target::Section("telemetry", "log_level"),
-        ),
+        ("--transport", "TRANSPORT", &o.transport),
+        ("--gateway-url", "GATEWAY_URL", &o.gateway_url),
+        ("--request-path", "REQUEST_PATH", &o.request_path),
+        ("--queue", "QUEUE", &o.queue),
+        ("--listen", "LISTEN", &o.listen),
+        ("--log-format", "LOG_FORMAT", &o.log_format),
+        ("--log-level", "LOG_LEVEL", &o.log_level),
     ];
     let settings = flags
         .into_iter()
-        .filter_map(|(flag, v, target)| {
-            let value = v.clone()?;
+        .filter_map(|(flag, var, value)| {
+            let var = format!("{ENV_PREFIX}{var}");
+            let (_, target) = table.iter().find(|(n, _)| *n == var)?;
+            let (origin, target, value) = (flag.to_owned(), *target, value.clone()?);
             Some(Setting {
-                origin: flag.to_owned(),
+                origin,
                 target,
                 value,
             })
@@ -615,54 +583,32 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     }
 }
 
-/// `SLUICEGATE_QUEUES_JSON`: an array of upstream queue objects (or one object).
+/// `SLUICEGATE_QUEUES_JSON`: an array of upstream queue objects (or one
+/// object), checked like the file's `[[queue]]` tables.
 fn parse_queues_json(text: &str, origin: &str, ctx: &mut Ctx) -> Option<Vec<Value>> {
-    let fail = |ctx: &mut Ctx, key: String, msg: &str| {
-        ctx.push(ConfigError::new(key, msg).with_origin(origin.to_owned()));
-    };
+    let mut sub = Ctx::default();
     let items = match serde_json::from_str(text) {
-        Ok(Value::Array(a)) => a,
-        Ok(obj @ Value::Object(_)) => vec![obj],
+        Ok(Value::Array(mut items)) => prune_queues(&mut items, &mut sub).then_some(items),
+        Ok(obj @ Value::Object(_)) => {
+            let mut items = vec![obj];
+            prune_queues(&mut items, &mut sub).then_some(items)
+        }
         Ok(_) => {
-            fail(
-                ctx,
-                "queue".into(),
-                "expected a JSON array of queue objects",
-            );
-            return None;
+            sub.err("queue", "expected a JSON array of queue objects");
+            None
         }
         Err(e) => {
-            fail(
-                ctx,
-                "queue".into(),
-                &format!("expected a JSON array of queue objects: {e}"),
+            sub.err(
+                "queue",
+                format!("expected a JSON array of queue objects: {e}"),
             );
-            return None;
+            None
         }
     };
-    let mut ok = true;
-    let mut out = Vec::new();
-    for (i, item) in items.into_iter().enumerate() {
-        let Value::Object(mut obj) = item else {
-            fail(ctx, format!("queue[{i}]"), "expected a queue object");
-            ok = false;
-            continue;
-        };
-        let mut sub = Ctx::default();
-        for k in unknown_keys(
-            obj.keys(),
-            &format!("queue[{i}]"),
-            QueueConfig::KEYS,
-            &mut sub,
-        ) {
-            obj.remove(&k);
-        }
-        sub.errors
-            .into_iter()
-            .for_each(|e| ctx.push(e.with_origin(origin)));
-        out.push(Value::Object(obj));
-    }
-    ok.then_some(out)
+    sub.errors
+        .into_iter()
+        .for_each(|e| ctx.push(e.with_origin(origin)));
+    items
 }
 
 #[cfg(test)]

@@ -95,6 +95,14 @@ macro_rules! spelled {
     };
 }
 
+/// A `[section]` declared with [`section!`].
+pub(crate) trait Section: Default {
+    /// The table's name in the file.
+    const NAME: &'static str;
+    /// Sets the fields whose keys are in `map` (errors under `<path>.<key>`).
+    fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx);
+}
+
 /// Declares a config section once. Each key line gives the field's doc,
 /// type, default and conversion (a function from the loose value to the
 /// field type, whose error message says what is allowed); from it come the
@@ -104,7 +112,7 @@ macro_rules! spelled {
 /// form takes hand-parsed fields and extra keys and makes no `Default`
 /// (used by `[[queue]]`, whose defaults depend on `[gateway]`).
 macro_rules! section {
-    ($(#[$m:meta])* pub struct $name:ident {
+    ($(#[$m:meta])* pub struct $name:ident in $section:literal {
         $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
     }) => {
         section!(@struct $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
@@ -112,6 +120,13 @@ macro_rules! section {
         impl Default for $name {
             fn default() -> Self {
                 Self { $($field: $default,)+ }
+            }
+        }
+
+        impl Section for $name {
+            const NAME: &'static str = $section;
+            fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx) {
+                $name::merge(self, map, path, ctx)
             }
         }
     };
@@ -233,13 +248,13 @@ pub struct Config {
 /// The sections with their keys, in file order: the one list the file
 /// reader, the environment overlay and error messages walk.
 pub(crate) const SECTIONS: &[(&str, &[&str])] = &[
-    ("gateway", GatewayConfig::KEYS),
-    ("redis", RedisConfig::KEYS),
-    ("prometheus", PrometheusConfig::KEYS),
-    ("pubsub", PubSubConfig::KEYS),
-    ("embedded", EmbeddedConfig::KEYS),
-    ("dispatch", DispatchConfig::KEYS),
-    ("telemetry", TelemetryConfig::KEYS),
+    (GatewayConfig::NAME, GatewayConfig::KEYS),
+    (RedisConfig::NAME, RedisConfig::KEYS),
+    (PrometheusConfig::NAME, PrometheusConfig::KEYS),
+    (PubSubConfig::NAME, PubSubConfig::KEYS),
+    (EmbeddedConfig::NAME, EmbeddedConfig::KEYS),
+    (DispatchConfig::NAME, DispatchConfig::KEYS),
+    (TelemetryConfig::NAME, TelemetryConfig::KEYS),
 ];
 
 /// Default `[redis] url`.
@@ -249,7 +264,7 @@ pub(crate) const DEFAULT_QUEUE_NAME: &str = "request-sortedset";
 
 section! {
     /// `[gateway]`: the inference gateway and the HTTP client's limits.
-    pub struct GatewayConfig {
+    pub struct GatewayConfig in "gateway" {
         /// Default `igw_base_url` for queues that do not set one.
         url: Option<EndpointUrl> = None, |v| http_url(v).map(Some);
         /// Default `request_path_url` for queues; starts with '/'.
@@ -280,7 +295,7 @@ section! {
 
 section! {
     /// `[redis]`: connection for the Redis transport and Redis-backed gates.
-    pub struct RedisConfig {
+    pub struct RedisConfig in "redis" {
         /// `redis://` or `rediss://` URL (a password in it is masked when shown).
         url: EndpointUrl = check::constant_url(DEFAULT_REDIS_URL), redis_url;
         /// ACL user name.
@@ -296,7 +311,7 @@ section! {
     /// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is
     /// required when the section is present; the default is only a
     /// placeholder.
-    pub struct PrometheusConfig {
+    pub struct PrometheusConfig in "prometheus" {
         /// Base URL of the Prometheus HTTP API.
         url: EndpointUrl = check::constant_url("http://127.0.0.1:9090"), http_url;
         /// Bearer token (inline, or read from `bearer_token_file` at load).
@@ -314,7 +329,7 @@ section! {
 
 section! {
     /// `[pubsub]`: Google Cloud Pub/Sub. `project_id` is required.
-    pub struct PubSubConfig {
+    pub struct PubSubConfig in "pubsub" {
         /// GCP project.
         project_id: String = String::new(), as_nonempty_string;
         /// Topic results are published to.
@@ -326,7 +341,7 @@ section! {
 
 section! {
     /// `[embedded]`: the single-node durable store (SQLite file) of the `embedded` transport.
-    pub struct EmbeddedConfig {
+    pub struct EmbeddedConfig in "embedded" {
         /// Database file.
         path: PathBuf = PathBuf::from("sluicegate.db"), |v| as_nonempty_string(v).map(PathBuf::from);
     }
@@ -334,7 +349,7 @@ section! {
 
 section! {
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.
-    pub struct DispatchConfig {
+    pub struct DispatchConfig in "dispatch" {
         /// How often the gate is observed (also on demand when the window is used up).
         #[serde(serialize_with = "render::duration")]
         poll_interval: Duration = Duration::from_secs(1), duration_min(NONZERO);
@@ -377,7 +392,7 @@ section! {
 
 section! {
     /// `[telemetry]`: the metrics/health listener and logging.
-    pub struct TelemetryConfig {
+    pub struct TelemetryConfig in "telemetry" {
         /// Address serving `/metrics`, `/healthz` and `/readyz`.
         listen: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 9464)), socket_addr;
         /// Log format.

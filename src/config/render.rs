@@ -49,115 +49,53 @@ fn drop_nulls(v: &mut Value) {
     }
 }
 
-pub(crate) fn to_redacted_toml(c: &Config) -> String {
-    let rendered = toml::Table::try_from(c).and_then(|mut root| {
-        // A secret read from a file is shown by its path only (the path is
-        // not secret), so the output also loads back.
-        for (_, section) in root.iter_mut() {
-            if let toml::Value::Table(t) = section {
-                let inline: Vec<String> = t
-                    .keys()
-                    .filter_map(|k| k.strip_suffix("_file"))
-                    .filter(|k| t.contains_key(*k))
-                    .map(str::to_owned)
-                    .collect();
-                inline.iter().for_each(|k| {
-                    t.remove(k);
-                });
-            }
+/// The config as a TOML table, secrets redacted and URL passwords masked.
+fn redacted_table(c: &Config) -> Result<toml::Table, toml::ser::Error> {
+    let mut root = toml::Table::try_from(c)?;
+    // A secret read from a file is shown by its path only (the path is not
+    // secret), so the output also loads back.
+    for (_, section) in root.iter_mut() {
+        if let toml::Value::Table(t) = section {
+            let inline: Vec<String> = t
+                .keys()
+                .filter_map(|k| k.strip_suffix("_file"))
+                .filter(|k| t.contains_key(*k))
+                .map(str::to_owned)
+                .collect();
+            inline.iter().for_each(|k| drop(t.remove(k)));
         }
-        toml::to_string(&root)
-    });
+    }
+    Ok(root)
+}
+
+pub(crate) fn to_redacted_toml(c: &Config) -> String {
     // Serialising strings, numbers, tables and arrays cannot fail short of
     // an integer beyond i64; the text then says so rather than panicking.
-    rendered.unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    redacted_table(c)
+        .and_then(|root| toml::to_string(&root))
+        .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
 }
 
+/// One line per section (`key=value`, redacted as in `config show`), then
+/// one per queue with its target, capacity and gate.
 pub(crate) fn summary(c: &Config) -> String {
-    let mut out = String::new();
+    let mut o = format!("transport: {}\n", c.transport.as_str());
     // Writing to a String cannot fail.
-    let _ = write_summary(&mut out, c);
-    out
-}
-
-fn write_summary(o: &mut String, c: &Config) -> std::fmt::Result {
-    writeln!(o, "transport: {}", c.transport.as_str())?;
-    let g = &c.gateway;
-    writeln!(
-        o,
-        "gateway: {} (default path {}, attempt timeout {}, connect timeout {}, token {}, objective header {}, fairness attribute {})",
-        g.url
-            .as_ref()
-            .map_or_else(|| "<per queue>".to_owned(), |u| u.masked()),
-        g.request_path,
-        format_duration(g.attempt_timeout),
-        format_duration(g.connect_timeout),
-        if g.token.is_some() { "set" } else { "none" },
-        g.objective_header.header_name(),
-        g.fairness_attribute.as_deref().unwrap_or("<disabled>"),
-    )?;
-    if let Some(r) = &c.redis {
-        writeln!(
-            o,
-            "redis: {} (password {})",
-            r.url.masked(),
-            if r.password.is_some() || r.url.has_password() {
-                "set"
-            } else {
-                "none"
-            }
-        )?;
+    for (name, section) in redacted_table(c).unwrap_or_default() {
+        if let toml::Value::Table(t) = section {
+            let fields: Vec<String> = t
+                .iter()
+                .map(|(k, v)| match v {
+                    toml::Value::String(s) => format!("{k}={s}"),
+                    v => format!("{k}={v}"),
+                })
+                .collect();
+            let _ = writeln!(o, "{name}: {}", fields.join(", "));
+        }
     }
-    if let Some(p) = &c.prometheus {
-        let auth = if p.bearer_token.is_some() {
-            "bearer token"
-        } else if p.basic_user.is_some() {
-            "basic auth"
-        } else {
-            "none"
-        };
-        writeln!(o, "prometheus: {} (auth {auth})", p.url.masked())?;
-    }
-    if let Some(p) = &c.pubsub {
-        writeln!(
-            o,
-            "pubsub: project {} result topic {}{}",
-            p.project_id,
-            p.result_topic_id.as_deref().unwrap_or("<none>"),
-            p.emulator_host
-                .as_deref()
-                .map(|h| format!(" (emulator {h})"))
-                .unwrap_or_default()
-        )?;
-    }
-    if let Some(e) = &c.embedded {
-        writeln!(o, "embedded: {}", e.path.display())?;
-    }
-    let d = &c.dispatch;
-    writeln!(
-        o,
-        "dispatch: poll {} max staleness {} lease {} max attempts {} retry backoff {}..{} congestion backoff {} shutdown grace {}",
-        format_duration(d.poll_interval),
-        format_duration(d.max_staleness),
-        format_duration(d.lease),
-        d.max_attempts
-            .map_or_else(|| "unlimited".to_owned(), |n| n.to_string()),
-        format_duration(d.retry_initial_backoff),
-        format_duration(d.retry_max_backoff),
-        format_duration(d.congestion_backoff),
-        format_duration(d.shutdown_grace),
-    )?;
-    let t = &c.telemetry;
-    writeln!(
-        o,
-        "telemetry: listen {} log {} {}",
-        t.listen,
-        t.log_format.as_str(),
-        t.log_level
-    )?;
-    writeln!(o, "queues: {}", c.queues.len())?;
+    let _ = writeln!(o, "queues: {}", c.queues.len());
     for q in &c.queues {
-        writeln!(
+        let _ = writeln!(
             o,
             "  {} -> {}{} max_sys {} {} ({}) gate {}",
             q.queue_name,
@@ -167,7 +105,7 @@ fn write_summary(o: &mut String, c: &Config) -> std::fmt::Result {
             q.unit.as_str(),
             q.rounding.as_str(),
             q.gate
-        )?;
+        );
     }
-    Ok(())
+    o
 }
