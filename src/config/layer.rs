@@ -355,6 +355,17 @@ struct Setting {
     value: String,
 }
 
+impl Setting {
+    fn new(origin: &str, target: Target, value: &str) -> Self {
+        let (origin, value) = (origin.to_owned(), value.to_owned());
+        Self {
+            origin,
+            target,
+            value,
+        }
+    }
+}
+
 fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
     let table = env_table();
     let names: Vec<&str> = table.iter().map(|(n, _)| n.as_str()).collect();
@@ -370,12 +381,7 @@ fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
         if value.is_empty() && !EMPTY_MEANS_SOMETHING.contains(&name.as_str()) {
             continue;
         }
-        let (origin, target, value) = (name.clone(), *target, value.clone());
-        settings.push(Setting {
-            origin,
-            target,
-            value,
-        });
+        settings.push(Setting::new(name, *target, value));
     }
     apply_layer(tree, settings, ctx);
 }
@@ -433,29 +439,10 @@ fn apply_overrides(tree: &mut Tree, o: &Overrides, ctx: &mut Ctx) {
         .filter_map(|(flag, var, value)| {
             let var = format!("{ENV_PREFIX}{var}");
             let (_, target) = table.iter().find(|(n, _)| *n == var)?;
-            let (origin, target, value) = (flag.to_owned(), *target, value.clone()?);
-            Some(Setting {
-                origin,
-                target,
-                value,
-            })
+            Some(Setting::new(flag, *target, value.as_deref()?))
         })
         .collect();
     apply_layer(tree, settings, ctx);
-}
-
-/// The table `name` of `parent`, created when absent or not a table.
-fn table<'a>(parent: &'a mut Tree, name: &str) -> &'a mut Tree {
-    let slot = parent
-        .entry(name)
-        .or_insert_with(|| Value::Object(Tree::new()));
-    if !slot.is_object() {
-        *slot = Value::Object(Tree::new());
-    }
-    match slot {
-        Value::Object(m) => m,
-        _ => unreachable!("made an object just above"),
-    }
 }
 
 /// Applies one layer (environment or flags) onto `tree`.
@@ -496,7 +483,13 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
                 tree.insert("transport".to_owned(), string(s));
             }
             Target::Section(section, key) => {
-                table(tree, section).insert(key.to_owned(), string(s));
+                let t = tree
+                    .entry(section)
+                    .or_insert_with(|| Value::Object(Tree::new()));
+                // Sections in the tree are tables (the file reader prunes the rest).
+                if let Some(t) = t.as_object_mut() {
+                    t.insert(key.to_owned(), string(s));
+                }
             }
             Target::ConfigFile | Target::Queue(_) | Target::QueuesJson => continue,
         }
