@@ -420,4 +420,20 @@ mod tests {
         );
         assert_eq!(constant_url("http://127.0.0.1/").expose().port(), None);
     }
+
+    #[test]
+    fn unreadable_secret_file_names_the_key_and_the_path() {
+        let mut ctx = Ctx::default();
+        let mut token = None;
+        let path = Some(PathBuf::from("/nonexistent/sluicegate-token"));
+        secret(&mut ctx, "gateway.token", &mut token, &path);
+        assert!(token.is_none());
+        let e = &ctx.errors[0];
+        assert_eq!(e.key, "gateway.token_file");
+        assert!(
+            e.message
+                .contains("cannot read /nonexistent/sluicegate-token"),
+            "{e}"
+        );
+    }
 }
