@@ -15,7 +15,7 @@ use url::Url;
 
 use super::gate::parse_gate_spec;
 use super::secret::{EndpointUrl, Secret};
-use super::values::{Ctx, as_choice, as_duration, as_nonempty_string, as_string};
+use super::values::{Ctx, as_choice, as_duration, as_nonempty_string, as_string, as_u64_in};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
     PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, Section, TelemetryConfig,
@@ -90,9 +90,20 @@ pub(crate) fn inline_secret(v: &Value) -> Result<Option<Secret>, String> {
     }
 }
 
-/// A file path (of a secret).
+/// A file path.
+pub(crate) fn path(v: &Value) -> Result<PathBuf, String> {
+    as_nonempty_string(v).map(PathBuf::from)
+}
+
+/// The file path of a secret.
 pub(crate) fn file_path(v: &Value) -> Result<Option<PathBuf>, String> {
-    as_nonempty_string(v).map(|s| Some(PathBuf::from(s)))
+    path(v).map(Some)
+}
+
+/// `max_attempts`: 0 means unlimited (`None`).
+pub(crate) fn attempts(v: &Value) -> Result<Option<u32>, String> {
+    let n = as_u64_in(v, 0, u64::from(u32::MAX)).map_err(|e| format!("{e} (0 = unlimited)"))?;
+    Ok(u32::try_from(n).ok().filter(|n| *n > 0))
 }
 
 /// `host:port`, or empty for none.
@@ -193,6 +204,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         }
         v => ctx.conv("transport", v, choice(TransportKind::CHOICES)),
     };
+    use TransportKind::{Embedded, PubSub, Redis};
     let is = |t| transport == Some(t);
 
     let (mut gateway, _) = read::<GatewayConfig>(&mut root, true, ctx).unwrap_or_default();
@@ -203,7 +215,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         &gateway.token_file,
     );
 
-    let redis = read::<RedisConfig>(&mut root, is(TransportKind::Redis), ctx).map(|(mut r, _)| {
+    let redis = read::<RedisConfig>(&mut root, is(Redis), ctx).map(|(mut r, _)| {
         secret(ctx, "redis.password", &mut r.password, &r.password_file);
         if r.password.is_some() && r.url.has_password() {
             ctx.err(
@@ -235,7 +247,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         p
     });
 
-    let pubsub = read::<PubSubConfig>(&mut root, is(TransportKind::PubSub), ctx).map(|(p, map)| {
+    let pubsub = read::<PubSubConfig>(&mut root, is(PubSub), ctx).map(|(p, map)| {
         if !map.contains_key("project_id") {
             ctx.err(
                 "pubsub.project_id",
@@ -244,7 +256,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         }
         p
     });
-    let embedded = read::<EmbeddedConfig>(&mut root, is(TransportKind::Embedded), ctx).map(|e| e.0);
+    let embedded = read::<EmbeddedConfig>(&mut root, is(Embedded), ctx).map(|e| e.0);
 
     let (dispatch, _) = read::<DispatchConfig>(&mut root, true, ctx).unwrap_or_default();
     let d = &dispatch;

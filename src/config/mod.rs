@@ -52,8 +52,8 @@ use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use check::{
-    NONZERO, choice, duration_min, env_filter, file_path, host_port, http_url, inline_secret,
-    optional_string, redis_url, socket_addr, url_path,
+    NONZERO, attempts, choice, duration_min, env_filter, file_path, host_port, http_url,
+    inline_secret, optional_string, path, redis_url, socket_addr, url_path,
 };
 use values::{Ctx, as_nonempty_string, as_positive_f64, as_string_map, as_u64, as_u64_in};
 
@@ -340,10 +340,11 @@ section! {
 }
 
 section! {
-    /// `[embedded]`: the single-node durable store (SQLite file) of the `embedded` transport.
+    /// `[embedded]`: the single-node durable store (SQLite file) of the
+    /// `embedded` transport.
     pub struct EmbeddedConfig in "embedded" {
         /// Database file.
-        path: PathBuf = PathBuf::from("sluicegate.db"), |v| as_nonempty_string(v).map(PathBuf::from);
+        path: PathBuf = PathBuf::from("sluicegate.db"), path;
     }
 }
 
@@ -365,10 +366,7 @@ section! {
         /// Dead-letter after this many failed attempts; `None` (0) = unlimited
         /// (the deadline bounds retries). Never `Some(0)`.
         #[serde(serialize_with = "render::attempts")]
-        max_attempts: Option<u32> = None, |v| {
-            let n = as_u64_in(v, 0, u64::from(u32::MAX)).map_err(|e| format!("{e} (0 = unlimited)"))?;
-            Ok(u32::try_from(n).ok().filter(|n| *n > 0))
-        };
+        max_attempts: Option<u32> = None, attempts;
         /// First retry delay after a 5xx or transport error.
         #[serde(serialize_with = "render::duration")]
         retry_initial_backoff: Duration = Duration::from_secs(1), duration_min(NONZERO);
