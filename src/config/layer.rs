@@ -637,6 +637,17 @@ mod tests {
     }
 
     #[test]
+    fn every_declared_key_is_documented() {
+        let docs = include_str!("../../docs/configuration.md");
+        let queue = [("queue", QueueConfig::KEYS)];
+        for &(section, keys) in SECTIONS.iter().chain(&queue) {
+            for key in keys {
+                assert!(docs.contains(&format!("`{key}`")), "{section}.{key}");
+            }
+        }
+    }
+
+    #[test]
     fn sources_debug_hides_values() {
         let sources = ConfigSources {
             env: [("SLUICEGATE_GATEWAY_TOKEN".to_owned(), "s3cr3t".to_owned())].into(),

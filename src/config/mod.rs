@@ -8,7 +8,7 @@
 //! hold a password are [`EndpointUrl`]s, so neither appears in `Debug`
 //! output, summaries or [`Config::to_redacted_toml`].
 //!
-//! Each key is declared once, below, with the [`section!`] macro: its doc,
+//! Each key is declared once, below, with the `section!` macro: its doc,
 //! type, default and conversion. That declaration drives the file reader,
 //! the `SLUICEGATE_<SECTION>_<KEY>` variables, error messages and the
 //! derived `Serialize` behind `config show`. Files: `layer` (sources: file,
@@ -95,7 +95,7 @@ macro_rules! spelled {
     };
 }
 
-/// A `[section]` declared with [`section!`].
+/// A `[section]` declared with `section!`.
 pub(crate) trait Section: Default {
     /// The table's name in the file.
     const NAME: &'static str;
