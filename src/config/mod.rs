@@ -403,8 +403,8 @@ section! {
 section! {
     @struct
     /// One `[[queue]]`: where messages come from, where they go and which gate
-    /// paces them. Field names follow upstream's queue entries; defaults are
-    /// in [`QueueConfig::with_defaults`].
+    /// paces them. Field names follow upstream's queue entries; defaults
+    /// (some taken from `[gateway]`) are set in `QueueConfig::with_defaults`.
     QueueConfig {
         /// Queue (sorted-set key) or, for Pub/Sub, subscription id (alias
         /// `subscriber_id`; variable `SLUICEGATE_QUEUE`).
