@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use url::Url;
 
 use super::duration::format_duration;
-use super::error::ConfigErrors;
+use super::error::{ConfigError, ConfigErrors};
 use super::values::{
     Ctx, as_choice, as_duration, as_f64_in, as_nonempty_string, as_nonneg_f64, as_positive_f64,
     as_string, as_string_list, as_string_map, as_u32_at_least_one, kind, show,
@@ -1139,6 +1139,34 @@ fn parse_gate_split(
         ctx.push(e);
     }
     spec
+}
+
+/// Parses one gate from its upstream shape. `key` is the gate's path for errors (`queue[0]`);
+/// errors are keyed `<key>.gate_type` / `<key>.gate_params.<name>`. A missing gate_type is an
+/// error ("gate_type is required (fail closed: no default gate); ... allowed: <GATE_TYPES>").
+pub(crate) fn parse_gate_spec(
+    gate_type: Option<&Value>,
+    gate_params: Option<&Value>,
+    key: &str,
+) -> Result<GateSpec, Vec<ConfigError>> {
+    let type_key = format!("{key}.gate_type");
+    if gate_type.is_none() {
+        return Err(vec![ConfigError::new(
+            type_key,
+            format!(
+                "gate_type is required (fail closed: no default gate); set gate_type on the queue or SLUICEGATE_GATE_TYPE; allowed: {}",
+                GATE_TYPES.join(", ")
+            ),
+        )]);
+    }
+    let mut ctx = Ctx::default();
+    match parse_gate(&mut ctx, gate_type, gate_params, key, 0) {
+        Some(spec) if ctx.errors.is_empty() => Ok(spec),
+        // A failed parse always records an error; the fallback keeps it
+        // fail closed should one ever be missed.
+        _ if ctx.errors.is_empty() => Err(vec![ConfigError::new(type_key, "invalid gate")]),
+        _ => Err(ctx.errors),
+    }
 }
 
 #[cfg(test)]

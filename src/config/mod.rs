@@ -8,10 +8,14 @@
 //! hold a password are [`EndpointUrl`]s, so neither appears in `Debug`
 //! output, summaries or [`Config::to_redacted_toml`].
 //!
-//! Files: `raw` (serde shape of the file), `env` (environment and flag
-//! overlay), `values` (loose → typed conversions), `gate` ([`GateSpec`]),
-//! `validate` (raw → typed), `render` (summary and redacted TOML),
-//! `duration`, `secret`, `error`.
+//! Each key is declared once, below, with the `section!` macro: its doc,
+//! type, default and conversion. That declaration drives the file reader,
+//! the `SLUICEGATE_<SECTION>_<KEY>` variables, error messages and the
+//! derived `Serialize` behind `config show`. Files: `layer` (sources: file,
+//! environment and flags layered onto one loose tree), `check` (key
+//! conversions and cross-key rules, tree → typed), `values` (shared loose →
+//! typed conversions), `gate` ([`GateSpec`]), `render` (summary and
+//! redacted TOML), `duration`, `secret`, `error`.
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -30,14 +34,13 @@
 //! assert_eq!(config.queues[0].gate, GateSpec::Constant);
 //! ```
 
+mod check;
 mod duration;
-mod env;
 mod error;
 mod gate;
-mod raw;
+mod layer;
 mod render;
 mod secret;
-mod validate;
 mod values;
 
 use std::collections::BTreeMap;
@@ -45,16 +48,181 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use serde::{Serialize, Serializer};
+use serde_json::{Map, Value};
+
+use check::{
+    NONZERO, attempts, choice, duration_min, env_filter, file_path, host_port, http_url,
+    inline_secret, optional_string, path, redis_url, socket_addr, url_path,
+};
+use values::{Ctx, as_nonempty_string, as_positive_f64, as_string_map, as_u64, as_u64_in};
+
 pub use duration::{format_duration, parse_duration};
-pub use env::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
 pub use error::{ConfigError, ConfigErrors};
 pub use gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
 };
+pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
 pub use secret::{EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, mask_url};
 
+/// Declares a closed set of config spellings once: the enum, its spelling
+/// function, the accepted names (canonical first, then aliases) for
+/// parsing and error messages, and a `Serialize` that writes the spelling.
+macro_rules! spelled {
+    ($(#[$m:meta])* pub enum $name:ident, $spelling:ident {
+        $($(#[$vm:meta])* $variant:ident = $text:literal $(| $alias:literal)*,)+
+    }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name { $($(#[$vm])* $variant,)+ }
+
+        impl $name {
+            /// Every accepted spelling, canonical first, then aliases.
+            pub(crate) const CHOICES: &'static [(&'static str, $name)] =
+                &[$(($text, $name::$variant), $(($alias, $name::$variant),)*)+];
+
+            /// The canonical config spelling.
+            pub fn $spelling(self) -> &'static str {
+                match self { $(Self::$variant => $text,)+ }
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.$spelling())
+            }
+        }
+    };
+}
+
+/// A `[section]` declared with `section!`.
+pub(crate) trait Section: Default {
+    /// The table's name in the file.
+    const NAME: &'static str;
+    /// Sets the fields whose keys are in `map` (errors under `<path>.<key>`).
+    fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx);
+}
+
+/// Declares a config section once. Each key line gives the field's doc,
+/// type, default and conversion (a function from the loose value to the
+/// field type, whose error message says what is allowed); from it come the
+/// typed struct (with derived `Serialize` for `config show`), its
+/// `Default`, the key list (unknown-key errors, environment variable names)
+/// and `merge`, which reads the keys present in a loose table. The `@struct`
+/// form takes hand-parsed fields and extra keys and makes no `Default`
+/// (used by `[[queue]]`, whose defaults depend on `[gateway]`).
+macro_rules! section {
+    ($(#[$m:meta])* pub struct $name:ident in $section:literal {
+        $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
+    }) => {
+        section!(@struct $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self { $($field: $default,)+ }
+            }
+        }
+
+        impl Section for $name {
+            const NAME: &'static str = $section;
+            fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx) {
+                $name::merge(self, map, path, ctx)
+            }
+        }
+    };
+    (@struct $(#[$m:meta])* $name:ident { $($(#[$hm:meta])* $hand:ident: $hty:ty,)* }
+        { $($(#[$fm:meta])* $field:ident: $ty:ty, $conv:expr;)+ } [$($extra:literal),*]) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, PartialEq, Serialize)]
+        pub struct $name {
+            $($(#[$hm])* pub $hand: $hty,)*
+            $($(#[$fm])* pub $field: $ty,)+
+        }
+
+        impl $name {
+            /// The keys `merge` reads (each also a `SLUICEGATE_<SECTION>_<KEY>`
+            /// variable); they differ from `KEYS` only for `[[queue]]`.
+            #[allow(dead_code)]
+            pub(crate) const FIELD_KEYS: &'static [&'static str] = &[$(stringify!($field)),+];
+            /// Every key the section accepts in a file.
+            pub(crate) const KEYS: &'static [&'static str] =
+                &[$($extra,)* $(stringify!($field)),+];
+
+            /// Sets each field whose key is in `map`; a bad value is recorded
+            /// under `<path>.<key>` and leaves the field as it was.
+            pub(crate) fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx) {
+                $(
+                    let key = format!("{path}.{}", stringify!($field));
+                    if let Some(v) = ctx.conv(&key, map.get(stringify!($field)), $conv) {
+                        self.$field = v;
+                    }
+                )+
+            }
+        }
+    };
+}
+
+spelled! {
+    /// Queue transport.
+    pub enum TransportKind, as_str {
+        /// In-process queue (tests, demos).
+        Memory = "memory",
+        /// Redis sorted sets, wire-compatible with upstream `redis-sortedset`.
+        Redis = "redis" | "redis-sortedset",
+        /// Google Cloud Pub/Sub (`gcp-pubsub` upstream).
+        PubSub = "pubsub" | "gcp-pubsub",
+        /// Embedded durable single-node store.
+        Embedded = "embedded",
+    }
+}
+
+spelled! {
+    /// The unit `max_SYS` and the headroom `N` are counted in.
+    pub enum Unit, as_str {
+        /// Requests in flight.
+        Requests = "requests",
+        /// Tokens in flight.
+        Tokens = "tokens",
+        /// Request body bytes in flight.
+        Bytes = "bytes",
+    }
+}
+
+spelled! {
+    /// How the real-valued headroom `N` becomes a whole number.
+    pub enum Rounding, as_str {
+        /// Round down (default).
+        Floor = "floor",
+        /// Round up.
+        Ceil = "ceil",
+        /// Round down, but at least one while the gate is open.
+        AtLeastOne = "at-least-one",
+    }
+}
+
+spelled! {
+    /// Log output format.
+    pub enum LogFormat, as_str {
+        /// Human-readable lines.
+        Text = "text",
+        /// One JSON object per line.
+        Json = "json",
+    }
+}
+
+spelled! {
+    /// Which header carries the queue's inference objective; the config
+    /// spelling is the header name.
+    pub enum ObjectiveHeader, header_name {
+        /// `x-gateway-inference-objective` (upstream's name; default).
+        Gateway = "x-gateway-inference-objective",
+        /// `x-llm-d-inference-objective` (newer routers).
+        LlmD = "x-llm-d-inference-objective",
+    }
+}
+
 /// The effective, validated configuration.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Config {
     /// Which queue transport to consume from.
     pub transport: TransportKind,
@@ -72,303 +240,228 @@ pub struct Config {
     pub dispatch: DispatchConfig,
     /// Metrics/health listener and logging.
     pub telemetry: TelemetryConfig,
-    /// The queues to drain; at least one, names unique.
+    /// The queues to drain (`[[queue]]`); at least one, names unique.
+    #[serde(rename = "queue")]
     pub queues: Vec<QueueConfig>,
 }
 
-/// Queue transport.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportKind {
-    /// In-process queue (tests, demos).
-    Memory,
-    /// Redis sorted sets, wire-compatible with upstream `redis-sortedset`.
-    Redis,
-    /// Google Cloud Pub/Sub (`gcp-pubsub` upstream).
-    PubSub,
-    /// Embedded durable single-node store.
-    Embedded,
-}
+/// The sections with their keys, in file order: the one list the file
+/// reader, the environment overlay and error messages walk.
+pub(crate) const SECTIONS: &[(&str, &[&str])] = &[
+    (GatewayConfig::NAME, GatewayConfig::KEYS),
+    (RedisConfig::NAME, RedisConfig::KEYS),
+    (PrometheusConfig::NAME, PrometheusConfig::KEYS),
+    (PubSubConfig::NAME, PubSubConfig::KEYS),
+    (EmbeddedConfig::NAME, EmbeddedConfig::KEYS),
+    (DispatchConfig::NAME, DispatchConfig::KEYS),
+    (TelemetryConfig::NAME, TelemetryConfig::KEYS),
+];
 
-impl TransportKind {
-    /// The canonical config spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Memory => "memory",
-            Self::Redis => "redis",
-            Self::PubSub => "pubsub",
-            Self::Embedded => "embedded",
-        }
+/// Default `[redis] url`.
+pub(crate) const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379/0";
+/// Default queue name (upstream's `request-sortedset`).
+pub(crate) const DEFAULT_QUEUE_NAME: &str = "request-sortedset";
+
+section! {
+    /// `[gateway]`: the inference gateway and the HTTP client's limits.
+    pub struct GatewayConfig in "gateway" {
+        /// Default `igw_base_url` for queues that do not set one.
+        url: Option<EndpointUrl> = None, |v| http_url(v).map(Some);
+        /// Default `request_path_url` for queues; starts with '/'.
+        request_path: String = "/v1/completions".to_owned(), url_path;
+        /// Ceiling per attempt (each attempt is also bounded by the deadline).
+        #[serde(serialize_with = "render::duration")]
+        attempt_timeout: Duration = Duration::from_secs(120), duration_min(NONZERO);
+        /// TCP/TLS connect timeout.
+        #[serde(serialize_with = "render::duration")]
+        connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
+        /// Largest response body read; larger bodies are an error.
+        max_response_bytes: u64 = 16 * 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
+        /// Idle connections kept per host.
+        max_connections_per_host: usize = 256,
+            |v| usize::try_from(as_u64_in(v, 1, 1 << 20)?).map_err(|_| "too large".to_owned());
+        /// Bearer token sent to the gateway (inline, or read from `token_file` at load).
+        token: Option<Secret> = None, inline_secret;
+        /// File the token was read from, when given that way.
+        token_file: Option<PathBuf> = None, file_path;
+        /// Header that carries the inference objective.
+        objective_header: ObjectiveHeader = ObjectiveHeader::Gateway,
+            choice(ObjectiveHeader::CHOICES);
+        /// Metadata attribute sent as `x-llm-d-inference-fairness-id`; `None` (empty) disables.
+        #[serde(serialize_with = "render::or_empty")]
+        fairness_attribute: Option<String> = Some("userid".to_owned()), optional_string;
     }
 }
 
-/// The unit `max_SYS` and the headroom `N` are counted in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unit {
-    /// Requests in flight.
-    Requests,
-    /// Tokens in flight.
-    Tokens,
-    /// Request body bytes in flight.
-    Bytes,
-}
-
-impl Unit {
-    /// The config spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Requests => "requests",
-            Self::Tokens => "tokens",
-            Self::Bytes => "bytes",
-        }
+section! {
+    /// `[redis]`: connection for the Redis transport and Redis-backed gates.
+    pub struct RedisConfig in "redis" {
+        /// `redis://` or `rediss://` URL (a password in it is masked when shown).
+        url: EndpointUrl = check::constant_url(DEFAULT_REDIS_URL), redis_url;
+        /// ACL user name.
+        username: Option<String> = None, optional_string;
+        /// Password (inline, or read from `password_file` at load).
+        password: Option<Secret> = None, inline_secret;
+        /// File the password was read from, when given that way.
+        password_file: Option<PathBuf> = None, file_path;
     }
 }
 
-/// How the real-valued headroom `N` becomes a whole number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rounding {
-    /// Round down (default).
-    Floor,
-    /// Round up.
-    Ceil,
-    /// Round down, but at least one while the gate is open.
-    AtLeastOne,
-}
-
-impl Rounding {
-    /// The config spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Floor => "floor",
-            Self::Ceil => "ceil",
-            Self::AtLeastOne => "at-least-one",
-        }
+section! {
+    /// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is
+    /// required when the section is present; the default is only a
+    /// placeholder.
+    pub struct PrometheusConfig in "prometheus" {
+        /// Base URL of the Prometheus HTTP API.
+        url: EndpointUrl = check::constant_url("http://127.0.0.1:9090"), http_url;
+        /// Bearer token (inline, or read from `bearer_token_file` at load).
+        bearer_token: Option<Secret> = None, inline_secret;
+        /// File the bearer token was read from.
+        bearer_token_file: Option<PathBuf> = None, file_path;
+        /// Basic-auth user.
+        basic_user: Option<String> = None, optional_string;
+        /// Basic-auth password (inline, or read from `basic_password_file` at load).
+        basic_password: Option<Secret> = None, inline_secret;
+        /// File the basic-auth password was read from.
+        basic_password_file: Option<PathBuf> = None, file_path;
     }
 }
 
-/// Log output format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-impl LogFormat {
-    /// The config spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Text => "text",
-            Self::Json => "json",
-        }
+section! {
+    /// `[pubsub]`: Google Cloud Pub/Sub. `project_id` is required.
+    pub struct PubSubConfig in "pubsub" {
+        /// GCP project.
+        project_id: String = String::new(), as_nonempty_string;
+        /// Topic results are published to.
+        result_topic_id: Option<String> = None, optional_string;
+        /// `host:port` of the emulator, when testing.
+        emulator_host: Option<String> = None, host_port;
     }
 }
 
-/// Which header carries the queue's inference objective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ObjectiveHeader {
-    /// `x-gateway-inference-objective` (upstream's name; default).
-    Gateway,
-    /// `x-llm-d-inference-objective` (newer routers).
-    LlmD,
-}
-
-impl ObjectiveHeader {
-    /// The header name.
-    pub fn header_name(self) -> &'static str {
-        match self {
-            Self::Gateway => "x-gateway-inference-objective",
-            Self::LlmD => "x-llm-d-inference-objective",
-        }
+section! {
+    /// `[embedded]`: the single-node durable store (SQLite file) of the
+    /// `embedded` transport.
+    pub struct EmbeddedConfig in "embedded" {
+        /// Database file.
+        path: PathBuf = PathBuf::from("sluicegate.db"), path;
     }
 }
 
-/// `[gateway]`: the inference gateway and the HTTP client's limits.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GatewayConfig {
-    /// Default `igw_base_url` for queues that do not set one.
-    pub url: Option<EndpointUrl>,
-    /// Default `request_path_url` for queues; starts with '/'.
-    pub request_path: String,
-    /// Ceiling per attempt (each attempt is also bounded by the deadline).
-    pub attempt_timeout: Duration,
-    /// TCP/TLS connect timeout.
-    pub connect_timeout: Duration,
-    /// Largest response body read; larger bodies are an error.
-    pub max_response_bytes: u64,
-    /// Idle connections kept per host.
-    pub max_connections_per_host: usize,
-    /// Bearer token sent to the gateway.
-    pub token: Option<Secret>,
-    /// File the token was read from, when given that way.
-    pub token_file: Option<PathBuf>,
-    /// Header that carries the inference objective.
-    pub objective_header: ObjectiveHeader,
-    /// Metadata attribute sent as `x-llm-d-inference-fairness-id`; `None` disables.
-    pub fairness_attribute: Option<String>,
+section! {
+    /// `[dispatch]`: timings of the dispatch loop and the retry policy.
+    pub struct DispatchConfig in "dispatch" {
+        /// How often the gate is observed (also on demand when the window is used up).
+        #[serde(serialize_with = "render::duration")]
+        poll_interval: Duration = Duration::from_secs(1), duration_min(NONZERO);
+        /// Observations older than this count as no observation (budget 0).
+        #[serde(serialize_with = "render::duration")]
+        max_staleness: Duration = Duration::from_secs(30), duration_min(NONZERO);
+        /// Message lease / visibility timeout.
+        #[serde(serialize_with = "render::duration")]
+        lease: Duration = Duration::from_secs(30), duration_min(Duration::from_secs(1));
+        /// Long-poll wait when the queue is empty.
+        #[serde(serialize_with = "render::duration")]
+        receive_wait: Duration = Duration::from_secs(1), duration_min(Duration::ZERO);
+        /// Dead-letter after this many failed attempts; `None` (0) = unlimited
+        /// (the deadline bounds retries). Never `Some(0)`.
+        #[serde(serialize_with = "render::attempts")]
+        max_attempts: Option<u32> = None, attempts;
+        /// First retry delay after a 5xx or transport error.
+        #[serde(serialize_with = "render::duration")]
+        retry_initial_backoff: Duration = Duration::from_secs(1), duration_min(NONZERO);
+        /// Largest retry delay.
+        #[serde(serialize_with = "render::duration")]
+        retry_max_backoff: Duration = Duration::from_secs(60), duration_min(NONZERO);
+        /// Requeue delay after 429/503 without `Retry-After`.
+        #[serde(serialize_with = "render::duration")]
+        congestion_backoff: Duration = Duration::from_secs(2), duration_min(Duration::ZERO);
+        /// Requeue delay when an admission gate says wait or refuse.
+        #[serde(serialize_with = "render::duration")]
+        wait_requeue_delay: Duration = Duration::from_secs(1), duration_min(Duration::ZERO);
+        /// Time allowed for in-flight work at shutdown.
+        #[serde(serialize_with = "render::duration")]
+        shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);
+        /// Deadline given to submissions that carry none (submit tools).
+        #[serde(serialize_with = "render::duration")]
+        default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);
+    }
 }
 
-impl Default for GatewayConfig {
-    fn default() -> Self {
+section! {
+    /// `[telemetry]`: the metrics/health listener and logging.
+    pub struct TelemetryConfig in "telemetry" {
+        /// Address serving `/metrics`, `/healthz` and `/readyz`.
+        listen: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 9464)), socket_addr;
+        /// Log format.
+        log_format: LogFormat = LogFormat::Text, choice(LogFormat::CHOICES);
+        /// An `EnvFilter` directive string, e.g. `info,sluicegate=debug`.
+        log_level: String = "info".to_owned(), env_filter;
+    }
+}
+
+section! {
+    @struct
+    /// One `[[queue]]`: where messages come from, where they go and which gate
+    /// paces them. Field names follow upstream's queue entries; defaults
+    /// (some taken from `[gateway]`) are set in `QueueConfig::with_defaults`.
+    QueueConfig {
+        /// Queue (sorted-set key) or, for Pub/Sub, subscription id (alias
+        /// `subscriber_id`; variable `SLUICEGATE_QUEUE`).
+        queue_name: String,
+        /// The dispatch gate (`gate_type` + `gate_params`).
+        #[serde(flatten, serialize_with = "render::gate")]
+        gate: GateSpec,
+    } {
+        /// Gateway base URL for this queue.
+        igw_base_url: EndpointUrl, http_url;
+        /// Request path appended to `igw_base_url`; starts with '/'.
+        request_path_url: String, url_path;
+        /// Inference objective sent in the objective header, if any.
+        inference_objective: Option<String>, optional_string;
+        /// Worker pool id (upstream label).
+        worker_pool_id: String, as_nonempty_string;
+        /// Labels copied onto messages (e.g. `tier`).
+        labels: BTreeMap<String, String>, as_string_map;
+        /// Redis list results go to, when the queue sets one: it wins over the
+        /// message's `result_queue_name`, which wins over `result-list`.
+        result_queue_name: Option<String>, |v| as_nonempty_string(v).map(Some);
+        /// TTL of result records in seconds; 0 = none.
+        result_ttl_seconds: u64, as_u64;
+        /// Static capacity `max_SYS` in `unit`s; > 0.
+        max_sys: f64, as_positive_f64;
+        /// Unit of `max_sys` and of the headroom.
+        unit: Unit, choice(Unit::CHOICES);
+        /// Rounding of the headroom.
+        rounding: Rounding, choice(Rounding::CHOICES);
+    } ["queue_name", "subscriber_id", "gate_type", "gate_params"]
+}
+
+impl QueueConfig {
+    /// A queue with every default: the gateway's URL and path, pool
+    /// `default`, `max_sys` 100 requests, floor rounding, no labels, no
+    /// result list.
+    pub(crate) fn with_defaults(
+        queue_name: String,
+        igw_base_url: EndpointUrl,
+        gateway: &GatewayConfig,
+        gate: GateSpec,
+    ) -> Self {
         Self {
-            url: None,
-            request_path: "/v1/completions".to_owned(),
-            attempt_timeout: Duration::from_secs(120),
-            connect_timeout: Duration::from_secs(5),
-            max_response_bytes: 16 * 1024 * 1024,
-            max_connections_per_host: 256,
-            token: None,
-            token_file: None,
-            objective_header: ObjectiveHeader::Gateway,
-            fairness_attribute: Some("userid".to_owned()),
+            queue_name,
+            gate,
+            igw_base_url,
+            request_path_url: gateway.request_path.clone(),
+            inference_objective: None,
+            worker_pool_id: "default".to_owned(),
+            labels: BTreeMap::new(),
+            result_queue_name: None,
+            result_ttl_seconds: 0,
+            max_sys: 100.0,
+            unit: Unit::Requests,
+            rounding: Rounding::Floor,
         }
     }
-}
-
-/// `[redis]`: connection for the Redis transport and Redis-backed gates.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RedisConfig {
-    /// `redis://` or `rediss://` URL (a password in it is masked when shown).
-    pub url: EndpointUrl,
-    /// ACL user name.
-    pub username: Option<String>,
-    /// Password (from `password` or `password_file`).
-    pub password: Option<Secret>,
-    /// File the password was read from, when given that way.
-    pub password_file: Option<PathBuf>,
-}
-
-/// `[prometheus]`: where `prometheus-*` gates send PromQL.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PrometheusConfig {
-    /// Base URL of the Prometheus HTTP API.
-    pub url: EndpointUrl,
-    /// Bearer token.
-    pub bearer_token: Option<Secret>,
-    /// File the bearer token was read from.
-    pub bearer_token_file: Option<PathBuf>,
-    /// Basic-auth user.
-    pub basic_user: Option<String>,
-    /// Basic-auth password.
-    pub basic_password: Option<Secret>,
-    /// File the basic-auth password was read from.
-    pub basic_password_file: Option<PathBuf>,
-}
-
-/// `[pubsub]`: Google Cloud Pub/Sub (parsed now, used by a later transport).
-#[derive(Debug, Clone, PartialEq)]
-pub struct PubSubConfig {
-    /// GCP project.
-    pub project_id: String,
-    /// Topic results are published to.
-    pub result_topic_id: Option<String>,
-    /// `host:port` of the emulator, when testing.
-    pub emulator_host: Option<String>,
-}
-
-/// `[embedded]`: the single-node durable store (SQLite file) of the `embedded` transport.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EmbeddedConfig {
-    /// Database file.
-    pub path: PathBuf,
-}
-
-/// `[dispatch]`: timings of the dispatch loop and the retry policy.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DispatchConfig {
-    /// How often the gate is observed (also on demand when the window is used up).
-    pub poll_interval: Duration,
-    /// Observations older than this count as no observation (budget 0).
-    pub max_staleness: Duration,
-    /// Message lease / visibility timeout.
-    pub lease: Duration,
-    /// Long-poll wait when the queue is empty.
-    pub receive_wait: Duration,
-    /// Dead-letter after this many failed attempts; `None` = unlimited
-    /// (the deadline bounds retries). Never `Some(0)`.
-    pub max_attempts: Option<u32>,
-    /// First retry delay after a 5xx or transport error.
-    pub retry_initial_backoff: Duration,
-    /// Largest retry delay.
-    pub retry_max_backoff: Duration,
-    /// Requeue delay after 429/503 without `Retry-After`.
-    pub congestion_backoff: Duration,
-    /// Requeue delay when an admission gate says wait or refuse.
-    pub wait_requeue_delay: Duration,
-    /// Time allowed for in-flight work at shutdown.
-    pub shutdown_grace: Duration,
-    /// Deadline given to submissions that carry none (submit tools).
-    pub default_deadline: Duration,
-}
-
-impl Default for DispatchConfig {
-    fn default() -> Self {
-        Self {
-            poll_interval: Duration::from_secs(1),
-            max_staleness: Duration::from_secs(30),
-            lease: Duration::from_secs(30),
-            receive_wait: Duration::from_secs(1),
-            max_attempts: None,
-            retry_initial_backoff: Duration::from_secs(1),
-            retry_max_backoff: Duration::from_secs(60),
-            congestion_backoff: Duration::from_secs(2),
-            wait_requeue_delay: Duration::from_secs(1),
-            shutdown_grace: Duration::from_secs(30),
-            default_deadline: Duration::from_secs(24 * 3600),
-        }
-    }
-}
-
-/// `[telemetry]`: the metrics/health listener and logging.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TelemetryConfig {
-    /// Address serving `/metrics`, `/healthz` and `/readyz`.
-    pub listen: SocketAddr,
-    /// Log format.
-    pub log_format: LogFormat,
-    /// An `EnvFilter` directive string, e.g. `info,sluicegate=debug`.
-    pub log_level: String,
-}
-
-impl Default for TelemetryConfig {
-    fn default() -> Self {
-        Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
-            log_format: LogFormat::Text,
-            log_level: "info".to_owned(),
-        }
-    }
-}
-
-/// One `[[queue]]`: where messages come from, where they go and which gate
-/// paces them. Field names follow upstream's queue entries.
-#[derive(Debug, Clone, PartialEq)]
-pub struct QueueConfig {
-    /// Queue (sorted-set key) or, for Pub/Sub, subscription id.
-    pub queue_name: String,
-    /// Gateway base URL for this queue.
-    pub igw_base_url: EndpointUrl,
-    /// Request path appended to `igw_base_url`; starts with '/'.
-    pub request_path_url: String,
-    /// Inference objective sent in the objective header, if any.
-    pub inference_objective: Option<String>,
-    /// Worker pool id (upstream label).
-    pub worker_pool_id: String,
-    /// Labels copied onto messages (e.g. `tier`).
-    pub labels: BTreeMap<String, String>,
-    /// Redis list results go to, when the queue sets one: it wins over the
-    /// message's `result_queue_name`, which wins over `result-list`.
-    pub result_queue_name: Option<String>,
-    /// TTL of result records in seconds; 0 = none.
-    pub result_ttl_seconds: u64,
-    /// Static capacity `max_SYS` in `unit`s; > 0.
-    pub max_sys: f64,
-    /// Unit of `max_sys` and of the headroom.
-    pub unit: Unit,
-    /// Rounding of the headroom.
-    pub rounding: Rounding,
-    /// The dispatch gate.
-    pub gate: GateSpec,
 }
 
 impl Config {
@@ -376,7 +469,7 @@ impl Config {
     /// and flags, with precedence flag > environment > file > default.
     /// Returns every problem found, not just the first.
     pub fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
-        env::load(sources)
+        layer::load(sources)
     }
 
     /// Loads from TOML text instead of a file, with an environment map and
@@ -385,7 +478,7 @@ impl Config {
         text: &str,
         env: &BTreeMap<String, String>,
     ) -> Result<Config, ConfigErrors> {
-        env::load_text(Some((text, "<string>")), env, &Overrides::default())
+        layer::load_text(Some((text, "<string>")), env, &Overrides::default())
     }
 
     /// A human summary for `check-config`; secrets are never included.
