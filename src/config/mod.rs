@@ -51,7 +51,11 @@ pub use error::{ConfigError, ConfigErrors};
 pub use gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
 };
+// Loose value conversions the gates' parameter adapters share.
 pub use secret::{EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, mask_url};
+pub(crate) use values::{
+    as_duration, as_f64, as_string, as_string_list, as_string_map, kind, show,
+};
 
 /// The effective, validated configuration.
 #[derive(Debug, Clone, PartialEq)]

@@ -200,7 +200,7 @@ pub(crate) fn to_redacted_toml(c: &Config) -> String {
             t.insert("unit".into(), s(q.unit.as_str()));
             t.insert("rounding".into(), s(q.rounding.as_str()));
             t.insert("gate_type".into(), s(q.gate.upstream_name()));
-            let params = json_to_toml(&Value::Object(q.gate.to_params()))
+            let params = json_to_toml(&q.gate.to_upstream()["gate_params"])
                 .unwrap_or_else(|| T::Table(Table::new()));
             t.insert("gate_params".into(), params);
             T::Table(t)

@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 use url::Url;
 
-use super::gate::{GATE_TYPES, parse_gate};
+use super::gate::parse_gate_spec;
 use super::raw::{RawConfig, RawQueue};
 use super::secret::{EndpointUrl, Secret};
 use super::values::{
@@ -689,23 +689,18 @@ fn queue(
             as_choice(v, &ROUNDINGS)
         })
         .unwrap_or(Rounding::Floor);
-    let gate = if q.gate_type.is_none() {
-        ctx.err(
-            k("gate_type"),
-            format!(
-                "gate_type is required (fail closed: no default gate); set gate_type on the queue or SLUICEGATE_GATE_TYPE; allowed: {}",
-                GATE_TYPES.join(", ")
-            ),
-        );
-        None
-    } else {
-        parse_gate(
-            ctx,
-            q.gate_type.as_ref(),
-            q.gate_params.as_ref(),
-            &format!("queue[{i}]"),
-            0,
-        )
+    let gate = match parse_gate_spec(
+        q.gate_type.as_ref(),
+        q.gate_params.as_ref(),
+        &format!("queue[{i}]"),
+    ) {
+        Ok(g) => Some(g),
+        Err(errors) => {
+            for e in errors {
+                ctx.err(e.key, e.message);
+            }
+            None
+        }
     };
     if ctx.errors.len() > errors_before {
         return None;
