@@ -27,7 +27,7 @@
 //! .collect();
 //! let config = Config::load(&ConfigSources { env, ..Default::default() }).unwrap();
 //! assert_eq!(config.transport, TransportKind::Memory);
-//! assert_eq!(config.queues[0].gate, GateSpec::Constant);
+//! assert_eq!(config.queues[0].gate, GateSpec::Constant(Default::default()));
 //! ```
 
 mod duration;
