@@ -69,9 +69,7 @@ impl GateParams for EndpointScrapeParams {
         cx.require("metric", "a metric name");
         cx.non_negative("max_count_per_pod", self.max_count_per_pod);
         cx.fraction("baseline", self.baseline);
-        if let Some(f) = self.fallback {
-            cx.fraction("fallback", f);
-        }
+        cx.fallback(self.fallback);
         if let Some(u) = &self.pods_url {
             cx.http_url("pods_url", u);
         }

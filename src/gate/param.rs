@@ -240,6 +240,13 @@ impl<'e> ParseCx<'e> {
         }
     }
 
+    /// The opt-in `fallback` budget, when set, must be in [0, 1].
+    pub fn fallback(&mut self, fallback: Option<f64>) {
+        if let Some(f) = fallback {
+            self.fraction("fallback", f);
+        }
+    }
+
     /// `x` must be greater than 0.
     pub fn positive(&mut self, name: &str, x: f64) {
         if x <= 0.0 {

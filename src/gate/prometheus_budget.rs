@@ -65,9 +65,7 @@ impl GateParams for PrometheusBudgetParams {
         cx.require("pool", "the InferencePool name");
         cx.positive("max_concurrency", self.max_concurrency);
         cx.fraction("baseline", self.baseline);
-        if let Some(f) = self.fallback {
-            cx.fraction("fallback", f);
-        }
+        cx.fallback(self.fallback);
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {

@@ -34,9 +34,7 @@ pub struct PrometheusQueryParams {
 impl GateParams for PrometheusQueryParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
         cx.require("query", "a PromQL expression");
-        if let Some(f) = self.fallback {
-            cx.fraction("fallback", f);
-        }
+        cx.fallback(self.fallback);
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {

@@ -51,9 +51,7 @@ impl GateParams for PrometheusSaturationParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
         cx.require("pool", "the InferencePool name");
         cx.fraction("threshold", self.threshold);
-        if let Some(f) = self.fallback {
-            cx.fraction("fallback", f);
-        }
+        cx.fallback(self.fallback);
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
