@@ -203,3 +203,62 @@ fn secret(
 pub fn build_gate(spec: &GateSpec, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
     spec.build(ctx)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ctx() -> GateContext {
+        GateContext::new(None, None, Duration::from_secs(1), Duration::from_secs(10))
+    }
+
+    #[test]
+    fn unbuilt_gates_refuse_to_start_even_when_nested() {
+        let quota = GateSpec::parse(
+            "redis-quota",
+            &json!({"address": "127.0.0.1:6379", "limit": 5}),
+            "q",
+        )
+        .expect("valid");
+        let nested = GateSpec::parse(
+            "composite",
+            &json!({"gates": [{"gate_type": "constant"}, quota.to_upstream()]}),
+            "q",
+        )
+        .expect("valid");
+        for spec in [&quota, &nested] {
+            match build_gate(spec, &ctx()) {
+                Err(BuildError::NotAvailable { gate_type }) => {
+                    assert_eq!(gate_type, "redis-quota");
+                }
+                other => panic!("expected NotAvailable, got {other:?}"),
+            }
+        }
+        let tier = GateSpec::parse(
+            "tier-priority-admission",
+            &json!({"saturation_gate": {"gate_type": "constant"}}),
+            "q",
+        )
+        .expect("valid");
+        let err = build_gate(&tier, &ctx()).expect_err("not built");
+        let text = err.to_string();
+        assert!(
+            text.contains("`tier-priority-admission` is not available"),
+            "{text}"
+        );
+        assert!(text.contains("available: constant, composite"), "{text}");
+        assert!(!text.contains("redis-quota"), "{text}");
+    }
+
+    #[test]
+    fn prometheus_gates_need_prometheus() {
+        let spec = GateSpec::parse("prometheus-budget", &json!({"pool": "p"}), "q").expect("valid");
+        assert!(matches!(
+            build_gate(&spec, &ctx()),
+            Err(BuildError::NoPrometheus {
+                gate_type: "prometheus-budget"
+            })
+        ));
+    }
+}
