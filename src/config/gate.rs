@@ -267,9 +267,23 @@ impl GateSpec {
     /// with typed values (numbers as numbers) and every default spelled
     /// out. Parsing it again gives an equal `GateSpec`.
     pub fn to_upstream(&self) -> Value {
+        /// Unset optional parameters serialize as null; upstream's shape
+        /// leaves them out.
+        fn without_nulls(v: Value) -> Value {
+            match v {
+                Value::Object(m) => Value::Object(
+                    m.into_iter()
+                        .filter(|(_, v)| !v.is_null())
+                        .map(|(k, v)| (k, without_nulls(v)))
+                        .collect(),
+                ),
+                Value::Array(a) => Value::Array(a.into_iter().map(without_nulls).collect()),
+                other => other,
+            }
+        }
         // Every params struct serializes to a JSON object of strings,
         // numbers, lists, tables and nested gates: nothing can fail.
-        serde_json::to_value(self).unwrap_or(Value::Null)
+        without_nulls(serde_json::to_value(self).unwrap_or(Value::Null))
     }
 
     /// The parameters in upstream shape (the `gate_params` object).

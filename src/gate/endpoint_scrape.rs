@@ -39,22 +39,13 @@ pub struct EndpointScrapeParams {
     #[serde(deserialize_with = "loose::f64")]
     pub baseline: f64,
     /// Budget when the scrape fails; `None` = 0 (fail closed).
-    #[serde(
-        deserialize_with = "loose::opt_f64",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_f64")]
     pub fallback: Option<f64>,
     /// Where to read the ready-pod count, if not `url`.
-    #[serde(
-        deserialize_with = "loose::opt_string",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_string")]
     pub pods_url: Option<String>,
     /// Ready-pod metric name.
-    #[serde(
-        deserialize_with = "loose::opt_string",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_string")]
     pub pods_metric: Option<String>,
     /// Label matchers on the ready-pod metric.
     #[serde(deserialize_with = "loose::string_map")]

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::param::{GateParams, ParseCx, loose};
 use super::reading::{
-    MetricGate, SourceReport, non_negative, pool_reading, promql_string, show_labels,
+    MetricGate, SourceReport, non_negative, pool_reading, promql_string, series_values,
 };
 use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, PromClient, PromQuery, PromVector, Timestamped};
@@ -29,10 +29,7 @@ pub struct PrometheusBudgetParams {
     #[serde(deserialize_with = "loose::string")]
     pub pool: String,
     /// Namespace label filter, if any.
-    #[serde(
-        deserialize_with = "loose::opt_string",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_string")]
     pub namespace: Option<String>,
     /// Concurrency per ready pod, > 0 (default 100).
     #[serde(deserialize_with = "loose::f64")]
@@ -41,10 +38,7 @@ pub struct PrometheusBudgetParams {
     #[serde(deserialize_with = "loose::f64")]
     pub baseline: f64,
     /// Budget when no source returns a sample; `None` = 0 (fail closed).
-    #[serde(
-        deserialize_with = "loose::opt_f64",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_f64")]
     pub fallback: Option<f64>,
 }
 
@@ -216,11 +210,7 @@ impl PrometheusBudgetGate {
                 Ok(Answer::Absent)
             }
             Ok(t) => {
-                report.values = t
-                    .value
-                    .iter()
-                    .map(|s| (show_labels(&s.labels), s.value))
-                    .collect();
+                report.values = series_values(&t.value);
                 let sum: f64 = t.value.iter().map(|s| s.value).sum();
                 match non_negative(sum, q.role) {
                     Ok(v) => {

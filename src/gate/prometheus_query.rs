@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::param::{GateParams, ParseCx, loose};
-use super::reading::{Aggregate, MetricGate, SourceReport, pool_reading, show_labels};
+use super::reading::{Aggregate, MetricGate, SourceReport, pool_reading, series_values};
 use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, PromQuery};
 
@@ -18,16 +18,10 @@ pub struct PrometheusQueryParams {
     #[serde(deserialize_with = "loose::string")]
     pub query: String,
     /// Budget when the query fails; `None` = 0 (fail closed).
-    #[serde(
-        deserialize_with = "loose::opt_f64",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_f64")]
     pub fallback: Option<f64>,
     /// Pool name, used only as a label.
-    #[serde(
-        deserialize_with = "loose::opt_string",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_string")]
     pub pool: Option<String>,
 }
 
@@ -72,11 +66,7 @@ impl MetricGate for PrometheusQueryGate {
                 Err(GateError::SourceUnavailable(format!("query: {e}")))
             }
             Ok(t) => {
-                report.values = t
-                    .value
-                    .iter()
-                    .map(|s| (show_labels(&s.labels), s.value))
-                    .collect();
+                report.values = series_values(&t.value);
                 match Aggregate::Min.apply(t.value.iter().map(|s| s.value)) {
                     None => {
                         report.outcome = "no sample".into();

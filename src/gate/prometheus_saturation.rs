@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::param::{GateParams, ParseCx, loose};
 use super::reading::{
-    Aggregate, MetricGate, SourceReport, non_negative, pool_reading, promql_string, show_labels,
+    Aggregate, MetricGate, SourceReport, non_negative, pool_reading, promql_string, series_values,
 };
 use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, PromClient, PromQuery};
@@ -20,19 +20,13 @@ pub struct PrometheusSaturationParams {
     #[serde(deserialize_with = "loose::string")]
     pub pool: String,
     /// Namespace label filter, if any.
-    #[serde(
-        deserialize_with = "loose::opt_string",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_string")]
     pub namespace: Option<String>,
     /// Saturation at which the gate closes, in [0, 1] (default 0.8).
     #[serde(deserialize_with = "loose::f64")]
     pub threshold: f64,
     /// Budget when the metric is unreadable; `None` = 0 (fail closed).
-    #[serde(
-        deserialize_with = "loose::opt_f64",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_f64")]
     pub fallback: Option<f64>,
 }
 
@@ -122,11 +116,7 @@ impl PrometheusSaturationGate {
                 }
                 Ok(t) => t,
             };
-            report.values = t
-                .value
-                .iter()
-                .map(|s| (show_labels(&s.labels), s.value))
-                .collect();
+            report.values = series_values(&t.value);
             // Several series (e.g. one per endpoint-picker replica): the
             // most saturated one counts.
             let Some(s) = Aggregate::Max.apply(t.value.iter().map(|s| s.value)) else {

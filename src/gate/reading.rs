@@ -106,6 +106,14 @@ pub(crate) fn show_labels(labels: &BTreeMap<String, String>) -> String {
     format!("{{{}}}", inner.join(","))
 }
 
+/// The series of a PromQL answer as `(labels, value)` rows for a report.
+pub(crate) fn series_values(vector: &crate::source::PromVector) -> Vec<(String, f64)> {
+    vector
+        .iter()
+        .map(|s| (show_labels(&s.labels), s.value))
+        .collect()
+}
+
 /// A value that must be a finite, non-negative number (a count, a
 /// saturation, a usage). NaN, infinities and negatives are errors.
 pub(crate) fn non_negative(value: f64, what: &str) -> Result<f64, GateError> {

@@ -32,10 +32,7 @@ pub struct VllmParams {
     #[serde(deserialize_with = "loose::f64")]
     pub queue_threshold: f64,
     /// Concurrency per server; `None` = read from the server's metrics.
-    #[serde(
-        deserialize_with = "loose::opt_u32",
-        skip_serializing_if = "Option::is_none"
-    )]
+    #[serde(deserialize_with = "loose::opt_u32")]
     pub max_num_seqs: Option<u32>,
     /// Reserved baseline in [0, 1] (default 0.05).
     #[serde(deserialize_with = "loose::f64")]
