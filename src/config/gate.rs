@@ -16,12 +16,7 @@ use serde_json::{Map, Value};
 
 use super::error::{ConfigError, ConfigErrors};
 use crate::gate::param::{ParseCx, allowed, kind, parse_params, show};
-use crate::gate::{
-    BuildError, CompositeParams, ConstantParams, DispatchGate, EndpointScrapeParams, GateContext,
-    GateParams, LocalMaxConcurrencyParams, PrometheusBudgetParams, PrometheusQueryParams,
-    PrometheusSaturationParams, RedisParams, RedisQuotaParams, TierPriorityAdmissionParams,
-    VllmParams, WaitOnRefuseParams,
-};
+use crate::gate::{self, BuildError, DispatchGate, GateContext, GateParams};
 
 pub use crate::gate::{GatingMode, MissingBudget, QuotaMode};
 
@@ -92,29 +87,29 @@ macro_rules! gate_catalogue {
 
 gate_catalogue! {
     /// Always open: budget 1.0.
-    Constant(ConstantParams) = "constant",
+    Constant(gate::ConstantParams) = "constant",
     /// Minimum of the inner budgets; admission all-or-nothing.
-    Composite(CompositeParams) = "composite",
+    Composite(gate::CompositeParams) = "composite",
     /// Pod-local in-flight limit.
-    LocalMaxConcurrency(LocalMaxConcurrencyParams) = "local-max-concurrency",
+    LocalMaxConcurrency(gate::LocalMaxConcurrencyParams) = "local-max-concurrency",
     /// Turns the inner gate's refuse into wait.
-    WaitOnRefuse(WaitOnRefuseParams) = "wait-on-refuse",
+    WaitOnRefuse(gate::WaitOnRefuseParams) = "wait-on-refuse",
     /// Budget read from a Redis key written by an external controller.
-    Redis(RedisParams) = "redis",
+    Redis(gate::RedisParams) = "redis",
     /// `(1 − S) − (1 − threshold)` from the pool-saturation metric.
-    PrometheusSaturation(PrometheusSaturationParams) = "prometheus-saturation",
+    PrometheusSaturation(gate::PrometheusSaturationParams) = "prometheus-saturation",
     /// The EPP queue / running-requests cascade; `D − baseline`.
-    PrometheusBudget(PrometheusBudgetParams) = "prometheus-budget",
+    PrometheusBudget(gate::PrometheusBudgetParams) = "prometheus-budget",
     /// A PromQL query whose value is the budget.
-    PrometheusQuery(PrometheusQueryParams) = "prometheus-query",
+    PrometheusQuery(gate::PrometheusQueryParams) = "prometheus-query",
     /// Saturation scraped from a `/metrics` endpoint.
-    EndpointScrape(EndpointScrapeParams) = "endpoint-scrape",
+    EndpointScrape(gate::EndpointScrapeParams) = "endpoint-scrape",
     /// Per-tenant quota admission in Redis.
-    RedisQuota(RedisQuotaParams) = "redis-quota",
+    RedisQuota(gate::RedisQuotaParams) = "redis-quota",
     /// Tier-aware admission when the saturation gate says the pool is full.
-    TierPriorityAdmission(TierPriorityAdmissionParams) = "tier-priority-admission",
+    TierPriorityAdmission(gate::TierPriorityAdmissionParams) = "tier-priority-admission",
     /// Budget from vLLM servers' own `/metrics` (KV cache and queue).
-    Vllm(VllmParams) = "vllm",
+    Vllm(gate::VllmParams) = "vllm",
 }
 
 /// Where a gate's two keys are, for errors.
