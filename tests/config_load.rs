@@ -6,6 +6,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use sluicegate::gate::{
+    CompositeParams, ConstantParams, LocalMaxConcurrencyParams, PrometheusBudgetParams,
+    PrometheusSaturationParams, RedisParams, RedisQuotaParams, WaitOnRefuseParams,
+};
+
 use sluicegate::config::{
     CONTRACT_ENV_VARS, Config, ConfigErrors, ConfigSources, GATE_TYPES, GateSpec, GatingMode,
     LogFormat, MissingBudget, ObjectiveHeader, Overrides, Rounding, TransportKind, Unit,
@@ -114,13 +119,13 @@ fn environment_alone_configures_a_complete_sidecar() {
     assert_eq!(q.worker_pool_id, "default");
     assert_eq!(
         q.gate,
-        GateSpec::PrometheusBudget {
+        GateSpec::PrometheusBudget(PrometheusBudgetParams {
             pool: "p".into(),
             namespace: None,
             max_concurrency: 10.0,
             baseline: 0.1,
             fallback: Some(0.0),
-        }
+        })
     );
     // Defaults elsewhere.
     assert_eq!(config.dispatch.poll_interval, Duration::from_secs(1));
@@ -435,7 +440,7 @@ gate_params = { limit = 4 }
         Overrides::default(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(c.queues[0].gate, GateSpec::Constant);
+    assert_eq!(c.queues[0].gate, GateSpec::Constant(ConstantParams {}));
     // Same type: the file's params stay; GATE_PARAMS replaces them whole.
     let c = load(
         Some(file),
@@ -451,10 +456,10 @@ gate_params = { limit = 4 }
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         c.queues[0].gate,
-        GateSpec::LocalMaxConcurrency {
+        GateSpec::LocalMaxConcurrency(LocalMaxConcurrencyParams {
             limit: 9,
             gating_mode: GatingMode::Classifying
-        }
+        })
     );
 }
 
@@ -574,21 +579,21 @@ fn upstream_json_queue_config_carries_over_verbatim() {
     assert_eq!(q.result_ttl_seconds, 3600);
     assert_eq!(
         q.gate,
-        GateSpec::Composite {
+        GateSpec::Composite(CompositeParams {
             gates: vec![
-                GateSpec::PrometheusSaturation {
+                GateSpec::PrometheusSaturation(PrometheusSaturationParams {
                     pool: "p".into(),
                     namespace: None,
                     threshold: 0.7,
                     fallback: None,
-                },
-                GateSpec::Redis {
+                }),
+                GateSpec::Redis(RedisParams {
                     address: "redis:6379".into(),
                     budget_key: "dispatch-gate-budget".into(),
                     missing: MissingBudget::Closed,
-                },
+                }),
             ]
-        }
+        })
     );
     // Errors inside the JSON name the variable and the path.
     let err = load_err(
@@ -631,16 +636,16 @@ gate_params = { address = "127.0.0.1:6379", limit = "5", window = "30s", mode = 
         Overrides::default(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let GateSpec::WaitOnRefuse { gate } = &c.queues[0].gate else {
+    let GateSpec::WaitOnRefuse(WaitOnRefuseParams { gate }) = &c.queues[0].gate else {
         panic!("{:?}", c.queues[0].gate)
     };
-    let GateSpec::Composite { gates } = gate.as_ref() else {
+    let GateSpec::Composite(CompositeParams { gates }) = gate.as_ref() else {
         panic!("{gate:?}")
     };
     assert_eq!(gates.len(), 2);
     assert!(matches!(
         &gates[1],
-        GateSpec::RedisQuota { limit: 5, window, .. } if *window == Duration::from_secs(30)
+        GateSpec::RedisQuota(RedisQuotaParams { limit: 5, window, .. }) if *window == Duration::from_secs(30)
     ));
     // The redacted TOML of a nested gate loads back to the same config.
     let again = Config::from_toml_str(&c.to_redacted_toml(), &BTreeMap::new())
@@ -700,13 +705,13 @@ fn sidecar_example_has_the_expected_gate() {
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         c.queues[0].gate,
-        GateSpec::PrometheusBudget {
+        GateSpec::PrometheusBudget(PrometheusBudgetParams {
             pool: "my-pool".into(),
             namespace: Some("llm".into()),
             max_concurrency: 10.0,
             baseline: 0.1,
             fallback: None,
-        }
+        })
     );
     assert_eq!(c.queues[0].rounding, Rounding::AtLeastOne);
 }

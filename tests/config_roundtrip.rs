@@ -13,6 +13,11 @@ use sluicegate::config::{
     GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PrometheusConfig, PubSubConfig,
     QueueConfig, QuotaMode, Rounding, TelemetryConfig, TransportKind, Unit, allowed_params,
 };
+use sluicegate::gate::{
+    CompositeParams, ConstantParams, EndpointScrapeParams, LocalMaxConcurrencyParams,
+    PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams, RedisParams,
+    RedisQuotaParams, TierPriorityAdmissionParams, VllmParams, WaitOnRefuseParams,
+};
 use url::Url;
 
 fn name() -> impl Strategy<Value = String> {
@@ -46,9 +51,10 @@ fn gating_mode() -> impl Strategy<Value = GatingMode> {
 
 fn leaf_gate() -> impl Strategy<Value = GateSpec> {
     prop_oneof![
-        Just(GateSpec::Constant),
-        (1u32..10_000, gating_mode())
-            .prop_map(|(limit, gating_mode)| GateSpec::LocalMaxConcurrency { limit, gating_mode }),
+        Just(GateSpec::Constant(ConstantParams {})),
+        (1u32..10_000, gating_mode()).prop_map(|(limit, gating_mode)| {
+            GateSpec::LocalMaxConcurrency(LocalMaxConcurrencyParams { limit, gating_mode })
+        }),
         (
             name(),
             name(),
@@ -57,11 +63,11 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                 fraction().prop_map(MissingBudget::Fallback)
             ]
         )
-            .prop_map(|(h, budget_key, missing)| GateSpec::Redis {
+            .prop_map(|(h, budget_key, missing)| GateSpec::Redis(RedisParams {
                 address: format!("{h}:6379"),
                 budget_key,
                 missing
-            }),
+            })),
         (
             name(),
             proptest::option::of(name()),
@@ -69,12 +75,12 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             proptest::option::of(fraction())
         )
             .prop_map(|(pool, namespace, threshold, fallback)| {
-                GateSpec::PrometheusSaturation {
+                GateSpec::PrometheusSaturation(PrometheusSaturationParams {
                     pool,
                     namespace,
                     threshold,
                     fallback,
-                }
+                })
             }),
         (
             name(),
@@ -84,24 +90,26 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             proptest::option::of(fraction())
         )
             .prop_map(|(pool, namespace, max_concurrency, baseline, fallback)| {
-                GateSpec::PrometheusBudget {
+                GateSpec::PrometheusBudget(PrometheusBudgetParams {
                     pool,
                     namespace,
                     max_concurrency,
                     baseline,
                     fallback,
-                }
+                })
             }),
         (
             "[a-z_:]{1,12}",
             proptest::option::of(fraction()),
             proptest::option::of(name())
         )
-            .prop_map(|(query, fallback, pool)| GateSpec::PrometheusQuery {
-                query,
-                fallback,
-                pool
-            }),
+            .prop_map(|(query, fallback, pool)| GateSpec::PrometheusQuery(
+                PrometheusQueryParams {
+                    query,
+                    fallback,
+                    pool
+                }
+            )),
         (
             http_url(),
             name(),
@@ -125,7 +133,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                     pods_metric,
                     pods_labels,
                 )| {
-                    GateSpec::EndpointScrape {
+                    GateSpec::EndpointScrape(EndpointScrapeParams {
                         url,
                         metric,
                         labels,
@@ -135,7 +143,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                         pods_url,
                         pods_metric,
                         pods_labels,
-                    }
+                    })
                 }
             ),
         (
@@ -148,7 +156,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             gating_mode()
         )
             .prop_map(|(h, attribute, mode, limit, window, prefix, gating_mode)| {
-                GateSpec::RedisQuota {
+                GateSpec::RedisQuota(RedisQuotaParams {
                     address: format!("{h}:6379"),
                     attribute,
                     mode,
@@ -156,7 +164,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                     window,
                     prefix,
                     gating_mode,
-                }
+                })
             }),
         (
             proptest::collection::vec(http_url(), 1..3),
@@ -166,13 +174,15 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             fraction()
         )
             .prop_map(
-                |(urls, kv_ceiling, queue_threshold, max_num_seqs, baseline)| GateSpec::Vllm {
-                    urls,
-                    kv_ceiling,
-                    queue_threshold,
-                    max_num_seqs,
-                    baseline
-                }
+                |(urls, kv_ceiling, queue_threshold, max_num_seqs, baseline)| GateSpec::Vllm(
+                    VllmParams {
+                        urls,
+                        kv_ceiling,
+                        queue_threshold,
+                        max_num_seqs,
+                        baseline
+                    }
+                )
             ),
     ]
 }
@@ -181,14 +191,16 @@ fn gate() -> impl Strategy<Value = GateSpec> {
     leaf_gate().prop_recursive(3, 12, 3, |inner| {
         prop_oneof![
             proptest::collection::vec(inner.clone(), 1..3)
-                .prop_map(|gates| GateSpec::Composite { gates }),
+                .prop_map(|gates| GateSpec::Composite(CompositeParams { gates })),
             inner
                 .clone()
-                .prop_map(|g| GateSpec::WaitOnRefuse { gate: Box::new(g) }),
-            (inner, name()).prop_map(|(g, tier_label)| GateSpec::TierPriorityAdmission {
-                saturation_gate: Box::new(g),
-                tier_label
-            }),
+                .prop_map(|g| GateSpec::WaitOnRefuse(WaitOnRefuseParams { gate: Box::new(g) })),
+            (inner, name()).prop_map(|(g, tier_label)| GateSpec::TierPriorityAdmission(
+                TierPriorityAdmissionParams {
+                    saturation_gate: Box::new(g),
+                    tier_label
+                }
+            )),
         ]
     })
 }

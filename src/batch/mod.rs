@@ -501,7 +501,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
             max_sys: options.max_in_flight.max(1.0),
             unit: Unit::Requests,
             rounding: Rounding::Floor,
-            gate: GateSpec::Constant,
+            gate: GateSpec::Constant(Default::default()),
         }],
     })
 }

@@ -409,7 +409,7 @@ fn queue(
         queue_name.unwrap_or_default(),
         url,
         gateway,
-        gate.clone().unwrap_or(GateSpec::Constant),
+        gate.clone().unwrap_or(GateSpec::Constant(Default::default())),
     );
     q.merge(map, &path, ctx);
     (ctx.errors.len() == errors_before && gate.is_some()).then_some(q)

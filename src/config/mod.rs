@@ -31,7 +31,7 @@
 //! .collect();
 //! let config = Config::load(&ConfigSources { env, ..Default::default() }).unwrap();
 //! assert_eq!(config.transport, TransportKind::Memory);
-//! assert_eq!(config.queues[0].gate, GateSpec::Constant);
+//! assert_eq!(config.queues[0].gate, GateSpec::Constant(Default::default()));
 //! ```
 
 mod check;
@@ -55,7 +55,7 @@ use check::{
     NONZERO, attempts, choice, duration_min, env_filter, file_path, host_port, http_url,
     inline_secret, optional_string, path, redis_url, socket_addr, url_path,
 };
-use values::{Ctx, as_nonempty_string, as_positive_f64, as_string_map, as_u64, as_u64_in};
+use values::{Ctx, as_nonempty_string, as_positive_f64, as_u64, as_u64_in};
 
 pub use duration::{format_duration, parse_duration};
 pub use error::{ConfigError, ConfigErrors};
@@ -63,7 +63,11 @@ pub use gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
 };
 pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
+// Loose value conversions the gates' parameter adapters share.
 pub use secret::{EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, mask_url};
+pub(crate) use values::{
+    as_duration, as_f64, as_string, as_string_list, as_string_map, kind, show,
+};
 
 /// Declares a closed set of config spellings once: the enum, its spelling
 /// function, the accepted names (canonical first, then aliases) for

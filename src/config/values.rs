@@ -120,16 +120,6 @@ pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
     }
 }
 
-/// A float in `[lo, hi]`.
-pub(crate) fn as_f64_in(v: &Value, lo: f64, hi: f64) -> Result<f64, String> {
-    let x = as_f64(v)?;
-    if (lo..=hi).contains(&x) {
-        Ok(x)
-    } else {
-        Err(format!("must be in [{lo}, {hi}], got {x}"))
-    }
-}
-
 /// A float strictly greater than zero.
 pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
     let x = as_f64(v)?;
@@ -137,16 +127,6 @@ pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
         Ok(x)
     } else {
         Err(format!("must be greater than 0, got {x}"))
-    }
-}
-
-/// A float greater than or equal to zero.
-pub(crate) fn as_nonneg_f64(v: &Value) -> Result<f64, String> {
-    let x = as_f64(v)?;
-    if x >= 0.0 {
-        Ok(x)
-    } else {
-        Err(format!("must be >= 0, got {x}"))
     }
 }
 
@@ -172,13 +152,6 @@ pub(crate) fn as_u64_in(v: &Value, lo: u64, hi: u64) -> Result<u64, String> {
     } else {
         Err(format!("must be in [{lo}, {hi}], got {x}"))
     }
-}
-
-/// A `u32` of at least 1.
-pub(crate) fn as_u32_at_least_one(v: &Value) -> Result<u32, String> {
-    let x = as_u64_in(v, 1, u64::from(u32::MAX))
-        .map_err(|_| format!("must be a whole number >= 1, got {}", show(v)))?;
-    u32::try_from(x).map_err(|_| format!("must be at most {}", u32::MAX))
 }
 
 /// A duration: text such as `"30s"` or a number of seconds.

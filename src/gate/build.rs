@@ -1,26 +1,24 @@
-//! Turns a validated [`GateSpec`] into a gate. Every catalogue name is
-//! known to the config loader; a gate whose implementation is not in this
-//! build is a startup error, never an open gate.
+//! What building a gate needs: [`GateContext`] (connections, credentials,
+//! timings) and [`BuildError`]. Each gate builds itself from its parameters
+//! ([`super::GateParams::build`]); [`build_gate`] dispatches on the spec.
+//! Every catalogue name is known to the config loader; a gate whose
+//! implementation is not in this build is a startup error, never an open
+//! gate.
 
 use std::time::Duration;
 
 use crate::config::{Config, GateSpec, PrometheusConfig, RedisConfig, Secret};
 use crate::source::{Cached, PromAuth, PromClient, RedisKey, Scrape, Source, SourceError};
 
-use super::endpoint_scrape::PodsSource;
-use super::vllm::Roofline;
-use super::{
-    CompositeGate, ConstantGate, DispatchGate, EndpointScrapeGate, LocalMaxConcurrencyGate,
-    PrometheusBudgetGate, PrometheusQueryGate, PrometheusSaturationGate, RedisBudgetGate, VllmGate,
-    WaitOnRefuseGate,
-};
+use super::DispatchGate;
 
 /// A gate that cannot be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     /// The gate type is valid configuration but not implemented here yet.
     #[error(
-        "gate type `{gate_type}` is not available in this build; available: constant, composite, local-max-concurrency, wait-on-refuse, prometheus-budget, prometheus-saturation, prometheus-query, endpoint-scrape, redis, vllm"
+        "gate type `{gate_type}` is not available in this build; available: {}",
+        GateSpec::available_types().join(", ")
     )]
     NotAvailable {
         /// The upstream gate name.
@@ -111,11 +109,13 @@ impl GateContext {
         }
     }
 
-    fn cache<S: Source>(&self, source: S) -> Cached<S> {
+    /// `source` behind the single-flight cache with this context's timings.
+    pub(crate) fn cache<S: Source>(&self, source: S) -> Cached<S> {
         Cached::new(source, self.cache_ttl, self.max_staleness)
     }
 
-    fn prom_client(&self, gate_type: &'static str) -> Result<PromClient, BuildError> {
+    /// The Prometheus client, for a `gate_type` gate that needs one.
+    pub(crate) fn prom_client(&self, gate_type: &'static str) -> Result<PromClient, BuildError> {
         let p = self
             .prometheus
             .as_ref()
@@ -146,9 +146,38 @@ impl GateContext {
         })
     }
 
-    fn scrape(&self, url: &str) -> Result<Cached<Scrape>, BuildError> {
+    /// A cached scrape of `url`.
+    pub(crate) fn scrape(&self, url: &str) -> Result<Cached<Scrape>, BuildError> {
         let parsed = url::Url::parse(url).map_err(|_| BuildError::Url(url.to_owned()))?;
         Ok(self.cache(Scrape::new(self.http.clone(), parsed, self.source_timeout)))
+    }
+}
+
+impl GateContext {
+    /// The budget key `key` at `address`, with `[redis]` credentials.
+    pub(crate) fn redis_key(&self, address: &str, key: &str) -> Result<RedisKey, BuildError> {
+        let (user, password) = match &self.redis {
+            Some(r) => (
+                r.username.clone(),
+                secret(
+                    r.password.as_ref(),
+                    r.password_file.as_ref(),
+                    "redis.password_file",
+                )?,
+            ),
+            None => (None, None),
+        };
+        RedisKey::new(
+            address,
+            user.as_deref(),
+            password.as_deref(),
+            key.to_owned(),
+            self.source_timeout,
+        )
+        .map_err(|source| BuildError::Source {
+            what: format!("redis gate address {address}"),
+            source,
+        })
     }
 }
 
@@ -172,157 +201,64 @@ fn secret(
 
 /// Builds the gate described by `spec`.
 pub fn build_gate(spec: &GateSpec, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
-    Ok(match spec {
-        GateSpec::Constant => Box::new(ConstantGate::default()),
-        GateSpec::Composite { gates } => {
-            if gates.is_empty() {
-                return Err(BuildError::EmptyComposite);
+    spec.build(ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ctx() -> GateContext {
+        GateContext::new(None, None, Duration::from_secs(1), Duration::from_secs(10))
+    }
+
+    #[test]
+    fn unbuilt_gates_refuse_to_start_even_when_nested() {
+        let quota = GateSpec::parse(
+            "redis-quota",
+            &json!({"address": "127.0.0.1:6379", "limit": 5}),
+            "q",
+        )
+        .expect("valid");
+        let nested = GateSpec::parse(
+            "composite",
+            &json!({"gates": [{"gate_type": "constant"}, quota.to_upstream()]}),
+            "q",
+        )
+        .expect("valid");
+        for spec in [&quota, &nested] {
+            match build_gate(spec, &ctx()) {
+                Err(BuildError::NotAvailable { gate_type }) => {
+                    assert_eq!(gate_type, "redis-quota");
+                }
+                other => panic!("expected NotAvailable, got {other:?}"),
             }
-            let inner = gates
-                .iter()
-                .map(|g| build_gate(g, ctx))
-                .collect::<Result<Vec<_>, _>>()?;
-            Box::new(CompositeGate::new(inner))
         }
-        GateSpec::LocalMaxConcurrency { limit, gating_mode } => {
-            Box::new(LocalMaxConcurrencyGate::new(
-                usize::try_from(*limit).unwrap_or(usize::MAX),
-                *gating_mode,
-            ))
-        }
-        GateSpec::WaitOnRefuse { gate } => Box::new(WaitOnRefuseGate::new(build_gate(gate, ctx)?)),
-        GateSpec::PrometheusBudget {
-            pool,
-            namespace,
-            max_concurrency,
-            baseline,
-            fallback,
-        } => {
-            let client = ctx.prom_client(spec.upstream_name())?;
-            Box::new(PrometheusBudgetGate::new(
-                &client,
-                |q| ctx.cache(q),
-                pool,
-                namespace.as_deref(),
-                *max_concurrency,
-                *baseline,
-                *fallback,
-            ))
-        }
-        GateSpec::PrometheusSaturation {
-            pool,
-            namespace,
-            threshold,
-            fallback,
-        } => {
-            let client = ctx.prom_client(spec.upstream_name())?;
-            Box::new(PrometheusSaturationGate::new(
-                &client,
-                |q| ctx.cache(q),
-                pool,
-                namespace.as_deref(),
-                *threshold,
-                *fallback,
-            ))
-        }
-        GateSpec::PrometheusQuery {
-            query,
-            fallback,
-            pool,
-        } => {
-            let client = ctx.prom_client(spec.upstream_name())?;
-            Box::new(PrometheusQueryGate::new(
-                ctx.cache(client.query(query.clone())),
-                *fallback,
-                pool.clone(),
-            ))
-        }
-        GateSpec::EndpointScrape {
-            url,
-            metric,
-            labels,
-            max_count_per_pod,
-            baseline,
-            fallback,
-            pods_url,
-            pods_metric,
-            pods_labels,
-        } => {
-            let pods = match pods_metric {
-                None => None,
-                Some(m) => Some(PodsSource {
-                    page: match pods_url {
-                        Some(u) if u != url => Some(ctx.scrape(u)?),
-                        _ => None,
-                    },
-                    metric: m.clone(),
-                    labels: pods_labels.clone(),
-                }),
-            };
-            Box::new(EndpointScrapeGate::new(
-                ctx.scrape(url)?,
-                metric.clone(),
-                labels.clone(),
-                *max_count_per_pod,
-                *baseline,
-                *fallback,
-                pods,
-            ))
-        }
-        GateSpec::Redis {
-            address,
-            budget_key,
-            missing,
-        } => {
-            let (user, password) = match &ctx.redis {
-                Some(r) => (
-                    r.username.clone(),
-                    secret(
-                        r.password.as_ref(),
-                        r.password_file.as_ref(),
-                        "redis.password_file",
-                    )?,
-                ),
-                None => (None, None),
-            };
-            let key = RedisKey::new(
-                address,
-                user.as_deref(),
-                password.as_deref(),
-                budget_key.clone(),
-                ctx.source_timeout,
-            )
-            .map_err(|source| BuildError::Source {
-                what: format!("redis gate address {address}"),
-                source,
-            })?;
-            Box::new(RedisBudgetGate::new(ctx.cache(key), *missing))
-        }
-        GateSpec::Vllm {
-            urls,
-            kv_ceiling,
-            queue_threshold,
-            max_num_seqs,
-            baseline,
-        } => {
-            let pages = urls
-                .iter()
-                .map(|u| ctx.scrape(u))
-                .collect::<Result<Vec<_>, _>>()?;
-            Box::new(VllmGate::new(
-                pages,
-                Roofline {
-                    kv_ceiling: *kv_ceiling,
-                    queue_threshold: *queue_threshold,
-                    max_num_seqs: max_num_seqs.map(f64::from),
-                },
-                *baseline,
-            ))
-        }
-        GateSpec::RedisQuota { .. } | GateSpec::TierPriorityAdmission { .. } => {
-            return Err(BuildError::NotAvailable {
-                gate_type: spec.upstream_name(),
-            });
-        }
-    })
+        let tier = GateSpec::parse(
+            "tier-priority-admission",
+            &json!({"saturation_gate": {"gate_type": "constant"}}),
+            "q",
+        )
+        .expect("valid");
+        let err = build_gate(&tier, &ctx()).expect_err("not built");
+        let text = err.to_string();
+        assert!(
+            text.contains("`tier-priority-admission` is not available"),
+            "{text}"
+        );
+        assert!(text.contains("available: constant, composite"), "{text}");
+        assert!(!text.contains("redis-quota"), "{text}");
+    }
+
+    #[test]
+    fn prometheus_gates_need_prometheus() {
+        let spec = GateSpec::parse("prometheus-budget", &json!({"pool": "p"}), "q").expect("valid");
+        assert!(matches!(
+            build_gate(&spec, &ctx()),
+            Err(BuildError::NoPrometheus {
+                gate_type: "prometheus-budget"
+            })
+        ));
+    }
 }

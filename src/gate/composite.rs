@@ -2,10 +2,80 @@
 //! inner gates; admission is all-or-nothing.
 
 use futures_util::future::{BoxFuture, join_all};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
+use super::param::{GateParams, ParseCx, kind};
 use super::{
-    Admission, AdmissionRequest, DispatchGate, Explanation, GateError, Observation, Ticket,
+    Admission, AdmissionRequest, BuildError, DispatchGate, Explanation, GateContext, GateError,
+    Observation, Ticket,
 };
+use crate::config::GateSpec;
+
+/// Parameters of `composite`: the inner gates, in order (at least one).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompositeParams {
+    /// The inner gates.
+    pub gates: Vec<GateSpec>,
+}
+
+impl GateParams for CompositeParams {
+    /// Upstream writes the list as an array or as JSON text of one; each
+    /// inner gate's errors are reported under `gates[i]`.
+    fn parse(mut map: Map<String, Value>, cx: &mut ParseCx<'_>) -> Option<Self> {
+        let key = cx.key("gates");
+        let Some(raw) = cx.take(&mut map, "gates") else {
+            cx.require("gates", "an array of gates");
+            return None;
+        };
+        let list = match raw {
+            Value::String(s) => match serde_json::from_str::<Value>(&s) {
+                Ok(v) => v,
+                Err(e) => {
+                    cx.error("gates", format!("expected a JSON array of gates: {e}"));
+                    return None;
+                }
+            },
+            v => v,
+        };
+        let Value::Array(items) = list else {
+            cx.error(
+                "gates",
+                format!("expected an array of gates, got {}", kind(&list)),
+            );
+            return None;
+        };
+        if items.is_empty() {
+            cx.error("gates", "must hold at least one gate");
+            return None;
+        }
+        let gates: Vec<Option<GateSpec>> = items
+            .iter()
+            .enumerate()
+            .map(|(i, g)| cx.nested(g, &format!("{key}[{i}]")))
+            .collect();
+        Some(Self {
+            gates: gates.into_iter().collect::<Option<Vec<_>>>()?,
+        })
+    }
+
+    fn children(&self) -> Vec<&GateSpec> {
+        self.gates.iter().collect()
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        if self.gates.is_empty() {
+            return Err(BuildError::EmptyComposite);
+        }
+        let inner = self
+            .gates
+            .iter()
+            .map(|g| g.build(ctx))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(CompositeGate::new(inner)))
+    }
+}
 
 /// Minimum of inner budgets; a message goes only if every inner gate
 /// admits it.

@@ -2,9 +2,22 @@
 //! baseline, and the gate for pools that need no protection.
 
 use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::{Budget, DispatchGate, GateError, Observation};
+use super::param::GateParams;
+use super::{Budget, BuildError, DispatchGate, GateContext, GateError, Observation};
+
+/// Parameters of `constant`: none.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConstantParams {}
+
+impl GateParams for ConstantParams {
+    fn build(&self, _: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        Ok(Box::new(ConstantGate::default()))
+    }
+}
 
 /// A gate whose budget never changes.
 #[derive(Debug, Clone)]

@@ -9,14 +9,86 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use super::param::{GateParams, ParseCx, loose};
 use super::reading::{
-    Aggregate, Explanation, SourceReport, non_negative, pool_reading, show_labels, with_fallback,
+    Aggregate, MetricGate, SourceReport, non_negative, pool_reading, show_labels,
 };
-use super::{DispatchGate, GateError, Observation};
+use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, Exposition, Scrape, Timestamped};
+
+/// Parameters of `endpoint-scrape`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EndpointScrapeParams {
+    /// The `/metrics` URL (required).
+    #[serde(deserialize_with = "loose::string")]
+    pub url: String,
+    /// Metric name (required).
+    #[serde(deserialize_with = "loose::string")]
+    pub metric: String,
+    /// Label matchers on the metric.
+    #[serde(deserialize_with = "loose::string_map")]
+    pub labels: BTreeMap<String, String>,
+    /// Capacity per ready pod; 0 = the value is already a saturation.
+    #[serde(deserialize_with = "loose::f64")]
+    pub max_count_per_pod: f64,
+    /// Reserved baseline in [0, 1] (default 0).
+    #[serde(deserialize_with = "loose::f64")]
+    pub baseline: f64,
+    /// Budget when the scrape fails; `None` = 0 (fail closed).
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub fallback: Option<f64>,
+    /// Where to read the ready-pod count, if not `url`.
+    #[serde(deserialize_with = "loose::opt_string")]
+    pub pods_url: Option<String>,
+    /// Ready-pod metric name.
+    #[serde(deserialize_with = "loose::opt_string")]
+    pub pods_metric: Option<String>,
+    /// Label matchers on the ready-pod metric.
+    #[serde(deserialize_with = "loose::string_map")]
+    pub pods_labels: BTreeMap<String, String>,
+}
+
+impl GateParams for EndpointScrapeParams {
+    fn validate(&self, cx: &mut ParseCx<'_>) {
+        if cx.require("url", "an http(s) URL") {
+            cx.http_url("url", &self.url);
+        }
+        cx.require("metric", "a metric name");
+        cx.non_negative("max_count_per_pod", self.max_count_per_pod);
+        cx.fraction("baseline", self.baseline);
+        cx.fallback(self.fallback);
+        if let Some(u) = &self.pods_url {
+            cx.http_url("pods_url", u);
+        }
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        let pods = match &self.pods_metric {
+            None => None,
+            Some(m) => Some(PodsSource {
+                page: match &self.pods_url {
+                    Some(u) if *u != self.url => Some(ctx.scrape(u)?),
+                    _ => None,
+                },
+                metric: m.clone(),
+                labels: self.pods_labels.clone(),
+            }),
+        };
+        let gate = EndpointScrapeGate::new(
+            ctx.scrape(&self.url)?,
+            self.metric.clone(),
+            self.labels.clone(),
+            self.max_count_per_pod,
+            self.baseline,
+            pods,
+        );
+        Ok(Fallback::wrap(Box::new(gate), self.fallback))
+    }
+}
 
 /// Where the ready-pod count comes from.
 #[derive(Debug)]
@@ -37,7 +109,6 @@ pub struct EndpointScrapeGate {
     labels: BTreeMap<String, String>,
     max_count_per_pod: f64,
     baseline: f64,
-    fallback: Option<f64>,
     pods: Option<PodsSource>,
 }
 
@@ -68,7 +139,6 @@ impl EndpointScrapeGate {
         labels: BTreeMap<String, String>,
         max_count_per_pod: f64,
         baseline: f64,
-        fallback: Option<f64>,
         pods: Option<PodsSource>,
     ) -> Self {
         Self {
@@ -77,18 +147,7 @@ impl EndpointScrapeGate {
             labels,
             max_count_per_pod,
             baseline,
-            fallback,
             pods,
-        }
-    }
-
-    async fn evaluate(&self) -> Explanation {
-        let mut sources = Vec::new();
-        let reading = self.read(&mut sources).await;
-        Explanation {
-            observation: with_fallback(reading, self.fallback),
-            sources,
-            notes: Vec::new(),
         }
     }
 
@@ -102,7 +161,7 @@ impl EndpointScrapeGate {
         })
     }
 
-    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+    async fn read_page(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
         let target = format!(
             "{} at {}",
             selector(&self.metric, &self.labels),
@@ -225,16 +284,10 @@ impl EndpointScrapeGate {
     }
 }
 
-impl DispatchGate for EndpointScrapeGate {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        Box::pin(async move { self.evaluate().await.observation })
-    }
+impl MetricGate for EndpointScrapeGate {
+    const KIND: &'static str = "endpoint-scrape";
 
-    fn kind(&self) -> &'static str {
-        "endpoint-scrape"
-    }
-
-    fn explain(&self) -> BoxFuture<'_, Explanation> {
-        Box::pin(self.evaluate())
+    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+        self.read_page(sources).await
     }
 }

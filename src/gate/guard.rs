@@ -1,13 +1,57 @@
-//! Wrappers every gate runs behind: a staleness limit and fail-closed
-//! conversion of errors into budget zero. They wrap a gate instead of being
-//! a flag in each gate, so no gate can forget them.
+//! Wrappers around gates: a staleness limit and fail-closed conversion of
+//! errors into budget zero (every gate runs behind them), and the opt-in
+//! fallback budget of the metric gates. They wrap a gate instead of being a
+//! flag in each gate, so no gate can forget them or do them differently.
 
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-use super::{Admission, AdmissionRequest, DispatchGate, GateError, Observation};
+use super::reading::with_fallback;
+use super::{Admission, AdmissionRequest, DispatchGate, Explanation, GateError, Observation};
+
+/// The opt-in `fallback` parameter: when the wrapped gate cannot read its
+/// source, it reads `budget` as its headroom instead of failing closed,
+/// marked unavailable and blind (so the window caps own in-flight at N).
+#[derive(Debug)]
+pub struct Fallback {
+    inner: Box<dyn DispatchGate>,
+    budget: f64,
+}
+
+impl Fallback {
+    /// Wraps `inner` when `fallback` is set; otherwise returns it as is
+    /// (errors stay errors: budget 0).
+    pub fn wrap(inner: Box<dyn DispatchGate>, fallback: Option<f64>) -> Box<dyn DispatchGate> {
+        match fallback {
+            None => inner,
+            Some(budget) => Box::new(Self { inner, budget }),
+        }
+    }
+}
+
+impl DispatchGate for Fallback {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(async move { with_fallback(self.inner.observe().await, Some(self.budget)) })
+    }
+
+    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+        self.inner.admit(request)
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
+        Box::pin(async move {
+            let mut explanation = self.inner.explain().await;
+            explanation.observation = with_fallback(explanation.observation, Some(self.budget));
+            explanation
+        })
+    }
+}
 
 /// Rejects observations whose data is older than `limit`: an old reading
 /// is no reading.
@@ -96,7 +140,7 @@ impl DispatchGate for Box<dyn DispatchGate> {
         (**self).kind()
     }
 
-    fn explain(&self) -> BoxFuture<'_, super::Explanation> {
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
         (**self).explain()
     }
 }
@@ -154,6 +198,30 @@ mod tests {
         assert!(!o.is_open());
         assert!(!o.source_available);
         assert!(o.reason.contains("old"), "{}", o.reason);
+    }
+
+    #[tokio::test]
+    async fn fallback_wrapper_reads_its_budget_only_on_errors() {
+        let gate = Fallback::wrap(Box::new(Broken), Some(0.2));
+        let o = gate.observe().await.expect("fallback reads");
+        assert_eq!(o.budget.get(), 0.2);
+        assert!(!o.source_available);
+        assert!(o.reason.contains("fallback 0.2 because"), "{}", o.reason);
+        let e = gate.explain().await;
+        assert!(e.observation.is_ok());
+        let open = Fallback::wrap(
+            Box::new(Lagging {
+                lag: Duration::ZERO,
+            }),
+            Some(0.2),
+        );
+        assert_eq!(open.observe().await.expect("open").budget, Budget::FULL);
+        assert!(
+            Fallback::wrap(Box::new(Broken), None)
+                .observe()
+                .await
+                .is_err()
+        );
     }
 
     #[tokio::test]

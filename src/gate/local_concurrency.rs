@@ -5,10 +5,79 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use tokio::time::Instant;
 
-use super::{Admission, AdmissionRequest, Budget, DispatchGate, GateError, Observation, Ticket};
-use crate::config::GatingMode;
+use super::param::{GateParams, ParseCx, decode, loose};
+use super::{
+    Admission, AdmissionRequest, Budget, BuildError, DispatchGate, GateContext, GateError,
+    Observation, Ticket,
+};
+
+/// What an admission gate does when it is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GatingMode {
+    /// Wait (park the message locally) until there is room.
+    #[default]
+    Blocking,
+    /// Refuse (requeue with delay) so messages behind it are not blocked.
+    Classifying,
+}
+
+impl GatingMode {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Blocking => "blocking",
+            Self::Classifying => "classifying",
+        }
+    }
+}
+
+/// Parameters of `local-max-concurrency`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalMaxConcurrencyParams {
+    /// Maximum requests in flight, >= 1 (required; newer upstream
+    /// releases call it `max_concurrency`).
+    #[serde(deserialize_with = "loose::u32")]
+    pub limit: u32,
+    /// Wait or refuse when full (default blocking).
+    pub gating_mode: GatingMode,
+}
+
+impl GateParams for LocalMaxConcurrencyParams {
+    const EXTRA_KEYS: &'static [&'static str] = &["max_concurrency"];
+
+    fn parse(mut map: Map<String, Value>, cx: &mut ParseCx<'_>) -> Option<Self> {
+        if let Some(v) = map.remove("max_concurrency") {
+            if map.contains_key("limit") {
+                cx.error(
+                    "max_concurrency",
+                    "set either limit or max_concurrency, not both",
+                );
+            } else {
+                map.insert("limit".to_owned(), v);
+            }
+        }
+        decode(map, cx)
+    }
+
+    fn validate(&self, cx: &mut ParseCx<'_>) {
+        if cx.require("limit", "maximum in flight, >= 1") {
+            cx.at_least_one("limit", self.limit);
+        }
+    }
+
+    fn build(&self, _: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        Ok(Box::new(LocalMaxConcurrencyGate::new(
+            usize::try_from(self.limit).unwrap_or(usize::MAX),
+            self.gating_mode,
+        )))
+    }
+}
 
 /// Caps this process's in-flight requests. Budget = free fraction of the
 /// limit; when full, `blocking` mode waits and `classifying` refuses.

@@ -11,11 +11,16 @@
 //!
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
 //! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
-//! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs` and
-//! `vllm.rs` are gates; `reading.rs` holds what the metric gates share
-//! (value checks, explicit aggregation, the opt-in fallback); `guard.rs`
-//! holds the staleness and fail-closed wrappers every gate is run behind;
-//! `build.rs` turns a config [`crate::config::GateSpec`] into a gate.
+//! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs`,
+//! `redis_quota.rs`, `tier_priority.rs` and `vllm.rs` are gates, each file
+//! holding the gate's parameters (serde shape, defaults, validation), its
+//! constructor and the gate; `param.rs` holds what parameters share (the
+//! [`GateParams`] trait, loose upstream value adapters, error collection);
+//! `reading.rs` holds what the metric gates share (one observe / explain
+//! for all of them, value checks, explicit aggregation); `guard.rs` holds
+//! the wrappers: staleness and fail-closed (every gate runs behind them)
+//! and the opt-in fallback; `build.rs` holds the build context and errors.
+//! The catalogue of gates is [`crate::config::GateSpec`].
 
 mod build;
 mod composite;
@@ -23,11 +28,14 @@ mod constant;
 mod endpoint_scrape;
 mod guard;
 mod local_concurrency;
+pub(crate) mod param;
 mod prometheus_budget;
 mod prometheus_query;
 mod prometheus_saturation;
 mod reading;
 mod redis_budget;
+mod redis_quota;
+mod tier_priority;
 mod vllm;
 mod wait_on_refuse;
 
@@ -39,18 +47,21 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 pub use build::{BuildError, GateContext, build_gate};
-pub use composite::CompositeGate;
-pub use constant::ConstantGate;
-pub use endpoint_scrape::{EndpointScrapeGate, PodsSource};
-pub use guard::{FailClosed, StalenessLimit};
-pub use local_concurrency::LocalMaxConcurrencyGate;
-pub use prometheus_budget::PrometheusBudgetGate;
-pub use prometheus_query::PrometheusQueryGate;
-pub use prometheus_saturation::PrometheusSaturationGate;
+pub use composite::{CompositeGate, CompositeParams};
+pub use constant::{ConstantGate, ConstantParams};
+pub use endpoint_scrape::{EndpointScrapeGate, EndpointScrapeParams, PodsSource};
+pub use guard::{FailClosed, Fallback, StalenessLimit};
+pub use local_concurrency::{GatingMode, LocalMaxConcurrencyGate, LocalMaxConcurrencyParams};
+pub use param::{GateParams, ParseCx};
+pub use prometheus_budget::{PrometheusBudgetGate, PrometheusBudgetParams};
+pub use prometheus_query::{PrometheusQueryGate, PrometheusQueryParams};
+pub use prometheus_saturation::{PrometheusSaturationGate, PrometheusSaturationParams};
 pub use reading::{Explanation, SourceReport};
-pub use redis_budget::RedisBudgetGate;
-pub use vllm::{EngineReading, Roofline, VllmGate, read_engines};
-pub use wait_on_refuse::WaitOnRefuseGate;
+pub use redis_budget::{MissingBudget, RedisBudgetGate, RedisParams};
+pub use redis_quota::{QuotaMode, RedisQuotaParams};
+pub use tier_priority::TierPriorityAdmissionParams;
+pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
+pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};
 
 /// A fraction of pool capacity in [0, 1]. Cannot hold NaN or leave the
 /// range, so arithmetic on budgets needs no defensive checks.

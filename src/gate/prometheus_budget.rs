@@ -11,15 +11,70 @@
 //! gate (a broken Prometheus never reads as "try the next, maybe idle").
 //! Zero ready endpoints reads closed, never idle.
 
-use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use super::param::{GateParams, ParseCx, loose};
 use super::reading::{
-    Explanation, SourceReport, non_negative, pool_reading, promql_string, show_labels,
-    with_fallback,
+    MetricGate, SourceReport, non_negative, pool_reading, promql_string, series_values,
 };
-use super::{DispatchGate, GateError, Observation};
+use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, PromClient, PromQuery, PromVector, Timestamped};
+
+/// Parameters of `prometheus-budget`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrometheusBudgetParams {
+    /// InferencePool name (required).
+    #[serde(deserialize_with = "loose::string")]
+    pub pool: String,
+    /// Namespace label filter, if any.
+    #[serde(deserialize_with = "loose::opt_string")]
+    pub namespace: Option<String>,
+    /// Concurrency per ready pod, > 0 (default 100).
+    #[serde(deserialize_with = "loose::f64")]
+    pub max_concurrency: f64,
+    /// Reserved baseline in [0, 1] (default 0.05).
+    #[serde(deserialize_with = "loose::f64")]
+    pub baseline: f64,
+    /// Budget when no source returns a sample; `None` = 0 (fail closed).
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub fallback: Option<f64>,
+}
+
+impl Default for PrometheusBudgetParams {
+    fn default() -> Self {
+        Self {
+            pool: String::new(),
+            namespace: None,
+            max_concurrency: 100.0,
+            baseline: 0.05,
+            fallback: None,
+        }
+    }
+}
+
+impl GateParams for PrometheusBudgetParams {
+    fn validate(&self, cx: &mut ParseCx<'_>) {
+        cx.require("pool", "the InferencePool name");
+        cx.positive("max_concurrency", self.max_concurrency);
+        cx.fraction("baseline", self.baseline);
+        cx.fallback(self.fallback);
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        let client = ctx.prom_client("prometheus-budget")?;
+        let gate = PrometheusBudgetGate::new(
+            &client,
+            |q| ctx.cache(q),
+            &self.pool,
+            self.namespace.as_deref(),
+            self.max_concurrency,
+            self.baseline,
+        );
+        Ok(Fallback::wrap(Box::new(gate), self.fallback))
+    }
+}
 
 /// A cached PromQL query with its role.
 #[derive(Debug)]
@@ -43,7 +98,6 @@ pub struct PrometheusBudgetGate {
     pool: String,
     max_concurrency: f64,
     baseline: f64,
-    fallback: Option<f64>,
     /// Ready endpoints: current name, then legacy.
     ready: Vec<Query>,
     /// The cascade, each step with its queries in name order.
@@ -65,7 +119,6 @@ impl PrometheusBudgetGate {
         namespace: Option<&str>,
         max_concurrency: f64,
         baseline: f64,
-        fallback: Option<f64>,
     ) -> Self {
         let ns = namespace
             .map(|n| format!(",namespace={}", promql_string(n)))
@@ -125,7 +178,6 @@ impl PrometheusBudgetGate {
             pool: pool.to_owned(),
             max_concurrency,
             baseline,
-            fallback,
             ready,
             steps,
         };
@@ -158,11 +210,7 @@ impl PrometheusBudgetGate {
                 Ok(Answer::Absent)
             }
             Ok(t) => {
-                report.values = t
-                    .value
-                    .iter()
-                    .map(|s| (show_labels(&s.labels), s.value))
-                    .collect();
+                report.values = series_values(&t.value);
                 let sum: f64 = t.value.iter().map(|s| s.value).sum();
                 match non_negative(sum, q.role) {
                     Ok(v) => {
@@ -175,22 +223,6 @@ impl PrometheusBudgetGate {
                     }
                 }
             }
-        }
-    }
-
-    async fn evaluate(&self) -> Explanation {
-        let mut sources = Vec::new();
-        let notes = vec![format!(
-            "closes when the load per ready pod reaches {:.3} (max_concurrency {} × (1 − baseline {}))",
-            self.closing_load(),
-            self.max_concurrency,
-            self.baseline
-        )];
-        let reading = self.cascade(&mut sources).await;
-        Explanation {
-            observation: with_fallback(reading, self.fallback),
-            sources,
-            notes,
         }
     }
 
@@ -273,16 +305,19 @@ impl PrometheusBudgetGate {
     }
 }
 
-impl DispatchGate for PrometheusBudgetGate {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        Box::pin(async move { self.evaluate().await.observation })
+impl MetricGate for PrometheusBudgetGate {
+    const KIND: &'static str = "prometheus-budget";
+
+    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+        self.cascade(sources).await
     }
 
-    fn kind(&self) -> &'static str {
-        "prometheus-budget"
-    }
-
-    fn explain(&self) -> BoxFuture<'_, Explanation> {
-        Box::pin(self.evaluate())
+    fn notes(&self) -> Vec<String> {
+        vec![format!(
+            "closes when the load per ready pod reaches {:.3} (max_concurrency {} × (1 − baseline {}))",
+            self.closing_load(),
+            self.max_concurrency,
+            self.baseline
+        )]
     }
 }

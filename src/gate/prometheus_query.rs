@@ -3,33 +3,62 @@
 //! A value outside [0, 1] is an error, not clamped (upstream clamps, so a
 //! query that returns 5 by mistake opens the gate fully).
 
-use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 
-use super::reading::{
-    Aggregate, Explanation, SourceReport, pool_reading, show_labels, with_fallback,
-};
-use super::{DispatchGate, GateError, Observation};
+use super::param::{GateParams, ParseCx, loose};
+use super::reading::{Aggregate, MetricGate, SourceReport, pool_reading, series_values};
+use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, PromQuery};
+
+/// Parameters of `prometheus-query`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrometheusQueryParams {
+    /// The PromQL expression (required).
+    #[serde(deserialize_with = "loose::string")]
+    pub query: String,
+    /// Budget when the query fails; `None` = 0 (fail closed).
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub fallback: Option<f64>,
+    /// Pool name, used only as a label.
+    #[serde(deserialize_with = "loose::opt_string")]
+    pub pool: Option<String>,
+}
+
+impl GateParams for PrometheusQueryParams {
+    fn validate(&self, cx: &mut ParseCx<'_>) {
+        cx.require("query", "a PromQL expression");
+        cx.fallback(self.fallback);
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        let client = ctx.prom_client("prometheus-query")?;
+        let gate = PrometheusQueryGate::new(
+            ctx.cache(client.query(self.query.clone())),
+            self.pool.clone(),
+        );
+        Ok(Fallback::wrap(Box::new(gate), self.fallback))
+    }
+}
 
 /// The `prometheus-query` gate.
 #[derive(Debug)]
 pub struct PrometheusQueryGate {
     query: Cached<PromQuery>,
-    fallback: Option<f64>,
     pool: Option<String>,
 }
 
 impl PrometheusQueryGate {
     /// The gate for one cached query.
-    pub fn new(query: Cached<PromQuery>, fallback: Option<f64>, pool: Option<String>) -> Self {
-        Self {
-            query,
-            fallback,
-            pool,
-        }
+    pub fn new(query: Cached<PromQuery>, pool: Option<String>) -> Self {
+        Self { query, pool }
     }
+}
 
-    async fn evaluate(&self) -> Explanation {
+impl MetricGate for PrometheusQueryGate {
+    const KIND: &'static str = "prometheus-query";
+
+    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
         let mut report = SourceReport::new("budget query", self.query.source().text());
         let reading = match self.query.get().await {
             Err(e) => {
@@ -37,11 +66,7 @@ impl PrometheusQueryGate {
                 Err(GateError::SourceUnavailable(format!("query: {e}")))
             }
             Ok(t) => {
-                report.values = t
-                    .value
-                    .iter()
-                    .map(|s| (show_labels(&s.labels), s.value))
-                    .collect();
+                report.values = series_values(&t.value);
                 match Aggregate::Min.apply(t.value.iter().map(|s| s.value)) {
                     None => {
                         report.outcome = "no sample".into();
@@ -68,28 +93,14 @@ impl PrometheusQueryGate {
                 }
             }
         };
-        Explanation {
-            observation: with_fallback(reading, self.fallback),
-            sources: vec![report],
-            notes: self
-                .pool
-                .iter()
-                .map(|p| format!("pool label: {p}"))
-                .collect(),
-        }
-    }
-}
-
-impl DispatchGate for PrometheusQueryGate {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        Box::pin(async move { self.evaluate().await.observation })
+        sources.push(report);
+        reading
     }
 
-    fn kind(&self) -> &'static str {
-        "prometheus-query"
-    }
-
-    fn explain(&self) -> BoxFuture<'_, Explanation> {
-        Box::pin(self.evaluate())
+    fn notes(&self) -> Vec<String> {
+        self.pool
+            .iter()
+            .map(|p| format!("pool label: {p}"))
+            .collect()
     }
 }

@@ -3,21 +3,69 @@
 //! the legacy one). Upstream's budget `(1 − S) − (1 − threshold)` is the
 //! same headroom.
 
-use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 
+use super::param::{GateParams, ParseCx, loose};
 use super::reading::{
-    Aggregate, Explanation, SourceReport, non_negative, pool_reading, promql_string, show_labels,
-    with_fallback,
+    Aggregate, MetricGate, SourceReport, non_negative, pool_reading, promql_string, series_values,
 };
-use super::{DispatchGate, GateError, Observation};
+use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
 use crate::source::{Cached, PromClient, PromQuery};
+
+/// Parameters of `prometheus-saturation`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrometheusSaturationParams {
+    /// InferencePool name (required).
+    #[serde(deserialize_with = "loose::string")]
+    pub pool: String,
+    /// Namespace label filter, if any.
+    #[serde(deserialize_with = "loose::opt_string")]
+    pub namespace: Option<String>,
+    /// Saturation at which the gate closes, in [0, 1] (default 0.8).
+    #[serde(deserialize_with = "loose::f64")]
+    pub threshold: f64,
+    /// Budget when the metric is unreadable; `None` = 0 (fail closed).
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub fallback: Option<f64>,
+}
+
+impl Default for PrometheusSaturationParams {
+    fn default() -> Self {
+        Self {
+            pool: String::new(),
+            namespace: None,
+            threshold: 0.8,
+            fallback: None,
+        }
+    }
+}
+
+impl GateParams for PrometheusSaturationParams {
+    fn validate(&self, cx: &mut ParseCx<'_>) {
+        cx.require("pool", "the InferencePool name");
+        cx.fraction("threshold", self.threshold);
+        cx.fallback(self.fallback);
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        let client = ctx.prom_client("prometheus-saturation")?;
+        let gate = PrometheusSaturationGate::new(
+            &client,
+            |q| ctx.cache(q),
+            &self.pool,
+            self.namespace.as_deref(),
+            self.threshold,
+        );
+        Ok(Fallback::wrap(Box::new(gate), self.fallback))
+    }
+}
 
 /// The `prometheus-saturation` gate.
 #[derive(Debug)]
 pub struct PrometheusSaturationGate {
     pool: String,
     threshold: f64,
-    fallback: Option<f64>,
     queries: Vec<(&'static str, Cached<PromQuery>)>,
 }
 
@@ -29,7 +77,6 @@ impl PrometheusSaturationGate {
         pool: &str,
         namespace: Option<&str>,
         threshold: f64,
-        fallback: Option<f64>,
     ) -> Self {
         let ns = namespace
             .map(|n| format!(",namespace={}", promql_string(n)))
@@ -50,25 +97,14 @@ impl PrometheusSaturationGate {
         Self {
             pool: pool.to_owned(),
             threshold,
-            fallback,
             queries,
         }
     }
 
-    async fn evaluate(&self) -> Explanation {
-        let mut sources = Vec::new();
-        let reading = self.read(&mut sources).await;
-        Explanation {
-            observation: with_fallback(reading, self.fallback),
-            sources,
-            notes: vec![format!(
-                "closes at saturation {} (B = 1 − threshold)",
-                self.threshold
-            )],
-        }
-    }
-
-    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+    async fn read_saturation(
+        &self,
+        sources: &mut Vec<SourceReport>,
+    ) -> Result<Observation, GateError> {
         for (role, query) in &self.queries {
             let mut report = SourceReport::new(*role, query.source().text());
             let answer = query.get().await;
@@ -80,11 +116,7 @@ impl PrometheusSaturationGate {
                 }
                 Ok(t) => t,
             };
-            report.values = t
-                .value
-                .iter()
-                .map(|s| (show_labels(&s.labels), s.value))
-                .collect();
+            report.values = series_values(&t.value);
             // Several series (e.g. one per endpoint-picker replica): the
             // most saturated one counts.
             let Some(s) = Aggregate::Max.apply(t.value.iter().map(|s| s.value)) else {
@@ -120,16 +152,17 @@ impl PrometheusSaturationGate {
     }
 }
 
-impl DispatchGate for PrometheusSaturationGate {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        Box::pin(async move { self.evaluate().await.observation })
+impl MetricGate for PrometheusSaturationGate {
+    const KIND: &'static str = "prometheus-saturation";
+
+    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
+        self.read_saturation(sources).await
     }
 
-    fn kind(&self) -> &'static str {
-        "prometheus-saturation"
-    }
-
-    fn explain(&self) -> BoxFuture<'_, Explanation> {
-        Box::pin(self.evaluate())
+    fn notes(&self) -> Vec<String> {
+        vec![format!(
+            "closes at saturation {} (B = 1 − threshold)",
+            self.threshold
+        )]
     }
 }

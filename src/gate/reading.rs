@@ -1,12 +1,64 @@
-//! What the metric-driven gates share: checks that turn raw values into
-//! budgets or errors (never a guess), explicit aggregation of multi-series
-//! results, the explanation `gate probe` prints, and the opt-in fallback.
+//! What the metric-driven gates share: the [`MetricGate`] trait (a gate
+//! that reads sources; observe and explain are written once here), checks
+//! that turn raw values into budgets or errors (never a guess), explicit
+//! aggregation of multi-series results, the explanation `gate probe`
+//! prints, and the opt-in fallback reading.
 
 use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
 
+use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-use super::{Budget, GateError, Observation};
+use super::{Budget, DispatchGate, GateError, Observation};
+
+/// A gate that reads metric sources and turns them into a budget. Each
+/// gate supplies only its sources and formula ([`MetricGate::read`]);
+/// `observe`, `explain` and `kind` are implemented once, below, for every
+/// metric gate. The opt-in fallback is a wrapper (`guard::Fallback`).
+pub(crate) trait MetricGate: Send + Sync + fmt::Debug {
+    /// The gate's catalogue name.
+    const KIND: &'static str;
+
+    /// Reads the sources, recording each in `sources` (for `gate probe`),
+    /// and computes the observation. An unreadable or invalid source is an
+    /// error, never a guess.
+    fn read<'a>(
+        &'a self,
+        sources: &'a mut Vec<SourceReport>,
+    ) -> impl Future<Output = Result<Observation, GateError>> + Send + 'a;
+
+    /// Facts about the gate's configuration for the explanation.
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// Reads a metric gate once and says how.
+async fn evaluate<G: MetricGate>(gate: &G) -> Explanation {
+    let mut sources = Vec::new();
+    let observation = gate.read(&mut sources).await;
+    Explanation {
+        observation,
+        sources,
+        notes: gate.notes(),
+    }
+}
+
+impl<G: MetricGate> DispatchGate for G {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(async move { evaluate(self).await.observation })
+    }
+
+    fn kind(&self) -> &'static str {
+        G::KIND
+    }
+
+    fn explain(&self) -> BoxFuture<'_, Explanation> {
+        Box::pin(evaluate(self))
+    }
+}
 
 /// One source a gate read, for `gate probe` and logs.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,6 +104,14 @@ pub(crate) fn show_labels(labels: &BTreeMap<String, String>) -> String {
         .map(|(k, v)| format!("{k}={v:?}"))
         .collect();
     format!("{{{}}}", inner.join(","))
+}
+
+/// The series of a PromQL answer as `(labels, value)` rows for a report.
+pub(crate) fn series_values(vector: &crate::source::PromVector) -> Vec<(String, f64)> {
+    vector
+        .iter()
+        .map(|s| (show_labels(&s.labels), s.value))
+        .collect()
 }
 
 /// A value that must be a finite, non-negative number (a count, a
@@ -129,8 +189,9 @@ pub(crate) fn pool_reading(
     }
 }
 
-/// Applies the opt-in `fallback`: without one an error stays an error
-/// (budget 0 behind the fail-closed wrapper); with one the gate reads
+/// Applies the opt-in `fallback` (for the `Fallback` wrapper): without one
+/// an error stays an error (budget 0 behind the fail-closed wrapper); with
+/// one the gate reads
 /// `fallback` as its headroom, marked unavailable and blind (it says
 /// nothing about our own load, so the window caps own in-flight at N).
 pub(crate) fn with_fallback(

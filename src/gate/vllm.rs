@@ -10,11 +10,90 @@
 
 use std::collections::BTreeMap;
 
-use futures_util::future::{BoxFuture, join_all};
+use futures_util::future::join_all;
+use serde::{Deserialize, Serialize};
 
-use super::reading::{Explanation, SourceReport, non_negative, pool_reading, show_labels};
-use super::{DispatchGate, GateError, Observation};
+use super::param::{GateParams, ParseCx, check_http_url, loose};
+use super::reading::{MetricGate, SourceReport, non_negative, pool_reading, show_labels};
+use super::{BuildError, DispatchGate, GateContext, GateError, Observation};
 use crate::source::{Cached, Exposition, Scrape, text::Sample};
+
+/// Parameters of `vllm`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VllmParams {
+    /// The servers' `/metrics` URLs (required, at least one).
+    #[serde(deserialize_with = "loose::string_list")]
+    pub urls: Vec<String>,
+    /// KV-cache usage at which a server counts as full, in (0, 1] (default 0.9).
+    #[serde(deserialize_with = "loose::f64")]
+    pub kv_ceiling: f64,
+    /// Waiting requests at which a server counts as full, > 0 (default 5).
+    #[serde(deserialize_with = "loose::f64")]
+    pub queue_threshold: f64,
+    /// Concurrency per server; `None` = read from the server's metrics.
+    #[serde(deserialize_with = "loose::opt_u32")]
+    pub max_num_seqs: Option<u32>,
+    /// Reserved baseline in [0, 1] (default 0.05).
+    #[serde(deserialize_with = "loose::f64")]
+    pub baseline: f64,
+}
+
+impl Default for VllmParams {
+    fn default() -> Self {
+        Self {
+            urls: Vec::new(),
+            kv_ceiling: 0.9,
+            queue_threshold: 5.0,
+            max_num_seqs: None,
+            baseline: 0.05,
+        }
+    }
+}
+
+impl GateParams for VllmParams {
+    fn validate(&self, cx: &mut ParseCx<'_>) {
+        if cx.require("urls", "a list of vLLM /metrics URLs") {
+            if self.urls.is_empty() {
+                cx.error("urls", "must list at least one URL");
+            }
+            let key = cx.key("urls");
+            for (i, u) in self.urls.iter().enumerate() {
+                if let Err(e) = check_http_url(u) {
+                    cx.error_at(format!("{key}[{i}]"), e);
+                }
+            }
+        }
+        if !(self.kv_ceiling > 0.0 && self.kv_ceiling <= 1.0) {
+            cx.error(
+                "kv_ceiling",
+                format!("must be in (0, 1], got {}", self.kv_ceiling),
+            );
+        }
+        cx.positive("queue_threshold", self.queue_threshold);
+        if let Some(n) = self.max_num_seqs {
+            cx.at_least_one("max_num_seqs", n);
+        }
+        cx.fraction("baseline", self.baseline);
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        let pages = self
+            .urls
+            .iter()
+            .map(|u| ctx.scrape(u))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Box::new(VllmGate::new(
+            pages,
+            Roofline {
+                kv_ceiling: self.kv_ceiling,
+                queue_threshold: self.queue_threshold,
+                max_num_seqs: self.max_num_seqs.map(f64::from),
+            },
+            self.baseline,
+        )))
+    }
+}
 
 /// vLLM's default `max_num_seqs`, used when neither the config nor the
 /// server says otherwise.
@@ -139,10 +218,13 @@ impl VllmGate {
             baseline,
         }
     }
+}
 
-    async fn evaluate(&self) -> Explanation {
+impl MetricGate for VllmGate {
+    const KIND: &'static str = "vllm";
+
+    async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
         let pages = join_all(self.pages.iter().map(Cached::get)).await;
-        let mut sources = Vec::new();
         let mut engines: Vec<EngineReading> = Vec::new();
         let mut unreadable = 0usize;
         let mut oldest = None;
@@ -171,7 +253,7 @@ impl VllmGate {
             }
             sources.push(report);
         }
-        let observation = match (oldest, first_error) {
+        match (oldest, first_error) {
             (None, Some(e)) => Err(e),
             (None, None) => Err(GateError::SourceUnavailable("no engine URLs".into())),
             (Some(taken_at), _) => {
@@ -188,29 +270,14 @@ impl VllmGate {
                     ),
                 ))
             }
-        };
-        Explanation {
-            observation,
-            sources,
-            notes: vec![
-                "D_i = 1 − max(kv_usage / kv_ceiling, running / max_num_seqs, waiting / queue_threshold)"
-                    .into(),
-            ],
         }
     }
-}
 
-impl DispatchGate for VllmGate {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        Box::pin(async move { self.evaluate().await.observation })
-    }
-
-    fn kind(&self) -> &'static str {
-        "vllm"
-    }
-
-    fn explain(&self) -> BoxFuture<'_, Explanation> {
-        Box::pin(self.evaluate())
+    fn notes(&self) -> Vec<String> {
+        vec![
+            "D_i = 1 − max(kv_usage / kv_ceiling, running / max_num_seqs, waiting / queue_threshold)"
+                .into(),
+        ]
     }
 }
 

@@ -2,8 +2,44 @@
 //! messages park instead of going back to the queue.
 
 use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
-use super::{Admission, AdmissionRequest, DispatchGate, GateError, Observation};
+use super::param::{GateParams, ParseCx};
+use super::{
+    Admission, AdmissionRequest, BuildError, DispatchGate, GateContext, GateError, Observation,
+};
+use crate::config::GateSpec;
+
+/// Parameters of `wait-on-refuse`: the wrapped gate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitOnRefuseParams {
+    /// The wrapped gate.
+    pub gate: Box<GateSpec>,
+}
+
+impl GateParams for WaitOnRefuseParams {
+    fn parse(mut map: Map<String, Value>, cx: &mut ParseCx<'_>) -> Option<Self> {
+        let key = cx.key("gate");
+        let Some(v) = cx.take(&mut map, "gate") else {
+            cx.require("gate", "a gate: {\"gate_type\": …, \"gate_params\": {…}}");
+            return None;
+        };
+        let gate = cx.nested(&v, &key)?;
+        Some(Self {
+            gate: Box::new(gate),
+        })
+    }
+
+    fn children(&self) -> Vec<&GateSpec> {
+        vec![&self.gate]
+    }
+
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        Ok(Box::new(WaitOnRefuseGate::new(self.gate.build(ctx)?)))
+    }
+}
 
 /// Wraps a gate; budget passes through, Refuse becomes Wait.
 #[derive(Debug)]
