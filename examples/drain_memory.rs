@@ -89,6 +89,7 @@ async fn main() {
         .unwrap(),
         target: Target::new(&format!("http://{gateway_addr}"), "/v1/completions", None).unwrap(),
         retry: RetryPolicy::default(),
+        congestion: Default::default(),
         settings,
         metrics: metrics.queue("bench"),
         labels: BTreeMap::new(),

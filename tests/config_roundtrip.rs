@@ -266,17 +266,21 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
             duration_ms(0, 100_000),
         ),
         (
-            duration_ms(0, 60_000),
-            duration_ms(0, 60_000),
+            // Zero congestion and wait delays are config errors (a refused
+            // message could be re-claimed in a loop).
+            duration_ms(1, 60_000),
+            duration_ms(1, 60_000),
             duration_ms(0, 600_000),
             duration_ms(1, 100_000_000),
         ),
+        duration_ms(0, 600_000),
     )
         .prop_map(
             |(
                 (poll_interval, extra_staleness, lease, receive_wait),
                 (max_attempts, retry_initial_backoff, extra_backoff),
                 (congestion_backoff, wait_requeue_delay, shutdown_grace, default_deadline),
+                extra_congestion,
             )| DispatchConfig {
                 poll_interval,
                 max_staleness: poll_interval + extra_staleness,
@@ -286,6 +290,7 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 retry_initial_backoff,
                 retry_max_backoff: retry_initial_backoff + extra_backoff,
                 congestion_backoff,
+                congestion_max_backoff: congestion_backoff + extra_congestion,
                 wait_requeue_delay,
                 shutdown_grace,
                 default_deadline,

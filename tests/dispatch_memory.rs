@@ -91,6 +91,7 @@ impl Harness {
             .expect("client"),
             target: Target::new(gateway_url, "/v1/completions", None).expect("target"),
             retry,
+            congestion: Default::default(),
             settings,
             metrics: metrics.queue("q"),
             labels: BTreeMap::new(),

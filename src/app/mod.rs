@@ -16,6 +16,7 @@
 
 mod tasks;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -27,6 +28,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::config::{Config, QueueConfig, TransportKind};
+use crate::dispatch::congestion::CongestionHold;
 use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{BuildError, DispatchGate, FailClosed, GateContext, build_gate};
 use crate::gateway::{
@@ -236,8 +238,20 @@ pub async fn start(
     let gateway = GatewayClient::new(GatewaySettings::try_from(&config.gateway)?)?;
     let context = GateContext::from_config(config);
     let mut built = Vec::with_capacity(queues.len());
+    // One congestion hold per gateway: a 429 seen by one queue holds every
+    // queue that sends to the same place.
+    let mut holds: BTreeMap<String, Arc<CongestionHold>> = BTreeMap::new();
     // `open` made one queue per `[[queue]]`, in order.
     for (queue_config, queue) in config.queues.iter().zip(&queues) {
+        let gateway_origin = queue_config
+            .igw_base_url
+            .expose()
+            .origin()
+            .ascii_serialization();
+        let congestion = holds
+            .entry(gateway_origin)
+            .or_insert_with(|| Arc::new(CongestionHold::new((&config.dispatch).into())))
+            .clone();
         let gate = build_gate(&queue_config.gate, &context).map_err(|source| AppError::Gate {
             queue: queue_config.queue_name.clone(),
             source,
@@ -248,6 +262,7 @@ pub async fn start(
             queue.clone(),
             gate,
             gateway.clone(),
+            congestion,
             &metrics,
         )?);
     }
@@ -372,6 +387,7 @@ pub fn build_dispatcher(
     queue: Arc<dyn Queue>,
     gate: Box<dyn DispatchGate>,
     gateway: GatewayClient,
+    congestion: Arc<CongestionHold>,
     metrics: &Metrics,
 ) -> Result<QueueDispatcher, AppError> {
     let name = queue_config.queue_name.clone();
@@ -391,6 +407,7 @@ pub fn build_dispatcher(
         gateway,
         target,
         retry: RetryPolicy::from(&config.dispatch),
+        congestion,
         settings,
         metrics: metrics.queue(&name),
         labels: queue_config.labels.clone(),

@@ -37,6 +37,7 @@ use crate::config::{
     TelemetryConfig, TransportKind, Unit,
 };
 use crate::dispatch::QueueDispatcher;
+use crate::dispatch::congestion::CongestionHold;
 use crate::gate::DispatchGate;
 use crate::gateway::{GatewayClient, GatewaySettings};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
@@ -484,6 +485,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
             retry_initial_backoff: Duration::from_millis(500),
             retry_max_backoff: Duration::from_secs(30),
             congestion_backoff: Duration::from_secs(1),
+            congestion_max_backoff: Duration::from_secs(30),
             wait_requeue_delay: Duration::from_millis(500),
             shutdown_grace: Duration::from_secs(10),
             default_deadline: options.deadline,
@@ -522,6 +524,7 @@ fn build_dispatcher(
         queue,
         Box::new(watch),
         gateway,
+        Arc::new(CongestionHold::new((&config.dispatch).into())),
         &metrics,
     )
     .map_err(|e| BatchError::Gateway(e.to_string()))

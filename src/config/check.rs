@@ -279,6 +279,15 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
             ),
         );
     }
+    if d.congestion_max_backoff < d.congestion_backoff {
+        ctx.err(
+            "dispatch.congestion_max_backoff",
+            format!(
+                "must be at least dispatch.congestion_backoff ({})",
+                format_duration(d.congestion_backoff)
+            ),
+        );
+    }
     let (telemetry, _) = read::<TelemetryConfig>(&mut root, true, ctx).unwrap_or_default();
 
     let raw_queues = match root.remove("queue") {
@@ -409,7 +418,8 @@ fn queue(
         queue_name.unwrap_or_default(),
         url,
         gateway,
-        gate.clone().unwrap_or(GateSpec::Constant(Default::default())),
+        gate.clone()
+            .unwrap_or(GateSpec::Constant(Default::default())),
     );
     q.merge(map, &path, ctx);
     (ctx.errors.len() == errors_before && gate.is_some()).then_some(q)

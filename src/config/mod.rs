@@ -377,12 +377,18 @@ section! {
         /// Largest retry delay.
         #[serde(serialize_with = "render::duration")]
         retry_max_backoff: Duration = Duration::from_secs(60), duration_min(NONZERO);
-        /// Requeue delay after 429/503 without `Retry-After`.
+        /// First hold of every queue on the gateway after a 429/503; it
+        /// doubles with each consecutive signal (jittered), and a longer
+        /// `Retry-After` wins. Zero would let a storm through.
         #[serde(serialize_with = "render::duration")]
-        congestion_backoff: Duration = Duration::from_secs(2), duration_min(Duration::ZERO);
-        /// Requeue delay when an admission gate says wait or refuse.
+        congestion_backoff: Duration = Duration::from_secs(2), duration_min(NONZERO);
+        /// Ceiling of the congestion hold computed from the backoff.
         #[serde(serialize_with = "render::duration")]
-        wait_requeue_delay: Duration = Duration::from_secs(1), duration_min(Duration::ZERO);
+        congestion_max_backoff: Duration = Duration::from_secs(60), duration_min(NONZERO);
+        /// Requeue delay when an admission gate says wait or refuse. Zero
+        /// would re-claim a refused message in a loop.
+        #[serde(serialize_with = "render::duration")]
+        wait_requeue_delay: Duration = Duration::from_secs(1), duration_min(NONZERO);
         /// Time allowed for in-flight work at shutdown.
         #[serde(serialize_with = "render::duration")]
         shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);

@@ -22,6 +22,7 @@
 //! rejection, `dispatch::window`) still applies; for blind gates, whose
 //! observations are always new, this hold is what keeps the gateway quiet.
 
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -34,6 +35,16 @@ pub struct CongestionPolicy {
     /// Ceiling of the hold computed from the backoff; > 0. A longer
     /// `Retry-After` is still honoured.
     pub max_backoff: Duration,
+}
+
+/// The holds configured in `[dispatch]`.
+impl From<&crate::config::DispatchConfig> for CongestionPolicy {
+    fn from(d: &crate::config::DispatchConfig) -> Self {
+        Self {
+            initial_backoff: d.congestion_backoff,
+            max_backoff: d.congestion_max_backoff,
+        }
+    }
 }
 
 impl CongestionPolicy {
@@ -171,6 +182,43 @@ impl Congestion {
     fn remaining(&self, now: Instant) -> Duration {
         self.hold_until
             .map_or(Duration::ZERO, |h| h.saturating_duration_since(now))
+    }
+}
+
+/// The congestion state of one gateway, shared by every queue (and every
+/// dispatcher task) that sends to it, so a 429 seen by one queue holds
+/// them all.
+#[derive(Debug)]
+pub struct CongestionHold {
+    state: Mutex<Congestion>,
+}
+
+/// A hold with the configuration's default policy.
+impl Default for CongestionHold {
+    fn default() -> Self {
+        Self::new((&crate::config::DispatchConfig::default()).into())
+    }
+}
+
+impl CongestionHold {
+    /// A clear hold following `policy`.
+    pub fn new(policy: CongestionPolicy) -> Self {
+        Self {
+            state: Mutex::new(Congestion::new(policy)),
+        }
+    }
+
+    /// The state, for a check-and-update that must be atomic (starting the
+    /// one probe, recording a signal).
+    pub fn lock(&self) -> MutexGuard<'_, Congestion> {
+        // Congestion methods do not panic; a poisoned lock still holds a
+        // consistent state.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What may be sent at `now`.
+    pub fn clearance(&self, now: Instant) -> Clearance {
+        self.lock().clearance(now)
     }
 }
 

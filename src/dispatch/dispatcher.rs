@@ -32,6 +32,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::congestion::{Clearance, CongestionHold};
 use super::observe::observe_loop;
 use super::receive::receive_loop;
 use super::retry::RetryPolicy;
@@ -62,6 +63,9 @@ pub struct QueueDispatcher {
     pub target: Target,
     /// Backoff and attempt limits for failed attempts.
     pub retry: RetryPolicy,
+    /// The congestion hold of this queue's gateway, shared with every other
+    /// queue that sends there.
+    pub congestion: Arc<CongestionHold>,
     /// Tunables.
     pub settings: DispatchSettings,
     /// Metric handles of this queue.
@@ -110,6 +114,62 @@ impl Shared {
 
     pub(super) fn queue(&self) -> &dyn Queue {
         self.config.queue.as_ref()
+    }
+
+    /// Whether the gateway's congestion hold lets nothing through now.
+    pub(super) fn congestion_held(&self, now: Instant) -> bool {
+        matches!(
+            self.config.congestion.clearance(now),
+            Clearance::Held { .. }
+        )
+    }
+
+    /// Units that may be pulled now: the window's room, none while the
+    /// gateway's congestion hold lasts, one while it waits for a probe.
+    pub(super) fn room(&self, now: Instant) -> u64 {
+        let available = self.window().available(now);
+        match self.config.congestion.clearance(now) {
+            Clearance::Open => available,
+            Clearance::Probe => available.min(1),
+            Clearance::Held { .. } => 0,
+        }
+    }
+
+    /// Whether a request of `cost` units may go now, and if so whether it is
+    /// the probe after a congestion hold.
+    pub(super) fn may_send(&self, window: &Window, now: Instant, cost: u64) -> Option<Send> {
+        if !window.allows(now, cost) {
+            return None;
+        }
+        match self.config.congestion.clearance(now) {
+            Clearance::Open => Some(Send::Normal),
+            Clearance::Probe => Some(Send::Probe),
+            Clearance::Held { .. } => None,
+        }
+    }
+
+    /// Records a send decided by [`Self::may_send`]; `None` when the
+    /// clearance changed meanwhile (another queue took the probe). The
+    /// window lock is held by the caller, so the check and the record are
+    /// one step.
+    pub(super) fn record_send(&self, window: &mut Window, now: Instant, cost: u64) -> Option<Send> {
+        if !window.allows(now, cost) {
+            return None;
+        }
+        let send = {
+            let mut congestion = self.config.congestion.lock();
+            match congestion.clearance(now) {
+                Clearance::Open => Send::Normal,
+                Clearance::Probe => {
+                    congestion.probe_started();
+                    Send::Probe
+                }
+                Clearance::Held { .. } => return None,
+            }
+        };
+        window.sent(now, cost);
+        self.export_window(window, now);
+        Some(send)
     }
 
     /// Publishes the window's numbers to metrics.
@@ -166,6 +226,16 @@ pub(super) fn unix_now() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// How a released request goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Send {
+    /// Within the window, no congestion.
+    Normal,
+    /// The one request after a congestion hold; its answer decides whether
+    /// the hold ends.
+    Probe,
 }
 
 /// A message that passed parsing, deadline and request checks.

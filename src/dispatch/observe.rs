@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::dispatcher::{Shared, saturating_i64};
 use super::window::{Applied, headroom_units};
-use crate::config::Rounding;
+use crate::config::{Rounding, Unit};
 
 /// Reads the gate and applies each reading to the window.
 pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
@@ -20,7 +20,12 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
     loop {
         let observation = shared.config.gate.observe().await;
         let now = Instant::now();
-        let max_sys = observation.max_sys.unwrap_or(settings.max_sys);
+        // A gate's live max_SYS counts requests (ready endpoints ×
+        // concurrency); in tokens or bytes only the queue's own applies.
+        let max_sys = match (observation.max_sys, settings.unit) {
+            (Some(live), Unit::Requests) => live,
+            _ => settings.max_sys,
+        };
         let n = headroom_units(max_sys, observation.headroom(), settings.rounding);
         let (applied, held) = {
             let mut window = shared.window();
@@ -31,7 +36,7 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
                 observation.sees_own_load,
             );
             shared.export_window(&window, now);
-            (applied, window.is_held(now))
+            (applied, window.is_held() || shared.congestion_held(now))
         };
         let m = shared.metrics();
         m.budget.set(observation.budget.get());

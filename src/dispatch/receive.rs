@@ -9,8 +9,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::congestion::Clearance;
 use super::cost::request_cost;
-use super::dispatcher::{Ready, Results, Shared, unix_now};
+use super::dispatcher::{Ready, Results, Send, Shared, unix_now};
 use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
 use crate::gate::{Admission, AdmissionRequest, Ticket};
@@ -35,7 +36,7 @@ pub(super) async fn receive_loop(
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let available = shared.window().available(Instant::now());
+        let available = shared.room(Instant::now());
         if available == 0 {
             shared.refresh.notify_one();
             tokio::select! {
@@ -103,43 +104,68 @@ pub(super) async fn handle(
         return;
     };
     match release(shared, &ready, shutdown).await {
-        Release::Go(ticket) => {
+        Release::Go(ticket, send) => {
             let worker = send_and_settle(
                 shared.clone(),
                 ready,
                 ticket,
+                send,
                 abandon.clone(),
                 results.clone(),
             );
             tracker.spawn(worker);
         }
-        Release::Shutdown => {
-            shared
-                .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
-                .await;
-        }
         Release::NotAdmitted(Admission::Wait { .. }) => {
             park(shared, ready, shutdown, abandon, tracker, results);
         }
+        unreleased => settle_unreleased(shared, ready, unreleased, results).await,
+    }
+}
+
+/// Ends a message that was not released: a result, or back to the queue
+/// without using an attempt.
+async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, results: &Results) {
+    let tag = ready.delivery.tag;
+    match release {
+        Release::Go(..) => {
+            debug_assert!(false, "a released message is sent, not settled here");
+        }
+        Release::Shutdown => {
+            shared.nack(tag, Duration::ZERO, NackReason::Shutdown).await;
+        }
+        Release::DeadlinePassed => {
+            let attempts = ready.message.previous_attempts(ready.delivery.retry_count);
+            let result = deadline_result(&ready.message, attempts);
+            settle(shared, results, tag, result).await;
+        }
+        Release::Congested(delay) => {
+            shared.nack(tag, delay, NackReason::Congested).await;
+        }
         Release::NotAdmitted(Admission::Drop { reason }) => {
             let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
-            settle(shared, results, ready.delivery.tag, result).await;
+            settle(shared, results, tag, result).await;
         }
-        Release::NotAdmitted(Admission::Refuse { .. } | Admission::Continue(_)) => {
+        Release::NotAdmitted(_) => {
+            // Back to the queue without using an attempt; an expired
+            // deadline is answered when it is next received.
             let delay = shared.settings().wait_requeue_delay;
-            shared
-                .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
-                .await;
+            shared.nack(tag, delay, NackReason::NotAdmitted).await;
         }
     }
 }
 
 /// What came of trying to release one message.
 pub(super) enum Release {
-    /// Window and gate agree: send it, holding the ticket until it ends.
-    Go(Ticket),
+    /// Window, congestion hold and gate agree: send it (perhaps as the
+    /// probe), holding the ticket until it ends.
+    Go(Ticket, Send),
     /// The gate said wait, refuse or drop (never `Continue`).
     NotAdmitted(Admission),
+    /// The deadline passed while the message waited for room.
+    DeadlinePassed,
+    /// The gateway's congestion hold lasts longer than a message may wait
+    /// claimed: back to the queue until it ends.
+    Congested(Duration),
     /// Shutdown came first.
     Shutdown,
 }
@@ -154,17 +180,15 @@ pub(super) async fn release(
     shutdown: &CancellationToken,
 ) -> Release {
     loop {
-        if !wait_for_room(shared, ready.cost, shutdown).await {
-            return Release::Shutdown;
+        if let Some(unreleased) = wait_for_room(shared, ready, shutdown).await {
+            return unreleased;
         }
         match admit(shared, ready).await {
             Admission::Continue(ticket) => {
                 let now = Instant::now();
                 let mut window = shared.window();
-                if window.allows(now, ready.cost) {
-                    window.sent(now, ready.cost);
-                    shared.export_window(&window, now);
-                    return Release::Go(ticket);
+                if let Some(send) = shared.record_send(&mut window, now, ready.cost) {
+                    return Release::Go(ticket, send);
                 }
                 // The room went while the gate was asked (a 429, say):
                 // give the reservation back and wait again.
@@ -253,21 +277,34 @@ pub(super) async fn admit(shared: &Shared, ready: &Ready) -> Admission {
 
 /// Waits until the window has room for a request of `cost`. Returns false
 /// if shutdown came first.
+/// `None` once there is room; otherwise why the message will not wait any
+/// longer: shutdown, its deadline, or a congestion hold longer than a
+/// message may sit claimed (`max_park`).
 pub(super) async fn wait_for_room(
     shared: &Shared,
-    cost: u64,
+    ready: &Ready,
     shutdown: &CancellationToken,
-) -> bool {
+) -> Option<Release> {
     loop {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        if shared.window().allows(Instant::now(), cost) {
-            return true;
+        let now = Instant::now();
+        if shared.may_send(&shared.window(), now, ready.cost).is_some() {
+            return None;
+        }
+        if ready.message.request.deadline <= unix_now() {
+            return Some(Release::DeadlinePassed);
+        }
+        if let Clearance::Held { until: Some(until) } = shared.config.congestion.clearance(now) {
+            let hold = until.saturating_duration_since(now);
+            if hold > shared.settings().max_park {
+                return Some(Release::Congested(hold));
+            }
         }
         shared.refresh.notify_one();
         tokio::select! {
-            () = shutdown.cancelled() => return false,
+            () = shutdown.cancelled() => return Some(Release::Shutdown),
             () = &mut changed => {}
             () = tokio::time::sleep(shared.settings().poll_interval) => {}
         }
@@ -325,26 +362,10 @@ pub(super) fn park(
         shared.parked.fetch_sub(1, Ordering::AcqRel);
         shared.metrics().parked.dec();
         match outcome {
-            Release::Go(ticket) => {
-                send_and_settle(shared, ready, ticket, abandon, results).await;
+            Release::Go(ticket, send) => {
+                send_and_settle(shared, ready, ticket, send, abandon, results).await;
             }
-            Release::NotAdmitted(Admission::Drop { reason }) => {
-                let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
-                settle(&shared, &results, ready.delivery.tag, result).await;
-            }
-            Release::Shutdown => {
-                shared
-                    .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
-                    .await;
-            }
-            Release::NotAdmitted(_) => {
-                // Back to the queue without using an attempt; an expired
-                // deadline is answered when it is next received.
-                let delay = shared.settings().wait_requeue_delay;
-                shared
-                    .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
-                    .await;
-            }
+            unreleased => settle_unreleased(&shared, ready, unreleased, &results).await,
         }
     });
 }

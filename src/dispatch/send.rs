@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::dispatcher::{Ready, Results, Shared};
+use super::dispatcher::{Ready, Results, Send, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
 use crate::gate::Ticket;
@@ -26,6 +26,7 @@ pub(super) async fn send_and_settle(
     shared: Arc<Shared>,
     ready: Ready,
     ticket: Ticket,
+    send: Send,
     abandon: CancellationToken,
     results: Results,
 ) {
@@ -42,6 +43,9 @@ pub(super) async fn send_and_settle(
             shared.export_window(&window, now);
         }
         drop(ticket);
+        if send == Send::Probe {
+            shared.config.congestion.lock().probe_abandoned();
+        }
         shared.changed.notify_waiters();
         shared.finished.notify_waiters();
         let result = error_result(
@@ -63,14 +67,40 @@ pub(super) async fn send_and_settle(
         () = abandon.cancelled() => None,
     };
     let now = Instant::now();
-    {
+    // Whether the pool itself answered (anything but 429/503 and transport
+    // failures): only such an answer to a request sent after the latest
+    // congestion signal ends the gateway's hold.
+    let answered_by_pool = match &outcome {
+        Some(AttemptOutcome::Success { .. } | AttemptOutcome::Final { .. }) => true,
+        Some(AttemptOutcome::Retryable { failure, .. } | AttemptOutcome::Failed { failure }) => {
+            failure.http_answer().is_some()
+        }
+        _ => false,
+    };
+    let congestion_hold = {
         let mut window = shared.window();
         window.finished(now, ready.cost);
-        if let Some(AttemptOutcome::Congested { retry_after, .. }) = &outcome {
-            window.congested(now, *retry_after);
-        }
+        let mut congestion = shared.config.congestion.lock();
+        let hold = match &outcome {
+            Some(AttemptOutcome::Congested { retry_after, .. }) => {
+                window.congested(now);
+                Some(congestion.signal(now, started, *retry_after, rand::random::<f64>()))
+            }
+            _ if answered_by_pool => {
+                congestion.answered(started);
+                None
+            }
+            _ => {
+                if send == Send::Probe {
+                    congestion.probe_abandoned();
+                }
+                None
+            }
+        };
+        drop(congestion);
         shared.export_window(&window, now);
-    }
+        hold
+    };
     // The pool no longer holds this request: free the gate's reservation
     // and wake anyone waiting for room or for a slot.
     drop(ticket);
@@ -122,7 +152,9 @@ pub(super) async fn send_and_settle(
                 ?dropped_reason,
                 "pool congested"
             );
-            let delay = retry_after.unwrap_or(shared.settings().congestion_backoff);
+            // The gateway-wide hold: Retry-After, but never shorter than the
+            // jittered backoff of this many consecutive signals.
+            let delay = congestion_hold.unwrap_or(shared.settings().congestion_backoff);
             if now + delay >= deadline {
                 // No time left for another try: the last answer is the result.
                 let result = ResultRecord::http(id, token, status, body, attempts);

@@ -24,8 +24,11 @@ pub struct DispatchSettings {
     pub receive_wait: Duration,
     /// Most messages pulled in one receive.
     pub receive_batch: usize,
-    /// Requeue delay after a 429/503 without `Retry-After`.
+    /// First hold after a 429/503 (grows exponentially, jittered, with
+    /// consecutive signals; `Retry-After` can only make it longer).
     pub congestion_backoff: Duration,
+    /// Ceiling of the computed congestion hold.
+    pub congestion_max_backoff: Duration,
     /// Requeue delay when a gate refuses, or a parked message gives up.
     pub wait_requeue_delay: Duration,
     /// Longest a message stays parked at a gate (verdict wait) before it
@@ -60,6 +63,7 @@ impl From<&DispatchConfig> for DispatchSettings {
             receive_wait: d.receive_wait,
             receive_batch: RECEIVE_BATCH,
             congestion_backoff: d.congestion_backoff,
+            congestion_max_backoff: d.congestion_max_backoff,
             wait_requeue_delay: d.wait_requeue_delay,
             max_park: MAX_PARK,
             max_parked: MAX_PARKED,

@@ -99,7 +99,6 @@ pub struct Window {
     grant: Option<Grant>,
     last_taken_at: Option<Instant>,
     congested_at: Option<Instant>,
-    hold_until: Option<Instant>,
 }
 
 impl Window {
@@ -123,7 +122,6 @@ impl Window {
             grant: None,
             last_taken_at: None,
             congested_at: None,
-            hold_until: None,
         }
     }
 
@@ -169,24 +167,22 @@ impl Window {
     }
 
     /// The gateway said the pool is saturated (429/503) at `at`: budget zero
-    /// until an observation newer than `at`, and not before `retry_after`.
-    pub fn congested(&mut self, at: Instant, retry_after: Option<Duration>) {
+    /// until an observation newer than `at`. (How long nothing at all is
+    /// sent, `Retry-After` and backoff, is the gateway-wide
+    /// [`super::congestion::CongestionHold`]'s business.)
+    pub fn congested(&mut self, at: Instant) {
         self.congested_at = Some(self.congested_at.map_or(at, |c| c.max(at)));
-        if let Some(delay) = retry_after {
-            let until = at + delay;
-            self.hold_until = Some(self.hold_until.map_or(until, |h| h.max(until)));
-        }
         self.grant = None;
     }
 
-    /// Whether a 429/503 or a Retry-After currently holds the window shut.
-    pub fn is_held(&self, now: Instant) -> bool {
-        self.congested_at.is_some() || self.hold_until.is_some_and(|h| now < h)
+    /// Whether a 429/503 holds the window shut until a newer observation.
+    pub fn is_held(&self) -> bool {
+        self.congested_at.is_some()
     }
 
     /// Units that may still be released now.
     pub fn available(&self, now: Instant) -> u64 {
-        if self.is_held(now) {
+        if self.is_held() {
             return 0;
         }
         let Some(grant) = self.live_grant(now) else {
@@ -205,7 +201,7 @@ impl Window {
             return self.live_grant(now).is_some();
         }
         match self.live_grant(now) {
-            Some(grant) if grant.at_least_one && !self.is_held(now) => {
+            Some(grant) if grant.at_least_one && !self.is_held() => {
                 self.sent == grant.sent_at_taken
             }
             _ => false,
@@ -401,12 +397,12 @@ mod tests {
     }
 
     #[test]
-    fn congestion_closes_until_newer_observation_and_retry_after() {
+    fn congestion_closes_until_newer_observation() {
         let now = t0();
         let mut w = Window::new(now, Duration::from_secs(60));
         w.observe(now, 10, false, true);
         let rejected = now + Duration::from_secs(1);
-        w.congested(rejected, Some(Duration::from_secs(5)));
+        w.congested(rejected);
         assert_eq!(w.available(rejected), 0);
         // An observation older than the rejection does not reopen.
         let before = now + Duration::from_millis(500);
@@ -415,12 +411,10 @@ mod tests {
             Applied::BeforeCongestion
         );
         assert_eq!(w.available(rejected), 0);
-        // A newer one does, but Retry-After still holds it shut.
+        // A newer one does.
         let newer = now + Duration::from_secs(2);
         assert_eq!(w.observe(newer, 10, false, true), Applied::Fresh);
-        assert_eq!(w.available(newer), 0);
-        let after_hold = now + Duration::from_secs(6);
-        assert_eq!(w.available(after_hold), 10);
+        assert_eq!(w.available(newer), 10);
     }
 
     #[test]

@@ -283,7 +283,6 @@ impl MetricGate for VllmGate {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::source::text::parse;
 

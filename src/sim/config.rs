@@ -572,7 +572,6 @@ impl HttpConfig {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 

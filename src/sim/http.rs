@@ -1055,7 +1055,6 @@ fn stream_response(
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 

@@ -397,7 +397,6 @@ fn exp_sample(rng: &mut Xoshiro256PlusPlus, rate: f64) -> f64 {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 

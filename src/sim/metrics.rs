@@ -536,7 +536,6 @@ impl<T: Clone> LaggedView<T> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
 

@@ -253,7 +253,6 @@ impl Pool {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
     use crate::sim::engine::RequestClass;

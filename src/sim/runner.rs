@@ -624,7 +624,6 @@ fn tokens(pool: &Pool) -> (u64, u64) {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 mod tests {
     use super::*;
     use crate::sim::config::LoadMode;

@@ -413,7 +413,6 @@ impl fmt::Display for MetricType {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use proptest::prelude::*;
 
