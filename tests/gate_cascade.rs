@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::json;
 use sluicegate::config::{EndpointUrl, GateSpec, PrometheusConfig};
 use sluicegate::gate::{FailClosed, GateContext, build_gate};
-use wiremock::matchers::{method, path, query_param};
+use wiremock::matchers::{method, path, query_param, query_param_contains};
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
 const READY: &str = r#"max(llm_d_epp_ready_endpoints{name="p"})"#;
@@ -33,6 +33,14 @@ async fn answer(server: &MockServer, query: &str, response: ResponseTemplate) {
 }
 
 async fn observe(server: &MockServer) -> sluicegate::gate::Observation {
+    // Every source is dated by `min(timestamp(...))` of its samples: here
+    // the scrape time equals the evaluation time (fresh data).
+    Mock::given(method("GET"))
+        .and(path("/api/v1/query"))
+        .and(query_param_contains("query", "min(timestamp("))
+        .respond_with(vector(&["1.7e9"]))
+        .mount(server)
+        .await;
     let cfg = PrometheusConfig {
         url: EndpointUrl::new(server.uri().parse().unwrap()),
         bearer_token: None,

@@ -81,6 +81,11 @@ impl GateParams for PrometheusBudgetParams {
 struct Query {
     role: &'static str,
     query: Cached<PromQuery>,
+    /// Whether the metric counts this dispatcher's own requests once they
+    /// run. The endpoint picker's queues count only *queued* requests:
+    /// batch work that runs never lowers them, so for those the window
+    /// must be `N` itself, never in-flight + `N` (ARCHITECTURE.md).
+    sees_own_load: bool,
 }
 
 /// One cascade step: how its value becomes `D`.
@@ -125,18 +130,30 @@ impl PrometheusBudgetGate {
             .unwrap_or_default();
         let by_name = format!("{{name={}{ns}}}", promql_string(pool));
         let by_pool = format!("{{inference_pool={}{ns}}}", promql_string(pool));
-        let q = |role: &'static str, text: String| Query {
+        // Every query is `agg(metric{labels})`, dated by the scrape time of
+        // the samples behind it, so re-reading one scrape releases nothing.
+        let q = |role: &'static str, agg: &str, metric: &str, labels: &str, sees_own_load| Query {
             role,
-            query: cache(client.query(text)),
+            query: cache(client.dated_query(
+                format!("{agg}({metric}{labels})"),
+                &format!("{metric}{labels}"),
+            )),
+            sees_own_load,
         };
         let ready = vec![
             q(
                 "ready endpoints (current name)",
-                format!("max(llm_d_epp_ready_endpoints{by_name})"),
+                "max",
+                "llm_d_epp_ready_endpoints",
+                &by_name,
+                false,
             ),
             q(
                 "ready endpoints (legacy name)",
-                format!("max(inference_pool_ready_pods{by_name})"),
+                "max",
+                "inference_pool_ready_pods",
+                &by_name,
+                false,
             ),
         ];
         let steps = vec![
@@ -145,11 +162,17 @@ impl PrometheusBudgetGate {
                 vec![
                     q(
                         "flow-control queue (current name)",
-                        format!("sum(llm_d_epp_flow_control_queue_size{by_pool})"),
+                        "sum",
+                        "llm_d_epp_flow_control_queue_size",
+                        &by_pool,
+                        false,
                     ),
                     q(
                         "flow-control queue (legacy name)",
-                        format!("sum(inference_extension_flow_control_queue_size{by_pool})"),
+                        "sum",
+                        "inference_extension_flow_control_queue_size",
+                        &by_pool,
+                        false,
                     ),
                 ],
             ),
@@ -158,11 +181,17 @@ impl PrometheusBudgetGate {
                 vec![
                     q(
                         "per-endpoint queue (current name)",
-                        format!("avg(llm_d_epp_per_endpoint_queue_size{by_name})"),
+                        "avg",
+                        "llm_d_epp_per_endpoint_queue_size",
+                        &by_name,
+                        false,
                     ),
                     q(
                         "per-endpoint queue (legacy name)",
-                        format!("avg(inference_pool_per_pod_queue_size{by_name})"),
+                        "avg",
+                        "inference_pool_per_pod_queue_size",
+                        &by_name,
+                        false,
                     ),
                 ],
             ),
@@ -170,7 +199,10 @@ impl PrometheusBudgetGate {
                 Step::PoolLoad,
                 vec![q(
                     "running requests (vLLM)",
-                    format!("sum(vllm:num_requests_running{by_pool})"),
+                    "sum",
+                    "vllm:num_requests_running",
+                    &by_pool,
+                    true,
                 )],
             ),
         ];
@@ -289,13 +321,15 @@ impl PrometheusBudgetGate {
                     Some((_, r_at)) if r_at < at => r_at,
                     _ => at,
                 };
-                return Ok(pool_reading(
+                let mut reading = pool_reading(
                     d,
                     self.baseline,
                     taken_at,
                     max_sys,
                     format!("{} ({explain}; overload reads 0)", q.role),
-                ));
+                );
+                reading.sees_own_load = q.sees_own_load;
+                return Ok(reading);
             }
         }
         Err(GateError::SourceUnavailable(format!(

@@ -1,0 +1,168 @@
+//! The gate's promise under the metric lag users have: a real Prometheus
+//! scraping far less often than sluicegate polls, and batch requests that
+//! outlive a scrape. Batch in flight at the pool must never exceed
+//! `max_SYS × (1 − B)`, whichever cascade source the gate reads.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
+use support::TempDir;
+use support::prometheus::{Prometheus, PrometheusSpec};
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+/// 2 ready endpoints × `max_concurrency` 16, baseline 0.1.
+const MAX_CONCURRENCY: f64 = 16.0;
+const BASELINE: f64 = 0.1;
+const READY: f64 = 2.0;
+
+/// A pool that runs every request it gets (no vLLM queueing), so what is
+/// in flight at the pool is exactly the batch work sluicegate sent.
+async fn roomy_pool() -> SimHandle {
+    let mut cfg = SimConfig {
+        pool_name: "p".into(),
+        replicas: READY as usize,
+        ..SimConfig::default()
+    };
+    cfg.engine.max_num_seqs = 256;
+    spawn_http(cfg).await.unwrap()
+}
+
+/// Batch requests that each last several seconds (longer than a scrape).
+fn write_batch(dir: &TempDir, n: usize, max_tokens: u32) -> std::path::PathBuf {
+    let deadline = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            serde_json::json!({"id": format!("req-{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": "Summarise.", "max_tokens": max_tokens}})
+            .to_string()
+        })
+        .collect();
+    let input = dir.0.join("requests.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    input
+}
+
+fn start_dispatcher(sim: &SimHandle, prom: &Prometheus, input: &std::path::Path) -> Child {
+    Command::new(BIN)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("SLUICEGATE_TRANSPORT", "memory")
+        .env("SLUICEGATE_GATEWAY_URL", sim.base_url())
+        .env("SLUICEGATE_GATE_TYPE", "prometheus-budget")
+        .env(
+            "SLUICEGATE_GATE_PARAMS",
+            format!(r#"{{"pool":"p","max_concurrency":{MAX_CONCURRENCY},"baseline":{BASELINE}}}"#),
+        )
+        .env("SLUICEGATE_PROMETHEUS_URL", prom.url())
+        .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
+        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "200ms")
+        .env("SLUICEGATE_DISPATCH_MAX_STALENESS", "20s")
+        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
+        .args(["run", "--exit-when-done", "--input"])
+        .arg(input)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Requests running or waiting at the pool, read from its own `/metrics`
+/// (not through Prometheus: this is the truth the gate must respect).
+async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
+    let text = client
+        .get(format!("{}/metrics", sim.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("vllm:num_requests_running{")
+                || l.starts_with("vllm:num_requests_waiting{")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Runs a batch through the gate for `watch` and returns the largest batch
+/// in-flight seen at the pool, sampled every 50 ms.
+async fn max_in_flight(drop_metrics: Vec<String>, scrape: Duration, watch: Duration) -> f64 {
+    let sim = roomy_pool().await;
+    let prom = Prometheus::start_scraping_every(
+        &PrometheusSpec {
+            targets: vec![sim.addr().to_string()],
+            drop_metrics,
+        },
+        scrape,
+    )
+    .await;
+    prom.wait_for_sample("llm_d_epp_ready_endpoints", scrape * 4)
+        .await;
+    let dir = TempDir::new("gate-lag");
+    // ~6 s per request at the simulator's default step time.
+    let input = write_batch(&dir, 200, 600);
+    let mut child = start_dispatcher(&sim, &prom, &input);
+    let client = reqwest::Client::new();
+    let start = std::time::Instant::now();
+    let mut max = 0.0f64;
+    while start.elapsed() < watch {
+        max = max.max(pool_in_flight(&client, &sim).await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    max
+}
+
+fn ceiling() -> f64 {
+    READY * MAX_CONCURRENCY * (1.0 - BASELINE)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flow_control_queue_source_never_lets_in_flight_exceed_the_budget() {
+    // The endpoint picker's flow-control queue counts queued requests only:
+    // batch work that runs never lowers it, so the window must be N itself.
+    let max = max_in_flight(Vec::new(), Duration::from_secs(5), Duration::from_secs(20)).await;
+    println!("max batch in flight {max} (ceiling {})", ceiling());
+    assert!(max > 0.0, "nothing was dispatched");
+    assert!(
+        max <= ceiling(),
+        "max batch in flight {max} > {}",
+        ceiling()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_requests_source_dated_by_scrape_never_lets_in_flight_exceed_the_budget() {
+    // Without the endpoint picker's queue metrics the cascade reads vLLM's
+    // running requests, which see our load: the window is in-flight at the
+    // scrape + N, so the reading must be dated by the scrape, not the query.
+    let max = max_in_flight(
+        vec![
+            ".*flow_control.*".into(),
+            ".*per_endpoint_queue.*".into(),
+            ".*per_pod_queue.*".into(),
+        ],
+        Duration::from_secs(5),
+        Duration::from_secs(20),
+    )
+    .await;
+    println!("max batch in flight {max} (ceiling {})", ceiling());
+    assert!(max > 0.0, "nothing was dispatched");
+    assert!(
+        max <= ceiling(),
+        "max batch in flight {max} > {}",
+        ceiling()
+    );
+}
