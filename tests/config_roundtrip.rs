@@ -133,6 +133,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                     pods_metric,
                     pods_labels,
                 )| {
+                    let sees_own_load = metric.len() % 2 == 0;
                     GateSpec::EndpointScrape(EndpointScrapeParams {
                         url,
                         metric,
@@ -142,6 +143,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                         fallback,
                         pods_url,
                         pods_metric,
+                        sees_own_load,
                         pods_labels,
                     })
                 }

@@ -5,7 +5,7 @@
 //! the gateway: after the first wave of rejections, attempts stay at one
 //! probe per hold across both queues; nothing is lost; dispatch resumes
 //! within one hold of the gateway's recovery.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod support;
 

@@ -422,6 +422,34 @@ struct Concurrency {
     peak: Arc<AtomicUsize>,
 }
 
+/// Admission by a local concurrency gate under a wide-open budget: the
+/// window lets more through than the gate admits, as with a per-tenant
+/// quota, so blocking admission must park the rest. (The local gate's own
+/// budget sees our load, so alone it keeps the window at its limit and
+/// nothing needs to park.)
+#[derive(Debug)]
+struct AdmissionOnly(Arc<LocalMaxConcurrencyGate>);
+
+impl DispatchGate for AdmissionOnly {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(std::future::ready(Ok(Observation::open(
+            Budget::FULL,
+            Instant::now(),
+        ))))
+    }
+
+    fn admit<'a>(
+        &'a self,
+        request: sluicegate::gate::AdmissionRequest<'a>,
+    ) -> BoxFuture<'a, sluicegate::gate::Admission> {
+        self.0.admit(request)
+    }
+
+    fn kind(&self) -> &'static str {
+        "admission-only"
+    }
+}
+
 #[tokio::test]
 async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
     let server = gateway(ResponseTemplate::new(200).set_delay(Duration::from_millis(150))).await;
@@ -429,7 +457,7 @@ async fn local_max_concurrency_caps_in_flight_and_parks_the_rest() {
     let probe = gate.clone();
     let h = Harness::start(
         &server.uri(),
-        Box::new(gate),
+        Box::new(AdmissionOnly(gate)),
         fast_settings(),
         no_retry_limit(),
     );
@@ -587,4 +615,69 @@ async fn a_blind_gate_never_has_more_than_max_sys_in_flight() {
         peak >= 2,
         "the window is used, not serialised (peak {peak})"
     );
+}
+
+/// A gate with a live max_SYS (ready endpoints × concurrency: requests).
+#[derive(Debug)]
+struct LiveCapacityGate;
+
+impl DispatchGate for LiveCapacityGate {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        let mut o = Observation::open(Budget::FULL, Instant::now());
+        o.max_sys = Some(4.0);
+        o.sees_own_load = true;
+        Box::pin(std::future::ready(Ok(o)))
+    }
+
+    fn kind(&self) -> &'static str {
+        "live-capacity"
+    }
+}
+
+#[tokio::test]
+async fn a_token_queue_ignores_a_live_capacity_counted_in_requests() {
+    // Before: the live max_SYS of 4 (requests) was read as 4 tokens, and
+    // requests of more than 4 tokens stalled the queue forever.
+    let server = gateway(ResponseTemplate::new(200).set_body_string("{}")).await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(LiveCapacityGate),
+        DispatchSettings {
+            unit: Unit::Tokens,
+            max_sys: 10_000.0,
+            ..fast_settings()
+        },
+        no_retry_limit(),
+    );
+    for i in 0..20 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    let results = h.wait_for_results(20).await;
+    assert_eq!(results.len(), 20, "the token queue stalled");
+    assert!(results.iter().all(|r| r.status_code == Some(200)));
+    h.stop().await;
+}
+
+#[tokio::test]
+async fn local_max_concurrency_alone_fills_its_limit() {
+    // Its budget is read from our own in-flight work, so it sees our load:
+    // the window is in-flight + free slots = the limit. Marked blind, it
+    // counted our work twice and stayed near half the limit.
+    let (url, peak) = counting_gateway(Duration::from_millis(200)).await;
+    let h = Harness::start(
+        &url,
+        Box::new(LocalMaxConcurrencyGate::new(6, GatingMode::Blocking)),
+        DispatchSettings {
+            max_sys: 6.0,
+            ..fast_settings()
+        },
+        no_retry_limit(),
+    );
+    for i in 0..36 {
+        h.queue.push_message(message(&format!("m{i}"), 3600));
+    }
+    assert_eq!(h.wait_for_results(36).await.len(), 36);
+    h.stop().await;
+    let peak = peak.load(Ordering::SeqCst);
+    assert_eq!(peak, 6, "peak in flight {peak}, limit 6");
 }

@@ -2,7 +2,7 @@
 //! scraping far less often than sluicegate polls, and batch requests that
 //! outlive a scrape. Batch in flight at the pool must never exceed
 //! `max_SYS × (1 − B)`, whichever cascade source the gate reads.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 mod support;
 

@@ -252,10 +252,11 @@ pub async fn start(
             .entry(gateway_origin)
             .or_insert_with(|| Arc::new(CongestionHold::new((&config.dispatch).into())))
             .clone();
-        let gate = build_gate(&queue_config.gate, &context).map_err(|source| AppError::Gate {
-            queue: queue_config.queue_name.clone(),
-            source,
-        })?;
+        let gate = build_gate(&queue_config.gate, &context.clone().for_queue(queue_config))
+            .map_err(|source| AppError::Gate {
+                queue: queue_config.queue_name.clone(),
+                source,
+            })?;
         built.push(build_dispatcher(
             config,
             queue_config,

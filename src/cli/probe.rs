@@ -271,7 +271,10 @@ pub(super) async fn run(args: ProbeArgs) -> ExitCode {
             }
         },
     };
-    let gate = match build_gate(&queue.gate, &GateContext::from_config(&config)) {
+    let gate = match build_gate(
+        &queue.gate,
+        &GateContext::from_config(&config).for_queue(queue),
+    ) {
         Ok(g) => g,
         Err(error) => {
             eprintln!("queue `{}`: {error}", queue.queue_name);

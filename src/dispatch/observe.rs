@@ -8,7 +8,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::dispatcher::{Shared, saturating_i64};
 use super::window::{Applied, headroom_units};
-use crate::config::{Rounding, Unit};
+use crate::config::Rounding;
+use crate::gate::Capacity;
 
 /// Reads the gate and applies each reading to the window.
 pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
@@ -22,10 +23,11 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
         let now = Instant::now();
         // A gate's live max_SYS counts requests (ready endpoints ×
         // concurrency); in tokens or bytes only the queue's own applies.
-        let max_sys = match (observation.max_sys, settings.unit) {
-            (Some(live), Unit::Requests) => live,
-            _ => settings.max_sys,
-        };
+        let max_sys = Capacity {
+            max_sys: settings.max_sys,
+            unit: settings.unit,
+        }
+        .effective(observation.max_sys);
         let n = headroom_units(max_sys, observation.headroom(), settings.rounding);
         let (applied, held) = {
             let mut window = shared.window();

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::config::{Config, GateSpec, PrometheusConfig, RedisConfig, Secret};
+use crate::config::{Config, GateSpec, PrometheusConfig, QueueConfig, RedisConfig, Secret, Unit};
 use crate::source::{Cached, PromAuth, PromClient, RedisKey, Scrape, Source, SourceError};
 
 use super::DispatchGate;
@@ -77,6 +77,42 @@ pub struct GateContext {
     pub source_timeout: Duration,
     /// The HTTP client for scrapes (one connection pool).
     pub http: reqwest::Client,
+    /// The queue's static capacity, against which a composite compares
+    /// inner gates that have no live `max_SYS` of their own.
+    pub capacity: Capacity,
+    /// This process's name where a controller reads acknowledgements
+    /// (`HOSTNAME`, the pod name on Kubernetes, else `sluicegate-<pid>`).
+    pub replica: String,
+}
+
+/// A queue's static `max_SYS` and the unit it counts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Capacity {
+    /// `max_sys` of the queue.
+    pub max_sys: f64,
+    /// What it counts.
+    pub unit: Unit,
+}
+
+impl Capacity {
+    /// The capacity an observation allows: its live `max_SYS` (which counts
+    /// requests) in request units, else the static one.
+    pub fn effective(&self, live: Option<f64>) -> f64 {
+        match (live, self.unit) {
+            (Some(live), Unit::Requests) => live,
+            _ => self.max_sys,
+        }
+    }
+}
+
+impl Default for Capacity {
+    /// A `[[queue]]`'s defaults.
+    fn default() -> Self {
+        Self {
+            max_sys: 100.0,
+            unit: Unit::Requests,
+        }
+    }
 }
 
 impl GateContext {
@@ -106,7 +142,22 @@ impl GateContext {
             max_staleness,
             source_timeout: max_staleness.min(Duration::from_secs(10)),
             http: reqwest::Client::new(),
+            capacity: Capacity::default(),
+            replica: std::env::var("HOSTNAME")
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| format!("sluicegate-{}", std::process::id())),
         }
+    }
+
+    /// This context for the gate of `queue` (its static capacity).
+    #[must_use]
+    pub fn for_queue(mut self, queue: &QueueConfig) -> Self {
+        self.capacity = Capacity {
+            max_sys: queue.max_sys,
+            unit: queue.unit,
+        };
+        self
     }
 
     /// `source` behind the single-flight cache with this context's timings.

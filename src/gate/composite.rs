@@ -7,8 +7,8 @@ use serde_json::{Map, Value};
 
 use super::param::{GateParams, ParseCx, kind};
 use super::{
-    Admission, AdmissionRequest, BuildError, DispatchGate, Explanation, GateContext, GateError,
-    Observation, Ticket,
+    Admission, AdmissionRequest, BuildError, Capacity, DispatchGate, Explanation, GateContext,
+    GateError, Observation, Ticket,
 };
 use crate::config::GateSpec;
 
@@ -73,23 +73,32 @@ impl GateParams for CompositeParams {
             .iter()
             .map(|g| g.build(ctx))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Box::new(CompositeGate::new(inner)))
+        Ok(Box::new(CompositeGate::new(inner, ctx.capacity)))
     }
 }
 
-/// Minimum of inner budgets; a message goes only if every inner gate
+/// The tightest inner gate; a message goes only if every inner gate
 /// admits it.
+///
+/// "Tightest" is in units, not budget fractions: an inner gate's headroom
+/// times *its own* capacity (a live `max_SYS`, else the queue's), so one
+/// gate's headroom is never paired with another gate's capacity. The
+/// reading is dated by its freshest input, so a fresh closing reading is
+/// never discarded for being newer than a stale open one; and it counts as
+/// seeing our own load only if the chosen reading does and is itself the
+/// freshest (otherwise the window is `N` itself, the safe side).
 #[derive(Debug)]
 pub struct CompositeGate {
     gates: Vec<Box<dyn DispatchGate>>,
+    capacity: Capacity,
 }
 
 impl CompositeGate {
     /// A composite of at least one gate (the config loader rejects an empty
     /// list; an empty composite here would be an open gate, so it is closed
-    /// by `observe`).
-    pub fn new(gates: Vec<Box<dyn DispatchGate>>) -> Self {
-        Self { gates }
+    /// by `observe`) for a queue of `capacity`.
+    pub fn new(gates: Vec<Box<dyn DispatchGate>>, capacity: Capacity) -> Self {
+        Self { gates, capacity }
     }
 }
 
@@ -97,34 +106,27 @@ impl DispatchGate for CompositeGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
         Box::pin(async move {
             let observations = join_all(self.gates.iter().map(|g| g.observe())).await;
-            let mut tightest: Option<Observation> = None;
-            let mut oldest = None;
-            let mut max_sys: Option<f64> = None;
+            // (units of headroom, the reading with its capacity made explicit)
+            let mut tightest: Option<(f64, Observation)> = None;
+            let mut newest: Option<tokio::time::Instant> = None;
             for observation in observations {
                 // One unreadable inner gate closes the whole composite.
-                let observation = observation?;
-                oldest = Some(match oldest {
-                    Some(t) if t < observation.taken_at => t,
-                    _ => observation.taken_at,
-                });
-                if let Some(m) = observation.max_sys {
-                    max_sys = Some(max_sys.map_or(m, |cur: f64| cur.min(m)));
-                }
-                let tighter = tightest
-                    .as_ref()
-                    .is_none_or(|t| observation.headroom() < t.headroom());
-                if tighter {
-                    tightest = Some(observation);
+                let mut observation = observation?;
+                newest = Some(newest.map_or(observation.taken_at, |t| t.max(observation.taken_at)));
+                let capacity = self.capacity.effective(observation.max_sys);
+                let units = capacity * observation.headroom();
+                observation.max_sys = Some(capacity);
+                if tightest.as_ref().is_none_or(|(u, _)| units < *u) {
+                    tightest = Some((units, observation));
                 }
             }
-            let (Some(mut result), Some(oldest)) = (tightest, oldest) else {
+            let (Some((_, mut result)), Some(newest)) = (tightest, newest) else {
                 return Err(GateError::SourceUnavailable(
                     "composite gate has no inner gates".into(),
                 ));
             };
-            // The combined reading is only as fresh as its oldest input.
-            result.taken_at = oldest;
-            result.max_sys = max_sys;
+            result.sees_own_load = result.sees_own_load && result.taken_at == newest;
+            result.taken_at = newest;
             Ok(result)
         })
     }
@@ -189,7 +191,7 @@ mod tests {
 
     use super::*;
     use crate::config::GatingMode;
-    use crate::gate::{Budget, ConstantGate, LocalMaxConcurrencyGate};
+    use crate::gate::{Budget, Capacity, ConstantGate, LocalMaxConcurrencyGate};
 
     fn request<'a>(empty: &'a BTreeMap<String, String>) -> AdmissionRequest<'a> {
         AdmissionRequest {
@@ -201,17 +203,94 @@ mod tests {
 
     #[tokio::test]
     async fn budget_is_the_minimum_of_inner_budgets() {
-        let gate = CompositeGate::new(vec![
-            Box::new(ConstantGate::new(Budget::saturating(0.8))),
-            Box::new(ConstantGate::new(Budget::saturating(0.3))),
-        ]);
+        let gate = CompositeGate::new(
+            vec![
+                Box::new(ConstantGate::new(Budget::saturating(0.8))),
+                Box::new(ConstantGate::new(Budget::saturating(0.3))),
+            ],
+            Capacity::default(),
+        );
         let o = gate.observe().await.expect("readable");
         assert_eq!(o.budget, Budget::saturating(0.3));
     }
 
+    /// An inner gate that reads what it is told.
+    #[derive(Debug)]
+    struct Fixed(Observation);
+
+    impl DispatchGate for Fixed {
+        fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+            Box::pin(std::future::ready(Ok(self.0.clone())))
+        }
+
+        fn kind(&self) -> &'static str {
+            "fixed"
+        }
+    }
+
+    fn reading(d: f64, max_sys: Option<f64>, taken_at: tokio::time::Instant) -> Observation {
+        let mut o = Observation::open(Budget::saturating(d), taken_at);
+        o.max_sys = max_sys;
+        o.sees_own_load = true;
+        o
+    }
+
+    #[tokio::test]
+    async fn tightest_is_counted_in_units_with_each_gates_own_capacity() {
+        let now = tokio::time::Instant::now();
+        // 50 % of a live 10 = 5 units; 10 % of the queue's 100 = 10 units.
+        // Before: the 10 % reading won and was paired with the live 10,
+        // giving 1 unit.
+        let gate = CompositeGate::new(
+            vec![
+                Box::new(Fixed(reading(0.5, Some(10.0), now))),
+                Box::new(Fixed(reading(0.1, None, now))),
+            ],
+            Capacity::default(),
+        );
+        let o = gate.observe().await.expect("readable");
+        assert_eq!(o.budget, Budget::saturating(0.5));
+        assert_eq!(o.max_sys, Some(10.0));
+        assert!(o.sees_own_load);
+    }
+
+    #[tokio::test]
+    async fn a_fresh_closing_reading_is_kept_and_dated_by_the_freshest_input() {
+        let old = tokio::time::Instant::now();
+        let fresh = old + std::time::Duration::from_secs(10);
+        let gate = CompositeGate::new(
+            vec![
+                Box::new(Fixed(reading(0.9, None, old))),
+                Box::new(Fixed(reading(0.0, None, fresh))),
+            ],
+            Capacity::default(),
+        );
+        let o = gate.observe().await.expect("readable");
+        assert_eq!(o.budget, Budget::ZERO);
+        assert_eq!(o.taken_at, fresh);
+        // When the tightest input is older than the freshest, the reading
+        // no longer counts as seeing our load (the window is N itself).
+        let gate = CompositeGate::new(
+            vec![
+                Box::new(Fixed(reading(0.2, None, old))),
+                Box::new(Fixed(reading(0.9, None, fresh))),
+            ],
+            Capacity::default(),
+        );
+        let o = gate.observe().await.expect("readable");
+        assert_eq!(o.budget, Budget::saturating(0.2));
+        assert_eq!(o.taken_at, fresh);
+        assert!(!o.sees_own_load);
+    }
+
     #[tokio::test]
     async fn empty_composite_is_closed() {
-        assert!(CompositeGate::new(vec![]).observe().await.is_err());
+        assert!(
+            CompositeGate::new(vec![], Capacity::default())
+                .observe()
+                .await
+                .is_err()
+        );
     }
 
     #[tokio::test]
@@ -219,7 +298,10 @@ mod tests {
         let empty = BTreeMap::new();
         let wide = std::sync::Arc::new(LocalMaxConcurrencyGate::new(2, GatingMode::Classifying));
         let narrow = LocalMaxConcurrencyGate::new(1, GatingMode::Classifying);
-        let gate = CompositeGate::new(vec![Box::new(wide.clone()), Box::new(narrow)]);
+        let gate = CompositeGate::new(
+            vec![Box::new(wide.clone()), Box::new(narrow)],
+            Capacity::default(),
+        );
         let first = gate.admit(request(&empty)).await;
         assert!(matches!(first, Admission::Continue(_)));
         let second = gate.admit(request(&empty)).await;

@@ -50,6 +50,12 @@ pub struct EndpointScrapeParams {
     /// Label matchers on the ready-pod metric.
     #[serde(deserialize_with = "loose::string_map")]
     pub pods_labels: BTreeMap<String, String>,
+    /// Whether `metric` counts this dispatcher's requests once they run
+    /// (running requests, KV use: true; waiting-queue sizes: false, the
+    /// default). Only then may the window add `N` to what is in flight.
+    /// Not in upstream's parameters.
+    #[serde(deserialize_with = "loose::bool")]
+    pub sees_own_load: bool,
 }
 
 impl GateParams for EndpointScrapeParams {
@@ -85,7 +91,8 @@ impl GateParams for EndpointScrapeParams {
             self.max_count_per_pod,
             self.baseline,
             pods,
-        );
+        )
+        .seeing_own_load(self.sees_own_load);
         Ok(Fallback::wrap(Box::new(gate), self.fallback))
     }
 }
@@ -110,6 +117,7 @@ pub struct EndpointScrapeGate {
     max_count_per_pod: f64,
     baseline: f64,
     pods: Option<PodsSource>,
+    sees_own_load: bool,
 }
 
 fn select(
@@ -148,7 +156,16 @@ impl EndpointScrapeGate {
             max_count_per_pod,
             baseline,
             pods,
+            sees_own_load: false,
         }
+    }
+
+    /// Declares whether the metric counts our own running requests (the
+    /// default is no: the window is then `N` itself).
+    #[must_use]
+    pub fn seeing_own_load(mut self, sees_own_load: bool) -> Self {
+        self.sees_own_load = sees_own_load;
+        self
     }
 
     async fn fetch(
@@ -288,6 +305,8 @@ impl MetricGate for EndpointScrapeGate {
     const KIND: &'static str = "endpoint-scrape";
 
     async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
-        self.read_page(sources).await
+        let mut reading = self.read_page(sources).await?;
+        reading.sees_own_load = self.sees_own_load;
+        Ok(reading)
     }
 }

@@ -119,6 +119,12 @@ impl DispatchGate for LocalMaxConcurrencyGate {
         let used = self.in_flight().min(self.limit);
         let free = (self.limit - used) as f64 / self.limit as f64;
         let mut observation = Observation::open(Budget::saturating(free), Instant::now());
+        // D is read from our own requests in flight at this very instant:
+        // it sees our load exactly, and max_SYS is the limit (in requests),
+        // so the window is in-flight + (limit − used) = the limit. Marking
+        // it blind would count our work twice and fill half the limit.
+        observation.sees_own_load = true;
+        observation.max_sys = Some(self.limit as f64);
         observation.reason = format!("{used} of {} local slots in use", self.limit);
         Box::pin(std::future::ready(Ok(observation)))
     }
@@ -185,6 +191,12 @@ mod tests {
             Budget::saturating(0.5)
         );
         let b = gate.admit(req).await;
+        // The reading is our own in-flight work: it sees our load, with the
+        // limit as max_SYS, so the window is in-flight + free = the limit
+        // (read as blind, 2 in flight + N = 0 would be a window of 0).
+        let full = gate.observe().await.expect("ok");
+        assert!(full.sees_own_load);
+        assert_eq!(full.max_sys, Some(2.0));
         assert!(matches!(gate.admit(req).await, Admission::Wait { .. }));
         assert_eq!(gate.observe().await.expect("ok").budget, Budget::ZERO);
         drop((a, b));

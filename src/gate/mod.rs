@@ -46,7 +46,7 @@ use std::fmt;
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-pub use build::{BuildError, GateContext, build_gate};
+pub use build::{BuildError, Capacity, GateContext, build_gate};
 pub use composite::{CompositeGate, CompositeParams};
 pub use constant::{ConstantGate, ConstantParams};
 pub use endpoint_scrape::{EndpointScrapeGate, EndpointScrapeParams, PodsSource};

@@ -386,6 +386,20 @@ pub(crate) mod loose {
         u32(d).map(Some)
     }
 
+    /// A boolean: `true`/`false`, or the strings `"true"`/`"false"`.
+    pub(crate) fn bool<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        let v = value(d)?;
+        match &v {
+            Value::Bool(b) => Ok(*b),
+            Value::String(s) if s.trim().eq_ignore_ascii_case("true") => Ok(true),
+            Value::String(s) if s.trim().eq_ignore_ascii_case("false") => Ok(false),
+            _ => Err(de::Error::custom(format!(
+                "expected true or false, got {}",
+                show(&v)
+            ))),
+        }
+    }
+
     /// A string (or a number or boolean as text).
     pub(crate) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
         as_string(&value(d)?).map_err(de::Error::custom)

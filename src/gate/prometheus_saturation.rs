@@ -82,16 +82,21 @@ impl PrometheusSaturationGate {
             .map(|n| format!(",namespace={}", promql_string(n)))
             .unwrap_or_default();
         let sel = format!("{{inference_pool={}{ns}}}", promql_string(pool));
+        // Dated by the samples' scrape time, so re-reading one scrape
+        // releases nothing new. The saturation detectors count requests in
+        // flight through the picker and KV use, which include ours.
+        let series = |metric: &str| {
+            let selector = format!("{metric}{sel}");
+            cache(client.dated_query(selector.clone(), &selector))
+        };
         let queries = vec![
             (
                 "pool saturation (current name)",
-                cache(client.query(format!("llm_d_epp_flow_control_pool_saturation{sel}"))),
+                series("llm_d_epp_flow_control_pool_saturation"),
             ),
             (
                 "pool saturation (legacy name)",
-                cache(client.query(format!(
-                    "inference_extension_flow_control_pool_saturation{sel}"
-                ))),
+                series("inference_extension_flow_control_pool_saturation"),
             ),
         ];
         Self {

@@ -1,7 +1,12 @@
-//! `redis`: the budget `D` is a float written to a Redis key by an external
-//! controller. A missing key, an unparsable or out-of-range value closes
-//! the gate unless `missing` opts into a fallback (upstream opens on a
-//! missing key).
+//! `redis`: the budget `D` is written to a Redis key by an external
+//! controller, as a bare number (upstream) or a decision record with a
+//! timestamp and a decision id, which this gate acknowledges (format in
+//! `source::redis_key`). A missing key, an unparsable or out-of-range value
+//! closes the gate unless `missing` opts into a fallback (upstream opens on
+//! a missing key).
+
+use std::sync::Mutex;
+use std::time::SystemTime;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
@@ -9,7 +14,7 @@ use serde_json::Value;
 use super::param::{GateParams, ParseCx, loose, show};
 use super::reading::{MetricGate, SourceReport, pool_reading};
 use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
-use crate::source::{Cached, RedisKey};
+use crate::source::{Cached, RedisKey, parse_budget_record};
 
 /// What the `redis` gate does when the budget key is missing or unreadable.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -90,7 +95,7 @@ impl GateParams for RedisParams {
             MissingBudget::Fallback(f) => Some(f),
         };
         Ok(Fallback::wrap(
-            Box::new(RedisBudgetGate::new(ctx.cache(key))),
+            Box::new(RedisBudgetGate::new(ctx.cache(key), ctx.replica.clone())),
             fallback,
         ))
     }
@@ -100,12 +105,49 @@ impl GateParams for RedisParams {
 #[derive(Debug)]
 pub struct RedisBudgetGate {
     key: Cached<RedisKey>,
+    /// This replica's name in the controller's acknowledgement hash.
+    replica: String,
+    /// The newest decision acknowledged, so each is written back once.
+    acknowledged: Mutex<Option<String>>,
 }
 
 impl RedisBudgetGate {
-    /// The gate reading one cached key.
-    pub fn new(key: Cached<RedisKey>) -> Self {
-        Self { key }
+    /// The gate reading one cached key; `replica` names this process when
+    /// it acknowledges a controller's decision.
+    pub fn new(key: Cached<RedisKey>, replica: impl Into<String>) -> Self {
+        Self {
+            key,
+            replica: replica.into(),
+            acknowledged: Mutex::new(None),
+        }
+    }
+
+    /// Writes `decision_id` back to `<key>:applied` once. A failed write is
+    /// logged and retried on the next read: the controller only learns late.
+    async fn acknowledge(&self, decision_id: &str) {
+        let done = self
+            .acknowledged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_deref()
+            == Some(decision_id);
+        if done {
+            return;
+        }
+        match self
+            .key
+            .source()
+            .acknowledge(&self.replica, decision_id)
+            .await
+        {
+            Ok(()) => {
+                *self.acknowledged.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some(decision_id.to_owned());
+            }
+            Err(error) => {
+                tracing::warn!(%error, decision_id, "cannot acknowledge the budget decision");
+            }
+        }
     }
 }
 
@@ -119,28 +161,37 @@ impl MetricGate for RedisBudgetGate {
                 report.outcome = format!("error: {e}");
                 Err(GateError::SourceUnavailable(format!("redis: {e}")))
             }
-            Ok(t) => match t.value.as_deref().map(str::trim) {
+            Ok(t) => match t.value.as_deref() {
                 None => {
                     report.outcome = "key missing".into();
                     Err(GateError::SourceUnavailable("budget key is missing".into()))
                 }
-                Some(text) => match text.parse::<f64>() {
-                    Ok(d) if (0.0..=1.0).contains(&d) => {
-                        report.values.push((String::new(), d));
+                Some(text) => match parse_budget_record(text, t.taken_at, SystemTime::now()) {
+                    Ok(record) => {
+                        report.values.push((String::new(), record.budget));
                         report.outcome = "used".into();
-                        Ok(pool_reading(
-                            d,
+                        let mut reason = format!("budget key holds {}", record.budget);
+                        if let Some(id) = &record.decision_id {
+                            reason.push_str(&format!(" (decision {id})"));
+                        }
+                        let mut reading = pool_reading(
+                            record.budget,
                             0.0,
-                            t.taken_at,
+                            record.taken_at.unwrap_or(t.taken_at),
                             None,
-                            format!("budget key holds {d}"),
-                        ))
+                            reason,
+                        );
+                        // A bare number has no date and says nothing about
+                        // our load; a record says whether it does.
+                        reading.sees_own_load = record.sees_own_load;
+                        if let Some(id) = &record.decision_id {
+                            self.acknowledge(id).await;
+                        }
+                        Ok(reading)
                     }
-                    _ => {
-                        report.outcome = format!("invalid: {text:?} is not a number in [0, 1]");
-                        Err(GateError::SourceUnavailable(format!(
-                            "budget key holds {text:?}, not a number in [0, 1]"
-                        )))
+                    Err(e) => {
+                        report.outcome = format!("invalid: {e}");
+                        Err(GateError::SourceUnavailable(format!("budget key: {e}")))
                     }
                 },
             },
