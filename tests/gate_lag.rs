@@ -29,6 +29,7 @@ async fn roomy_pool() -> SimHandle {
         ..SimConfig::default()
     };
     cfg.engine.max_num_seqs = 256;
+    cfg.http.max_output_tokens = 8000;
     spawn_http(cfg).await.unwrap()
 }
 
@@ -51,7 +52,14 @@ fn write_batch(dir: &TempDir, n: usize, max_tokens: u32) -> std::path::PathBuf {
     input
 }
 
-fn start_dispatcher(sim: &SimHandle, prom: &Prometheus, input: &std::path::Path) -> Child {
+fn start_dispatcher(
+    sim: &SimHandle,
+    prom: &Prometheus,
+    input: &std::path::Path,
+    scrape: Duration,
+) -> Child {
+    // Data may be up to a scrape (plus the query) old: allow two.
+    let staleness = format!("{}s", (scrape * 2).as_secs().max(20));
     Command::new(BIN)
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
@@ -65,7 +73,7 @@ fn start_dispatcher(sim: &SimHandle, prom: &Prometheus, input: &std::path::Path)
         .env("SLUICEGATE_PROMETHEUS_URL", prom.url())
         .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
         .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "200ms")
-        .env("SLUICEGATE_DISPATCH_MAX_STALENESS", "20s")
+        .env("SLUICEGATE_DISPATCH_MAX_STALENESS", staleness)
         .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
         .args(["run", "--exit-when-done", "--input"])
         .arg(input)
@@ -98,6 +106,35 @@ async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
 /// Runs a batch through the gate for `watch` and returns the largest batch
 /// in-flight seen at the pool, sampled every 50 ms.
 async fn max_in_flight(drop_metrics: Vec<String>, scrape: Duration, watch: Duration) -> f64 {
+    // ~6 s per request at the simulator's default step time.
+    run(drop_metrics, scrape, watch, 600).await.max_in_flight
+}
+
+/// What one lag run measured.
+struct Run {
+    /// Largest batch in flight at the pool.
+    max_in_flight: f64,
+    /// Batch requests completed per second over the run.
+    throughput: f64,
+}
+
+/// Completed requests so far, from the pool's own counter.
+async fn pool_successes(client: &reqwest::Client, sim: &SimHandle) -> f64 {
+    let text = client
+        .get(format!("{}/metrics", sim.base_url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn run(drop_metrics: Vec<String>, scrape: Duration, watch: Duration, max_tokens: u32) -> Run {
     let sim = roomy_pool().await;
     let prom = Prometheus::start_scraping_every(
         &PrometheusSpec {
@@ -110,19 +147,23 @@ async fn max_in_flight(drop_metrics: Vec<String>, scrape: Duration, watch: Durat
     prom.wait_for_sample("llm_d_epp_ready_endpoints", scrape * 4)
         .await;
     let dir = TempDir::new("gate-lag");
-    // ~6 s per request at the simulator's default step time.
-    let input = write_batch(&dir, 200, 600);
-    let mut child = start_dispatcher(&sim, &prom, &input);
+    let input = write_batch(&dir, 2000, max_tokens);
+    let mut child = start_dispatcher(&sim, &prom, &input, scrape);
     let client = reqwest::Client::new();
     let start = std::time::Instant::now();
+    let done_before = pool_successes(&client, &sim).await;
     let mut max = 0.0f64;
     while start.elapsed() < watch {
         max = max.max(pool_in_flight(&client, &sim).await);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let done = pool_successes(&client, &sim).await - done_before;
     let _ = child.kill();
     let _ = child.wait();
-    max
+    Run {
+        max_in_flight: max,
+        throughput: done / start.elapsed().as_secs_f64(),
+    }
 }
 
 fn ceiling() -> f64 {
@@ -165,4 +206,44 @@ async fn running_requests_source_dated_by_scrape_never_lets_in_flight_exceed_the
         "max batch in flight {max} > {}",
         ceiling()
     );
+}
+
+/// The lag table of `docs/benchmarks.md`: scrape interval × request
+/// duration (a third of a scrape, and one and a half scrapes), the
+/// running-requests source (which sees our load and must be dated by the
+/// scrape). Prints one row per cell; asserts nothing about speed.
+/// `cargo test --test gate_lag -- --ignored --nocapture lag_table`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: about ten minutes"]
+async fn lag_table() {
+    println!("| scrape | request | max batch in flight | max_SYS × (1 − B) | batch requests/s |");
+    println!("|---|---|---|---|---|");
+    for scrape_s in [1u64, 5, 15, 30] {
+        let scrape = Duration::from_secs(scrape_s);
+        // The simulator decodes a token about every 10 ms.
+        for (label, seconds) in [
+            ("shorter", scrape_s as f64 / 3.0),
+            ("longer", scrape_s as f64 * 1.5),
+        ] {
+            let tokens = (seconds * 100.0).round().max(10.0) as u32;
+            let watch = (scrape * 4).max(Duration::from_secs(20));
+            let r = run(
+                vec![
+                    ".*flow_control.*".into(),
+                    ".*per_endpoint_queue.*".into(),
+                    ".*per_pod_queue.*".into(),
+                ],
+                scrape,
+                watch,
+                tokens,
+            )
+            .await;
+            println!(
+                "| {scrape_s} s | {label} (~{seconds:.1} s) | {:.0} | {:.1} | {:.2} |",
+                r.max_in_flight,
+                ceiling(),
+                r.throughput
+            );
+        }
+    }
 }

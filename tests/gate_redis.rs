@@ -56,6 +56,17 @@ impl Redis {
     }
 }
 
+impl Redis {
+    fn cli_out(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
 impl Drop for Redis {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -96,7 +107,8 @@ async fn redis_gate_reads_the_budget_key_and_fails_closed_otherwise() {
         o.source_available && (o.budget.get() - 0.4).abs() < 1e-12,
         "{o:?}"
     );
-    assert!(o.sees_own_load);
+    // A bare number has no date and says nothing about our own load.
+    assert!(!o.sees_own_load);
 
     for bad in ["abc", "1.5", "-0.1", "NaN"] {
         redis.cli(&["SET", "dispatch-gate-budget", bad]);
@@ -128,4 +140,52 @@ async fn redis_gate_reads_the_budget_key_and_fails_closed_otherwise() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decision_records_are_dated_acknowledged_and_go_stale() {
+    let redis = Redis::start().await;
+    let address = format!("127.0.0.1:{}", redis.port);
+    let spec = GateSpec::parse("redis", &json!({"address": address}), "test").unwrap();
+    let ctx = GateContext::new(None, None, Duration::from_millis(50), STALENESS);
+    let replica = ctx.replica.clone();
+    let g = FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS);
+
+    let record = json!({"budget": 0.6, "timestamp": unix_now(), "decision_id": "d-1",
+        "sees_own_load": true});
+    redis.cli(&["SET", "dispatch-gate-budget", &record.to_string()]);
+    let o = fresh(&g).await;
+    assert!(o.source_available, "{o:?}");
+    assert!((o.budget.get() - 0.6).abs() < 1e-12, "{o:?}");
+    assert!(o.sees_own_load);
+    // The controller can tell the decision took effect here.
+    assert_eq!(
+        redis.cli_out(&["HGET", "dispatch-gate-budget:applied", &replica]),
+        "d-1"
+    );
+
+    // A controller that died leaves its last record behind: once its data
+    // is older than max_staleness the gate closes instead of trusting it.
+    let old = json!({"budget": 0.9, "timestamp": unix_now() - 10.0, "decision_id": "d-2"});
+    redis.cli(&["SET", "dispatch-gate-budget", &old.to_string()]);
+    let o = fresh(&g).await;
+    assert_eq!(o.budget.get(), 0.0, "{o:?}");
+    assert!(!o.source_available);
+    // ... and is not acknowledged as applied.
+    assert_eq!(
+        redis.cli_out(&["HGET", "dispatch-gate-budget:applied", &replica]),
+        "d-1"
+    );
+
+    // A record without a timestamp is refused, never guessed.
+    redis.cli(&["SET", "dispatch-gate-budget", r#"{"budget": 0.5}"#]);
+    let o = fresh(&g).await;
+    assert_eq!(o.budget.get(), 0.0, "{o:?}");
 }

@@ -6,7 +6,7 @@
 //! a missing key).
 
 use std::sync::Mutex;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
@@ -95,7 +95,11 @@ impl GateParams for RedisParams {
             MissingBudget::Fallback(f) => Some(f),
         };
         Ok(Fallback::wrap(
-            Box::new(RedisBudgetGate::new(ctx.cache(key), ctx.replica.clone())),
+            Box::new(RedisBudgetGate::new(
+                ctx.cache(key),
+                ctx.replica.clone(),
+                ctx.max_staleness,
+            )),
             fallback,
         ))
     }
@@ -109,16 +113,20 @@ pub struct RedisBudgetGate {
     replica: String,
     /// The newest decision acknowledged, so each is written back once.
     acknowledged: Mutex<Option<String>>,
+    /// A decision older than this is refused by the staleness wrapper, so
+    /// it is not acknowledged as applied either.
+    max_staleness: Duration,
 }
 
 impl RedisBudgetGate {
     /// The gate reading one cached key; `replica` names this process when
     /// it acknowledges a controller's decision.
-    pub fn new(key: Cached<RedisKey>, replica: impl Into<String>) -> Self {
+    pub fn new(key: Cached<RedisKey>, replica: impl Into<String>, max_staleness: Duration) -> Self {
         Self {
             key,
             replica: replica.into(),
             acknowledged: Mutex::new(None),
+            max_staleness,
         }
     }
 
@@ -184,7 +192,8 @@ impl MetricGate for RedisBudgetGate {
                         // A bare number has no date and says nothing about
                         // our load; a record says whether it does.
                         reading.sees_own_load = record.sees_own_load;
-                        if let Some(id) = &record.decision_id {
+                        let usable = reading.taken_at.elapsed() <= self.max_staleness;
+                        if let (Some(id), true) = (&record.decision_id, usable) {
                             self.acknowledge(id).await;
                         }
                         Ok(reading)
