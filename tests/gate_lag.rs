@@ -144,8 +144,11 @@ async fn run(drop_metrics: Vec<String>, scrape: Duration, watch: Duration, max_t
         scrape,
     )
     .await;
-    prom.wait_for_sample("llm_d_epp_ready_endpoints", scrape * 4)
-        .await;
+    prom.wait_for_sample(
+        "llm_d_epp_ready_endpoints",
+        (scrape * 4).max(Duration::from_secs(20)),
+    )
+    .await;
     let dir = TempDir::new("gate-lag");
     let input = write_batch(&dir, 2000, max_tokens);
     let mut child = start_dispatcher(&sim, &prom, &input, scrape);
