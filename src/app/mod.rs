@@ -31,9 +31,7 @@ use crate::config::{Config, QueueConfig, TransportKind};
 use crate::dispatch::congestion::CongestionHold;
 use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{BuildError, DispatchGate, FailClosed, GateContext, build_gate};
-use crate::gateway::{
-    GatewayBuildError, GatewayClient, GatewaySettings, SecretFileError, Target, TargetError,
-};
+use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings, Target, TargetError};
 use crate::queue::{MemoryQueue, OpenError, Queue, Transports};
 use crate::telemetry::{Health, Metrics, QueueMetrics};
 
@@ -78,9 +76,6 @@ pub enum AppError {
         #[source]
         source: std::io::Error,
     },
-    /// The gateway token file could not be read.
-    #[error(transparent)]
-    SecretFile(#[from] SecretFileError),
     /// The HTTP client could not be built.
     #[error("gateway: {0}")]
     Gateway(#[from] GatewayBuildError),
@@ -120,7 +115,6 @@ impl AppError {
             | Self::Input { .. }
             | Self::Open(_)
             | Self::Listen { .. }
-            | Self::SecretFile(_)
             | Self::Gateway(_)
             | Self::Target { .. }
             | Self::Gate { .. } => EXIT_CONFIG,
@@ -235,7 +229,7 @@ pub async fn start(
     let queues = transports.queues();
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
-    let gateway = GatewayClient::new(GatewaySettings::try_from(&config.gateway)?)?;
+    let gateway = GatewayClient::new(GatewaySettings::from(&config.gateway))?;
     let context = GateContext::from_config(config);
     let mut built = Vec::with_capacity(queues.len());
     // One congestion hold per gateway: a 429 seen by one queue holds every

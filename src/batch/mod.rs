@@ -514,8 +514,7 @@ fn build_dispatcher(
     watch: GateWatch,
 ) -> Result<QueueDispatcher, BatchError> {
     let config = batch_config(options)?;
-    let settings = GatewaySettings::try_from(&config.gateway)
-        .map_err(|e| BatchError::Gateway(e.to_string()))?;
+    let settings = GatewaySettings::from(&config.gateway);
     let gateway = GatewayClient::new(settings).map_err(|e| BatchError::Gateway(e.to_string()))?;
     let metrics = Metrics::new();
     crate::app::build_dispatcher(

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use redis::Client;
 use redis::aio::ConnectionManager;
 
-use crate::config::{EndpointUrl, RedisConfig, Secret, parse_duration};
+use crate::config::{EndpointUrl, RedisConfig, Secret, parse_duration, read_secret_file};
 use crate::queue::redis::{ConnectError, Submission, client, enqueue, manager};
 use crate::request::parse_message;
 
@@ -42,10 +42,17 @@ impl RedisArgs {
     /// The connection settings these flags describe.
     pub(super) fn config(&self) -> Result<RedisConfig, String> {
         let url = url::Url::parse(&self.redis_url).map_err(|e| format!("--redis-url: {e}"))?;
+        let password = match (&self.redis_password, &self.redis_password_file) {
+            (Some(p), _) => Some(Secret::new(p.clone())),
+            (None, Some(path)) => {
+                Some(read_secret_file(path).map_err(|e| format!("--redis-password-file: {e}"))?)
+            }
+            (None, None) => None,
+        };
         Ok(RedisConfig {
             url: EndpointUrl::new(url),
             username: self.redis_username.clone(),
-            password: self.redis_password.clone().map(Secret::new),
+            password,
             password_file: self.redis_password_file.clone(),
         })
     }

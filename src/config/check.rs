@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use url::Url;
 
 use super::gate::parse_gate_spec;
-use super::secret::{EndpointUrl, Secret};
+use super::secret::{EndpointUrl, Secret, read_secret_file};
 use super::values::{Ctx, as_choice, as_duration, as_nonempty_string, as_string, as_u64_in};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
@@ -166,12 +166,9 @@ fn secret(ctx: &mut Ctx, key: &str, value: &mut Option<Secret>, file: &Option<Pa
             ctx.err(key, format!("set either {key} or {file_key}, not both"));
             *value = None;
         }
-        (false, Some(p)) => match std::fs::read_to_string(p) {
-            Ok(text) if text.trim_end_matches(['\r', '\n']).is_empty() => {
-                ctx.err(file_key, format!("{} is empty", p.display()));
-            }
-            Ok(text) => *value = Some(Secret::new(text.trim_end_matches(['\r', '\n']))),
-            Err(e) => ctx.err(file_key, format!("cannot read {}: {e}", p.display())),
+        (false, Some(p)) => match read_secret_file(p) {
+            Ok(secret) => *value = Some(secret),
+            Err(e) => ctx.err(file_key, e.to_string()),
         },
     }
 }

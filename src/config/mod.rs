@@ -64,7 +64,9 @@ pub use gate::{
 };
 pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
 // Loose value conversions the gates' parameter adapters share.
-pub use secret::{EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, mask_url};
+pub use secret::{
+    EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
+};
 pub(crate) use values::{
     as_duration, as_f64, as_string, as_string_list, as_string_map, kind, show,
 };

@@ -12,6 +12,43 @@ pub const REDACTED: &str = "<redacted>";
 /// What a URL password is replaced with when a URL is shown.
 pub const MASKED_PASSWORD: &str = "****";
 
+/// A secret file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretFileError {
+    /// It could not be read.
+    #[error("cannot read {path}: {source}")]
+    Unreadable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The read error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It holds nothing (after trailing line breaks).
+    #[error("{} is empty", path.display())]
+    Empty {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+}
+
+/// Reads a secret from a file (Kubernetes secret mounts end with a line
+/// break, which is not part of the secret). The one place secret files are
+/// read: the config loader, and the CLI flags that name one.
+pub fn read_secret_file(path: &std::path::Path) -> Result<Secret, SecretFileError> {
+    let text = std::fs::read_to_string(path).map_err(|source| SecretFileError::Unreadable {
+        path: path.to_owned(),
+        source,
+    })?;
+    let secret = text.trim_end_matches(['\r', '\n']);
+    if secret.is_empty() {
+        return Err(SecretFileError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    Ok(Secret::new(secret))
+}
+
 /// A secret string (token, password). `Debug`, `Display` and `Serialize`
 /// print `<redacted>`; only [`Secret::expose`] returns the value.
 #[derive(Clone, PartialEq, Eq)]

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::config::{Config, GateSpec, PrometheusConfig, QueueConfig, RedisConfig, Secret, Unit};
+use crate::config::{Config, GateSpec, PrometheusConfig, QueueConfig, RedisConfig, Unit};
 use crate::source::{Cached, PromAuth, PromClient, RedisKey, Scrape, Source, SourceError};
 
 use super::DispatchGate;
@@ -34,17 +34,6 @@ pub enum BuildError {
     NoPrometheus {
         /// The upstream gate name.
         gate_type: &'static str,
-    },
-    /// A secret file could not be read.
-    #[error("{key}: cannot read {path}: {source}")]
-    SecretFile {
-        /// The config key naming the file.
-        key: &'static str,
-        /// The file.
-        path: String,
-        /// The read error.
-        #[source]
-        source: std::io::Error,
     },
     /// A source client could not be built.
     #[error("{what}: {source}")]
@@ -171,16 +160,9 @@ impl GateContext {
             .prometheus
             .as_ref()
             .ok_or(BuildError::NoPrometheus { gate_type })?;
-        let bearer = secret(
-            p.bearer_token.as_ref(),
-            p.bearer_token_file.as_ref(),
-            "prometheus.bearer_token_file",
-        )?;
-        let password = secret(
-            p.basic_password.as_ref(),
-            p.basic_password_file.as_ref(),
-            "prometheus.basic_password_file",
-        )?;
+        // `*_file` secrets were read into these when the config was loaded.
+        let bearer = p.bearer_token.as_ref().map(|s| s.expose().to_owned());
+        let password = p.basic_password.as_ref().map(|s| s.expose().to_owned());
         let auth = match (bearer, &p.basic_user) {
             (Some(token), _) => PromAuth::Bearer(token),
             (None, Some(user)) => PromAuth::Basic {
@@ -210,11 +192,7 @@ impl GateContext {
         let (user, password) = match &self.redis {
             Some(r) => (
                 r.username.clone(),
-                secret(
-                    r.password.as_ref(),
-                    r.password_file.as_ref(),
-                    "redis.password_file",
-                )?,
+                r.password.as_ref().map(|s| s.expose().to_owned()),
             ),
             None => (None, None),
         };
@@ -229,24 +207,6 @@ impl GateContext {
             what: format!("redis gate address {address}"),
             source,
         })
-    }
-}
-
-fn secret(
-    value: Option<&Secret>,
-    file: Option<&std::path::PathBuf>,
-    key: &'static str,
-) -> Result<Option<String>, BuildError> {
-    match (value, file) {
-        (Some(v), _) => Ok(Some(v.expose().to_owned())),
-        (None, Some(path)) => std::fs::read_to_string(path)
-            .map(|s| Some(s.trim().to_owned()))
-            .map_err(|source| BuildError::SecretFile {
-                key,
-                path: path.display().to_string(),
-                source,
-            }),
-        (None, None) => Ok(None),
     }
 }
 

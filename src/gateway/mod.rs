@@ -27,7 +27,6 @@
 //! limit.
 
 use std::fmt;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::config::GatewayConfig;
@@ -78,17 +77,6 @@ pub struct GatewaySettings {
     pub fairness_attribute: Option<String>,
 }
 
-/// The gateway token file named in the config could not be read.
-#[derive(Debug, thiserror::Error)]
-#[error("gateway.token_file: cannot read {path}: {source}")]
-pub struct SecretFileError {
-    /// The file.
-    pub path: PathBuf,
-    /// The read error.
-    #[source]
-    pub source: std::io::Error,
-}
-
 impl GatewaySettings {
     /// The settings of `config` with `bearer_token` as the token.
     fn with_token(config: &GatewayConfig, bearer_token: Option<String>) -> Self {
@@ -104,25 +92,12 @@ impl GatewaySettings {
     }
 }
 
-/// The configured client: `token`, else the contents of `token_file`.
-impl TryFrom<&GatewayConfig> for GatewaySettings {
-    type Error = SecretFileError;
-
-    fn try_from(config: &GatewayConfig) -> Result<Self, Self::Error> {
-        let bearer_token = match (&config.token, &config.token_file) {
-            (Some(token), _) => Some(token.expose().to_owned()),
-            (None, Some(path)) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|source| SecretFileError {
-                        path: path.clone(),
-                        source,
-                    })?
-                    .trim()
-                    .to_owned(),
-            ),
-            (None, None) => None,
-        };
-        Ok(Self::with_token(config, bearer_token))
+/// The configured client. A `token_file` was read into `token` when the
+/// config was loaded.
+impl From<&GatewayConfig> for GatewaySettings {
+    fn from(config: &GatewayConfig) -> Self {
+        let bearer_token = config.token.as_ref().map(|t| t.expose().to_owned());
+        Self::with_token(config, bearer_token)
     }
 }
 

@@ -16,15 +16,6 @@ pub enum ConnectError {
     /// The URL is not a usable Redis URL.
     #[error("redis.url: {0}")]
     Url(#[source] redis::RedisError),
-    /// The password file could not be read.
-    #[error("redis.password_file: cannot read {path}: {source}")]
-    PasswordFile {
-        /// The file.
-        path: String,
-        /// The read error.
-        #[source]
-        source: std::io::Error,
-    },
     /// Redis could not be reached.
     #[error("redis at {addr} is unreachable: {source}")]
     Unreachable {
@@ -56,14 +47,10 @@ pub fn client(config: &RedisConfig) -> Result<Client, ConnectError> {
     if let Some(user) = config.username.as_deref().filter(|u| !u.is_empty()) {
         settings = settings.set_username(user);
     }
+    // A `password_file` was read into `password` when the config (or the
+    // command's flags) were loaded.
     if let Some(password) = &config.password {
         settings = settings.set_password(password.expose());
-    } else if let Some(path) = &config.password_file {
-        let text = std::fs::read_to_string(path).map_err(|source| ConnectError::PasswordFile {
-            path: path.display().to_string(),
-            source,
-        })?;
-        settings = settings.set_password(text.trim_end_matches(['\r', '\n']));
     }
     info = info.set_redis_settings(settings);
     Client::open(info).map_err(ConnectError::Url)
