@@ -15,6 +15,9 @@ mod settings;
 mod settle;
 pub mod window;
 
+#[cfg(test)]
+mod tests;
+
 pub use dispatcher::QueueDispatcher;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use settings::{DispatchSettings, MAX_PARK, MAX_PARKED, RECEIVE_BATCH};

@@ -1,0 +1,176 @@
+//! The dispatcher's observer, window and congestion hold together, on
+//! tokio's paused clock: time moves only when the test says so, so the
+//! window's refills and the 429 hold are checked to the millisecond, with
+//! no sleeps and no flakiness.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::congestion::{CongestionHold, CongestionPolicy};
+use super::dispatcher::{Send, Shared};
+use super::observe::observe_loop;
+use super::window::Window;
+use super::{DispatchSettings, QueueDispatcher, RetryPolicy};
+use crate::gate::{Budget, DispatchGate, FailClosed, GateError, Observation};
+use crate::gateway::{GatewayClient, GatewaySettings, Target};
+use crate::queue::MemoryQueue;
+use crate::telemetry::Metrics;
+
+const POLL: Duration = Duration::from_millis(100);
+
+/// A gate whose reading the test sets: headroom and the instant the data
+/// describes (re-reading the same data keeps the same instant).
+#[derive(Debug)]
+struct Scripted(Arc<Mutex<Observation>>);
+
+impl DispatchGate for Scripted {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        let o = self
+            .0
+            .lock()
+            .map(|o| o.clone())
+            .map_err(|_| GateError::SourceUnavailable("poisoned".into()));
+        Box::pin(std::future::ready(o))
+    }
+
+    fn kind(&self) -> &'static str {
+        "scripted"
+    }
+}
+
+fn reading(d: f64, taken_at: Instant) -> Observation {
+    let mut o = Observation::open(Budget::saturating(d), taken_at);
+    o.sees_own_load = true;
+    o
+}
+
+fn shared(gate: Arc<Mutex<Observation>>) -> Arc<Shared> {
+    let settings = DispatchSettings {
+        max_sys: 10.0,
+        poll_interval: POLL,
+        max_staleness: Duration::from_secs(60),
+        ..DispatchSettings::default()
+    };
+    let config = QueueDispatcher {
+        queue: Arc::new(MemoryQueue::new("q")),
+        gate: Arc::new(FailClosed::new(
+            Box::new(Scripted(gate)),
+            settings.max_staleness,
+        )),
+        gateway: GatewayClient::new(GatewaySettings::default()).expect("client"),
+        target: Target::new("http://127.0.0.1:9", "/v1/completions", None).expect("target"),
+        retry: RetryPolicy::default(),
+        congestion: Arc::new(CongestionHold::new(CongestionPolicy {
+            initial_backoff: Duration::from_secs(2),
+            max_backoff: Duration::from_secs(60),
+        })),
+        settings,
+        metrics: Metrics::new().queue("q"),
+        labels: BTreeMap::new(),
+    };
+    let window = Window::new(Instant::now(), config.settings.max_staleness);
+    Arc::new(Shared {
+        config,
+        window: Mutex::new(window),
+        changed: Notify::new(),
+        refresh: Notify::new(),
+        finished: Notify::new(),
+        held: Mutex::new(HashSet::new()),
+        parked: AtomicUsize::new(0),
+    })
+}
+
+/// Lets the observer run one poll (and whatever it wakes).
+async fn poll() {
+    tokio::time::advance(POLL).await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn send(shared: &Shared, units: u64) -> Option<Send> {
+    let mut window = shared.window();
+    let mut last = None;
+    for _ in 0..units {
+        last = shared.record_send(&mut window, Instant::now(), 1);
+        last?;
+    }
+    last
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_window_refills_on_a_fresh_reading_only() {
+    let data = Arc::new(Mutex::new(reading(0.5, Instant::now())));
+    let shared = shared(data.clone());
+    let stop = CancellationToken::new();
+    let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
+    poll().await;
+    // N = 10 × 0.5 = 5.
+    assert_eq!(shared.room(Instant::now()), 5);
+    assert_eq!(send(&shared, 5), Some(Send::Normal));
+    assert_eq!(shared.room(Instant::now()), 0);
+    // The same data read again, poll after poll, releases nothing.
+    for _ in 0..5 {
+        poll().await;
+        assert_eq!(shared.room(Instant::now()), 0);
+    }
+    // Newer data that still counts our 5 in flight: window = 5 + N.
+    *data.lock().expect("lock") = reading(0.3, Instant::now());
+    poll().await;
+    assert_eq!(shared.room(Instant::now()), 3);
+    stop.cancel();
+    observer.await.expect("observer ends");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_holds_the_window_shut_until_the_hold_ends_then_one_probe() {
+    let data = Arc::new(Mutex::new(reading(1.0, Instant::now())));
+    let shared = shared(data.clone());
+    let stop = CancellationToken::new();
+    let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
+    poll().await;
+    assert_eq!(send(&shared, 1), Some(Send::Normal));
+    let sent_at = Instant::now();
+    // The gateway answers 429 with `Retry-After: 0`.
+    let hold = {
+        let mut window = shared.window();
+        window.finished(Instant::now(), 1);
+        window.congested(Instant::now());
+        shared
+            .config
+            .congestion
+            .lock()
+            .signal(Instant::now(), sent_at, Some(Duration::ZERO), 0.0)
+    };
+    assert_eq!(
+        hold,
+        Duration::from_secs(1),
+        "half of the 2 s step, no jitter"
+    );
+    // Fresh readings every poll (a blind gate's are always fresh) do not
+    // reopen it during the hold.
+    for _ in 0..9 {
+        *data.lock().expect("lock") = reading(1.0, Instant::now());
+        poll().await;
+        assert_eq!(shared.room(Instant::now()), 0);
+    }
+    *data.lock().expect("lock") = reading(1.0, Instant::now());
+    poll().await;
+    // The hold is over: one probe, not a window.
+    assert_eq!(shared.room(Instant::now()), 1);
+    assert_eq!(send(&shared, 1), Some(Send::Probe));
+    assert_eq!(shared.room(Instant::now()), 0);
+    assert_eq!(send(&shared, 1), None, "a second probe waits for the first");
+    // The probe's answer clears the congestion: the window is back.
+    shared.config.congestion.lock().answered(Instant::now());
+    assert_eq!(shared.room(Instant::now()), 9);
+    stop.cancel();
+    observer.await.expect("observer ends");
+}
