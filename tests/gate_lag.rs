@@ -83,9 +83,10 @@ fn start_dispatcher(
         .unwrap()
 }
 
-/// Requests running or waiting at the pool, read from its own `/metrics`
-/// (not through Prometheus: this is the truth the gate must respect).
-async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
+/// The sum of the pool's samples whose line starts with one of `series`,
+/// read from its own `/metrics` (not through Prometheus: this is the truth
+/// the gate must respect).
+async fn pool_sum(client: &reqwest::Client, sim: &SimHandle, series: &[&str]) -> f64 {
     let text = client
         .get(format!("{}/metrics", sim.base_url()))
         .send()
@@ -95,12 +96,19 @@ async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
         .await
         .unwrap();
     text.lines()
-        .filter(|l| {
-            l.starts_with("vllm:num_requests_running{")
-                || l.starts_with("vllm:num_requests_waiting{")
-        })
+        .filter(|l| series.iter().any(|s| l.starts_with(s)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// Requests running or waiting at the pool.
+async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
+    pool_sum(
+        client,
+        sim,
+        &["vllm:num_requests_running{", "vllm:num_requests_waiting{"],
+    )
+    .await
 }
 
 /// Runs a batch through the gate for `watch` and returns the largest batch
@@ -120,18 +128,7 @@ struct Run {
 
 /// Completed requests so far, from the pool's own counter.
 async fn pool_successes(client: &reqwest::Client, sim: &SimHandle) -> f64 {
-    let text = client
-        .get(format!("{}/metrics", sim.base_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("vllm:request_success_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    pool_sum(client, sim, &["vllm:request_success_total{"]).await
 }
 
 async fn run(drop_metrics: Vec<String>, scrape: Duration, watch: Duration, max_tokens: u32) -> Run {
