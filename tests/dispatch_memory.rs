@@ -681,3 +681,56 @@ async fn local_max_concurrency_alone_fills_its_limit() {
     let peak = peak.load(Ordering::SeqCst);
     assert_eq!(peak, 6, "peak in flight {peak}, limit 6");
 }
+
+#[tokio::test]
+async fn a_message_waiting_for_room_goes_back_to_the_queue_during_a_long_congestion_hold() {
+    // A is sent; B (tokens) does not fit beside it and waits for room,
+    // claimed. A's answer is 429 with `Retry-After: 3600`. Before, B sat
+    // claimed for the whole hour; now it goes back to the queue (no attempt
+    // used) with the hold as its delay.
+    let server = gateway(
+        ResponseTemplate::new(429)
+            .insert_header("retry-after", "3600")
+            .set_delay(Duration::from_millis(500)),
+    )
+    .await;
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        DispatchSettings {
+            unit: Unit::Tokens,
+            max_sys: 1500.0,
+            ..fast_settings()
+        },
+        no_retry_limit(),
+    );
+    let big = |id: &str| {
+        serde_json::json!({"id": id, "deadline": unix_now() + 7200,
+            "payload": {"model": "m", "prompt": "p", "max_tokens": 1000}})
+        .to_string()
+    };
+    h.queue.push_message(big("a"));
+    h.queue.push_message(big("b"));
+    let give_up = Instant::now() + Duration::from_secs(10);
+    let sent = || async { server.received_requests().await.map_or(0, |r| r.len()) };
+    while sent().await == 0 && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A's 429 arrives after 500 ms; B must not stay claimed after it.
+    while (h.queue.leased_len() > 0 || h.queue.pending_len() < 2) && Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        h.queue.leased_len(),
+        0,
+        "nothing stays claimed through the hold"
+    );
+    assert_eq!(h.queue.pending_len(), 2);
+    assert!(h.queue.results().is_empty());
+    assert_eq!(
+        server.received_requests().await.map_or(0, |r| r.len()),
+        1,
+        "only A reached the gateway"
+    );
+    h.stop().await;
+}
