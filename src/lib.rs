@@ -21,9 +21,11 @@
 //! - [`source`]: metric sources the gates read (PromQL, `/metrics` scrape
 //!   with our own text-format parser, a Redis key) and their single-flight
 //!   TTL cache.
-//! - [`dispatch`]: window arithmetic and request costs (pure), the retry
-//!   policy (pure), settings from the typed config, and the dispatch loop
-//!   split by task (receive, send, settle, observe).
+//! - [`dispatch`]: window arithmetic and request costs (pure), the
+//!   gateway-wide congestion hold after 429/503 (pure, shared by the queues
+//!   of one gateway), the retry policy (pure), settings from the typed
+//!   config, and the dispatch loop split by task (receive, send, settle,
+//!   observe).
 //! - [`gateway`]: the HTTP client, endpoint and header rules, and response
 //!   classification.
 //! - [`result`]: result records and error codes.
