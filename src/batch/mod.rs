@@ -473,11 +473,10 @@ fn progress_bar(options: &BatchOptions, total: u64, start: u64) -> ProgressBar {
 /// in already built). The dispatcher is then built exactly as `run` builds
 /// it ([`crate::app::build_dispatcher`]).
 fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
-    let url = url::Url::parse(&options.gateway_url)
-        .map_err(|source| BatchError::GatewayUrl {
-            url: options.gateway_url.clone(),
-            source,
-        })?;
+    let url = url::Url::parse(&options.gateway_url).map_err(|source| BatchError::GatewayUrl {
+        url: options.gateway_url.clone(),
+        source,
+    })?;
     let url = EndpointUrl::new(url);
     Ok(Config {
         transport: TransportKind::Embedded,

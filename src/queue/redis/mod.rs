@@ -324,7 +324,8 @@ impl Inner {
         let expiry = now_secs() + lease.as_secs_f64();
         let mut conn = self.conn.clone();
         let k = &self.keys;
-        let raw: Vec<(String, Vec<u8>, f64)> = self.observed("claim", 
+        let raw: Vec<(String, Vec<u8>, f64)> = self.observed(
+            "claim",
             scripts::CLAIM
                 .key(&k.pending)
                 .key(&k.claimed)
@@ -388,16 +389,18 @@ impl Inner {
             cmd.arg(format!("request-cancel:{id}"));
         }
         let mut conn = self.conn.clone();
-        let markers: Vec<Option<String>> =
-            match self.observed("cancel check", cmd.query_async::<Vec<Option<String>>>(&mut conn).await) {
-                Ok(m) => m,
-                // The claims are ours; the dispatcher will still see them
-                // and the cancel check simply did not happen this time.
-                Err(error) => {
-                    tracing::warn!(%error, "cancel check failed; delivering anyway");
-                    return Ok(deliveries);
-                }
-            };
+        let markers: Vec<Option<String>> = match self.observed(
+            "cancel check",
+            cmd.query_async::<Vec<Option<String>>>(&mut conn).await,
+        ) {
+            Ok(m) => m,
+            // The claims are ours; the dispatcher will still see them
+            // and the cancel check simply did not happen this time.
+            Err(error) => {
+                tracing::warn!(%error, "cancel check failed; delivering anyway");
+                return Ok(deliveries);
+            }
+        };
         let mut cancelled = vec![false; deliveries.len()];
         let mut completions = Vec::new();
         for ((i, id, token), marker) in ids.iter().zip(markers) {
@@ -544,7 +547,8 @@ impl Inner {
             };
         let k = &self.keys;
         let mut conn = self.conn.clone();
-        let _: i64 = self.observed("release", 
+        let _: i64 = self.observed(
+            "release",
             scripts::RELEASE
                 .key(&k.claimed)
                 .key(&k.owners)
@@ -583,7 +587,8 @@ impl Inner {
         .to_string();
         let k = &self.keys;
         let mut conn = self.conn.clone();
-        let done: i64 = self.observed("dead letter", 
+        let done: i64 = self.observed(
+            "dead letter",
             scripts::DEAD
                 .key(&k.claimed)
                 .key(&k.owners)
@@ -637,7 +642,8 @@ impl Inner {
     async fn housekeep(&self) -> Result<(), QueueError> {
         let k = &self.keys;
         let mut conn = self.conn.clone();
-        let reclaimed: u64 = self.observed("reclaim", 
+        let reclaimed: u64 = self.observed(
+            "reclaim",
             scripts::RECLAIM
                 .key(&k.pending)
                 .key(&k.claimed)
@@ -654,10 +660,13 @@ impl Inner {
             self.stats.reclaims.fetch_add(reclaimed, Ordering::Relaxed);
         }
         self.move_due_retries().await?;
-        let claims: u64 =
-            self.observed("count claims", redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await)?;
+        let claims: u64 = self.observed(
+            "count claims",
+            redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await,
+        )?;
         self.stats.claims_held.store(claims, Ordering::Relaxed);
-        let backlog: u64 = self.observed("backlog", 
+        let backlog: u64 = self.observed(
+            "backlog",
             redis::cmd("ZCARD")
                 .arg(&k.pending)
                 .query_async(&mut conn)
@@ -673,7 +682,8 @@ impl Inner {
     /// running dispatcher still gets its retries back.
     async fn move_due_retries(&self) -> Result<(), QueueError> {
         let mut conn = self.conn.clone();
-        let due: Vec<Vec<u8>> = self.observed("scan retries", 
+        let due: Vec<Vec<u8>> = self.observed(
+            "scan retries",
             redis::cmd("ZRANGEBYSCORE")
                 .arg(RETRY_SET)
                 .arg("-inf")
@@ -714,7 +724,9 @@ async fn housekeeping(inner: Arc<Inner>, stop: CancellationToken) {
             tracing::debug!(%error, queue = %inner.settings.name, "redis housekeeping failed");
             let mut conn = inner.conn.clone();
             let ping = redis::cmd("PING").query_async::<String>(&mut conn).await;
-            if inner.observed("ping", ping).is_err() && inner.stats.reachable.load(Ordering::Relaxed) {
+            if inner.observed("ping", ping).is_err()
+                && inner.stats.reachable.load(Ordering::Relaxed)
+            {
                 inner.stats.reachable.store(false, Ordering::Relaxed);
             }
         }
@@ -791,7 +803,8 @@ impl Queue for RedisQueue {
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
-            let n: u64 = self.inner.observed("backlog", 
+            let n: u64 = self.inner.observed(
+                "backlog",
                 redis::cmd("ZCARD")
                     .arg(&self.inner.keys.pending)
                     .query_async(&mut conn)
@@ -815,7 +828,8 @@ impl Queue for RedisQueue {
                 return false;
             };
             let mut conn = self.inner.conn.clone();
-            let marker: Option<String> = match self.inner.observed("cancel check", 
+            let marker: Option<String> = match self.inner.observed(
+                "cancel check",
                 redis::cmd("GET")
                     .arg(format!("request-cancel:{id}"))
                     .query_async(&mut conn)
