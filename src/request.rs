@@ -8,6 +8,7 @@
 //! `INVALID_REQUEST` result for it.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -187,7 +188,7 @@ struct EnvelopeOut<'a> {
 
 /// Why a message could not become a [`Message`]. Carries what was
 /// recoverable so the failure can still be answered with a result.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[error("invalid request: {reason}")]
 pub struct ParseFailure {
     /// The request id, when a usable one could be read.
@@ -201,6 +202,43 @@ pub struct ParseFailure {
     pub token: Option<String>,
     /// Human-readable reason, safe to return to the submitter.
     pub reason: String,
+    /// The decoding error the reason was made from, if there was one
+    /// (its text is already part of `reason`).
+    #[source]
+    pub source: Option<DecodeError>,
+}
+
+/// The error underneath a [`ParseFailure`]: the bytes were not UTF-8 or
+/// not the expected JSON. Shared, so the failure stays cheap to clone.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DecodeError {
+    /// The message is not UTF-8.
+    #[error(transparent)]
+    Utf8(#[from] std::str::Utf8Error),
+    /// The message is not JSON of the expected shape.
+    #[error(transparent)]
+    Json(Arc<serde_json::Error>),
+}
+
+impl From<serde_json::Error> for DecodeError {
+    fn from(e: serde_json::Error) -> Self {
+        Self::Json(Arc::new(e))
+    }
+}
+
+/// Why a decoded request is unusable. Its text becomes
+/// [`ParseFailure::reason`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Invalid {
+    /// The id cannot be a result id (see [`id_problem`]).
+    #[error("{0}")]
+    Id(String),
+    #[error("deadline must be a positive Unix time in seconds")]
+    DeadlineNotPositive,
+    #[error("deadline {0} is more than 10 years ahead (Unix seconds expected)")]
+    DeadlineTooFar(i64),
+    #[error("payload must be a JSON object")]
+    PayloadNotObject,
 }
 
 /// Parses queue bytes (envelope or bare request) into a validated message.
@@ -210,18 +248,19 @@ pub fn parse_message(bytes: &[u8]) -> Result<Message, ParseFailure> {
 
 /// [`parse_message`] with the current Unix time supplied, for tests.
 pub fn parse_message_at(bytes: &[u8], now_unix: i64) -> Result<Message, ParseFailure> {
-    let anonymous = |reason: String| ParseFailure {
+    let anonymous = |reason: String, source: Option<DecodeError>| ParseFailure {
         id: None,
         result_id: format!("invalid:{:016x}", fnv1a(bytes)),
         token: None,
         reason,
+        source,
     };
     let text = std::str::from_utf8(bytes)
-        .map_err(|e| anonymous(format!("message is not valid UTF-8: {e}")))?;
+        .map_err(|e| anonymous(format!("message is not valid UTF-8: {e}"), Some(e.into())))?;
     let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| anonymous(format!("message is not valid JSON: {e}")))?;
+        .map_err(|e| anonymous(format!("message is not valid JSON: {e}"), Some(e.into())))?;
     let Some(object) = value.as_object() else {
-        return Err(anonymous("message is not a JSON object".into()));
+        return Err(anonymous("message is not a JSON object".into(), None));
     };
     let is_envelope = object.contains_key("data")
         && (object.contains_key("internal") || object.contains_key("request_kind"));
@@ -229,31 +268,33 @@ pub fn parse_message_at(bytes: &[u8], now_unix: i64) -> Result<Message, ParseFai
     let result_id = match &id {
         RecoveredId::Usable(id) => id.clone(),
         RecoveredId::Unusable { synthetic, .. } => synthetic.clone(),
-        RecoveredId::Missing => anonymous(String::new()).result_id,
+        RecoveredId::Missing => anonymous(String::new(), None).result_id,
     };
     let usable = match &id {
         RecoveredId::Usable(id) => Some(id.clone()),
         _ => None,
     };
-    let fail = |reason: String| ParseFailure {
+    let fail = |reason: String, source: Option<DecodeError>| ParseFailure {
         id: usable.clone(),
         result_id: result_id.clone(),
         token: token.clone(),
         reason,
+        source,
     };
+    let decode = |e: serde_json::Error| fail(e.to_string(), Some(e.into()));
     // An unusable id is named first: it is why the result has another id.
     if let RecoveredId::Unusable { problem, .. } = &id {
-        return Err(fail(problem.clone()));
+        return Err(fail(problem.clone(), None));
     }
     let message = if is_envelope {
-        let envelope: EnvelopeIn = serde_json::from_str(text).map_err(|e| fail(e.to_string()))?;
+        let envelope: EnvelopeIn = serde_json::from_str(text).map_err(decode)?;
         Message {
             request: envelope.data,
             internal: envelope.internal,
             kind: envelope.request_kind.unwrap_or_else(|| "redis".into()),
         }
     } else {
-        let request: Request = serde_json::from_str(text).map_err(|e| fail(e.to_string()))?;
+        let request: Request = serde_json::from_str(text).map_err(decode)?;
         Message {
             request,
             internal: Internal::default(),
@@ -261,13 +302,16 @@ pub fn parse_message_at(bytes: &[u8], now_unix: i64) -> Result<Message, ParseFai
         }
     };
     if !REQUEST_KINDS.contains(&message.kind.as_str()) {
-        return Err(fail(format!(
-            "unknown request_kind {:?}; expected one of {}",
-            log_id(&message.kind),
-            REQUEST_KINDS.join(", ")
-        )));
+        return Err(fail(
+            format!(
+                "unknown request_kind {:?}; expected one of {}",
+                log_id(&message.kind),
+                REQUEST_KINDS.join(", ")
+            ),
+            None,
+        ));
     }
-    validate(&message.request, now_unix).map_err(fail)?;
+    validate(&message.request, now_unix).map_err(|invalid| fail(invalid.to_string(), None))?;
     Ok(message)
 }
 
@@ -368,22 +412,19 @@ fn recover_ids(value: &serde_json::Value, is_envelope: bool) -> (RecoveredId, Op
     (id, token)
 }
 
-fn validate(request: &Request, now_unix: i64) -> Result<(), String> {
+fn validate(request: &Request, now_unix: i64) -> Result<(), Invalid> {
     if let Some(problem) = id_problem(&request.id) {
-        return Err(problem);
+        return Err(Invalid::Id(problem));
     }
     if request.deadline <= 0 {
-        return Err("deadline must be a positive Unix time in seconds".into());
+        return Err(Invalid::DeadlineNotPositive);
     }
     let horizon = i64::try_from(MAX_DEADLINE_HORIZON.as_secs()).unwrap_or(i64::MAX);
     if request.deadline > now_unix.saturating_add(horizon) {
-        return Err(format!(
-            "deadline {} is more than 10 years ahead (Unix seconds expected)",
-            request.deadline
-        ));
+        return Err(Invalid::DeadlineTooFar(request.deadline));
     }
     if !request.payload.get().trim_start().starts_with('{') {
-        return Err("payload must be a JSON object".into());
+        return Err(Invalid::PayloadNotObject);
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::app::Tasks;
+use crate::app::{AppError, Tasks};
 use crate::config::{
     Config, DispatchConfig, EndpointUrl, GateSpec, GatewayConfig, QueueConfig, Rounding,
     TelemetryConfig, TransportKind, Unit,
@@ -39,7 +39,7 @@ use crate::config::{
 use crate::dispatch::QueueDispatcher;
 use crate::dispatch::congestion::CongestionHold;
 use crate::gate::DispatchGate;
-use crate::gateway::{GatewayClient, GatewaySettings};
+use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
 use crate::result::ResultRecord;
 use crate::telemetry::Metrics;
@@ -135,9 +135,22 @@ pub enum BatchError {
     /// The store failed or is owned by another process.
     #[error(transparent)]
     Store(#[from] EmbeddedError),
-    /// The gateway URL or client is unusable.
+    /// `--gateway-url` is not a URL.
+    #[error("gateway: {url}: {source}")]
+    GatewayUrl {
+        /// The URL as given.
+        url: String,
+        /// The parse error.
+        #[source]
+        source: url::ParseError,
+    },
+    /// The gateway client could not be built.
     #[error("gateway: {0}")]
-    Gateway(String),
+    Gateway(#[source] GatewayBuildError),
+    /// The dispatcher could not be built from the batch's config (the
+    /// gateway target is unusable).
+    #[error("gateway: {0}")]
+    Dispatcher(#[source] Box<AppError>),
     /// Dispatcher tasks panicked (logged with their names); the store
     /// keeps what was settled and a re-run resumes.
     #[error("task panicked: {}", .0.join(", "))]
@@ -460,8 +473,10 @@ fn progress_bar(options: &BatchOptions, total: u64, start: u64) -> ProgressBar {
 /// in already built). The dispatcher is then built exactly as `run` builds
 /// it ([`crate::app::build_dispatcher`]).
 fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
-    let url = url::Url::parse(&options.gateway_url)
-        .map_err(|e| BatchError::Gateway(format!("{}: {e}", options.gateway_url)))?;
+    let url = url::Url::parse(&options.gateway_url).map_err(|source| BatchError::GatewayUrl {
+        url: options.gateway_url.clone(),
+        source,
+    })?;
     let url = EndpointUrl::new(url);
     Ok(Config {
         transport: TransportKind::Embedded,
@@ -515,7 +530,7 @@ fn build_dispatcher(
 ) -> Result<QueueDispatcher, BatchError> {
     let config = batch_config(options)?;
     let settings = GatewaySettings::from(&config.gateway);
-    let gateway = GatewayClient::new(settings).map_err(|e| BatchError::Gateway(e.to_string()))?;
+    let gateway = GatewayClient::new(settings).map_err(BatchError::Gateway)?;
     let metrics = Metrics::new();
     crate::app::build_dispatcher(
         &config,
@@ -526,7 +541,7 @@ fn build_dispatcher(
         Arc::new(CongestionHold::new((&config.dispatch).into())),
         &metrics,
     )
-    .map_err(|e| BatchError::Gateway(e.to_string()))
+    .map_err(|e| BatchError::Dispatcher(Box::new(e)))
 }
 
 /// Whether `path` looks like a batch state directory (holds a store).

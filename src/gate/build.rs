@@ -46,8 +46,14 @@ pub enum BuildError {
     },
     /// A URL in the gate parameters does not parse (validated earlier, so
     /// only reachable when a spec is built by hand).
-    #[error("invalid URL {0:?}")]
-    Url(String),
+    #[error("invalid URL {url:?}")]
+    Url {
+        /// The URL as given.
+        url: String,
+        /// Why it does not parse.
+        #[source]
+        source: url::ParseError,
+    },
 }
 
 /// What gates need beyond their own parameters: connections, credentials
@@ -181,7 +187,10 @@ impl GateContext {
 
     /// A cached scrape of `url`.
     pub(crate) fn scrape(&self, url: &str) -> Result<Cached<Scrape>, BuildError> {
-        let parsed = url::Url::parse(url).map_err(|_| BuildError::Url(url.to_owned()))?;
+        let parsed = url::Url::parse(url).map_err(|source| BuildError::Url {
+            url: url.to_owned(),
+            source,
+        })?;
         Ok(self.cache(Scrape::new(self.http.clone(), parsed, self.source_timeout)))
     }
 }

@@ -174,7 +174,7 @@ impl EndpointScrapeGate {
     ) -> Result<Timestamped<Arc<Exposition>>, GateError> {
         page.get().await.map_err(|e| {
             report.outcome = format!("error: {e}");
-            GateError::SourceUnavailable(format!("{}: {e}", report.target))
+            GateError::source(report.target.clone(), e)
         })
     }
 

@@ -46,6 +46,8 @@ use std::fmt;
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
+use crate::source::{RecordError, SourceError};
+
 pub use build::{BuildError, Capacity, GateContext, build_gate};
 pub use composite::{CompositeGate, CompositeParams};
 pub use constant::{ConstantGate, ConstantParams};
@@ -192,6 +194,18 @@ pub enum GateError {
     /// The metric source failed or returned nothing usable.
     #[error("source unavailable: {0}")]
     SourceUnavailable(String),
+    /// A metric source could not be read.
+    #[error("source unavailable: {what}: {source}")]
+    Source {
+        /// Which source (its role, target or key).
+        what: String,
+        /// The source's error.
+        #[source]
+        source: SourceError,
+    },
+    /// The budget key holds a value that is not a budget.
+    #[error("source unavailable: budget key: {0}")]
+    Record(#[source] RecordError),
     /// The data is older than the staleness limit.
     #[error("observation is {age_ms} ms old, limit {limit_ms} ms")]
     Stale {
@@ -203,6 +217,16 @@ pub enum GateError {
     /// The source returned a value that is not a budget.
     #[error("invalid value: {0}")]
     InvalidValue(#[from] BudgetError),
+}
+
+impl GateError {
+    /// Wraps the error of the source named `what`.
+    pub fn source(what: impl Into<String>, source: SourceError) -> Self {
+        Self::Source {
+            what: what.into(),
+            source,
+        }
+    }
 }
 
 /// The facts about a message that admission gates may look at.

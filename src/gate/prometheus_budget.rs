@@ -235,7 +235,7 @@ impl PrometheusBudgetGate {
         match answer {
             Err(e) => {
                 report.outcome = format!("error: {e}");
-                Err(GateError::SourceUnavailable(format!("{}: {e}", q.role)))
+                Err(GateError::source(q.role, e))
             }
             Ok(t) if t.value.is_empty() => {
                 report.outcome = "no sample".into();

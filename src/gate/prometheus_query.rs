@@ -63,7 +63,7 @@ impl MetricGate for PrometheusQueryGate {
         let reading = match self.query.get().await {
             Err(e) => {
                 report.outcome = format!("error: {e}");
-                Err(GateError::SourceUnavailable(format!("query: {e}")))
+                Err(GateError::source("query", e))
             }
             Ok(t) => {
                 report.values = series_values(&t.value);

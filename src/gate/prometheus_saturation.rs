@@ -117,7 +117,7 @@ impl PrometheusSaturationGate {
                 Err(e) => {
                     report.outcome = format!("error: {e}");
                     sources.push(report);
-                    return Err(GateError::SourceUnavailable(format!("{role}: {e}")));
+                    return Err(GateError::source(*role, e));
                 }
                 Ok(t) => t,
             };

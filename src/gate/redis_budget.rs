@@ -167,7 +167,7 @@ impl MetricGate for RedisBudgetGate {
         let reading = match self.key.get().await {
             Err(e) => {
                 report.outcome = format!("error: {e}");
-                Err(GateError::SourceUnavailable(format!("redis: {e}")))
+                Err(GateError::source("redis", e))
             }
             Ok(t) => match t.value.as_deref() {
                 None => {
@@ -200,7 +200,7 @@ impl MetricGate for RedisBudgetGate {
                     }
                     Err(e) => {
                         report.outcome = format!("invalid: {e}");
-                        Err(GateError::SourceUnavailable(format!("budget key: {e}")))
+                        Err(GateError::Record(e))
                     }
                 },
             },

@@ -232,7 +232,7 @@ impl MetricGate for VllmGate {
         for (cache, page) in self.pages.iter().zip(pages) {
             let mut report = SourceReport::new("engine metrics", cache.source().describe_url());
             let read = page
-                .map_err(|e| GateError::SourceUnavailable(format!("{}: {e}", report.target)))
+                .map_err(|e| GateError::source(report.target.clone(), e))
                 .and_then(|p| read_engines(&p.value, self.limits).map(|e| (e, p.taken_at)));
             match read {
                 Ok((list, at)) => {

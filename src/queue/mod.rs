@@ -19,6 +19,7 @@ use futures_util::future::BoxFuture;
 use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
 
+use embedded::EmbeddedError;
 pub use memory::{DeadLetter, MemoryQueue};
 pub use open::{OpenError, Transports, default_redis_config, open};
 
@@ -86,21 +87,37 @@ pub struct AckReport {
     pub lease_lost: usize,
 }
 
-/// A transport failure.
+/// A transport failure. Each variant keeps the backend's error as its
+/// source.
 #[derive(Debug, thiserror::Error)]
 pub enum QueueError {
-    /// The backend cannot be reached now; retrying later may work.
+    /// A Redis round trip failed (unreachable, timed out, or refused); the
+    /// next attempt may work.
+    #[error("queue backend unavailable: redis {op}: {source}")]
+    Redis {
+        /// The operation that failed (`claim`, `ack`, ...).
+        op: &'static str,
+        /// The Redis error.
+        #[source]
+        source: ::redis::RedisError,
+    },
+    /// The embedded store is busy or locked by another writer; retrying
+    /// later may work.
     #[error("queue backend unavailable: {0}")]
-    Unavailable(String),
-    /// The operation was refused for good.
+    EmbeddedBusy(#[source] EmbeddedError),
+    /// The embedded store refused the operation for good.
     #[error("queue operation failed: {0}")]
-    Failed(String),
+    Embedded(#[source] EmbeddedError),
+    /// The blocking task running an embedded store operation panicked or
+    /// was cancelled.
+    #[error("queue operation failed: embedded store task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 impl QueueError {
     /// Whether retrying the operation later may succeed.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Unavailable(_))
+        matches!(self, Self::Redis { .. } | Self::EmbeddedBusy(_))
     }
 }
 

@@ -14,6 +14,15 @@ pub enum SimError {
         /// What is allowed.
         message: String,
     },
+    /// Token-length means and spreads that no log-normal distribution has.
+    #[error("invalid simulator config: {key}: {source}")]
+    Distribution {
+        /// Key of the mean whose distribution was asked for.
+        key: String,
+        /// What rand_distr refused.
+        #[source]
+        source: rand_distr::NormalError,
+    },
     /// The TOML config file could not be read.
     #[error("cannot read simulator config {path}")]
     ConfigRead {

@@ -48,19 +48,22 @@ pub enum InteractiveArg {
     Trace(PathBuf),
 }
 
-impl FromStr for InteractiveArg {
-    type Err = String;
+/// A `--interactive` value that is none of the accepted forms.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("expected off, waves, poisson or trace:FILE, got {0:?}")]
+pub struct InteractiveArgError(String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl FromStr for InteractiveArg {
+    type Err = InteractiveArgError;
+
+    fn from_str(s: &str) -> Result<Self, InteractiveArgError> {
         match s {
             "off" => Ok(Self::Off),
             "waves" => Ok(Self::Waves),
             "poisson" => Ok(Self::Poisson),
             _ => match s.strip_prefix("trace:") {
                 Some(p) if !p.is_empty() => Ok(Self::Trace(PathBuf::from(p))),
-                _ => Err(format!(
-                    "expected off, waves, poisson or trace:FILE, got {s:?}"
-                )),
+                _ => Err(InteractiveArgError(s.to_owned())),
             },
         }
     }

@@ -117,7 +117,10 @@ impl LengthModel {
         max_model_len: u32,
     ) -> Result<Self, SimError> {
         let ln = |key: &str, m: f64, cv: f64| {
-            LogNormal::from_mean_cv(m, cv).map_err(|e| SimError::config(key, format!("{e}")))
+            LogNormal::from_mean_cv(m, cv).map_err(|source| SimError::Distribution {
+                key: key.to_owned(),
+                source,
+            })
         };
         Ok(Self {
             prompt: ln("prompt_mean", prompt_mean, prompt_cv)?,

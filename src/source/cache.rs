@@ -21,7 +21,7 @@ struct State<T> {
     in_flight: Option<watch::Receiver<Outcome<T>>>,
     /// The last error, for `gate probe` and logs only: never returned as a
     /// result to a caller that did not wait for that attempt.
-    last_error: Option<String>,
+    last_error: Option<SourceError>,
 }
 
 /// A cached, single-flight [`Source`].
@@ -71,7 +71,7 @@ impl<S: Source> Cached<S> {
     }
 
     /// The error of the newest failed read, if no read succeeded since.
-    pub fn last_error(&self) -> Option<String> {
+    pub fn last_error(&self) -> Option<SourceError> {
         lock(&self.state).last_error.clone()
     }
 
@@ -136,7 +136,7 @@ impl<S: Source> Cached<S> {
                         state.last = Some((data.clone(), Instant::now()));
                         state.last_error = None;
                     }
-                    Err(e) => state.last_error = Some(e.to_string()),
+                    Err(e) => state.last_error = Some(e.clone()),
                 }
             }
             let _ = tx.send(Some(outcome));

@@ -69,6 +69,15 @@ pub enum SourceError {
     /// The answer could not be read.
     #[error("cannot parse the answer: {0}")]
     Parse(String),
+    /// A scraped page is not UTF-8.
+    #[error("cannot parse the answer: not UTF-8: {0}")]
+    NotUtf8(#[source] std::str::Utf8Error),
+    /// A scraped page is not valid Prometheus text exposition.
+    #[error("cannot parse the answer: {0}")]
+    Exposition(#[source] text::ParseError),
+    /// The Prometheus API client could not be built for the URL.
+    #[error("cannot build the Prometheus client: {0}")]
+    Client(#[source] Arc<prometheus_http_query::Error>),
     /// The request took longer than the source's timeout.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),

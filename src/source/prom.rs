@@ -84,7 +84,7 @@ impl PromClient {
             .build()
             .map_err(SourceError::transport)?;
         let client = prometheus_http_query::Client::from(http, url.as_str())
-            .map_err(|e| SourceError::Parse(e.to_string()))?;
+            .map_err(|e| SourceError::Client(Arc::new(e)))?;
         Ok(Self {
             client,
             shown_url: crate::config::mask_url(url),

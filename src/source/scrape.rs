@@ -69,9 +69,8 @@ impl Scrape {
                 body.len()
             )));
         }
-        let page = std::str::from_utf8(&body)
-            .map_err(|e| SourceError::Parse(format!("not UTF-8: {e}")))?;
-        let exposition = text::parse(page).map_err(|e| SourceError::Parse(e.to_string()))?;
+        let page = std::str::from_utf8(&body).map_err(SourceError::NotUtf8)?;
+        let exposition = text::parse(page).map_err(SourceError::Exposition)?;
         Ok(Timestamped {
             value: Arc::new(exposition),
             taken_at,

@@ -85,9 +85,9 @@ impl From<EmbeddedError> for QueueError {
                 rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
             ) =>
             {
-                QueueError::Unavailable(e.to_string())
+                QueueError::EmbeddedBusy(e)
             }
-            _ => QueueError::Failed(e.to_string()),
+            _ => QueueError::Embedded(e),
         }
     }
 }
@@ -297,9 +297,7 @@ impl EmbeddedQueue {
         let inner = self.inner.clone();
         match tokio::task::spawn_blocking(move || f(&inner)).await {
             Ok(r) => r.map_err(QueueError::from),
-            Err(e) => Err(QueueError::Failed(format!(
-                "embedded store task failed: {e}"
-            ))),
+            Err(e) => Err(QueueError::Task(e)),
         }
     }
 }

@@ -166,7 +166,7 @@ pub struct RedisQueue {
 impl RedisQueue {
     /// A queue on `conn`; starts its housekeeping task (stopped on drop).
     /// Does not wait for Redis: while it is unreachable, operations fail
-    /// with [`QueueError::Unavailable`] and [`Queue::status`] says so.
+    /// with [`QueueError::Redis`] and [`Queue::status`] says so.
     pub fn start(conn: ConnectionManager, settings: RedisQueueSettings) -> Self {
         let keys = Keys::new(&settings.name, settings.cluster);
         let inner = Arc::new(Inner {
@@ -198,10 +198,6 @@ impl RedisQueue {
     pub fn is_reachable(&self) -> bool {
         self.inner.stats.reachable.load(Ordering::Relaxed)
     }
-}
-
-fn unavailable(error: redis::RedisError) -> QueueError {
-    QueueError::Unavailable(error.to_string())
 }
 
 /// Unix time in seconds, as a float.
@@ -299,7 +295,12 @@ impl Inner {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn observed<T>(&self, result: redis::RedisResult<T>) -> Result<T, QueueError> {
+    /// Records whether Redis was reachable and names the failed `op`.
+    fn observed<T>(
+        &self,
+        op: &'static str,
+        result: redis::RedisResult<T>,
+    ) -> Result<T, QueueError> {
         match result {
             Ok(v) => {
                 self.stats.reachable.store(true, Ordering::Relaxed);
@@ -313,7 +314,7 @@ impl Inner {
                 {
                     self.stats.reachable.store(false, Ordering::Relaxed);
                 }
-                Err(unavailable(error))
+                Err(QueueError::Redis { op, source: error })
             }
         }
     }
@@ -324,6 +325,7 @@ impl Inner {
         let mut conn = self.conn.clone();
         let k = &self.keys;
         let raw: Vec<(String, Vec<u8>, f64)> = self.observed(
+            "claim",
             scripts::CLAIM
                 .key(&k.pending)
                 .key(&k.claimed)
@@ -387,16 +389,18 @@ impl Inner {
             cmd.arg(format!("request-cancel:{id}"));
         }
         let mut conn = self.conn.clone();
-        let markers: Vec<Option<String>> =
-            match self.observed(cmd.query_async::<Vec<Option<String>>>(&mut conn).await) {
-                Ok(m) => m,
-                // The claims are ours; the dispatcher will still see them
-                // and the cancel check simply did not happen this time.
-                Err(error) => {
-                    tracing::warn!(%error, "cancel check failed; delivering anyway");
-                    return Ok(deliveries);
-                }
-            };
+        let markers: Vec<Option<String>> = match self.observed(
+            "cancel check",
+            cmd.query_async::<Vec<Option<String>>>(&mut conn).await,
+        ) {
+            Ok(m) => m,
+            // The claims are ours; the dispatcher will still see them
+            // and the cancel check simply did not happen this time.
+            Err(error) => {
+                tracing::warn!(%error, "cancel check failed; delivering anyway");
+                return Ok(deliveries);
+            }
+        };
         let mut cancelled = vec![false; deliveries.len()];
         let mut completions = Vec::new();
         for ((i, id, token), marker) in ids.iter().zip(markers) {
@@ -483,7 +487,7 @@ impl Inner {
         }
         let mut conn = self.conn.clone();
         let (acked, lost): (usize, usize) =
-            self.observed(invocation.invoke_async(&mut conn).await)?;
+            self.observed("ack", invocation.invoke_async(&mut conn).await)?;
         report.acked += acked;
         report.lease_lost += lost;
         let mut held = self.lock_held();
@@ -544,6 +548,7 @@ impl Inner {
         let k = &self.keys;
         let mut conn = self.conn.clone();
         let _: i64 = self.observed(
+            "release",
             scripts::RELEASE
                 .key(&k.claimed)
                 .key(&k.owners)
@@ -583,6 +588,7 @@ impl Inner {
         let k = &self.keys;
         let mut conn = self.conn.clone();
         let done: i64 = self.observed(
+            "dead letter",
             scripts::DEAD
                 .key(&k.claimed)
                 .key(&k.owners)
@@ -627,7 +633,7 @@ impl Inner {
             invocation.arg(ck).arg(owner);
         }
         let mut conn = self.conn.clone();
-        let _: i64 = self.observed(invocation.invoke_async(&mut conn).await)?;
+        let _: i64 = self.observed("extend", invocation.invoke_async(&mut conn).await)?;
         Ok(())
     }
 
@@ -637,6 +643,7 @@ impl Inner {
         let k = &self.keys;
         let mut conn = self.conn.clone();
         let reclaimed: u64 = self.observed(
+            "reclaim",
             scripts::RECLAIM
                 .key(&k.pending)
                 .key(&k.claimed)
@@ -653,10 +660,13 @@ impl Inner {
             self.stats.reclaims.fetch_add(reclaimed, Ordering::Relaxed);
         }
         self.move_due_retries().await?;
-        let claims: u64 =
-            self.observed(redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await)?;
+        let claims: u64 = self.observed(
+            "count claims",
+            redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await,
+        )?;
         self.stats.claims_held.store(claims, Ordering::Relaxed);
         let backlog: u64 = self.observed(
+            "backlog",
             redis::cmd("ZCARD")
                 .arg(&k.pending)
                 .query_async(&mut conn)
@@ -673,6 +683,7 @@ impl Inner {
     async fn move_due_retries(&self) -> Result<(), QueueError> {
         let mut conn = self.conn.clone();
         let due: Vec<Vec<u8>> = self.observed(
+            "scan retries",
             redis::cmd("ZRANGEBYSCORE")
                 .arg(RETRY_SET)
                 .arg("-inf")
@@ -702,7 +713,7 @@ impl Inner {
             };
             invocation.arg(member).arg(origin).arg(score);
         }
-        let _: i64 = self.observed(invocation.invoke_async(&mut conn).await)?;
+        let _: i64 = self.observed("move retries", invocation.invoke_async(&mut conn).await)?;
         Ok(())
     }
 }
@@ -713,7 +724,9 @@ async fn housekeeping(inner: Arc<Inner>, stop: CancellationToken) {
             tracing::debug!(%error, queue = %inner.settings.name, "redis housekeeping failed");
             let mut conn = inner.conn.clone();
             let ping = redis::cmd("PING").query_async::<String>(&mut conn).await;
-            if inner.observed(ping).is_err() && inner.stats.reachable.load(Ordering::Relaxed) {
+            if inner.observed("ping", ping).is_err()
+                && inner.stats.reachable.load(Ordering::Relaxed)
+            {
                 inner.stats.reachable.store(false, Ordering::Relaxed);
             }
         }
@@ -791,6 +804,7 @@ impl Queue for RedisQueue {
         Box::pin(async move {
             let mut conn = self.inner.conn.clone();
             let n: u64 = self.inner.observed(
+                "backlog",
                 redis::cmd("ZCARD")
                     .arg(&self.inner.keys.pending)
                     .query_async(&mut conn)
@@ -815,6 +829,7 @@ impl Queue for RedisQueue {
             };
             let mut conn = self.inner.conn.clone();
             let marker: Option<String> = match self.inner.observed(
+                "cancel check",
                 redis::cmd("GET")
                     .arg(format!("request-cancel:{id}"))
                     .query_async(&mut conn)
