@@ -54,26 +54,13 @@ async fn start_dispatcher(
         .as_ref()
         .map(|l| format!("result_queue_name = \"{l}\""))
         .unwrap_or_default();
-    let toml = format!(
-        r#"
-transport = "redis"
-[gateway]
-url = "{gateway}"
-[dispatch]
-poll_interval = "100ms"
-receive_wait = "100ms"
-retry_initial_backoff = "100ms"
-retry_max_backoff = "200ms"
-{extra_dispatch}
-[telemetry]
-listen = "127.0.0.1:0"
-[[queue]]
-queue_name = "{}"
-{result_list}
-max_sys = 32
-gate_type = "constant"
-"#,
-        settings.name
+    let toml = support::redis::fast_app_toml(
+        gateway,
+        extra_dispatch,
+        &format!(
+            "queue_name = \"{}\"\n{result_list}\nmax_sys = 32\ngate_type = \"constant\"",
+            settings.name
+        ),
     );
     let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
     config.redis = Some(redis_config(server));

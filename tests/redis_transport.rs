@@ -71,24 +71,10 @@ async fn start_dispatcher_gated(
     extra_dispatch: &str,
     gate: &str,
 ) -> Dispatcher {
-    let toml = format!(
-        r#"
-transport = "redis"
-[gateway]
-url = "{gateway}"
-[dispatch]
-poll_interval = "100ms"
-receive_wait = "100ms"
-retry_initial_backoff = "100ms"
-retry_max_backoff = "200ms"
-{extra_dispatch}
-[telemetry]
-listen = "127.0.0.1:0"
-[[queue]]
-queue_name = "{queue}"
-max_sys = 32
-{gate}
-"#
+    let toml = support::redis::fast_app_toml(
+        gateway,
+        extra_dispatch,
+        &format!("queue_name = \"{queue}\"\nmax_sys = 32\n{gate}"),
     );
     let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
     config.redis = Some(redis);

@@ -94,6 +94,20 @@ pub(super) struct Shared {
 }
 
 impl Shared {
+    /// The state of a dispatcher that has sent nothing yet.
+    pub(super) fn new(config: QueueDispatcher) -> Self {
+        let window = Window::new(Instant::now(), config.settings.max_staleness);
+        Self {
+            config,
+            window: Mutex::new(window),
+            changed: Notify::new(),
+            refresh: Notify::new(),
+            finished: Notify::new(),
+            held: Mutex::new(HashSet::new()),
+            parked: AtomicUsize::new(0),
+        }
+    }
+
     pub(super) fn window(&self) -> MutexGuard<'_, Window> {
         // Window methods do not panic; a poisoned lock still holds a
         // consistent window.
@@ -256,17 +270,8 @@ impl QueueDispatcher {
     /// The observer, lease keeper and result writer run on `tasks`, under
     /// one token of this dispatcher that is a child of the task tree's root.
     pub async fn run(self, shutdown: CancellationToken, tasks: Tasks) {
-        let window = Window::new(Instant::now(), self.settings.max_staleness);
         let name = self.queue.name().to_owned();
-        let shared = Arc::new(Shared {
-            config: self,
-            window: Mutex::new(window),
-            changed: Notify::new(),
-            refresh: Notify::new(),
-            finished: Notify::new(),
-            held: Mutex::new(HashSet::new()),
-            parked: AtomicUsize::new(0),
-        });
+        let shared = Arc::new(Shared::new(self));
         // Not children of `shutdown`: the keeper must renew leases and the
         // writer must write results through the drain that follows it.
         let lifetime = tasks.root_token().child_token();

@@ -3,20 +3,17 @@
 //! window's refills and the 429 hold are checked to the millisecond, with
 //! no sleeps and no flakiness.
 
-use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::AtomicUsize;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{CongestionHold, CongestionPolicy};
 use super::dispatcher::{Send, Shared};
 use super::observe::observe_loop;
-use super::window::Window;
 use super::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{Budget, DispatchGate, FailClosed, GateError, Observation};
 use crate::gateway::{GatewayClient, GatewaySettings, Target};
@@ -75,16 +72,7 @@ fn shared(gate: Arc<Mutex<Observation>>) -> Arc<Shared> {
         metrics: Metrics::new().queue("q"),
         labels: BTreeMap::new(),
     };
-    let window = Window::new(Instant::now(), config.settings.max_staleness);
-    Arc::new(Shared {
-        config,
-        window: Mutex::new(window),
-        changed: Notify::new(),
-        refresh: Notify::new(),
-        finished: Notify::new(),
-        held: Mutex::new(HashSet::new()),
-        parked: AtomicUsize::new(0),
-    })
+    Arc::new(Shared::new(config))
 }
 
 /// Lets the observer run one poll (and whatever it wakes).

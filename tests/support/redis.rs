@@ -230,3 +230,26 @@ impl Drop for RedisServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A Redis-transport config for the in-process application with fast
+/// timings (100 ms polls and retries): `extra_dispatch` adds `[dispatch]`
+/// keys, `queue` is the body of the one `[[queue]]`.
+pub(crate) fn fast_app_toml(gateway: &str, extra_dispatch: &str, queue: &str) -> String {
+    format!(
+        r#"
+transport = "redis"
+[gateway]
+url = "{gateway}"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "100ms"
+retry_initial_backoff = "100ms"
+retry_max_backoff = "200ms"
+{extra_dispatch}
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+{queue}
+"#
+    )
+}
