@@ -126,6 +126,46 @@ for values in "$CHART"/ci/*-values.yaml; do
   "$helm" template lint "$CHART" -f "$values" >/dev/null || die "helm template failed for $values"
 done
 
+# Dashboard and alerts: off by default, rendered and valid when enabled.
+if grep -q '^kind: PrometheusRule$' "$rendered" || grep -q 'grafana_dashboard:' "$rendered"; then
+  die "the default values render a dashboard or a PrometheusRule; both are opt-in"
+fi
+command -v promtool >/dev/null 2>&1 || apt_install prometheus
+full="$helm_home/full.yaml"
+step "helm template $CHART -f $CHART/ci/full-values.yaml: dashboard JSON and promtool check rules"
+"$helm" template lint "$CHART" -f "$CHART/ci/full-values.yaml" >"$full" ||
+  die "helm template failed for ci/full-values.yaml"
+# Cut the two objects out of the rendered stream by their fixed layout: the
+# dashboard is a literal block under `  sluicegate.json: |-` and the rules
+# are the PrometheusRule's `spec:`, both indented by the template.
+python3 - "$full" "$helm_home/rules.yaml" <<'PY' || die "the rendered dashboard or PrometheusRule is malformed"
+import json, sys
+docs = open(sys.argv[1]).read().split("\n---\n")
+def body(doc, header, indent):
+    lines = doc.splitlines()
+    start = lines.index(header) + 1
+    out = []
+    for line in lines[start:]:
+        if line.strip() and not line.startswith(indent):
+            break
+        out.append(line[len(indent):])
+    return "\n".join(out) + "\n"
+dash = [d for d in docs if "grafana_dashboard:" in d]
+rule = [d for d in docs if "\nkind: PrometheusRule\n" in d]
+if len(dash) != 1 or len(rule) != 1:
+    sys.exit(f"expected one dashboard ConfigMap and one PrometheusRule, got {len(dash)} and {len(rule)}")
+panels = json.loads(body(dash[0], "  sluicegate.json: |-", "    "))["panels"]
+if not panels:
+    sys.exit("the rendered dashboard has no panels")
+open(sys.argv[2], "w").write(body(rule[0], "spec:", "  "))
+PY
+promtool check rules "$helm_home/rules.yaml" >"$helm_home/promtool.out" 2>&1 || {
+  cat "$helm_home/promtool.out" >&2
+  die "promtool check rules rejects the chart's PrometheusRule"
+}
+grep -q 'SUCCESS: [1-9][0-9]* rules found' "$helm_home/promtool.out" ||
+  die "the chart's PrometheusRule holds no rules: $(cat "$helm_home/promtool.out")"
+
 # The chart refuses to let `env` override what it manages itself.
 if "$helm" template lint "$CHART" --set env.SLUICEGATE_LISTEN=0.0.0.0:1 >/dev/null 2>&1; then
   die "helm template accepted env.SLUICEGATE_LISTEN, which the chart sets itself"
