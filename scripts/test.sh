@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || packages+=(prometheus)
+# promtool (tests/ops_monitoring.rs) ships in the same Debian package.
+command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
 # The rediss:// test makes a private CA and a server certificate.
 command -v openssl >/dev/null 2>&1 || packages+=(openssl)
