@@ -85,25 +85,3 @@ impl From<Vec<ConfigError>> for ConfigErrors {
         Self(v)
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn display_names_origin_and_key_one_error_per_line() {
-        let errs = ConfigErrors(vec![
-            ConfigError::new("gateway.url", "must be an http(s) URL"),
-            ConfigError::new("queue[0].gate_type", "unknown gate type")
-                .with_origin("SLUICEGATE_GATE_TYPE"),
-        ]);
-        let text = errs.to_string();
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 2);
-        assert_eq!(lines[0], "gateway.url: must be an http(s) URL");
-        assert_eq!(
-            lines[1],
-            "SLUICEGATE_GATE_TYPE (queue[0].gate_type): unknown gate type"
-        );
-    }
-}
