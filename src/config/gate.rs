@@ -112,22 +112,22 @@ gate_catalogue! {
     Vllm(gate::VllmParams) = "vllm",
 }
 
-/// Where a gate's two keys are, for errors.
+/// Where a gate is, for errors: the gate itself (depth errors), its
+/// `gate_type` and its `gate_params`.
 struct GateKeys {
-    /// The gate itself (depth errors).
     at: String,
-    /// Its `gate_type`.
     gate_type: String,
-    /// Its `gate_params`.
     gate_params: String,
 }
 
 impl GateKeys {
     fn under(key: &str) -> Self {
+        let (gate_type, gate_params) = (format!("{key}.gate_type"), format!("{key}.gate_params"));
+        let at = key.to_owned();
         Self {
-            at: key.to_owned(),
-            gate_type: format!("{key}.gate_type"),
-            gate_params: format!("{key}.gate_params"),
+            at,
+            gate_type,
+            gate_params,
         }
     }
 }
@@ -141,20 +141,13 @@ pub(crate) fn parse_gate_spec(
     key: &str,
 ) -> Result<GateSpec, Vec<ConfigError>> {
     let mut errors = Vec::new();
-    let spec = match gate_type {
-        None => {
-            errors.push(ConfigError::new(
-                format!("{key}.gate_type"),
-                format!(
-                    "gate_type is required (fail closed: no default gate); set gate_type on the queue or SLUICEGATE_GATE_TYPE; allowed: {}",
-                    GATE_TYPES.join(", ")
-                ),
-            ));
-            None
-        }
-        Some(t) => parse_gate(Some(t), gate_params, &GateKeys::under(key), 0, &mut errors),
-    };
-    match spec {
+    match parse_gate(
+        gate_type,
+        gate_params,
+        &GateKeys::under(key),
+        0,
+        &mut errors,
+    ) {
         Some(s) if errors.is_empty() => Ok(s),
         _ => Err(errors),
     }
@@ -169,12 +162,8 @@ impl GateSpec {
         gate_params: &Value,
         key: &str,
     ) -> Result<GateSpec, ConfigErrors> {
-        parse_gate_spec(
-            Some(&Value::String(gate_type.to_owned())),
-            Some(gate_params),
-            key,
-        )
-        .map_err(ConfigErrors)
+        let gate_type = Value::String(gate_type.to_owned());
+        parse_gate_spec(Some(&gate_type), Some(gate_params), key).map_err(ConfigErrors)
     }
 
     /// A gate nested at `key` inside a gate at `depth`: an object
@@ -186,49 +175,19 @@ impl GateSpec {
         depth: usize,
         errors: &mut Vec<ConfigError>,
     ) -> Option<GateSpec> {
-        let parsed;
-        let value = match value {
-            Value::String(s) => match serde_json::from_str::<Value>(s) {
-                Ok(p) => {
-                    parsed = p;
-                    &parsed
-                }
-                Err(e) => {
-                    errors.push(ConfigError::new(key, format!(
-                        "expected a gate object {{\"gate_type\": …, \"gate_params\": {{…}}}} or JSON text of one: {e}"
-                    )));
-                    return None;
-                }
-            },
-            other => other,
-        };
-        let Value::Object(obj) = value else {
-            errors.push(ConfigError::new(
-                key,
-                format!(
-                    "expected a gate object {{\"gate_type\": …, \"gate_params\": {{…}}}}, got {}",
-                    kind(value)
-                ),
-            ));
-            return None;
-        };
+        let what = "a gate object {\"gate_type\": …, \"gate_params\": {…}} or JSON text of one";
+        let obj = object(value, what)
+            .map_err(|e| errors.push(ConfigError::new(key, e)))
+            .ok()?;
         for k in obj
             .keys()
             .filter(|k| *k != "gate_type" && *k != "gate_params")
         {
-            errors.push(ConfigError::new(
-                format!("{key}.{k}"),
-                "unknown key in a gate; allowed: gate_type, gate_params",
-            ));
+            let msg = "unknown key in a gate; allowed: gate_type, gate_params";
+            errors.push(ConfigError::new(format!("{key}.{k}"), msg));
         }
-        let keys = GateKeys::under(key);
-        parse_gate(
-            obj.get("gate_type"),
-            obj.get("gate_params"),
-            &keys,
-            depth + 1,
-            errors,
-        )
+        let (ty, params) = (obj.get("gate_type"), obj.get("gate_params"));
+        parse_gate(ty, params, &GateKeys::under(key), depth + 1, errors)
     }
 
     /// A gate given as a type name plus separate parameters (the
@@ -242,10 +201,11 @@ impl GateSpec {
         depth: usize,
         errors: &mut Vec<ConfigError>,
     ) -> Option<GateSpec> {
+        let (at, gate_params_key) = (type_key.clone(), params_key);
         let keys = GateKeys {
-            at: type_key.clone(),
+            at,
             gate_type: type_key,
-            gate_params: params_key,
+            gate_params: gate_params_key,
         };
         parse_gate(Some(gate_type), gate_params, &keys, depth + 1, errors)
     }
@@ -260,18 +220,15 @@ impl GateSpec {
 
     /// `{"gate_type": …, "gate_params": {…}}`, the upstream object shape
     /// with typed values (numbers as numbers) and every default spelled
-    /// out. Parsing it again gives an equal `GateSpec`.
+    /// out; unset optional parameters are left out (TOML has no null).
+    /// Parsing it again gives an equal `GateSpec`.
     pub fn to_upstream(&self) -> Value {
-        /// Unset optional parameters serialize as null; upstream's shape
-        /// leaves them out.
         fn without_nulls(v: Value) -> Value {
             match v {
-                Value::Object(m) => Value::Object(
-                    m.into_iter()
-                        .filter(|(_, v)| !v.is_null())
-                        .map(|(k, v)| (k, without_nulls(v)))
-                        .collect(),
-                ),
+                Value::Object(m) => {
+                    let set = m.into_iter().filter(|(_, v)| !v.is_null());
+                    Value::Object(set.map(|(k, v)| (k, without_nulls(v))).collect())
+                }
                 Value::Array(a) => Value::Array(a.into_iter().map(without_nulls).collect()),
                 other => other,
             }
@@ -280,16 +237,17 @@ impl GateSpec {
         // numbers, lists, tables and nested gates: nothing can fail.
         without_nulls(serde_json::to_value(self).unwrap_or(Value::Null))
     }
+}
 
-    /// The parameters in upstream shape (the `gate_params` object).
-    fn params_map(&self) -> Map<String, Value> {
-        match self.to_upstream() {
-            Value::Object(mut m) => match m.remove("gate_params") {
-                Some(Value::Object(p)) => p,
-                _ => Map::new(),
-            },
-            _ => Map::new(),
-        }
+/// An object, or JSON text of one (upstream writes nested tables as text).
+fn object(v: &Value, what: &str) -> Result<Map<String, Value>, String> {
+    let parsed = match v {
+        Value::String(s) => serde_json::from_str(s).map_err(|e| format!("expected {what}: {e}"))?,
+        other => other.clone(),
+    };
+    match parsed {
+        Value::Object(m) => Ok(m),
+        other => Err(format!("expected {what}, got {}", kind(&other))),
     }
 }
 
@@ -312,61 +270,38 @@ fn parse_gate(
     let allowed = GATE_TYPES.join(", ");
     let name = match gate_type {
         None => {
-            err(
-                &keys.gate_type,
-                format!(
-                    "gate_type is required (no gate would mean an open gate); allowed: {allowed}"
-                ),
-            );
+            // A queue's gate can also come from the environment.
+            let hint = match depth {
+                0 => "; set gate_type on the queue or SLUICEGATE_GATE_TYPE",
+                _ => "",
+            };
+            let msg = format!("gate_type is required (fail closed: no default gate){hint}");
+            err(&keys.gate_type, format!("{msg}; allowed: {allowed}"));
             return None;
         }
         Some(Value::String(s)) => s.as_str(),
         Some(other) => {
-            err(
-                &keys.gate_type,
-                format!(
-                    "expected a gate type name, got {}; allowed: {allowed}",
-                    show(other)
-                ),
-            );
+            let got = show(other);
+            let msg = format!("expected a gate type name, got {got}; allowed: {allowed}");
+            err(&keys.gate_type, msg);
             return None;
         }
     };
     let Some(&name) = GATE_TYPES.iter().find(|t| **t == name) else {
-        err(
-            &keys.gate_type,
-            format!("unknown gate type {name:?}; allowed: {allowed}"),
-        );
+        let msg = format!("unknown gate type {name:?}; allowed: {allowed}");
+        err(&keys.gate_type, msg);
         return None;
     };
     let map = match gate_params {
         None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
         Some(Value::String(s)) if s.trim().is_empty() => Map::new(),
-        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-            Ok(Value::Object(m)) => m,
-            Ok(other) => {
-                err(
-                    &keys.gate_params,
-                    format!("expected a JSON object of parameters, got {}", kind(&other)),
-                );
-                return None;
-            }
+        Some(v) => match object(v, "a table of parameters or JSON text of one") {
+            Ok(m) => m,
             Err(e) => {
-                err(
-                    &keys.gate_params,
-                    format!("expected a JSON object of parameters: {e}"),
-                );
+                err(&keys.gate_params, e);
                 return None;
             }
         },
-        Some(other) => {
-            err(
-                &keys.gate_params,
-                format!("expected a table of parameters, got {}", kind(other)),
-            );
-            return None;
-        }
     };
     // Upstream configs write "" (or null) for "use the default".
     let map = map
@@ -403,38 +338,31 @@ impl fmt::Display for GateSpec {
             Value::Array(a) => !a.is_empty() && a.iter().all(|g| g.get("gate_type").is_some()),
             _ => false,
         };
-        let params = self.params_map();
-        let scalars: Vec<_> = params.iter().filter(|(_, v)| !is_gate(v)).collect();
+        let upstream = self.to_upstream();
+        let params = upstream.get("gate_params").and_then(Value::as_object);
+        let mut scalars: Vec<String> = (params.into_iter().flatten())
+            .filter(|(_, v)| !is_gate(v))
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect();
+        // An unset fallback is worth saying: the gate closes on errors.
+        let takes_fallback =
+            allowed_params(self.upstream_name()).is_some_and(|a| a.contains(&"fallback"));
+        if !scalars.is_empty()
+            && takes_fallback
+            && params.is_none_or(|p| !p.contains_key("fallback"))
+        {
+            scalars.push("fallback=none".to_owned());
+        }
         f.write_str(self.upstream_name())?;
         if !scalars.is_empty() {
-            f.write_str("(")?;
-            for (i, (k, v)) in scalars.iter().enumerate() {
-                if i > 0 {
-                    f.write_str(", ")?;
-                }
-                match v {
-                    Value::String(s) => write!(f, "{k}={s}")?,
-                    other => write!(f, "{k}={other}")?,
-                }
-            }
-            // An unset fallback is worth saying: the gate closes on errors.
-            let takes_fallback =
-                allowed_params(self.upstream_name()).is_some_and(|a| a.contains(&"fallback"));
-            if takes_fallback && !params.contains_key("fallback") {
-                f.write_str(", fallback=none")?;
-            }
-            f.write_str(")")?;
+            write!(f, "({})", scalars.join(", "))?;
         }
-        let children = self.children();
+        let children: Vec<String> = self.children().iter().map(ToString::to_string).collect();
         if !children.is_empty() {
-            f.write_str("[")?;
-            for (i, g) in children.iter().enumerate() {
-                if i > 0 {
-                    f.write_str(", ")?;
-                }
-                write!(f, "{g}")?;
-            }
-            f.write_str("]")?;
+            write!(f, "[{}]", children.join(", "))?;
         }
         Ok(())
     }

@@ -7,7 +7,6 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use serde::{Serialize, Serializer};
-use serde_json::Value;
 
 use super::{Config, GateSpec, format_duration};
 
@@ -29,24 +28,7 @@ pub(crate) fn or_empty<S: Serializer>(v: &Option<String>, s: S) -> Result<S::Ok,
 
 /// A gate as its `gate_type` and `gate_params` keys (flattened into the queue).
 pub(crate) fn gate<S: Serializer>(g: &GateSpec, s: S) -> Result<S::Ok, S::Error> {
-    let mut v = g.to_upstream();
-    drop_nulls(&mut v);
-    v.serialize(s)
-}
-
-/// TOML has no null; a null parameter means "not set" anyway.
-fn drop_nulls(v: &mut Value) {
-    match v {
-        Value::Object(m) => {
-            m.retain(|_, x| !x.is_null());
-            m.values_mut().for_each(drop_nulls);
-        }
-        Value::Array(a) => {
-            a.retain(|x| !x.is_null());
-            a.iter_mut().for_each(drop_nulls);
-        }
-        _ => {}
-    }
+    g.to_upstream().serialize(s)
 }
 
 /// The config as a TOML table, secrets redacted and URL passwords masked.
