@@ -51,11 +51,11 @@ use std::time::Duration;
 use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
-use check::{
-    NONZERO, attempts, choice, duration_min, env_filter, file_path, host_port, http_url,
-    inline_secret, optional_string, path, redis_url, socket_addr, url_path,
+use values::{
+    Ctx, NONZERO, as_nonempty_string, as_positive_f64, as_u64, as_u64_in, attempts, choice,
+    constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_string,
+    path, redis_url, socket_addr, url_path,
 };
-use values::{Ctx, as_nonempty_string, as_positive_f64, as_u64, as_u64_in};
 
 pub use duration::{format_duration, parse_duration};
 pub use error::{ConfigError, ConfigErrors};
@@ -289,7 +289,7 @@ section! {
         /// Bearer token sent to the gateway (inline, or read from `token_file` at load).
         token: Option<Secret> = None, inline_secret;
         /// File the token was read from, when given that way.
-        token_file: Option<PathBuf> = None, file_path;
+        token_file: Option<PathBuf> = None, |v| path(v).map(Some);
         /// Header that carries the inference objective.
         objective_header: ObjectiveHeader = ObjectiveHeader::Gateway,
             choice(ObjectiveHeader::CHOICES);
@@ -303,13 +303,13 @@ section! {
     /// `[redis]`: connection for the Redis transport and Redis-backed gates.
     pub struct RedisConfig in "redis" {
         /// `redis://` or `rediss://` URL (a password in it is masked when shown).
-        url: EndpointUrl = check::constant_url(DEFAULT_REDIS_URL), redis_url;
+        url: EndpointUrl = constant_url(DEFAULT_REDIS_URL), redis_url;
         /// ACL user name.
         username: Option<String> = None, optional_string;
         /// Password (inline, or read from `password_file` at load).
         password: Option<Secret> = None, inline_secret;
         /// File the password was read from, when given that way.
-        password_file: Option<PathBuf> = None, file_path;
+        password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 }
 
@@ -319,17 +319,17 @@ section! {
     /// placeholder.
     pub struct PrometheusConfig in "prometheus" {
         /// Base URL of the Prometheus HTTP API.
-        url: EndpointUrl = check::constant_url("http://127.0.0.1:9090"), http_url;
+        url: EndpointUrl = constant_url("http://127.0.0.1:9090"), http_url;
         /// Bearer token (inline, or read from `bearer_token_file` at load).
         bearer_token: Option<Secret> = None, inline_secret;
         /// File the bearer token was read from.
-        bearer_token_file: Option<PathBuf> = None, file_path;
+        bearer_token_file: Option<PathBuf> = None, |v| path(v).map(Some);
         /// Basic-auth user.
         basic_user: Option<String> = None, optional_string;
         /// Basic-auth password (inline, or read from `basic_password_file` at load).
         basic_password: Option<Secret> = None, inline_secret;
         /// File the basic-auth password was read from.
-        basic_password_file: Option<PathBuf> = None, file_path;
+        basic_password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 }
 
