@@ -177,11 +177,11 @@ fn target_key(t: Target) -> String {
 
 /// Loads from `sources` (see [`Config::load`]).
 pub(crate) fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
-    let file = sources.file.clone().or_else(|| {
-        let named = sources.env.get("SLUICEGATE_CONFIG");
-        named.filter(|p| !p.is_empty()).map(PathBuf::from)
-    });
-    let Some(path) = file else {
+    let named = sources
+        .env
+        .get("SLUICEGATE_CONFIG")
+        .filter(|p| !p.is_empty());
+    let Some(path) = sources.file.clone().or_else(|| named.map(PathBuf::from)) else {
         return load_text(None, &sources.env, &sources.overrides);
     };
     let name = path.display().to_string();
@@ -209,16 +209,15 @@ pub(crate) fn load_text(
     apply_env(&mut tree, env, &mut ctx);
     apply_overrides(&mut tree, overrides, &mut ctx);
     let config = build(tree, &mut ctx);
-    if ctx.errors.is_empty() {
-        Ok(config)
-    } else {
-        Err(ConfigErrors(ctx.errors))
+    match ctx.errors.is_empty() {
+        true => Ok(config),
+        false => Err(ConfigErrors(ctx.errors)),
     }
 }
 
 /// Parses the file into the loose tree, dropping what [`prune`] reports.
 fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
-    let table: toml::Table = match text.parse() {
+    let mut tree: Tree = match toml::from_str(text) {
         Ok(t) => t,
         Err(e) => {
             let e: toml::de::Error = e;
@@ -235,18 +234,10 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
             return None;
         }
     };
-    let mut tree = match serde_json::to_value(table) {
-        Ok(Value::Object(tree)) => tree,
-        // A TOML table always becomes an object; a backstop naming the file.
-        other => {
-            let why = other.err().map(|e| e.to_string()).unwrap_or_default();
-            ctx.err(name, format!("cannot read the file: {why}"));
-            return None;
-        }
-    };
+    let sections = SECTIONS.iter().map(|(s, _)| *s);
     let top: Vec<&str> = ["transport"]
         .into_iter()
-        .chain(SECTIONS.iter().map(|(s, _)| *s))
+        .chain(sections)
         .chain(["queue"])
         .collect();
     prune(&mut tree, "", &top, ctx);
@@ -254,8 +245,10 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
         match tree.get_mut(section) {
             Some(Value::Object(t)) => prune(t, section, keys, ctx),
             Some(other) => {
-                let msg = format!("expected a table [{section}], got {}", kind(other));
-                ctx.err(section, msg);
+                ctx.err(
+                    section,
+                    format!("expected a table [{section}], got {}", kind(other)),
+                );
                 tree.remove(section);
             }
             None => {}
@@ -313,12 +306,10 @@ fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
             p if p.starts_with("queue[") => (format!("{p}.{k}"), "in a queue".to_owned()),
             p => (format!("{p}.{k}"), format!("in {p}")),
         };
+        let allowed = allowed.join(", ");
         ctx.err(
             key,
-            format!(
-                "unknown key {where_}{hint}; allowed: {}",
-                allowed.join(", ")
-            ),
+            format!("unknown key {where_}{hint}; allowed: {allowed}"),
         );
         false
     });
@@ -326,12 +317,11 @@ fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
 
 /// The closest allowed name, if it is close (edit distance <= 2).
 fn suggest<'a>(name: &str, allowed: &[&'a str]) -> Option<&'a str> {
-    allowed
+    let close = allowed
         .iter()
         .map(|a| (edit_distance(name, a), *a))
-        .filter(|(d, _)| *d <= 2)
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, a)| a)
+        .filter(|(d, _)| *d <= 2);
+    close.min_by_key(|(d, _)| *d).map(|(_, a)| a)
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -355,33 +345,23 @@ struct Setting {
     value: String,
 }
 
-impl Setting {
-    fn new(origin: &str, target: Target, value: &str) -> Self {
-        let (origin, value) = (origin.to_owned(), value.to_owned());
-        Self {
-            origin,
-            target,
-            value,
-        }
-    }
-}
-
 fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
     let table = env_table();
     let names: Vec<&str> = table.iter().map(|(n, _)| n.as_str()).collect();
     let mut settings = Vec::new();
     for (name, value) in env.iter().filter(|(n, _)| n.starts_with(ENV_PREFIX)) {
-        let Some((_, target)) = table.iter().find(|(n, _)| n == name) else {
-            ctx.push(ConfigError::new(
-                name.clone(),
-                unknown_var_message(name, &names),
-            ));
+        let Some(&(_, target)) = table.iter().find(|(n, _)| n == name) else {
+            ctx.err(name.clone(), unknown_var_message(name, &names));
             continue;
         };
-        if value.is_empty() && !EMPTY_MEANS_SOMETHING.contains(&name.as_str()) {
-            continue;
+        if !value.is_empty() || EMPTY_MEANS_SOMETHING.contains(&name.as_str()) {
+            let (origin, value) = (name.clone(), value.clone());
+            settings.push(Setting {
+                origin,
+                target,
+                value,
+            });
         }
-        settings.push(Setting::new(name, *target, value));
     }
     apply_layer(tree, settings, ctx);
 }
@@ -392,28 +372,24 @@ fn unknown_var_message(name: &str, names: &[&str]) -> String {
         .unwrap_or_default();
     // List the variables of the same section when the section is known,
     // else the sidecar contract.
-    let section = SECTIONS
-        .iter()
-        .map(|(s, _)| *s)
-        .chain(["queue"])
+    let section = (SECTIONS.iter().map(|(s, _)| *s).chain(["queue"]))
         .map(|s| format!("{ENV_PREFIX}{}_", s.to_uppercase()))
         .find(|prefix| name.starts_with(prefix.as_str()));
-    let listed: Vec<&str> = match &section {
-        Some(prefix) => names
-            .iter()
-            .copied()
-            .filter(|n| n.starts_with(prefix.as_str()) && *n != "SLUICEGATE_QUEUES_JSON")
-            .collect(),
-        None => CONTRACT_ENV_VARS
-            .iter()
-            .copied()
-            .chain(["SLUICEGATE_QUEUES_JSON", "SLUICEGATE_LOG_LEVEL"])
-            .collect(),
-    };
-    let which = if section.is_some() {
-        " in this section"
-    } else {
-        " include"
+    let (which, listed): (_, Vec<&str>) = match &section {
+        Some(prefix) => {
+            let same = |n: &&str| n.starts_with(prefix.as_str()) && *n != "SLUICEGATE_QUEUES_JSON";
+            (
+                " in this section",
+                names.iter().copied().filter(same).collect(),
+            )
+        }
+        None => {
+            let more = ["SLUICEGATE_QUEUES_JSON", "SLUICEGATE_LOG_LEVEL"];
+            (
+                " include",
+                CONTRACT_ENV_VARS.iter().copied().chain(more).collect(),
+            )
+        }
     };
     format!(
         "unknown environment variable{hint}; allowed{which}: {} (every variable is listed in docs/configuration.md)",
@@ -438,8 +414,13 @@ fn apply_overrides(tree: &mut Tree, o: &Overrides, ctx: &mut Ctx) {
         .into_iter()
         .filter_map(|(flag, var, value)| {
             let var = format!("{ENV_PREFIX}{var}");
-            let (_, target) = table.iter().find(|(n, _)| *n == var)?;
-            Some(Setting::new(flag, *target, value.as_deref()?))
+            let &(_, target) = table.iter().find(|(n, _)| *n == var)?;
+            let (origin, value) = (flag.to_owned(), value.clone()?);
+            Some(Setting {
+                origin,
+                target,
+                value,
+            })
         })
         .collect();
     apply_layer(tree, settings, ctx);
@@ -450,25 +431,18 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     // Two names for one key in the same layer must agree.
     let mut by_key: BTreeMap<String, &Setting> = BTreeMap::new();
     for s in &settings {
-        match by_key.get(&target_key(s.target)) {
-            Some(first) if first.value != s.value => ctx.push(
-                ConfigError::new(
-                    target_key(s.target),
-                    format!(
-                        "set by both {} and {} with different values; set only one",
-                        first.origin, s.origin
-                    ),
-                )
-                .with_origin(s.origin.clone()),
-            ),
-            Some(_) => {}
-            None => {
-                by_key.insert(target_key(s.target), s);
+        let key = target_key(s.target);
+        match by_key.get(&key) {
+            Some(first) if first.value != s.value => {
+                let (a, b) = (&first.origin, &s.origin);
+                let msg = format!("set by both {a} and {b} with different values; set only one");
+                ctx.push(ConfigError::new(key, msg).with_origin(b.clone()));
             }
+            Some(_) => {}
+            None => drop(by_key.insert(key, s)),
         }
     }
     let string = |s: &Setting| Value::String(s.value.clone());
-
     // 1. The queue list as upstream JSON replaces the file's queues.
     for s in settings.iter().filter(|s| s.target == Target::QueuesJson) {
         if let Some(queues) = parse_queues_json(&s.value, &s.origin, ctx) {
@@ -479,9 +453,7 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     // 2. Top-level and section keys.
     for s in &settings {
         match s.target {
-            Target::Transport => {
-                tree.insert("transport".to_owned(), string(s));
-            }
+            Target::Transport => drop(tree.insert("transport".to_owned(), string(s))),
             Target::Section(section, key) => {
                 let t = tree
                     .entry(section)
@@ -495,13 +467,12 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
         }
         ctx.set_origin(target_key(s.target), s.origin.clone());
     }
-    let queues = match tree
+    // The file reader and the JSON reader only store arrays here.
+    let Value::Array(queues) = tree
         .entry("queue")
         .or_insert_with(|| Value::Array(Vec::new()))
-    {
-        Value::Array(items) => items,
-        // The file reader and the JSON reader only store arrays here.
-        _ => return,
+    else {
+        return;
     };
     // 3. With exactly one queue, the gateway URL and request path also
     // override that queue's own values (a sidecar's environment wins over
@@ -530,8 +501,7 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
         return;
     }
     if queues.len() > 1 {
-        let names: Vec<String> = queues
-            .iter()
+        let names: Vec<String> = (queues.iter())
             .map(
                 |q| match q.get("queue_name").or_else(|| q.get("subscriber_id")) {
                     Some(Value::String(s)) => s.clone(),
@@ -580,21 +550,21 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
 /// object), checked like the file's `[[queue]]` tables.
 fn parse_queues_json(text: &str, origin: &str, ctx: &mut Ctx) -> Option<Vec<Value>> {
     let mut sub = Ctx::default();
+    let what = "expected a JSON array of queue objects";
     let items = match serde_json::from_str(text) {
-        Ok(Value::Array(mut items)) => prune_queues(&mut items, &mut sub).then_some(items),
-        Ok(obj @ Value::Object(_)) => {
-            let mut items = vec![obj];
+        Ok(v @ (Value::Array(_) | Value::Object(_))) => {
+            let mut items = match v {
+                Value::Array(items) => items,
+                obj => vec![obj],
+            };
             prune_queues(&mut items, &mut sub).then_some(items)
         }
         Ok(_) => {
-            sub.err("queue", "expected a JSON array of queue objects");
+            sub.err("queue", what);
             None
         }
         Err(e) => {
-            sub.err(
-                "queue",
-                format!("expected a JSON array of queue objects: {e}"),
-            );
+            sub.err("queue", format!("{what}: {e}"));
             None
         }
     };
