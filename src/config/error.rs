@@ -43,9 +43,11 @@ impl fmt::Display for ConfigError {
     }
 }
 
-/// Every problem found while loading, in the order found. Never empty when
-/// returned by [`crate::config::Config::load`].
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// Every problem found while loading, in the order found, one per line.
+/// Never empty when returned by [`crate::config::Config::load`]; derefs to
+/// the slice of errors.
+#[derive(Debug, Clone, PartialEq, Eq, Default, thiserror::Error)]
+#[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
 pub struct ConfigErrors(pub Vec<ConfigError>);
 
 impl ConfigErrors {
@@ -53,35 +55,11 @@ impl ConfigErrors {
     pub fn errors(&self) -> &[ConfigError] {
         &self.0
     }
-
-    /// Number of errors.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// True when there is no error.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
 }
 
-impl fmt::Display for ConfigErrors {
-    /// One error per line.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, e) in self.0.iter().enumerate() {
-            if i > 0 {
-                writeln!(f)?;
-            }
-            write!(f, "{e}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for ConfigErrors {}
-
-impl From<Vec<ConfigError>> for ConfigErrors {
-    fn from(v: Vec<ConfigError>) -> Self {
-        Self(v)
+impl std::ops::Deref for ConfigErrors {
+    type Target = [ConfigError];
+    fn deref(&self) -> &[ConfigError] {
+        &self.0
     }
 }

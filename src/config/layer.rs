@@ -175,27 +175,40 @@ fn target_key(t: Target) -> String {
     }
 }
 
-/// Loads from `sources` (see [`Config::load`]).
-pub(crate) fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
-    let named = sources
-        .env
-        .get("SLUICEGATE_CONFIG")
-        .filter(|p| !p.is_empty());
-    let Some(path) = sources.file.clone().or_else(|| named.map(PathBuf::from)) else {
-        return load_text(None, &sources.env, &sources.overrides);
-    };
-    let name = path.display().to_string();
-    match std::fs::read_to_string(&path) {
-        Ok(text) => load_text(Some((&text, &name)), &sources.env, &sources.overrides),
-        Err(e) => Err(ConfigErrors(vec![ConfigError::new(
-            name,
-            format!("cannot read config file: {e}"),
-        )])),
+impl Config {
+    /// Loads the configuration from a file (if any), the environment map
+    /// and flags, with precedence flag > environment > file > default.
+    /// Returns every problem found, not just the first.
+    pub fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
+        let named = sources
+            .env
+            .get("SLUICEGATE_CONFIG")
+            .filter(|p| !p.is_empty());
+        let Some(path) = sources.file.clone().or_else(|| named.map(PathBuf::from)) else {
+            return load_text(None, &sources.env, &sources.overrides);
+        };
+        let name = path.display().to_string();
+        match std::fs::read_to_string(&path) {
+            Ok(text) => load_text(Some((&text, &name)), &sources.env, &sources.overrides),
+            Err(e) => {
+                let e = ConfigError::new(name, format!("cannot read config file: {e}"));
+                Err(ConfigErrors(vec![e]))
+            }
+        }
+    }
+
+    /// Loads from TOML text instead of a file, with an environment map and
+    /// no flags (for tests and tools).
+    pub fn from_toml_str(
+        text: &str,
+        env: &BTreeMap<String, String>,
+    ) -> Result<Config, ConfigErrors> {
+        load_text(Some((text, "<string>")), env, &Overrides::default())
     }
 }
 
 /// Loads from TOML text (named `name` in errors), an environment map and flags.
-pub(crate) fn load_text(
+fn load_text(
     file: Option<(&str, &str)>,
     env: &BTreeMap<String, String>,
     overrides: &Overrides,

@@ -475,32 +475,3 @@ impl QueueConfig {
         }
     }
 }
-
-impl Config {
-    /// Loads the configuration from a file (if any), the environment map
-    /// and flags, with precedence flag > environment > file > default.
-    /// Returns every problem found, not just the first.
-    pub fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
-        layer::load(sources)
-    }
-
-    /// Loads from TOML text instead of a file, with an environment map and
-    /// no flags (for tests and tools).
-    pub fn from_toml_str(
-        text: &str,
-        env: &BTreeMap<String, String>,
-    ) -> Result<Config, ConfigErrors> {
-        layer::load_text(Some((text, "<string>")), env, &Overrides::default())
-    }
-
-    /// A human summary for `check-config`; secrets are never included.
-    pub fn summary(&self) -> String {
-        render::summary(self)
-    }
-
-    /// The effective configuration as TOML (for `config show`): every key
-    /// spelled out, secrets `<redacted>`, URL passwords masked.
-    pub fn to_redacted_toml(&self) -> String {
-        render::to_redacted_toml(self)
-    }
-}

@@ -50,44 +50,50 @@ fn redacted_table(c: &Config) -> Result<toml::Table, toml::ser::Error> {
     Ok(root)
 }
 
-pub(crate) fn to_redacted_toml(c: &Config) -> String {
-    // Serialising strings, numbers, tables and arrays cannot fail short of
-    // an integer beyond i64; the text then says so rather than panicking.
-    redacted_table(c)
-        .and_then(|root| toml::to_string(&root))
-        .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
-}
+impl Config {
+    /// The effective configuration as TOML (for `config show`): every key
+    /// spelled out, secrets `<redacted>`, URL passwords masked.
+    pub fn to_redacted_toml(&self) -> String {
+        // Serialising strings, numbers, tables and arrays cannot fail short of
+        // an integer beyond i64; the text then says so rather than panicking.
+        redacted_table(self)
+            .and_then(|root| toml::to_string(&root))
+            .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
 
-/// One line per section (`key=value`, redacted as in `config show`), then
-/// one per queue with its target, capacity and gate.
-pub(crate) fn summary(c: &Config) -> String {
-    let mut o = format!("transport: {}\n", c.transport.as_str());
-    // Writing to a String cannot fail.
-    for (name, section) in redacted_table(c).unwrap_or_default() {
-        if let toml::Value::Table(t) = section {
-            let fields: Vec<String> = t
-                .iter()
-                .map(|(k, v)| match v {
-                    toml::Value::String(s) => format!("{k}={s}"),
-                    v => format!("{k}={v}"),
-                })
-                .collect();
-            let _ = writeln!(o, "{name}: {}", fields.join(", "));
+    /// A human summary for `check-config` (secrets never included): one
+    /// line per section (`key=value`, redacted as in `config show`), then
+    /// one per queue with its target, capacity and gate.
+    pub fn summary(&self) -> String {
+        let c = self;
+        let mut o = format!("transport: {}\n", c.transport.as_str());
+        // Writing to a String cannot fail.
+        for (name, section) in redacted_table(c).unwrap_or_default() {
+            if let toml::Value::Table(t) = section {
+                let fields: Vec<String> = t
+                    .iter()
+                    .map(|(k, v)| match v {
+                        toml::Value::String(s) => format!("{k}={s}"),
+                        v => format!("{k}={v}"),
+                    })
+                    .collect();
+                let _ = writeln!(o, "{name}: {}", fields.join(", "));
+            }
         }
+        let _ = writeln!(o, "queues: {}", c.queues.len());
+        for q in &c.queues {
+            let _ = writeln!(
+                o,
+                "  {} -> {}{} max_sys {} {} ({}) gate {}",
+                q.queue_name,
+                q.igw_base_url.masked().trim_end_matches('/'),
+                q.request_path_url,
+                q.max_sys,
+                q.unit.as_str(),
+                q.rounding.as_str(),
+                q.gate
+            );
+        }
+        o
     }
-    let _ = writeln!(o, "queues: {}", c.queues.len());
-    for q in &c.queues {
-        let _ = writeln!(
-            o,
-            "  {} -> {}{} max_sys {} {} ({}) gate {}",
-            q.queue_name,
-            q.igw_base_url.masked().trim_end_matches('/'),
-            q.request_path_url,
-            q.max_sys,
-            q.unit.as_str(),
-            q.rounding.as_str(),
-            q.gate
-        );
-    }
-    o
 }
