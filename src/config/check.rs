@@ -258,7 +258,7 @@ fn queue(
     let url = (gateway.url.clone()).unwrap_or_else(|| constant_url("http://127.0.0.1/"));
     let placeholder = GateSpec::Constant(Default::default());
     let name = queue_name.unwrap_or_default();
-    let mut q = QueueConfig::with_defaults(name, url, gateway, gate.clone().unwrap_or(placeholder));
+    let mut q = QueueConfig::with_defaults(name, gate.clone().unwrap_or(placeholder), url, gateway);
     q.merge(map, &path, ctx);
     (ctx.errors.len() == errors_before && gate.is_some()).then_some(q)
 }

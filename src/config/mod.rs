@@ -114,9 +114,10 @@ pub(crate) trait Section: Default {
 /// field type, whose error message says what is allowed); from it come the
 /// typed struct (with derived `Serialize` for `config show`), its
 /// `Default`, the key list (unknown-key errors, environment variable names)
-/// and `merge`, which reads the keys present in a loose table. The `@struct`
-/// form takes hand-parsed fields and extra keys and makes no `Default`
-/// (used by `[[queue]]`, whose defaults depend on `[gateway]`).
+/// and `merge`, which reads the keys present in a loose table. The
+/// `with_defaults` form (`[[queue]]`, whose defaults depend on `[gateway]`)
+/// adds hand-parsed fields and extra keys, and makes a constructor taking
+/// the hand fields and the arguments the defaults use, instead of `Default`.
 macro_rules! section {
     ($(#[$m:meta])* pub struct $name:ident in $section:literal {
         $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
@@ -133,6 +134,21 @@ macro_rules! section {
             const NAME: &'static str = $section;
             fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx) {
                 $name::merge(self, map, path, ctx)
+            }
+        }
+    };
+    ($(#[$m:meta])* pub struct $name:ident with_defaults($($arg:ident: $aty:ty),*) {
+        $($(#[$hm:meta])* $hand:ident: $hty:ty,)*
+    } {
+        $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
+    } [$($extra:literal),*]) => {
+        section!(@struct $(#[$m])* $name { $($(#[$hm])* $hand: $hty,)* }
+            { $($(#[$fm])* $field: $ty, $conv;)+ } [$($extra),*]);
+
+        impl $name {
+            /// An entry with every default.
+            pub(crate) fn with_defaults($($hand: $hty,)* $($arg: $aty),*) -> Self {
+                Self { $($hand,)* $($field: $default,)+ }
             }
         }
     };
@@ -413,11 +429,10 @@ section! {
 }
 
 section! {
-    @struct
     /// One `[[queue]]`: where messages come from, where they go and which gate
-    /// paces them. Field names follow upstream's queue entries; defaults
-    /// (some taken from `[gateway]`) are set in `QueueConfig::with_defaults`.
-    QueueConfig {
+    /// paces them. Field names follow upstream's queue entries; some
+    /// defaults come from `[gateway]`.
+    pub struct QueueConfig with_defaults(url: EndpointUrl, gateway: &GatewayConfig) {
         /// Queue (sorted-set key) or, for Pub/Sub, subscription id (alias
         /// `subscriber_id`; variable `SLUICEGATE_QUEUE`).
         queue_name: String,
@@ -425,53 +440,26 @@ section! {
         #[serde(flatten, serialize_with = "render::gate")]
         gate: GateSpec,
     } {
-        /// Gateway base URL for this queue.
-        igw_base_url: EndpointUrl, http_url;
+        /// Gateway base URL for this queue (default `gateway.url`).
+        igw_base_url: EndpointUrl = url, http_url;
         /// Request path appended to `igw_base_url`; starts with '/'.
-        request_path_url: String, url_path;
+        request_path_url: String = gateway.request_path.clone(), url_path;
         /// Inference objective sent in the objective header, if any.
-        inference_objective: Option<String>, optional_string;
+        inference_objective: Option<String> = None, optional_string;
         /// Worker pool id (upstream label).
-        worker_pool_id: String, as_nonempty_string;
+        worker_pool_id: String = "default".to_owned(), as_nonempty_string;
         /// Labels copied onto messages (e.g. `tier`).
-        labels: BTreeMap<String, String>, as_string_map;
+        labels: BTreeMap<String, String> = BTreeMap::new(), as_string_map;
         /// Redis list results go to, when the queue sets one: it wins over the
         /// message's `result_queue_name`, which wins over `result-list`.
-        result_queue_name: Option<String>, |v| as_nonempty_string(v).map(Some);
+        result_queue_name: Option<String> = None, |v| as_nonempty_string(v).map(Some);
         /// TTL of result records in seconds; 0 = none.
-        result_ttl_seconds: u64, as_u64;
+        result_ttl_seconds: u64 = 0, as_u64;
         /// Static capacity `max_SYS` in `unit`s; > 0.
-        max_sys: f64, as_positive_f64;
+        max_sys: f64 = 100.0, as_positive_f64;
         /// Unit of `max_sys` and of the headroom.
-        unit: Unit, choice(Unit::CHOICES);
+        unit: Unit = Unit::Requests, choice(Unit::CHOICES);
         /// Rounding of the headroom.
-        rounding: Rounding, choice(Rounding::CHOICES);
+        rounding: Rounding = Rounding::Floor, choice(Rounding::CHOICES);
     } ["queue_name", "subscriber_id", "gate_type", "gate_params"]
-}
-
-impl QueueConfig {
-    /// A queue with every default: the gateway's URL and path, pool
-    /// `default`, `max_sys` 100 requests, floor rounding, no labels, no
-    /// result list.
-    pub(crate) fn with_defaults(
-        queue_name: String,
-        igw_base_url: EndpointUrl,
-        gateway: &GatewayConfig,
-        gate: GateSpec,
-    ) -> Self {
-        Self {
-            queue_name,
-            gate,
-            igw_base_url,
-            request_path_url: gateway.request_path.clone(),
-            inference_objective: None,
-            worker_pool_id: "default".to_owned(),
-            labels: BTreeMap::new(),
-            result_queue_name: None,
-            result_ttl_seconds: 0,
-            max_sys: 100.0,
-            unit: Unit::Requests,
-            rounding: Rounding::Floor,
-        }
-    }
 }
