@@ -4,60 +4,53 @@
 use std::time::Duration;
 
 /// Units accepted in duration text, for error messages.
-pub(crate) const DURATION_UNITS: &str = "ns, us, ms, s, m, h, d (e.g. \"250ms\", \"30s\", \"5m\", \"1h30m\"; a plain number is seconds)";
+const DURATION_UNITS: &str = "ns, us, ms, s, m, h, d (e.g. \"250ms\", \"30s\", \"5m\", \"1h30m\"; a plain number is seconds)";
+
+/// Nanoseconds per unit, largest first (the order `format_duration` tries).
+const UNITS: [(&str, u128); 7] = [
+    ("d", 86_400_000_000_000),
+    ("h", 3_600_000_000_000),
+    ("m", 60_000_000_000),
+    ("s", 1_000_000_000),
+    ("ms", 1_000_000),
+    ("us", 1_000),
+    ("ns", 1),
+];
 
 /// Parses a duration: a sequence of `<number><unit>` terms (`1h30m`,
 /// `1.5s`) or a plain non-negative number of seconds (`30`, `0.25`).
 /// Arithmetic is exact to the nanosecond.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let s = text.trim();
-    let invalid = || format!("invalid duration {text:?}; use {DURATION_UNITS}");
+    let invalid = |why: &str| format!("invalid duration {text:?}{why}; use {DURATION_UNITS}");
     if s.is_empty() {
         return Err(format!("empty duration; use {DURATION_UNITS}"));
     }
+    let is_number = |c: char| c.is_ascii_digit() || c == '.';
     let mut total: u128 = 0;
     let mut rest = s;
     while !rest.is_empty() {
-        let num_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
-        if num_len == 0 {
-            return Err(invalid());
-        }
-        let number = &rest[..num_len];
-        rest = &rest[num_len..];
-        let unit_len = rest
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(rest.len());
-        let unit = &rest[..unit_len];
-        rest = &rest[unit_len..];
-        let nanos_per_unit: u128 = match unit {
-            "ns" => 1,
-            "us" | "\u{b5}s" => 1_000,
-            "ms" => 1_000_000,
+        let num_len = rest.find(|c| !is_number(c)).unwrap_or(rest.len());
+        let (number, tail) = rest.split_at(num_len);
+        let (unit, tail) = tail.split_at(tail.find(is_number).unwrap_or(tail.len()));
+        rest = tail;
+        let per_unit = match unit {
+            _ if num_len == 0 => return Err(invalid("")),
             // A plain number (the whole text, no unit) means seconds.
             "" if number.len() == s.len() => 1_000_000_000,
-            "s" => 1_000_000_000,
-            "m" => 60_000_000_000,
-            "h" => 3_600_000_000_000,
-            "d" => 86_400_000_000_000,
-            "" => {
-                return Err(format!(
-                    "invalid duration {text:?}: missing unit; use {DURATION_UNITS}"
-                ));
-            }
-            other => {
-                return Err(format!(
-                    "invalid duration {text:?}: unknown unit {other:?}; use {DURATION_UNITS}"
-                ));
-            }
+            "" => return Err(invalid(": missing unit")),
+            "\u{b5}s" => 1_000,
+            unit => match UNITS.iter().find(|(name, _)| *name == unit) {
+                Some((_, n)) => *n,
+                None => return Err(invalid(&format!(": unknown unit {unit:?}"))),
+            },
         };
-        let term = scaled(number, nanos_per_unit).ok_or_else(invalid)?;
-        total = total.checked_add(term).ok_or_else(invalid)?;
+        let term = scaled(number, per_unit).ok_or_else(|| invalid(""))?;
+        total = total.checked_add(term).ok_or_else(|| invalid(""))?;
     }
-    let secs = u64::try_from(total / 1_000_000_000).map_err(|_| invalid())?;
+    let secs = u64::try_from(total / 1_000_000_000).map_err(|_| invalid(""))?;
     // The remainder of a division by 1e9 always fits in u32.
-    let sub = u32::try_from(total % 1_000_000_000).map_err(|_| invalid())?;
+    let sub = u32::try_from(total % 1_000_000_000).map_err(|_| invalid(""))?;
     Ok(Duration::new(secs, sub))
 }
 
@@ -94,21 +87,9 @@ pub(crate) fn seconds(secs: f64) -> Option<Duration> {
 /// that `parse_duration(format_duration(d)) == d`.
 pub fn format_duration(d: Duration) -> String {
     let nanos = d.as_nanos();
-    if nanos == 0 {
-        return "0s".to_owned();
+    match UNITS.iter().find(|(_, size)| nanos.is_multiple_of(*size)) {
+        _ if nanos == 0 => "0s".to_owned(),
+        Some((name, size)) => format!("{}{name}", nanos / size),
+        None => format!("{nanos}ns"),
     }
-    const UNITS: [(u128, &str); 6] = [
-        (86_400_000_000_000, "d"),
-        (3_600_000_000_000, "h"),
-        (60_000_000_000, "m"),
-        (1_000_000_000, "s"),
-        (1_000_000, "ms"),
-        (1_000, "us"),
-    ];
-    for (size, name) in UNITS {
-        if nanos.is_multiple_of(size) {
-            return format!("{}{name}", nanos / size);
-        }
-    }
-    format!("{nanos}ns")
 }
