@@ -63,10 +63,10 @@ pub use gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
 };
 pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
-// Loose value conversions the gates' parameter adapters share.
 pub use secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
+// Loose value conversions the gates' parameter adapters share.
 pub(crate) use values::{
     as_duration, as_f64, as_string, as_string_list, as_string_map, kind, show,
 };
