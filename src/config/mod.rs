@@ -75,9 +75,9 @@ pub(crate) use values::{
 /// function, the accepted names (canonical first, then aliases) for
 /// parsing and error messages, and a `Serialize` that writes the spelling.
 macro_rules! spelled {
-    ($(#[$m:meta])* pub enum $name:ident, $spelling:ident {
+    ($($(#[$m:meta])* pub enum $name:ident, $spelling:ident {
         $($(#[$vm:meta])* $variant:ident = $text:literal $(| $alias:literal)*,)+
-    }) => {
+    })+) => {$(
         $(#[$m])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         pub enum $name { $($(#[$vm])* $variant,)+ }
@@ -98,7 +98,7 @@ macro_rules! spelled {
                 s.serialize_str(self.$spelling())
             }
         }
-    };
+    )+};
 }
 
 /// A `[section]` declared with `section!`.
@@ -119,9 +119,9 @@ pub(crate) trait Section: Default {
 /// adds hand-parsed fields and extra keys, and makes a constructor taking
 /// the hand fields and the arguments the defaults use, instead of `Default`.
 macro_rules! section {
-    ($(#[$m:meta])* pub struct $name:ident in $section:literal {
+    ($($(#[$m:meta])* pub struct $name:ident in $section:literal {
         $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
-    }) => {
+    })+) => {$(
         section!(@struct $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
 
         impl Default for $name {
@@ -136,7 +136,7 @@ macro_rules! section {
                 $name::merge(self, map, path, ctx)
             }
         }
-    };
+    )+};
     ($(#[$m:meta])* pub struct $name:ident with_defaults($($arg:ident: $aty:ty),*) {
         $($(#[$hm:meta])* $hand:ident: $hty:ty,)*
     } {
@@ -196,9 +196,7 @@ spelled! {
         /// Embedded durable single-node store.
         Embedded = "embedded",
     }
-}
 
-spelled! {
     /// The unit `max_SYS` and the headroom `N` are counted in.
     pub enum Unit, as_str {
         /// Requests in flight.
@@ -208,9 +206,7 @@ spelled! {
         /// Request body bytes in flight.
         Bytes = "bytes",
     }
-}
 
-spelled! {
     /// How the real-valued headroom `N` becomes a whole number.
     pub enum Rounding, as_str {
         /// Round down (default).
@@ -220,9 +216,7 @@ spelled! {
         /// Round down, but at least one while the gate is open.
         AtLeastOne = "at-least-one",
     }
-}
 
-spelled! {
     /// Log output format.
     pub enum LogFormat, as_str {
         /// Human-readable lines.
@@ -230,9 +224,7 @@ spelled! {
         /// One JSON object per line.
         Json = "json",
     }
-}
 
-spelled! {
     /// Which header carries the queue's inference objective; the config
     /// spelling is the header name.
     pub enum ObjectiveHeader, header_name {
@@ -313,9 +305,7 @@ section! {
         #[serde(serialize_with = "render::or_empty")]
         fairness_attribute: Option<String> = Some("userid".to_owned()), optional_string;
     }
-}
 
-section! {
     /// `[redis]`: connection for the Redis transport and Redis-backed gates.
     pub struct RedisConfig in "redis" {
         /// `redis://` or `rediss://` URL (a password in it is masked when shown).
@@ -327,9 +317,7 @@ section! {
         /// File the password was read from, when given that way.
         password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
-}
 
-section! {
     /// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is
     /// required when the section is present; the default is only a
     /// placeholder.
@@ -347,9 +335,7 @@ section! {
         /// File the basic-auth password was read from.
         basic_password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
-}
 
-section! {
     /// `[pubsub]`: Google Cloud Pub/Sub. `project_id` is required.
     pub struct PubSubConfig in "pubsub" {
         /// GCP project.
@@ -359,18 +345,14 @@ section! {
         /// `host:port` of the emulator, when testing.
         emulator_host: Option<String> = None, host_port;
     }
-}
 
-section! {
     /// `[embedded]`: the single-node durable store (SQLite file) of the
     /// `embedded` transport.
     pub struct EmbeddedConfig in "embedded" {
         /// Database file.
         path: PathBuf = PathBuf::from("sluicegate.db"), path;
     }
-}
 
-section! {
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.
     pub struct DispatchConfig in "dispatch" {
         /// How often the gate is observed (also on demand when the window is used up).
@@ -414,9 +396,7 @@ section! {
         #[serde(serialize_with = "render::duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);
     }
-}
 
-section! {
     /// `[telemetry]`: the metrics/health listener and logging.
     pub struct TelemetryConfig in "telemetry" {
         /// Address serving `/metrics`, `/healthz` and `/readyz`.
