@@ -12,10 +12,10 @@ use serde_json::{Map, Value};
 
 use super::gate::parse_gate_spec;
 use super::secret::{Secret, read_secret_file};
-use super::values::{Ctx, as_nonempty_string, choice, constant_url};
+use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, Section, TelemetryConfig,
+    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, TelemetryConfig,
     TransportKind, format_duration,
 };
 
@@ -39,16 +39,63 @@ fn secret(ctx: &mut Ctx, key: &str, value: &mut Option<Secret>, file: &Option<Pa
     }
 }
 
+/// Reports and drops every key of `map` that is not `allowed` (with a close
+/// name when there is one), so that the remaining problems are reported too.
+fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
+    map.retain(|k, _| {
+        if allowed.contains(&k.as_str()) {
+            return true;
+        }
+        let hint = suggest(k, allowed)
+            .map(|s| format!(" (did you mean `{s}`?)"))
+            .unwrap_or_default();
+        let (key, where_) = match path {
+            "" => (k.clone(), "at the top level".to_owned()),
+            p if p.starts_with("queue[") => (format!("{p}.{k}"), "in a queue".to_owned()),
+            p => (format!("{p}.{k}"), format!("in {p}")),
+        };
+        let allowed = allowed.join(", ");
+        ctx.err(
+            key,
+            format!("unknown key {where_}{hint}; allowed: {allowed}"),
+        );
+        false
+    });
+}
+
+/// The closest allowed name, if it is close (edit distance <= 2).
+pub(crate) fn suggest<'a>(name: &str, allowed: &[&'a str]) -> Option<&'a str> {
+    let close = allowed
+        .iter()
+        .map(|a| (edit_distance(name, a), *a))
+        .filter(|(d, _)| *d <= 2);
+    close.min_by_key(|(d, _)| *d).map(|(_, a)| a)
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// Reads a section present in the tree (or required anyway) over its
 /// defaults; also returns its table, to check for required keys.
 fn read<T: Section>(root: &mut Tree, required: bool, ctx: &mut Ctx) -> Option<(T, Tree)> {
-    let map = match root.remove(T::NAME) {
+    let mut map = match root.remove(T::NAME) {
         Some(Value::Object(m)) => m,
         // The layer only ever stores tables here.
-        Some(_) => Tree::new(),
-        None if required => Tree::new(),
-        None => return None,
+        Some(_) | None if required => Tree::new(),
+        Some(_) | None => return None,
     };
+    prune(&mut map, T::NAME, T::KEYS, ctx);
     let mut t = T::default();
     t.merge(&map, T::NAME, ctx);
     Some((t, map))
@@ -57,6 +104,13 @@ fn read<T: Section>(root: &mut Tree, required: bool, ctx: &mut Ctx) -> Option<(T
 /// The loose tree (file, environment and flags already layered) as a
 /// typed config.
 pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
+    let sections = SECTIONS.iter().map(|(s, _)| *s);
+    let top: Vec<&str> = ["transport"]
+        .into_iter()
+        .chain(sections)
+        .chain(["queue"])
+        .collect();
+    prune(&mut root, "", &top, ctx);
     let transport = match root.get("transport") {
         None => {
             ctx.err(
@@ -160,9 +214,15 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
     }
     let mut queues = Vec::new();
     let mut seen = BTreeSet::new();
-    for (i, q) in raw_queues.iter().enumerate() {
-        let empty = Map::new();
-        let Some(q) = queue(q.as_object().unwrap_or(&empty), i, transport, &gateway, ctx) else {
+    for (i, q) in raw_queues.into_iter().enumerate() {
+        let Value::Object(map) = q else {
+            ctx.err(
+                format!("queue[{i}]"),
+                format!("expected a queue table, got {}", kind(&q)),
+            );
+            continue;
+        };
+        let Some(q) = queue(map, i, transport, &gateway, ctx) else {
             continue;
         };
         if !seen.insert(q.queue_name.clone()) {
@@ -213,7 +273,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
 
 /// One queue entry; `None` when any of its keys had an error.
 fn queue(
-    map: &Map<String, Value>,
+    mut map: Tree,
     i: usize,
     transport: Option<TransportKind>,
     gateway: &GatewayConfig,
@@ -221,6 +281,7 @@ fn queue(
 ) -> Option<QueueConfig> {
     let path = format!("queue[{i}]");
     let errors_before = ctx.errors.len();
+    prune(&mut map, &path, QueueConfig::KEYS, ctx);
     let queue_name = match (map.get("queue_name"), map.get("subscriber_id")) {
         (Some(_), Some(_)) => {
             ctx.err(
@@ -259,7 +320,7 @@ fn queue(
     let placeholder = GateSpec::Constant(Default::default());
     let name = queue_name.unwrap_or_default();
     let mut q = QueueConfig::with_defaults(name, gate.clone().unwrap_or(placeholder), url, gateway);
-    q.merge(map, &path, ctx);
+    q.merge(&map, &path, ctx);
     (ctx.errors.len() == errors_before && gate.is_some()).then_some(q)
 }
 
@@ -281,5 +342,12 @@ mod tests {
                 .contains("cannot read /nonexistent/sluicegate-token"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "ab"), 2);
+        assert_eq!(edit_distance("url", "url"), 0);
     }
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
-use super::check::build;
+use super::check::{build, suggest};
 use super::error::{ConfigError, ConfigErrors};
 use super::values::{Ctx, kind};
 use super::{Config, QueueConfig, SECTIONS};
@@ -228,7 +228,9 @@ fn load_text(
     }
 }
 
-/// Parses the file into the loose tree, dropping what [`prune`] reports.
+/// Parses the file into the loose tree; a section that is not a table or a
+/// `queue` that is not an array is reported and dropped, so that the layers
+/// above can fill them in. Unknown keys are left to `check`.
 fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
     let mut tree: Tree = match toml::from_str(text) {
         Ok(t) => t,
@@ -247,108 +249,20 @@ fn parse_file(text: &str, name: &str, ctx: &mut Ctx) -> Option<Tree> {
             return None;
         }
     };
-    let sections = SECTIONS.iter().map(|(s, _)| *s);
-    let top: Vec<&str> = ["transport"]
-        .into_iter()
-        .chain(sections)
-        .chain(["queue"])
-        .collect();
-    prune(&mut tree, "", &top, ctx);
-    for &(section, keys) in SECTIONS {
-        match tree.get_mut(section) {
-            Some(Value::Object(t)) => prune(t, section, keys, ctx),
-            Some(other) => {
-                ctx.err(
-                    section,
-                    format!("expected a table [{section}], got {}", kind(other)),
-                );
-                tree.remove(section);
-            }
-            None => {}
+    for key in SECTIONS.iter().map(|(s, _)| *s).chain(["queue"]) {
+        let (what, fits): (_, fn(&Value) -> bool) = match key {
+            "queue" => (
+                "[[queue]] tables (an array of tables)".to_owned(),
+                Value::is_array,
+            ),
+            s => (format!("a table [{s}]"), Value::is_object),
+        };
+        if let Some(got) = tree.get(key).filter(|v| !fits(v)).map(kind) {
+            ctx.err(key, format!("expected {what}, got {got}"));
+            tree.remove(key);
         }
-    }
-    let queues_ok = match tree.get_mut("queue") {
-        None => true,
-        Some(Value::Array(items)) => prune_queues(items, ctx),
-        Some(other) => {
-            let got = kind(other);
-            ctx.err(
-                "queue",
-                format!("expected [[queue]] tables (an array of tables), got {got}"),
-            );
-            false
-        }
-    };
-    if !queues_ok {
-        tree.remove("queue");
     }
     Some(tree)
-}
-
-/// Prunes each queue entry; false when one is not a table.
-fn prune_queues(items: &mut [Value], ctx: &mut Ctx) -> bool {
-    let mut ok = true;
-    for (i, item) in items.iter_mut().enumerate() {
-        let path = format!("queue[{i}]");
-        match item {
-            Value::Object(t) => prune(t, &path, QueueConfig::KEYS, ctx),
-            other => {
-                ctx.err(
-                    &path,
-                    format!("expected a queue table, got {}", kind(other)),
-                );
-                ok = false;
-            }
-        }
-    }
-    ok
-}
-
-/// Reports and drops every key of `map` that is not `allowed` (with a close
-/// name when there is one), so that the remaining problems are reported too.
-fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
-    map.retain(|k, _| {
-        if allowed.contains(&k.as_str()) {
-            return true;
-        }
-        let hint = suggest(k, allowed)
-            .map(|s| format!(" (did you mean `{s}`?)"))
-            .unwrap_or_default();
-        let (key, where_) = match path {
-            "" => (k.clone(), "at the top level".to_owned()),
-            p if p.starts_with("queue[") => (format!("{p}.{k}"), "in a queue".to_owned()),
-            p => (format!("{p}.{k}"), format!("in {p}")),
-        };
-        let allowed = allowed.join(", ");
-        ctx.err(
-            key,
-            format!("unknown key {where_}{hint}; allowed: {allowed}"),
-        );
-        false
-    });
-}
-
-/// The closest allowed name, if it is close (edit distance <= 2).
-fn suggest<'a>(name: &str, allowed: &[&'a str]) -> Option<&'a str> {
-    let close = allowed
-        .iter()
-        .map(|a| (edit_distance(name, a), *a))
-        .filter(|(d, _)| *d <= 2);
-    close.min_by_key(|(d, _)| *d).map(|(_, a)| a)
-}
-
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            let sub = prev[j] + usize::from(ca != *cb);
-            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[b.len()]
 }
 
 /// One value from the environment or a flag.
@@ -458,9 +372,12 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     let string = |s: &Setting| Value::String(s.value.clone());
     // 1. The queue list as upstream JSON replaces the file's queues.
     for s in settings.iter().filter(|s| s.target == Target::QueuesJson) {
-        if let Some(queues) = parse_queues_json(&s.value, &s.origin, ctx) {
-            tree.insert("queue".to_owned(), Value::Array(queues));
-            ctx.set_origin("queue", s.origin.clone());
+        match parse_queues_json(&s.value) {
+            Ok(queues) => {
+                tree.insert("queue".to_owned(), Value::Array(queues));
+                ctx.set_origin("queue", s.origin.clone());
+            }
+            Err(e) => ctx.push(ConfigError::new("queue", e).with_origin(s.origin.clone())),
         }
     }
     // 2. Top-level and section keys.
@@ -560,31 +477,15 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
 }
 
 /// `SLUICEGATE_QUEUES_JSON`: an array of upstream queue objects (or one
-/// object), checked like the file's `[[queue]]` tables.
-fn parse_queues_json(text: &str, origin: &str, ctx: &mut Ctx) -> Option<Vec<Value>> {
-    let mut sub = Ctx::default();
+/// object); `check` checks each like the file's `[[queue]]` tables.
+fn parse_queues_json(text: &str) -> Result<Vec<Value>, String> {
     let what = "expected a JSON array of queue objects";
-    let items = match serde_json::from_str(text) {
-        Ok(v @ (Value::Array(_) | Value::Object(_))) => {
-            let mut items = match v {
-                Value::Array(items) => items,
-                obj => vec![obj],
-            };
-            prune_queues(&mut items, &mut sub).then_some(items)
-        }
-        Ok(_) => {
-            sub.err("queue", what);
-            None
-        }
-        Err(e) => {
-            sub.err("queue", format!("{what}: {e}"));
-            None
-        }
-    };
-    sub.errors
-        .into_iter()
-        .for_each(|e| ctx.push(e.with_origin(origin)));
-    items
+    match serde_json::from_str(text) {
+        Ok(Value::Array(items)) => Ok(items),
+        Ok(obj @ Value::Object(_)) => Ok(vec![obj]),
+        Ok(_) => Err(what.to_owned()),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
 }
 
 #[cfg(test)]
@@ -600,12 +501,5 @@ mod tests {
                 assert!(docs.contains(&format!("`{key}`")), "{section}.{key}");
             }
         }
-    }
-
-    #[test]
-    fn edit_distance_counts_edits() {
-        assert_eq!(edit_distance("kitten", "sitting"), 3);
-        assert_eq!(edit_distance("", "ab"), 2);
-        assert_eq!(edit_distance("url", "url"), 0);
     }
 }

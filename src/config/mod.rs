@@ -105,6 +105,8 @@ macro_rules! spelled {
 pub(crate) trait Section: Default {
     /// The table's name in the file.
     const NAME: &'static str;
+    /// Its keys.
+    const KEYS: &'static [&'static str];
     /// Sets the fields whose keys are in `map` (errors under `<path>.<key>`).
     fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx);
 }
@@ -132,6 +134,7 @@ macro_rules! section {
 
         impl Section for $name {
             const NAME: &'static str = $section;
+            const KEYS: &'static [&'static str] = $name::KEYS;
             fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx) {
                 $name::merge(self, map, path, ctx)
             }
