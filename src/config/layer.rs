@@ -137,23 +137,19 @@ fn env_table() -> Vec<(String, Target)> {
         ("LOG_FORMAT", Target::Section("telemetry", "log_format")),
         ("LOG_LEVEL", Target::Section("telemetry", "log_level")),
     ];
-    let sections = SECTIONS.iter().flat_map(|&(section, keys)| {
-        keys.iter()
-            .map(move |key| (env_name(section, key), Target::Section(section, key)))
+    let queue = [("queue", QueueConfig::FIELD_KEYS)];
+    let all = SECTIONS.iter().chain(&queue);
+    let declared = all.flat_map(|&(section, keys)| {
+        keys.iter().map(move |&key| {
+            let name = format!("{ENV_PREFIX}{section}_{key}").to_uppercase();
+            match section {
+                "queue" => (name, Target::Queue(key)),
+                _ => (name, Target::Section(section, key)),
+            }
+        })
     });
-    let queue = QueueConfig::FIELD_KEYS
-        .iter()
-        .map(|key| (env_name("queue", key), Target::Queue(key)));
-    short
-        .into_iter()
-        .map(|(n, t)| (format!("{ENV_PREFIX}{n}"), t))
-        .chain(sections)
-        .chain(queue)
-        .collect()
-}
-
-fn env_name(section: &str, key: &str) -> String {
-    format!("{ENV_PREFIX}{section}_{key}").to_uppercase()
+    let short = short.map(|(n, t)| (format!("{ENV_PREFIX}{n}"), t));
+    short.into_iter().chain(declared).collect()
 }
 
 /// Every environment variable sluicegate reads, sorted.
@@ -302,22 +298,15 @@ fn unknown_var_message(name: &str, names: &[&str]) -> String {
     let section = (SECTIONS.iter().map(|(s, _)| *s).chain(["queue"]))
         .map(|s| format!("{ENV_PREFIX}{}_", s.to_uppercase()))
         .find(|prefix| name.starts_with(prefix.as_str()));
-    let (which, listed): (_, Vec<&str>) = match &section {
-        Some(prefix) => {
-            let same = |n: &&str| n.starts_with(prefix.as_str()) && *n != "SLUICEGATE_QUEUES_JSON";
-            (
-                " in this section",
-                names.iter().copied().filter(same).collect(),
-            )
-        }
-        None => {
-            let more = ["SLUICEGATE_QUEUES_JSON", "SLUICEGATE_LOG_LEVEL"];
-            (
-                " include",
-                CONTRACT_ENV_VARS.iter().copied().chain(more).collect(),
-            )
-        }
+    let listed: Vec<&str> = match &section {
+        Some(prefix) => (names.iter().copied())
+            .filter(|n| n.starts_with(prefix.as_str()) && *n != "SLUICEGATE_QUEUES_JSON")
+            .collect(),
+        None => (CONTRACT_ENV_VARS.iter().copied())
+            .chain(["SLUICEGATE_QUEUES_JSON", "SLUICEGATE_LOG_LEVEL"])
+            .collect(),
     };
+    let which = section.map_or(" include", |_| " in this section");
     format!(
         "unknown environment variable{hint}; allowed{which}: {} (every variable is listed in docs/configuration.md)",
         listed.join(", ")
@@ -431,15 +420,11 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
         return;
     }
     if queues.len() > 1 {
-        let names: Vec<String> = (queues.iter())
-            .map(
-                |q| match q.get("queue_name").or_else(|| q.get("subscriber_id")) {
-                    Some(Value::String(s)) => s.clone(),
-                    Some(v) => v.to_string(),
-                    None => "<unnamed>".to_owned(),
-                },
-            )
-            .collect();
+        let name = |q: &Value| match q.get("queue_name").or_else(|| q.get("subscriber_id")) {
+            Some(Value::String(s)) => s.clone(),
+            other => other.map_or("<unnamed>".to_owned(), Value::to_string),
+        };
+        let names: Vec<String> = queues.iter().map(name).collect();
         for s in queue_settings {
             let msg = format!(
                 "queue-level setting needs exactly one queue, but {} are configured ({}); set it in each [[queue]] of the file instead",
