@@ -9,13 +9,13 @@
 //! output, summaries or [`Config::to_redacted_toml`].
 //!
 //! Each key is declared once, below, with the `section!` macro: its doc,
-//! type, default and conversion. That declaration drives the file reader,
+//! type, default and conversion. That declaration drives the key checks,
 //! the `SLUICEGATE_<SECTION>_<KEY>` variables, error messages and the
-//! derived `Serialize` behind `config show`. Files: `layer` (sources: file,
-//! environment and flags layered onto one loose tree), `check` (key
-//! conversions and cross-key rules, tree → typed), `values` (shared loose →
-//! typed conversions), `gate` ([`GateSpec`]), `render` (summary and
-//! redacted TOML), `duration`, `secret`, `error`.
+//! derived `Serialize` behind `config show`. Files: `layer` (file,
+//! environment and flags layered onto one loose tree), `check` (tree →
+//! typed: unknown keys, cross-key rules), `values` (every loose → typed
+//! conversion, shared with gate parameters), `gate` ([`GateSpec`]),
+//! `render` (summary and redacted TOML), `duration`, `secret`, `error`.
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -123,7 +123,11 @@ pub(crate) trait Section: Default {
 macro_rules! section {
     ($($(#[$m:meta])* pub struct $name:ident in $section:literal {
         $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
-    })+) => {$(
+    })+) => {
+        /// The sections with their keys, in file order: the one list the
+        /// key checks, the environment overlay and error messages walk.
+        pub(crate) const SECTIONS: &[(&str, &[&str])] = &[$(($section, $name::KEYS)),+];
+        $(
         section!(@struct $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
 
         impl Default for $name {
@@ -149,6 +153,10 @@ macro_rules! section {
             { $($(#[$fm])* $field: $ty, $conv;)+ } [$($extra),*]);
 
         impl $name {
+            /// The keys `merge` reads (each also a `SLUICEGATE_QUEUE_<KEY>`
+            /// variable): `KEYS` less the hand-parsed ones.
+            pub(crate) const FIELD_KEYS: &'static [&'static str] = &[$(stringify!($field)),+];
+
             /// An entry with every default.
             pub(crate) fn with_defaults($($hand: $hty,)* $($arg: $aty),*) -> Self {
                 Self { $($hand,)* $($field: $default,)+ }
@@ -165,10 +173,6 @@ macro_rules! section {
         }
 
         impl $name {
-            /// The keys `merge` reads (each also a `SLUICEGATE_<SECTION>_<KEY>`
-            /// variable); they differ from `KEYS` only for `[[queue]]`.
-            #[allow(dead_code)]
-            pub(crate) const FIELD_KEYS: &'static [&'static str] = &[$(stringify!($field)),+];
             /// Every key the section accepts in a file.
             pub(crate) const KEYS: &'static [&'static str] =
                 &[$($extra,)* $(stringify!($field)),+];
@@ -261,18 +265,6 @@ pub struct Config {
     #[serde(rename = "queue")]
     pub queues: Vec<QueueConfig>,
 }
-
-/// The sections with their keys, in file order: the one list the file
-/// reader, the environment overlay and error messages walk.
-pub(crate) const SECTIONS: &[(&str, &[&str])] = &[
-    (GatewayConfig::NAME, GatewayConfig::KEYS),
-    (RedisConfig::NAME, RedisConfig::KEYS),
-    (PrometheusConfig::NAME, PrometheusConfig::KEYS),
-    (PubSubConfig::NAME, PubSubConfig::KEYS),
-    (EmbeddedConfig::NAME, EmbeddedConfig::KEYS),
-    (DispatchConfig::NAME, DispatchConfig::KEYS),
-    (TelemetryConfig::NAME, TelemetryConfig::KEYS),
-];
 
 /// Default `[redis] url`.
 pub(crate) const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379/0";
