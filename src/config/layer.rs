@@ -347,15 +347,11 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     // Two names for one key in the same layer must agree.
     let mut by_key: BTreeMap<String, &Setting> = BTreeMap::new();
     for s in &settings {
-        let key = target_key(s.target);
-        match by_key.get(&key) {
-            Some(first) if first.value != s.value => {
-                let (a, b) = (&first.origin, &s.origin);
-                let msg = format!("set by both {a} and {b} with different values; set only one");
-                ctx.push(ConfigError::new(key, msg).with_origin(b.clone()));
-            }
-            Some(_) => {}
-            None => drop(by_key.insert(key, s)),
+        let first = *by_key.entry(target_key(s.target)).or_insert(s);
+        if first.value != s.value {
+            let (a, b) = (&first.origin, &s.origin);
+            let msg = format!("set by both {a} and {b} with different values; set only one");
+            ctx.push(ConfigError::new(target_key(s.target), msg).with_origin(b.clone()));
         }
     }
     let string = |s: &Setting| Value::String(s.value.clone());

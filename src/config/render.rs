@@ -65,10 +65,9 @@ impl Config {
     /// line per section (`key=value`, redacted as in `config show`), then
     /// one per queue with its target, capacity and gate.
     pub fn summary(&self) -> String {
-        let c = self;
-        let mut o = format!("transport: {}\n", c.transport.as_str());
+        let mut o = format!("transport: {}\n", self.transport.as_str());
         // Writing to a String cannot fail.
-        for (name, section) in redacted_table(c).unwrap_or_default() {
+        for (name, section) in redacted_table(self).unwrap_or_default() {
             if let toml::Value::Table(t) = section {
                 let fields: Vec<String> = t
                     .iter()
@@ -80,8 +79,8 @@ impl Config {
                 let _ = writeln!(o, "{name}: {}", fields.join(", "));
             }
         }
-        let _ = writeln!(o, "queues: {}", c.queues.len());
-        for q in &c.queues {
+        let _ = writeln!(o, "queues: {}", self.queues.len());
+        for q in &self.queues {
             let _ = writeln!(
                 o,
                 "  {} -> {}{} max_sys {} {} ({}) gate {}",
