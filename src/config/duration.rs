@@ -74,15 +74,6 @@ fn scaled(number: &str, unit: u128) -> Option<u128> {
     Some(value)
 }
 
-/// A non-negative finite number of seconds as a `Duration`.
-pub(crate) fn seconds(secs: f64) -> Option<Duration> {
-    if secs.is_finite() && (0.0..1e15).contains(&secs) {
-        Some(Duration::from_secs_f64(secs))
-    } else {
-        None
-    }
-}
-
 /// Formats a duration in the largest unit that represents it exactly, so
 /// that `parse_duration(format_duration(d)) == d`.
 pub fn format_duration(d: Duration) -> String {

@@ -3,7 +3,7 @@
 //! file's shape as JSON values), each overridden key remembering which
 //! variable or flag set it; `check` then turns the tree into a `Config`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 use serde_json::{Map, Value};
@@ -154,10 +154,8 @@ fn env_table() -> Vec<(String, Target)> {
 
 /// Every environment variable sluicegate reads, sorted.
 pub fn known_env_vars() -> Vec<String> {
-    let mut v: Vec<String> = env_table().into_iter().map(|(n, _)| n).collect();
-    v.sort();
-    v.dedup();
-    v
+    let names: BTreeSet<String> = env_table().into_iter().map(|(n, _)| n).collect();
+    names.into_iter().collect()
 }
 
 /// The key path a target writes, for errors and origins.

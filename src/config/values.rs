@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 use url::Url;
 
-use super::duration::{format_duration, parse_duration, seconds};
+use super::duration::{format_duration, parse_duration};
 use super::error::ConfigError;
 use super::secret::{EndpointUrl, Secret};
 
@@ -161,9 +161,8 @@ pub(crate) fn attempts(v: &Value) -> Result<Option<u32>, String> {
 pub(crate) fn as_duration(v: &Value) -> Result<Duration, String> {
     match v {
         Value::String(s) => parse_duration(s),
-        Value::Number(n) => n
-            .as_f64()
-            .and_then(seconds)
+        Value::Number(n) => (n.as_f64().filter(|secs| (0.0..1e15).contains(secs)))
+            .map(Duration::from_secs_f64)
             .ok_or_else(|| format!("expected a duration >= 0, got {n}")),
         other => Err(format!(
             "expected a duration such as \"30s\", got {}",
