@@ -52,9 +52,9 @@ use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use values::{
-    Ctx, NONZERO, as_nonempty_string, as_positive_f64, as_u64, as_u64_in, attempts, choice,
-    constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_string,
-    path, redis_url, socket_addr, url_path,
+    Ctx, NONZERO, as_nonempty_string, as_positive_f64, as_u64, attempts, choice, constant_url,
+    duration_min, env_filter, host_port, http_url, inline_secret, optional_string, path, redis_url,
+    socket_addr, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -68,7 +68,7 @@ pub use secret::{
 };
 // Loose value conversions the gates' parameter adapters share.
 pub(crate) use values::{
-    as_duration, as_f64, as_string, as_string_list, as_string_map, kind, show,
+    as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in, kind, show,
 };
 
 /// Declares a closed set of config spellings once: the enum, its spelling
