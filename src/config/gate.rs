@@ -122,12 +122,10 @@ struct GateKeys {
 
 impl GateKeys {
     fn under(key: &str) -> Self {
-        let (gate_type, gate_params) = (format!("{key}.gate_type"), format!("{key}.gate_params"));
-        let at = key.to_owned();
         Self {
-            at,
-            gate_type,
-            gate_params,
+            at: key.to_owned(),
+            gate_type: format!("{key}.gate_type"),
+            gate_params: format!("{key}.gate_params"),
         }
     }
 }
@@ -140,14 +138,8 @@ pub(crate) fn parse_gate_spec(
     gate_params: Option<&Value>,
     key: &str,
 ) -> Result<GateSpec, Vec<ConfigError>> {
-    let mut errors = Vec::new();
-    match parse_gate(
-        gate_type,
-        gate_params,
-        &GateKeys::under(key),
-        0,
-        &mut errors,
-    ) {
+    let (keys, mut errors) = (GateKeys::under(key), Vec::new());
+    match parse_gate(gate_type, gate_params, &keys, 0, &mut errors) {
         Some(s) if errors.is_empty() => Ok(s),
         _ => Err(errors),
     }
@@ -179,10 +171,10 @@ impl GateSpec {
         let obj = object(value, what)
             .map_err(|e| errors.push(ConfigError::new(key, e)))
             .ok()?;
-        for k in obj
+        let unknown = obj
             .keys()
-            .filter(|k| *k != "gate_type" && *k != "gate_params")
-        {
+            .filter(|k| *k != "gate_type" && *k != "gate_params");
+        for k in unknown {
             let msg = "unknown key in a gate; allowed: gate_type, gate_params";
             errors.push(ConfigError::new(format!("{key}.{k}"), msg));
         }
@@ -201,11 +193,10 @@ impl GateSpec {
         depth: usize,
         errors: &mut Vec<ConfigError>,
     ) -> Option<GateSpec> {
-        let (at, gate_params_key) = (type_key.clone(), params_key);
         let keys = GateKeys {
-            at,
+            at: type_key.clone(),
             gate_type: type_key,
-            gate_params: gate_params_key,
+            gate_params: params_key,
         };
         parse_gate(Some(gate_type), gate_params, &keys, depth + 1, errors)
     }
@@ -261,10 +252,8 @@ fn parse_gate(
 ) -> Option<GateSpec> {
     let mut err = |key: &str, message: String| errors.push(ConfigError::new(key, message));
     if depth > MAX_GATE_DEPTH {
-        err(
-            &keys.at,
-            format!("gates nest deeper than {MAX_GATE_DEPTH} levels"),
-        );
+        let msg = format!("gates nest deeper than {MAX_GATE_DEPTH} levels");
+        err(&keys.at, msg);
         return None;
     }
     let allowed = GATE_TYPES.join(", ");
@@ -292,7 +281,7 @@ fn parse_gate(
         err(&keys.gate_type, msg);
         return None;
     };
-    let map = match gate_params {
+    let mut map = match gate_params {
         None | Some(Value::Null) => Map::new(),
         Some(Value::String(s)) if s.trim().is_empty() => Map::new(),
         Some(v) => match object(v, "a table of parameters or JSON text of one") {
@@ -304,14 +293,7 @@ fn parse_gate(
         },
     };
     // Upstream configs write "" (or null) for "use the default".
-    let map = map
-        .into_iter()
-        .filter(|(_, v)| match v {
-            Value::Null => false,
-            Value::String(s) => !s.trim().is_empty(),
-            _ => true,
-        })
-        .collect();
+    map.retain(|_, v| !v.is_null() && v.as_str().is_none_or(|s| !s.trim().is_empty()));
     let mut cx = ParseCx::new(name, keys.gate_params.clone(), depth, errors);
     GateSpec::parse_params(name, map, &mut cx)
 }
