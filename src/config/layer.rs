@@ -391,10 +391,11 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     // override that queue's own values (a sidecar's environment wins over
     // its file). With several queues they are only the defaults.
     if let [Value::Object(q)] = queues.as_mut_slice() {
-        for (section_key, queue_key) in [
+        let pairs = [
             ("url", "igw_base_url"),
             ("request_path", "request_path_url"),
-        ] {
+        ];
+        for (section_key, queue_key) in pairs {
             let target = Target::Section("gateway", section_key);
             if let Some(s) = settings.iter().find(|s| s.target == target)
                 && q.contains_key(queue_key)
@@ -406,11 +407,13 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     }
     // 4. Queue-level settings: create the queue when there is none,
     // override it when there is one, refuse when there are several.
-    let queue_settings: Vec<&Setting> = settings
-        .iter()
-        .filter(|s| matches!(s.target, Target::Queue(_)))
+    let on_queue: Vec<(&str, &Setting)> = (settings.iter())
+        .filter_map(|s| match s.target {
+            Target::Queue(key) => Some((key, s)),
+            _ => None,
+        })
         .collect();
-    if queue_settings.is_empty() {
+    if on_queue.is_empty() {
         return;
     }
     if queues.len() > 1 {
@@ -419,7 +422,7 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
             other => other.map_or("<unnamed>".to_owned(), Value::to_string),
         };
         let names: Vec<String> = queues.iter().map(name).collect();
-        for s in queue_settings {
+        for (_, s) in on_queue {
             let msg = format!(
                 "queue-level setting needs exactly one queue, but {} are configured ({}); set it in each [[queue]] of the file instead",
                 queues.len(),
@@ -436,17 +439,12 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
         return;
     };
     // A new gate type invalidates the parameters of the old one.
-    if let Some(ty) = queue_settings
-        .iter()
-        .find(|s| s.target == Target::Queue("gate_type"))
+    if let Some((_, ty)) = on_queue.iter().find(|(key, _)| *key == "gate_type")
         && q.get("gate_type").and_then(Value::as_str) != Some(ty.value.as_str())
     {
         q.remove("gate_params");
     }
-    for s in queue_settings {
-        let Target::Queue(key) = s.target else {
-            continue;
-        };
+    for (key, s) in on_queue {
         if key == "queue_name" {
             q.remove("subscriber_id");
         }
