@@ -57,21 +57,20 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// `number` (digits with at most one '.') times `unit` nanoseconds,
 /// truncated to whole nanoseconds.
 fn scaled(number: &str, unit: u128) -> Option<u128> {
-    let (int, frac) = match number.split_once('.') {
-        Some((i, f)) => (i, f),
-        None => (number, ""),
-    };
+    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
     if (int.is_empty() && frac.is_empty()) || frac.contains('.') || frac.len() > 18 {
         return None;
     }
-    let int_value: u128 = if int.is_empty() { 0 } else { int.parse().ok()? };
-    let mut value = int_value.checked_mul(unit)?;
-    if !frac.is_empty() {
-        let frac_value: u128 = frac.parse().ok()?;
-        let denom = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
-        value = value.checked_add(frac_value.checked_mul(unit)? / denom)?;
-    }
-    Some(value)
+    let digits = |d: &str| {
+        if d.is_empty() {
+            Some(0)
+        } else {
+            d.parse::<u128>().ok()
+        }
+    };
+    let denom = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
+    let frac_part = digits(frac)?.checked_mul(unit)? / denom;
+    digits(int)?.checked_mul(unit)?.checked_add(frac_part)
 }
 
 /// Formats a duration in the largest unit that represents it exactly, so
