@@ -46,30 +46,29 @@ fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
         if allowed.contains(&k.as_str()) {
             return true;
         }
-        let hint = suggest(k, allowed)
-            .map(|s| format!(" (did you mean `{s}`?)"))
-            .unwrap_or_default();
+        let hint = did_you_mean(k, allowed, "`");
         let (key, where_) = match path {
             "" => (k.clone(), "at the top level".to_owned()),
             p if p.starts_with("queue[") => (format!("{p}.{k}"), "in a queue".to_owned()),
             p => (format!("{p}.{k}"), format!("in {p}")),
         };
-        let allowed = allowed.join(", ");
-        ctx.err(
-            key,
-            format!("unknown key {where_}{hint}; allowed: {allowed}"),
+        let msg = format!(
+            "unknown key {where_}{hint}; allowed: {}",
+            allowed.join(", ")
         );
+        ctx.err(key, msg);
         false
     });
 }
 
-/// The closest allowed name, if it is close (edit distance <= 2).
-pub(crate) fn suggest<'a>(name: &str, allowed: &[&'a str]) -> Option<&'a str> {
-    let close = allowed
-        .iter()
-        .map(|a| (edit_distance(name, a), *a))
-        .filter(|(d, _)| *d <= 2);
-    close.min_by_key(|(d, _)| *d).map(|(_, a)| a)
+/// ` (did you mean <name>?)` for the closest allowed name (quoted by
+/// `quote`) when it is close (edit distance <= 2), else nothing.
+pub(crate) fn did_you_mean(name: &str, allowed: &[&str], quote: &str) -> String {
+    let close = allowed.iter().map(|a| (edit_distance(name, a), a));
+    let best = close.filter(|(d, _)| *d <= 2).min_by_key(|(d, _)| *d);
+    best.map_or_else(String::new, |(_, a)| {
+        format!(" (did you mean {quote}{a}{quote}?)")
+    })
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {

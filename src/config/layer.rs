@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
-use super::check::{build, suggest};
+use super::check::{build, did_you_mean};
 use super::error::{ConfigError, ConfigErrors};
 use super::values::{Ctx, kind};
 use super::{Config, QueueConfig, SECTIONS};
@@ -288,9 +288,7 @@ fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
 }
 
 fn unknown_var_message(name: &str, names: &[&str]) -> String {
-    let hint = suggest(name, names)
-        .map(|s| format!(" (did you mean {s}?)"))
-        .unwrap_or_default();
+    let hint = did_you_mean(name, names, "");
     // List the variables of the same section when the section is known,
     // else the sidecar contract.
     let section = (SECTIONS.iter().map(|(s, _)| *s).chain(["queue"]))

@@ -36,16 +36,12 @@ fn redacted_table(c: &Config) -> Result<toml::Table, toml::ser::Error> {
     let mut root = toml::Table::try_from(c)?;
     // A secret read from a file is shown by its path only (the path is not
     // secret), so the output also loads back.
-    for (_, section) in root.iter_mut() {
-        if let toml::Value::Table(t) = section {
-            let inline: Vec<String> = t
-                .keys()
-                .filter_map(|k| k.strip_suffix("_file"))
-                .filter(|k| t.contains_key(*k))
-                .map(str::to_owned)
-                .collect();
-            inline.iter().for_each(|k| drop(t.remove(k)));
-        }
+    for t in root.iter_mut().filter_map(|(_, v)| v.as_table_mut()) {
+        let inline: Vec<String> = (t.keys().filter_map(|k| k.strip_suffix("_file")))
+            .filter(|k| t.contains_key(*k))
+            .map(str::to_owned)
+            .collect();
+        inline.iter().for_each(|k| drop(t.remove(k)));
     }
     Ok(root)
 }
