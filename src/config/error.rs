@@ -1,10 +1,9 @@
 //! Configuration errors: every error names the key (and the variable or
 //! flag it came from) and says what is allowed.
 
-use std::fmt;
-
 /// One problem found while loading or validating the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", self.at())]
 pub struct ConfigError {
     /// The key path in the file's terms, e.g. `queue[0].gate_params.baseline`.
     pub key: String,
@@ -25,21 +24,18 @@ impl ConfigError {
         }
     }
 
+    /// Where the error is: the key, after its origin when that differs.
+    fn at(&self) -> String {
+        match &self.origin {
+            Some(origin) if *origin != self.key => format!("{origin} ({})", self.key),
+            _ => self.key.clone(),
+        }
+    }
+
     /// The same error, attributed to an environment variable or flag.
     pub fn with_origin(mut self, origin: impl Into<String>) -> Self {
         self.origin = Some(origin.into());
         self
-    }
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.origin {
-            Some(origin) if origin != &self.key => {
-                write!(f, "{origin} ({}): {}", self.key, self.message)
-            }
-            _ => write!(f, "{}: {}", self.key, self.message),
-        }
     }
 }
 

@@ -48,7 +48,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
 use values::{
@@ -73,14 +73,14 @@ pub(crate) use values::{
 
 /// Declares a closed set of config spellings once: the enum, its spelling
 /// function, the accepted names (canonical first, then aliases) for
-/// parsing and error messages, and a `Serialize` that writes the spelling.
+/// parsing and error messages, and a `Serialize` that writes the canonical one.
 macro_rules! spelled {
     ($($(#[$m:meta])* pub enum $name:ident, $spelling:ident {
         $($(#[$vm:meta])* $variant:ident = $text:literal $(| $alias:literal)*,)+
     })+) => {$(
         $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub enum $name { $($(#[$vm])* $variant,)+ }
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+        pub enum $name { $($(#[$vm])* #[serde(rename = $text)] $variant,)+ }
 
         impl $name {
             /// Every accepted spelling, canonical first, then aliases.
@@ -90,12 +90,6 @@ macro_rules! spelled {
             /// The canonical config spelling.
             pub fn $spelling(self) -> &'static str {
                 match self { $(Self::$variant => $text,)+ }
-            }
-        }
-
-        impl Serialize for $name {
-            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.$spelling())
             }
         }
     )+};
