@@ -12,10 +12,11 @@ use sluicegate::gate::{
 };
 
 use sluicegate::config::{
-    CONTRACT_ENV_VARS, Config, ConfigErrors, ConfigSources, GATE_TYPES, GateSpec, GatingMode,
-    LogFormat, MissingBudget, ObjectiveHeader, Overrides, Rounding, TransportKind, Unit,
-    known_env_vars,
+    CONTRACT_ENV_VARS, Config, ConfigError, ConfigErrors, ConfigSources, EndpointUrl, GATE_TYPES,
+    GateSpec, GatingMode, LogFormat, MissingBudget, ObjectiveHeader, Overrides, REDACTED, Rounding,
+    Secret, TransportKind, Unit, known_env_vars,
 };
+use url::Url;
 
 fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs
@@ -750,4 +751,81 @@ fn summary_names_queues_and_gates() {
         "{s}"
     );
     assert!(s.contains("gate constant"), "{s}");
+}
+
+#[test]
+fn every_contract_variable_is_known() {
+    let known = known_env_vars();
+    for v in CONTRACT_ENV_VARS {
+        assert!(known.iter().any(|k| k == v), "{v}");
+    }
+    assert!(
+        known
+            .iter()
+            .any(|k| k == "SLUICEGATE_DISPATCH_POLL_INTERVAL")
+    );
+    assert!(known.iter().any(|k| k == "SLUICEGATE_GATEWAY_TOKEN"));
+    assert!(known.iter().any(|k| k == "SLUICEGATE_REDIS_PASSWORD"));
+    assert!(known.iter().any(|k| k == "SLUICEGATE_QUEUE_MAX_SYS"));
+}
+
+#[test]
+fn unknown_variable_suggests_the_close_name_and_lists_its_section() {
+    let msg = load_err(None, &[("SLUICEGATE_DISPATCH_POLL_INTERVALL", "1s")]);
+    assert!(
+        msg.contains("did you mean SLUICEGATE_DISPATCH_POLL_INTERVAL"),
+        "{msg}"
+    );
+    assert!(msg.contains("SLUICEGATE_DISPATCH_LEASE"), "{msg}");
+}
+
+#[test]
+fn sources_debug_hides_values() {
+    let sources = ConfigSources {
+        env: [("SLUICEGATE_GATEWAY_TOKEN".to_owned(), "s3cr3t".to_owned())].into(),
+        ..Default::default()
+    };
+    let shown = format!("{sources:?}");
+    assert!(shown.contains("SLUICEGATE_GATEWAY_TOKEN"), "{shown}");
+    assert!(!shown.contains("s3cr3t"), "{shown}");
+}
+
+#[test]
+fn display_names_origin_and_key_one_error_per_line() {
+    let errs = ConfigErrors(vec![
+        ConfigError::new("gateway.url", "must be an http(s) URL"),
+        ConfigError::new("queue[0].gate_type", "unknown gate type")
+            .with_origin("SLUICEGATE_GATE_TYPE"),
+    ]);
+    let text = errs.to_string();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0], "gateway.url: must be an http(s) URL");
+    assert_eq!(
+        lines[1],
+        "SLUICEGATE_GATE_TYPE (queue[0].gate_type): unknown gate type"
+    );
+}
+
+#[test]
+fn secret_never_prints_its_value() {
+    let s = Secret::new("hunter2");
+    assert_eq!(format!("{s}"), REDACTED);
+    assert_eq!(format!("{s:?}"), REDACTED);
+    assert_eq!(
+        serde_json::to_string(&s).unwrap_or_default(),
+        "\"<redacted>\""
+    );
+    assert_eq!(s.expose(), "hunter2");
+}
+
+#[test]
+fn endpoint_url_masks_password_but_keeps_user() {
+    let u = Url::parse("redis://alice:hunter2@db:6379/0").unwrap_or_else(|e| panic!("{e}"));
+    let e = EndpointUrl::new(u);
+    assert!(e.has_password());
+    let shown = format!("{e} {e:?}");
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("alice:****@db"), "{shown}");
+    assert_eq!(e.expose().password(), Some("hunter2"));
 }

@@ -1,5 +1,6 @@
-//! Property tests: a typed config survives `to_redacted_toml` → load, and
-//! arbitrary gate parameters never panic the loader.
+//! Round trips: a typed config survives `to_redacted_toml` → load, duration
+//! text survives format → parse, and arbitrary gate parameters never panic
+//! the loader.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -13,6 +14,7 @@ use sluicegate::config::{
     GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PrometheusConfig, PubSubConfig,
     QueueConfig, QuotaMode, Rounding, TelemetryConfig, TransportKind, Unit, allowed_params,
 };
+use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
     CompositeParams, ConstantParams, EndpointScrapeParams, LocalMaxConcurrencyParams,
     PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams, RedisParams,
@@ -513,5 +515,71 @@ proptest! {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn durations_parse_units_and_plain_seconds_and_plain_seconds() {
+    let cases = [
+        ("250ms", Duration::from_millis(250)),
+        ("30s", Duration::from_secs(30)),
+        ("5m", Duration::from_secs(300)),
+        ("1h", Duration::from_secs(3600)),
+        ("24h", Duration::from_secs(86_400)),
+        ("1h30m", Duration::from_secs(5400)),
+        ("1.5s", Duration::from_millis(1500)),
+        ("30", Duration::from_secs(30)),
+        ("0", Duration::ZERO),
+        ("0.25", Duration::from_millis(250)),
+        ("100us", Duration::from_micros(100)),
+    ];
+    for (text, want) in cases {
+        assert_eq!(parse_duration(text), Ok(want), "{text}");
+    }
+}
+
+#[test]
+fn durations_reject_garbage_naming_units() {
+    for bad in [
+        "",
+        "s",
+        "5 minutes",
+        "-1s",
+        "-3",
+        "1x",
+        "1.2.3s",
+        "NaN",
+        "inf",
+    ] {
+        let err = parse_duration(bad).expect_err(bad);
+        assert!(err.contains("duration"), "{bad}: {err}");
+    }
+    assert!(
+        parse_duration("5x")
+            .expect_err("unit")
+            .contains("ms, s, m, h")
+    );
+}
+
+#[test]
+fn durations_format_in_largest_exact_unit() {
+    assert_eq!(format_duration(Duration::from_secs(86_400)), "1d");
+    assert_eq!(format_duration(Duration::from_secs(7200)), "2h");
+    assert_eq!(format_duration(Duration::from_secs(90)), "90s");
+    assert_eq!(format_duration(Duration::from_millis(250)), "250ms");
+    assert_eq!(format_duration(Duration::ZERO), "0s");
+    assert_eq!(format_duration(Duration::from_nanos(7)), "7ns");
+}
+
+proptest! {
+    #[test]
+    fn duration_format_then_parse_round_trips(nanos in 0u64..10_000_000_000_000) {
+        let d = Duration::from_nanos(nanos);
+        prop_assert_eq!(parse_duration(&format_duration(d)), Ok(d));
+    }
+
+    #[test]
+    fn duration_parse_never_panics_on_arbitrary_text(s in ".{0,20}") {
+        let _ = parse_duration(&s);
     }
 }

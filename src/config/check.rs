@@ -1,160 +1,26 @@
-//! Loose tree → typed config: the conversions named in the key
-//! declarations (`mod.rs`), secret files, and the rules that span keys
+//! Loose tree → typed config: each section read over its defaults through
+//! its key declarations, secret files, and the rules that span keys
 //! (required sections, secrets given twice, queue defaults from
 //! `[gateway]`, Prometheus needed by a gate). Every problem is recorded in
 //! the context; the returned `Config` is only used when no error was
 //! recorded, so placeholders for failed fields never escape.
 
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
 
 use serde_json::{Map, Value};
-use url::Url;
 
 use super::gate::parse_gate_spec;
-use super::secret::{EndpointUrl, Secret, read_secret_file};
-use super::values::{Ctx, as_choice, as_duration, as_nonempty_string, as_string, as_u64_in};
+use super::secret::{Secret, read_secret_file};
+use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, Section, TelemetryConfig,
+    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, TelemetryConfig,
     TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.
 type Tree = Map<String, Value>;
-
-/// Smallest duration that counts as "greater than 0".
-pub(crate) const NONZERO: Duration = Duration::from_nanos(1);
-
-/// An http(s) URL with a host.
-pub(crate) fn http_url(v: &Value) -> Result<EndpointUrl, String> {
-    let u =
-        Url::parse(as_string(v)?.trim()).map_err(|e| format!("expected an http(s) URL: {e}"))?;
-    if !matches!(u.scheme(), "http" | "https") {
-        return Err(format!(
-            "expected an http(s) URL, got scheme {:?}",
-            u.scheme()
-        ));
-    }
-    if u.host_str().is_none_or(str::is_empty) {
-        return Err("expected an http(s) URL with a host".to_owned());
-    }
-    Ok(EndpointUrl::new(u))
-}
-
-/// A `redis://` or `rediss://` URL.
-pub(crate) fn redis_url(v: &Value) -> Result<EndpointUrl, String> {
-    let u = Url::parse(as_string(v)?.trim())
-        .map_err(|e| format!("expected a redis:// or rediss:// URL: {e}"))?;
-    if !matches!(u.scheme(), "redis" | "rediss") {
-        return Err(format!(
-            "expected a redis:// or rediss:// URL, got scheme {:?}",
-            u.scheme()
-        ));
-    }
-    Ok(EndpointUrl::new(u))
-}
-
-/// Parses a URL literal of the key declarations.
-pub(crate) fn constant_url(text: &'static str) -> EndpointUrl {
-    // Invariant: only called with the valid literal URLs of the key
-    // declarations (checked by the `constant_urls_parse` test).
-    #[allow(clippy::expect_used)]
-    EndpointUrl::new(Url::parse(text).expect("constant URL is valid"))
-}
-
-/// A URL path starting with '/'.
-pub(crate) fn url_path(v: &Value) -> Result<String, String> {
-    let s = as_string(v)?;
-    if s.starts_with('/') && !s.contains(char::is_whitespace) {
-        Ok(s)
-    } else {
-        Err(format!("must be a path starting with '/', got {s:?}"))
-    }
-}
-
-/// A string where empty means "none".
-pub(crate) fn optional_string(v: &Value) -> Result<Option<String>, String> {
-    let s = as_string(v)?;
-    Ok((!s.is_empty()).then_some(s))
-}
-
-/// An inline secret; the message never echoes the value.
-pub(crate) fn inline_secret(v: &Value) -> Result<Option<Secret>, String> {
-    match v {
-        Value::String(s) if s.is_empty() => Err("must not be empty".to_owned()),
-        Value::String(s) => Ok(Some(Secret::new(s.clone()))),
-        _ => Err("expected a string".to_owned()),
-    }
-}
-
-/// A file path.
-pub(crate) fn path(v: &Value) -> Result<PathBuf, String> {
-    as_nonempty_string(v).map(PathBuf::from)
-}
-
-/// The file path of a secret.
-pub(crate) fn file_path(v: &Value) -> Result<Option<PathBuf>, String> {
-    path(v).map(Some)
-}
-
-/// `max_attempts`: 0 means unlimited (`None`).
-pub(crate) fn attempts(v: &Value) -> Result<Option<u32>, String> {
-    let n = as_u64_in(v, 0, u64::from(u32::MAX)).map_err(|e| format!("{e} (0 = unlimited)"))?;
-    Ok(u32::try_from(n).ok().filter(|n| *n > 0))
-}
-
-/// `host:port`, or empty for none.
-pub(crate) fn host_port(v: &Value) -> Result<Option<String>, String> {
-    let s = as_string(v)?;
-    match s.rsplit_once(':') {
-        _ if s.is_empty() => Ok(None),
-        Some((h, port)) if !h.is_empty() && port.parse::<u16>().is_ok() => Ok(Some(s)),
-        _ => Err(format!("expected host:port, got {s:?}")),
-    }
-}
-
-/// A socket address.
-pub(crate) fn socket_addr(v: &Value) -> Result<SocketAddr, String> {
-    let s = as_string(v)?;
-    s.trim().parse().map_err(|_| {
-        format!("expected a socket address such as 127.0.0.1:9464 or [::]:9464, got {s:?}")
-    })
-}
-
-/// A `tracing` `EnvFilter` directive.
-pub(crate) fn env_filter(v: &Value) -> Result<String, String> {
-    let s = as_nonempty_string(v)?;
-    tracing_subscriber::EnvFilter::builder()
-        .parse(&s)
-        .map_err(|e| {
-            format!(
-                "expected an EnvFilter directive such as \"info\" or \"info,sluicegate=debug\": {e}"
-            )
-        })?;
-    Ok(s)
-}
-
-/// One of an enum's spellings (`CHOICES` of a `spelled!` enum).
-pub(crate) fn choice<T: Copy>(
-    choices: &'static [(&'static str, T)],
-) -> impl Fn(&Value) -> Result<T, String> {
-    move |v| as_choice(v, choices)
-}
-
-/// A duration of at least `min`.
-pub(crate) fn duration_min(min: Duration) -> impl Fn(&Value) -> Result<Duration, String> {
-    move |v| {
-        let d = as_duration(v)?;
-        match d {
-            d if d >= min => Ok(d),
-            _ if min == NONZERO => Err("must be greater than 0".to_owned()),
-            _ => Err(format!("must be at least {}", format_duration(min))),
-        }
-    }
-}
 
 /// Resolves a secret given inline or as a file (`<key>_file`), not both,
 /// reading the file now: the one place secret files are read.
@@ -173,16 +39,62 @@ fn secret(ctx: &mut Ctx, key: &str, value: &mut Option<Secret>, file: &Option<Pa
     }
 }
 
+/// Reports and drops every key of `map` that is not `allowed` (with a close
+/// name when there is one), so that the remaining problems are reported too.
+fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
+    map.retain(|k, _| {
+        if allowed.contains(&k.as_str()) {
+            return true;
+        }
+        let hint = did_you_mean(k, allowed, "`");
+        let (key, where_) = match path {
+            "" => (k.clone(), "at the top level".to_owned()),
+            p if p.starts_with("queue[") => (format!("{p}.{k}"), "in a queue".to_owned()),
+            p => (format!("{p}.{k}"), format!("in {p}")),
+        };
+        let msg = format!(
+            "unknown key {where_}{hint}; allowed: {}",
+            allowed.join(", ")
+        );
+        ctx.err(key, msg);
+        false
+    });
+}
+
+/// ` (did you mean <name>?)` for the closest allowed name (quoted by
+/// `quote`) when it is close (edit distance <= 2), else nothing.
+pub(crate) fn did_you_mean(name: &str, allowed: &[&str], quote: &str) -> String {
+    let close = allowed.iter().map(|a| (edit_distance(name, a), a));
+    let best = close.filter(|(d, _)| *d <= 2).min_by_key(|(d, _)| *d);
+    best.map_or_else(String::new, |(_, a)| {
+        format!(" (did you mean {quote}{a}{quote}?)")
+    })
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur.push(sub.min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// Reads a section present in the tree (or required anyway) over its
 /// defaults; also returns its table, to check for required keys.
 fn read<T: Section>(root: &mut Tree, required: bool, ctx: &mut Ctx) -> Option<(T, Tree)> {
-    let map = match root.remove(T::NAME) {
+    let mut map = match root.remove(T::NAME) {
         Some(Value::Object(m)) => m,
         // The layer only ever stores tables here.
-        Some(_) => Tree::new(),
-        None if required => Tree::new(),
-        None => return None,
+        Some(_) | None if required => Tree::new(),
+        Some(_) | None => return None,
     };
+    prune(&mut map, T::NAME, T::KEYS, ctx);
     let mut t = T::default();
     t.merge(&map, T::NAME, ctx);
     Some((t, map))
@@ -191,6 +103,13 @@ fn read<T: Section>(root: &mut Tree, required: bool, ctx: &mut Ctx) -> Option<(T
 /// The loose tree (file, environment and flags already layered) as a
 /// typed config.
 pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
+    let sections = SECTIONS.iter().map(|(s, _)| *s);
+    let top: Vec<&str> = ["transport"]
+        .into_iter()
+        .chain(sections)
+        .chain(["queue"])
+        .collect();
+    prune(&mut root, "", &top, ctx);
     let transport = match root.get("transport") {
         None => {
             ctx.err(
@@ -256,35 +175,30 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
     let embedded = read::<EmbeddedConfig>(&mut root, is(Embedded), ctx).map(|e| e.0);
 
     let (dispatch, _) = read::<DispatchConfig>(&mut root, true, ctx).unwrap_or_default();
-    let d = &dispatch;
-    if d.max_staleness < d.poll_interval {
-        ctx.err(
-            "dispatch.max_staleness",
-            format!(
-                "must be at least dispatch.poll_interval ({}), or every observation would be stale; got {}",
-                format_duration(d.poll_interval),
-                format_duration(d.max_staleness)
-            ),
-        );
+    // A ceiling below its floor would make the floor meaningless.
+    macro_rules! at_least {
+        ($key:ident, $floor:ident, $why:literal) => {
+            if dispatch.$key < dispatch.$floor {
+                let (min, got) = (
+                    format_duration(dispatch.$floor),
+                    format_duration(dispatch.$key),
+                );
+                let floor = stringify!($floor);
+                let msg = format!(
+                    "must be at least dispatch.{floor} ({min}){}; got {got}",
+                    $why
+                );
+                ctx.err(concat!("dispatch.", stringify!($key)), msg);
+            }
+        };
     }
-    if d.retry_max_backoff < d.retry_initial_backoff {
-        ctx.err(
-            "dispatch.retry_max_backoff",
-            format!(
-                "must be at least dispatch.retry_initial_backoff ({})",
-                format_duration(d.retry_initial_backoff)
-            ),
-        );
-    }
-    if d.congestion_max_backoff < d.congestion_backoff {
-        ctx.err(
-            "dispatch.congestion_max_backoff",
-            format!(
-                "must be at least dispatch.congestion_backoff ({})",
-                format_duration(d.congestion_backoff)
-            ),
-        );
-    }
+    at_least!(
+        max_staleness,
+        poll_interval,
+        ", or every observation would be stale"
+    );
+    at_least!(retry_max_backoff, retry_initial_backoff, "");
+    at_least!(congestion_max_backoff, congestion_backoff, "");
     let (telemetry, _) = read::<TelemetryConfig>(&mut root, true, ctx).unwrap_or_default();
 
     let raw_queues = match root.remove("queue") {
@@ -299,44 +213,46 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
     }
     let mut queues = Vec::new();
     let mut seen = BTreeSet::new();
-    for (i, q) in raw_queues.iter().enumerate() {
-        let empty = Map::new();
-        let map = q.as_object().unwrap_or(&empty);
-        if let Some(q) = queue(map, i, transport, &gateway, ctx) {
-            if !seen.insert(q.queue_name.clone()) {
-                ctx.err(
-                    format!("queue[{i}].queue_name"),
-                    format!(
-                        "duplicate queue name {:?}; queue names must be unique",
-                        q.queue_name
-                    ),
-                );
-            }
-            queues.push(q);
+    for (i, q) in raw_queues.into_iter().enumerate() {
+        let Value::Object(map) = q else {
+            ctx.err(
+                format!("queue[{i}]"),
+                format!("expected a queue table, got {}", kind(&q)),
+            );
+            continue;
+        };
+        let Some(q) = queue(map, i, transport, &gateway, ctx) else {
+            continue;
+        };
+        if !seen.insert(q.queue_name.clone()) {
+            let msg = format!(
+                "duplicate queue name {:?}; queue names must be unique",
+                q.queue_name
+            );
+            ctx.err(format!("queue[{i}].queue_name"), msg);
         }
+        queues.push(q);
     }
     // Gates that query Prometheus need somewhere to send the query.
-    if prometheus.is_none() {
-        for (i, q) in queues.iter().enumerate() {
-            let mut needs = None;
-            q.gate.visit(&mut |g| {
-                if matches!(
-                    g,
-                    GateSpec::PrometheusBudget { .. }
-                        | GateSpec::PrometheusSaturation { .. }
-                        | GateSpec::PrometheusQuery { .. }
-                ) {
-                    needs.get_or_insert(g.upstream_name());
-                }
-            });
-            if let Some(name) = needs {
-                ctx.err(
-                    "prometheus.url",
-                    format!(
-                        "required by queue[{i}] (gate `{name}` queries Prometheus); set [prometheus] url or SLUICEGATE_PROMETHEUS_URL"
-                    ),
-                );
+    for (i, q) in queues.iter().enumerate().filter(|_| prometheus.is_none()) {
+        let mut needs = None;
+        q.gate.visit(&mut |g| {
+            if matches!(
+                g,
+                GateSpec::PrometheusBudget { .. }
+                    | GateSpec::PrometheusSaturation { .. }
+                    | GateSpec::PrometheusQuery { .. }
+            ) {
+                needs.get_or_insert(g.upstream_name());
             }
+        });
+        if let Some(name) = needs {
+            ctx.err(
+                "prometheus.url",
+                format!(
+                    "required by queue[{i}] (gate `{name}` queries Prometheus); set [prometheus] url or SLUICEGATE_PROMETHEUS_URL"
+                ),
+            );
         }
     }
 
@@ -356,7 +272,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
 
 /// One queue entry; `None` when any of its keys had an error.
 fn queue(
-    map: &Map<String, Value>,
+    mut map: Tree,
     i: usize,
     transport: Option<TransportKind>,
     gateway: &GatewayConfig,
@@ -364,6 +280,7 @@ fn queue(
 ) -> Option<QueueConfig> {
     let path = format!("queue[{i}]");
     let errors_before = ctx.errors.len();
+    prune(&mut map, &path, QueueConfig::KEYS, ctx);
     let queue_name = match (map.get("queue_name"), map.get("subscriber_id")) {
         (Some(_), Some(_)) => {
             ctx.err(
@@ -393,52 +310,22 @@ fn queue(
             "required: set igw_base_url on the queue, or gateway.url (SLUICEGATE_GATEWAY_URL) as the default for all queues",
         );
     }
-    let gate = match parse_gate_spec(map.get("gate_type"), map.get("gate_params"), &path) {
-        Ok(g) => Some(g),
-        Err(errors) => {
-            for mut e in errors {
-                if e.origin.is_none() {
-                    e.origin = ctx.origin_of(&e.key);
-                }
-                ctx.push(e);
-            }
-            None
-        }
-    };
+    let gate = parse_gate_spec(map.get("gate_type"), map.get("gate_params"), &path)
+        .map_err(|errors| errors.into_iter().for_each(|e| ctx.push(e)))
+        .ok();
     // Placeholders below are only kept when no error was recorded, and
     // then neither is used (the URL and the gate are both set).
-    let url = gateway
-        .url
-        .clone()
-        .unwrap_or_else(|| constant_url("http://127.0.0.1/"));
-    let mut q = QueueConfig::with_defaults(
-        queue_name.unwrap_or_default(),
-        url,
-        gateway,
-        gate.clone()
-            .unwrap_or(GateSpec::Constant(Default::default())),
-    );
-    q.merge(map, &path, ctx);
+    let url = (gateway.url.clone()).unwrap_or_else(|| constant_url("http://127.0.0.1/"));
+    let placeholder = GateSpec::Constant(Default::default());
+    let name = queue_name.unwrap_or_default();
+    let mut q = QueueConfig::with_defaults(name, gate.clone().unwrap_or(placeholder), url, gateway);
+    q.merge(&map, &path, ctx);
     (ctx.errors.len() == errors_before && gate.is_some()).then_some(q)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::DEFAULT_REDIS_URL;
-
-    #[test]
-    fn constant_urls_parse() {
-        assert_eq!(
-            constant_url(DEFAULT_REDIS_URL).expose().as_str(),
-            DEFAULT_REDIS_URL
-        );
-        assert_eq!(
-            constant_url("http://127.0.0.1:9090").expose().port(),
-            Some(9090)
-        );
-        assert_eq!(constant_url("http://127.0.0.1/").expose().port(), None);
-    }
 
     #[test]
     fn unreadable_secret_file_names_the_key_and_the_path() {
@@ -454,5 +341,12 @@ mod tests {
                 .contains("cannot read /nonexistent/sluicegate-token"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "ab"), 2);
+        assert_eq!(edit_distance("url", "url"), 0);
     }
 }

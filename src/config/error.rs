@@ -1,10 +1,9 @@
 //! Configuration errors: every error names the key (and the variable or
 //! flag it came from) and says what is allowed.
 
-use std::fmt;
-
 /// One problem found while loading or validating the configuration.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {message}", self.at())]
 pub struct ConfigError {
     /// The key path in the file's terms, e.g. `queue[0].gate_params.baseline`.
     pub key: String,
@@ -25,6 +24,14 @@ impl ConfigError {
         }
     }
 
+    /// Where the error is: the key, after its origin when that differs.
+    fn at(&self) -> String {
+        match &self.origin {
+            Some(origin) if *origin != self.key => format!("{origin} ({})", self.key),
+            _ => self.key.clone(),
+        }
+    }
+
     /// The same error, attributed to an environment variable or flag.
     pub fn with_origin(mut self, origin: impl Into<String>) -> Self {
         self.origin = Some(origin.into());
@@ -32,20 +39,11 @@ impl ConfigError {
     }
 }
 
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.origin {
-            Some(origin) if origin != &self.key => {
-                write!(f, "{origin} ({}): {}", self.key, self.message)
-            }
-            _ => write!(f, "{}: {}", self.key, self.message),
-        }
-    }
-}
-
-/// Every problem found while loading, in the order found. Never empty when
-/// returned by [`crate::config::Config::load`].
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// Every problem found while loading, in the order found, one per line.
+/// Never empty when returned by [`crate::config::Config::load`]; derefs to
+/// the slice of errors.
+#[derive(Debug, Clone, PartialEq, Eq, Default, thiserror::Error)]
+#[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
 pub struct ConfigErrors(pub Vec<ConfigError>);
 
 impl ConfigErrors {
@@ -53,57 +51,11 @@ impl ConfigErrors {
     pub fn errors(&self) -> &[ConfigError] {
         &self.0
     }
-
-    /// Number of errors.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// True when there is no error.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
 }
 
-impl fmt::Display for ConfigErrors {
-    /// One error per line.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for (i, e) in self.0.iter().enumerate() {
-            if i > 0 {
-                writeln!(f)?;
-            }
-            write!(f, "{e}")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for ConfigErrors {}
-
-impl From<Vec<ConfigError>> for ConfigErrors {
-    fn from(v: Vec<ConfigError>) -> Self {
-        Self(v)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn display_names_origin_and_key_one_error_per_line() {
-        let errs = ConfigErrors(vec![
-            ConfigError::new("gateway.url", "must be an http(s) URL"),
-            ConfigError::new("queue[0].gate_type", "unknown gate type")
-                .with_origin("SLUICEGATE_GATE_TYPE"),
-        ]);
-        let text = errs.to_string();
-        let lines: Vec<&str> = text.lines().collect();
-        assert_eq!(lines.len(), 2);
-        assert_eq!(lines[0], "gateway.url: must be an http(s) URL");
-        assert_eq!(
-            lines[1],
-            "SLUICEGATE_GATE_TYPE (queue[0].gate_type): unknown gate type"
-        );
+impl std::ops::Deref for ConfigErrors {
+    type Target = [ConfigError];
+    fn deref(&self) -> &[ConfigError] {
+        &self.0
     }
 }

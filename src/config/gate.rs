@@ -112,13 +112,11 @@ gate_catalogue! {
     Vllm(gate::VllmParams) = "vllm",
 }
 
-/// Where a gate's two keys are, for errors.
+/// Where a gate is, for errors: the gate itself (depth errors), its
+/// `gate_type` and its `gate_params`.
 struct GateKeys {
-    /// The gate itself (depth errors).
     at: String,
-    /// Its `gate_type`.
     gate_type: String,
-    /// Its `gate_params`.
     gate_params: String,
 }
 
@@ -140,21 +138,8 @@ pub(crate) fn parse_gate_spec(
     gate_params: Option<&Value>,
     key: &str,
 ) -> Result<GateSpec, Vec<ConfigError>> {
-    let mut errors = Vec::new();
-    let spec = match gate_type {
-        None => {
-            errors.push(ConfigError::new(
-                format!("{key}.gate_type"),
-                format!(
-                    "gate_type is required (fail closed: no default gate); set gate_type on the queue or SLUICEGATE_GATE_TYPE; allowed: {}",
-                    GATE_TYPES.join(", ")
-                ),
-            ));
-            None
-        }
-        Some(t) => parse_gate(Some(t), gate_params, &GateKeys::under(key), 0, &mut errors),
-    };
-    match spec {
+    let (keys, mut errors) = (GateKeys::under(key), Vec::new());
+    match parse_gate(gate_type, gate_params, &keys, 0, &mut errors) {
         Some(s) if errors.is_empty() => Ok(s),
         _ => Err(errors),
     }
@@ -169,12 +154,8 @@ impl GateSpec {
         gate_params: &Value,
         key: &str,
     ) -> Result<GateSpec, ConfigErrors> {
-        parse_gate_spec(
-            Some(&Value::String(gate_type.to_owned())),
-            Some(gate_params),
-            key,
-        )
-        .map_err(ConfigErrors)
+        let gate_type = Value::String(gate_type.to_owned());
+        parse_gate_spec(Some(&gate_type), Some(gate_params), key).map_err(ConfigErrors)
     }
 
     /// A gate nested at `key` inside a gate at `depth`: an object
@@ -186,49 +167,19 @@ impl GateSpec {
         depth: usize,
         errors: &mut Vec<ConfigError>,
     ) -> Option<GateSpec> {
-        let parsed;
-        let value = match value {
-            Value::String(s) => match serde_json::from_str::<Value>(s) {
-                Ok(p) => {
-                    parsed = p;
-                    &parsed
-                }
-                Err(e) => {
-                    errors.push(ConfigError::new(key, format!(
-                        "expected a gate object {{\"gate_type\": …, \"gate_params\": {{…}}}} or JSON text of one: {e}"
-                    )));
-                    return None;
-                }
-            },
-            other => other,
-        };
-        let Value::Object(obj) = value else {
-            errors.push(ConfigError::new(
-                key,
-                format!(
-                    "expected a gate object {{\"gate_type\": …, \"gate_params\": {{…}}}}, got {}",
-                    kind(value)
-                ),
-            ));
-            return None;
-        };
-        for k in obj
+        let what = "a gate object {\"gate_type\": …, \"gate_params\": {…}} or JSON text of one";
+        let obj = object(value, what)
+            .map_err(|e| errors.push(ConfigError::new(key, e)))
+            .ok()?;
+        let unknown = obj
             .keys()
-            .filter(|k| *k != "gate_type" && *k != "gate_params")
-        {
-            errors.push(ConfigError::new(
-                format!("{key}.{k}"),
-                "unknown key in a gate; allowed: gate_type, gate_params",
-            ));
+            .filter(|k| *k != "gate_type" && *k != "gate_params");
+        for k in unknown {
+            let msg = "unknown key in a gate; allowed: gate_type, gate_params";
+            errors.push(ConfigError::new(format!("{key}.{k}"), msg));
         }
-        let keys = GateKeys::under(key);
-        parse_gate(
-            obj.get("gate_type"),
-            obj.get("gate_params"),
-            &keys,
-            depth + 1,
-            errors,
-        )
+        let (ty, params) = (obj.get("gate_type"), obj.get("gate_params"));
+        parse_gate(ty, params, &GateKeys::under(key), depth + 1, errors)
     }
 
     /// A gate given as a type name plus separate parameters (the
@@ -260,18 +211,15 @@ impl GateSpec {
 
     /// `{"gate_type": …, "gate_params": {…}}`, the upstream object shape
     /// with typed values (numbers as numbers) and every default spelled
-    /// out. Parsing it again gives an equal `GateSpec`.
+    /// out; unset optional parameters are left out (TOML has no null).
+    /// Parsing it again gives an equal `GateSpec`.
     pub fn to_upstream(&self) -> Value {
-        /// Unset optional parameters serialize as null; upstream's shape
-        /// leaves them out.
         fn without_nulls(v: Value) -> Value {
             match v {
-                Value::Object(m) => Value::Object(
-                    m.into_iter()
-                        .filter(|(_, v)| !v.is_null())
-                        .map(|(k, v)| (k, without_nulls(v)))
-                        .collect(),
-                ),
+                Value::Object(m) => {
+                    let set = m.into_iter().filter(|(_, v)| !v.is_null());
+                    Value::Object(set.map(|(k, v)| (k, without_nulls(v))).collect())
+                }
                 Value::Array(a) => Value::Array(a.into_iter().map(without_nulls).collect()),
                 other => other,
             }
@@ -280,16 +228,17 @@ impl GateSpec {
         // numbers, lists, tables and nested gates: nothing can fail.
         without_nulls(serde_json::to_value(self).unwrap_or(Value::Null))
     }
+}
 
-    /// The parameters in upstream shape (the `gate_params` object).
-    fn params_map(&self) -> Map<String, Value> {
-        match self.to_upstream() {
-            Value::Object(mut m) => match m.remove("gate_params") {
-                Some(Value::Object(p)) => p,
-                _ => Map::new(),
-            },
-            _ => Map::new(),
-        }
+/// An object, or JSON text of one (upstream writes nested tables as text).
+fn object(v: &Value, what: &str) -> Result<Map<String, Value>, String> {
+    let parsed = match v {
+        Value::String(s) => serde_json::from_str(s).map_err(|e| format!("expected {what}: {e}"))?,
+        other => other.clone(),
+    };
+    match parsed {
+        Value::Object(m) => Ok(m),
+        other => Err(format!("expected {what}, got {}", kind(&other))),
     }
 }
 
@@ -303,80 +252,48 @@ fn parse_gate(
 ) -> Option<GateSpec> {
     let mut err = |key: &str, message: String| errors.push(ConfigError::new(key, message));
     if depth > MAX_GATE_DEPTH {
-        err(
-            &keys.at,
-            format!("gates nest deeper than {MAX_GATE_DEPTH} levels"),
-        );
+        let msg = format!("gates nest deeper than {MAX_GATE_DEPTH} levels");
+        err(&keys.at, msg);
         return None;
     }
     let allowed = GATE_TYPES.join(", ");
     let name = match gate_type {
         None => {
-            err(
-                &keys.gate_type,
-                format!(
-                    "gate_type is required (no gate would mean an open gate); allowed: {allowed}"
-                ),
-            );
+            // A queue's gate can also come from the environment.
+            let hint = match depth {
+                0 => "; set gate_type on the queue or SLUICEGATE_GATE_TYPE",
+                _ => "",
+            };
+            let msg = format!("gate_type is required (fail closed: no default gate){hint}");
+            err(&keys.gate_type, format!("{msg}; allowed: {allowed}"));
             return None;
         }
         Some(Value::String(s)) => s.as_str(),
         Some(other) => {
-            err(
-                &keys.gate_type,
-                format!(
-                    "expected a gate type name, got {}; allowed: {allowed}",
-                    show(other)
-                ),
-            );
+            let got = show(other);
+            let msg = format!("expected a gate type name, got {got}; allowed: {allowed}");
+            err(&keys.gate_type, msg);
             return None;
         }
     };
     let Some(&name) = GATE_TYPES.iter().find(|t| **t == name) else {
-        err(
-            &keys.gate_type,
-            format!("unknown gate type {name:?}; allowed: {allowed}"),
-        );
+        let msg = format!("unknown gate type {name:?}; allowed: {allowed}");
+        err(&keys.gate_type, msg);
         return None;
     };
-    let map = match gate_params {
+    let mut map = match gate_params {
         None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
         Some(Value::String(s)) if s.trim().is_empty() => Map::new(),
-        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-            Ok(Value::Object(m)) => m,
-            Ok(other) => {
-                err(
-                    &keys.gate_params,
-                    format!("expected a JSON object of parameters, got {}", kind(&other)),
-                );
-                return None;
-            }
+        Some(v) => match object(v, "a table of parameters or JSON text of one") {
+            Ok(m) => m,
             Err(e) => {
-                err(
-                    &keys.gate_params,
-                    format!("expected a JSON object of parameters: {e}"),
-                );
+                err(&keys.gate_params, e);
                 return None;
             }
         },
-        Some(other) => {
-            err(
-                &keys.gate_params,
-                format!("expected a table of parameters, got {}", kind(other)),
-            );
-            return None;
-        }
     };
     // Upstream configs write "" (or null) for "use the default".
-    let map = map
-        .into_iter()
-        .filter(|(_, v)| match v {
-            Value::Null => false,
-            Value::String(s) => !s.trim().is_empty(),
-            _ => true,
-        })
-        .collect();
+    map.retain(|_, v| !v.is_null() && v.as_str().is_none_or(|s| !s.trim().is_empty()));
     let mut cx = ParseCx::new(name, keys.gate_params.clone(), depth, errors);
     GateSpec::parse_params(name, map, &mut cx)
 }
@@ -403,319 +320,32 @@ impl fmt::Display for GateSpec {
             Value::Array(a) => !a.is_empty() && a.iter().all(|g| g.get("gate_type").is_some()),
             _ => false,
         };
-        let params = self.params_map();
-        let scalars: Vec<_> = params.iter().filter(|(_, v)| !is_gate(v)).collect();
+        let upstream = self.to_upstream();
+        let params = upstream.get("gate_params").and_then(Value::as_object);
+        let mut scalars: Vec<String> = (params.into_iter().flatten())
+            .filter(|(_, v)| !is_gate(v))
+            .map(|(k, v)| match v {
+                Value::String(s) => format!("{k}={s}"),
+                other => format!("{k}={other}"),
+            })
+            .collect();
+        // An unset fallback is worth saying: the gate closes on errors.
+        let takes_fallback =
+            allowed_params(self.upstream_name()).is_some_and(|a| a.contains(&"fallback"));
+        if !scalars.is_empty()
+            && takes_fallback
+            && params.is_none_or(|p| !p.contains_key("fallback"))
+        {
+            scalars.push("fallback=none".to_owned());
+        }
         f.write_str(self.upstream_name())?;
         if !scalars.is_empty() {
-            f.write_str("(")?;
-            for (i, (k, v)) in scalars.iter().enumerate() {
-                if i > 0 {
-                    f.write_str(", ")?;
-                }
-                match v {
-                    Value::String(s) => write!(f, "{k}={s}")?,
-                    other => write!(f, "{k}={other}")?,
-                }
-            }
-            // An unset fallback is worth saying: the gate closes on errors.
-            let takes_fallback =
-                allowed_params(self.upstream_name()).is_some_and(|a| a.contains(&"fallback"));
-            if takes_fallback && !params.contains_key("fallback") {
-                f.write_str(", fallback=none")?;
-            }
-            f.write_str(")")?;
+            write!(f, "({})", scalars.join(", "))?;
         }
-        let children = self.children();
+        let children: Vec<String> = self.children().iter().map(ToString::to_string).collect();
         if !children.is_empty() {
-            f.write_str("[")?;
-            for (i, g) in children.iter().enumerate() {
-                if i > 0 {
-                    f.write_str(", ")?;
-                }
-                write!(f, "{g}")?;
-            }
-            f.write_str("]")?;
+            write!(f, "[{}]", children.join(", "))?;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::gate::{
-        CompositeParams, GatingMode, LocalMaxConcurrencyParams, MissingBudget,
-        PrometheusBudgetParams, RedisParams,
-    };
-    use serde_json::json;
-
-    fn parse(t: &str, p: Value) -> Result<GateSpec, ConfigErrors> {
-        GateSpec::parse(t, &p, "queue[0]")
-    }
-
-    fn sample_params(t: &str) -> Value {
-        match t {
-            "constant" => json!({}),
-            "composite" => json!({"gates": [{"gate_type": "constant", "gate_params": {}}]}),
-            "local-max-concurrency" => json!({"limit": 4}),
-            "wait-on-refuse" => json!({"gate": {"gate_type": "constant"}}),
-            "redis" => json!({"address": "127.0.0.1:6379"}),
-            "prometheus-saturation" | "prometheus-budget" => json!({"pool": "p"}),
-            "prometheus-query" => json!({"query": "1 - up"}),
-            "endpoint-scrape" => json!({"url": "http://127.0.0.1:9000/metrics", "metric": "m"}),
-            "redis-quota" => json!({"address": "127.0.0.1:6379", "limit": "10"}),
-            "tier-priority-admission" => {
-                json!({"saturation_gate": "prometheus-saturation", "saturation_gate_params": {"pool": "p"}})
-            }
-            "vllm" => json!({"urls": ["http://127.0.0.1:8000/metrics"]}),
-            other => panic!("no sample for {other}"),
-        }
-    }
-
-    #[test]
-    fn every_gate_type_builds_and_round_trips() {
-        for t in GATE_TYPES {
-            let spec = parse(t, sample_params(t)).unwrap_or_else(|e| panic!("{t}: {e}"));
-            assert_eq!(spec.upstream_name(), *t);
-            let again = parse(t, spec.params_map().into())
-                .unwrap_or_else(|e| panic!("{t} round trip: {e}"));
-            assert_eq!(spec, again, "{t}");
-            let via_serde: GateSpec = serde_json::from_value(spec.to_upstream())
-                .unwrap_or_else(|e| panic!("{t} serde round trip: {e}"));
-            assert_eq!(spec, via_serde, "{t}");
-            let allowed = allowed_params(t).unwrap_or_else(|| panic!("{t}"));
-            for k in spec.params_map().keys() {
-                assert!(allowed.contains(&k.as_str()), "{t} renders unlisted {k}");
-            }
-        }
-    }
-
-    #[test]
-    fn prometheus_budget_accepts_strings_and_numbers_with_defaults() {
-        let spec = parse(
-            "prometheus-budget",
-            json!({"pool": "p", "baseline": "0.1", "max_concurrency": 10}),
-        )
-        .expect("valid");
-        assert_eq!(
-            spec,
-            GateSpec::PrometheusBudget(PrometheusBudgetParams {
-                pool: "p".into(),
-                namespace: None,
-                max_concurrency: 10.0,
-                baseline: 0.1,
-                fallback: None,
-            })
-        );
-    }
-
-    #[test]
-    fn unknown_gate_type_lists_allowed_types() {
-        let err = parse("prometheus-budgt", json!({}))
-            .expect_err("unknown")
-            .to_string();
-        assert!(err.contains("queue[0].gate_type"), "{err}");
-        assert!(err.contains("prometheus-budget, prometheus-query"), "{err}");
-    }
-
-    #[test]
-    fn unknown_param_lists_allowed_params() {
-        let err = parse("prometheus-budget", json!({"pool": "p", "basline": 0.1}))
-            .expect_err("unknown")
-            .to_string();
-        assert!(err.contains("queue[0].gate_params.basline"), "{err}");
-        assert!(
-            err.contains("pool, namespace, max_concurrency, baseline, fallback"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn collects_all_parameter_errors() {
-        let errs = parse(
-            "prometheus-budget",
-            json!({"baseline": 1.5, "max_concurrency": 0, "fallback": "x"}),
-        )
-        .expect_err("invalid");
-        let text = errs.to_string();
-        assert_eq!(errs.len(), 4, "{text}");
-        assert!(
-            text.contains("gate_params.pool: required parameter"),
-            "{text}"
-        );
-        assert!(
-            text.contains("gate_params.baseline: must be in [0, 1], got 1.5"),
-            "{text}"
-        );
-        assert!(
-            text.contains("gate_params.max_concurrency: must be greater than 0"),
-            "{text}"
-        );
-        assert!(
-            text.contains("gate_params.fallback: expected a number"),
-            "{text}"
-        );
-    }
-
-    #[test]
-    fn composite_accepts_upstream_json_text_with_string_params() {
-        let gates = r#"[{"gate_type":"prometheus-budget","gate_params":{"pool":"p","baseline":"0.2"}},
-                        {"gate_type":"local-max-concurrency","gate_params":{"limit":"3","gating_mode":"classifying"}}]"#;
-        let spec = parse("composite", json!({ "gates": gates })).expect("valid");
-        let GateSpec::Composite(CompositeParams { gates }) = spec else {
-            panic!("not composite")
-        };
-        assert_eq!(gates.len(), 2);
-        assert_eq!(
-            gates[1],
-            GateSpec::LocalMaxConcurrency(LocalMaxConcurrencyParams {
-                limit: 3,
-                gating_mode: GatingMode::Classifying
-            })
-        );
-    }
-
-    #[test]
-    fn nested_errors_name_the_full_path() {
-        let err = parse(
-            "wait-on-refuse",
-            json!({"gate": {"gate_type": "composite", "gate_params": {"gates": [
-                {"gate_type": "constant"},
-                {"gate_type": "prometheus-budget", "gate_params": {"pool": "p", "baseline": 2}}
-            ]}}}),
-        )
-        .expect_err("invalid")
-        .to_string();
-        assert!(
-            err.contains("queue[0].gate_params.gate.gate_params.gates[1].gate_params.baseline"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn tier_priority_admission_reports_split_params_by_name() {
-        let err = parse(
-            "tier-priority-admission",
-            json!({"saturation_gate": "prometheus-saturation", "saturation_gate_params": {"threshold": 3}}),
-        )
-        .expect_err("invalid")
-        .to_string();
-        assert!(
-            err.contains("queue[0].gate_params.saturation_gate_params.pool"),
-            "{err}"
-        );
-        assert!(
-            err.contains("queue[0].gate_params.saturation_gate_params.threshold"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn deep_nesting_is_an_error_not_a_crash() {
-        let mut g = json!({"gate_type": "constant"});
-        for _ in 0..50 {
-            g = json!({"gate_type": "wait-on-refuse", "gate_params": {"gate": g}});
-        }
-        let err = parse("wait-on-refuse", g["gate_params"].clone())
-            .expect_err("too deep")
-            .to_string();
-        assert!(err.contains("nest deeper"), "{err}");
-    }
-
-    #[test]
-    fn redis_gate_fails_closed_unless_told() {
-        let spec = parse("redis", json!({"address": "r:6379"})).expect("valid");
-        assert!(matches!(
-            spec,
-            GateSpec::Redis(RedisParams {
-                missing: MissingBudget::Closed,
-                ..
-            })
-        ));
-        let spec = parse("redis", json!({"address": "r:6379", "missing": "open"})).expect("valid");
-        assert!(matches!(
-            spec,
-            GateSpec::Redis(RedisParams {
-                missing: MissingBudget::Fallback(x),
-                ..
-            }) if x == 1.0
-        ));
-    }
-
-    #[test]
-    fn credentials_in_gate_urls_are_rejected() {
-        let err = parse("redis", json!({"address": "redis://:pw@r:6379"}))
-            .expect_err("password")
-            .to_string();
-        assert!(err.contains("credentials"), "{err}");
-        assert!(!err.contains("pw@"), "{err}");
-    }
-
-    #[test]
-    fn local_max_concurrency_accepts_newer_upstream_name() {
-        let spec = parse("local-max-concurrency", json!({"max_concurrency": "8"})).expect("valid");
-        assert_eq!(
-            spec,
-            GateSpec::LocalMaxConcurrency(LocalMaxConcurrencyParams {
-                limit: 8,
-                gating_mode: GatingMode::Blocking
-            })
-        );
-        let err = parse("local-max-concurrency", json!({"limit": 0}))
-            .expect_err("zero")
-            .to_string();
-        assert!(err.contains(">= 1"), "{err}");
-    }
-
-    #[test]
-    fn every_error_is_collected_across_nested_gates_and_unknown_keys() {
-        let errs = parse(
-            "composite",
-            json!({"gates": [
-                {"gate_type": "endpoint-scrape", "gate_params": {"bogus": 1, "baseline": "x"}},
-                {"gate_type": "redis-quota", "gate_params": {"window": "0s"}},
-                {"gate_type": "nope"}
-            ]}),
-        )
-        .expect_err("invalid");
-        let text = errs.to_string();
-        for needle in [
-            "gates[0].gate_params.bogus: unknown parameter for gate `endpoint-scrape`; allowed: url, metric",
-            "gates[0].gate_params.baseline: expected a number",
-            "gates[0].gate_params.url: required parameter",
-            "gates[0].gate_params.metric: required parameter",
-            "gates[1].gate_params.address: required parameter",
-            "gates[1].gate_params.limit: required parameter",
-            "gates[1].gate_params.window: must be greater than 0",
-            "gates[2].gate_type: unknown gate type \"nope\"",
-        ] {
-            assert!(text.contains(needle), "{needle} not in\n{text}");
-        }
-        assert_eq!(errs.len(), 8, "{text}");
-    }
-
-    #[test]
-    fn display_is_compact_and_says_when_there_is_no_fallback() {
-        let spec = parse(
-            "wait-on-refuse",
-            json!({"gate": {"gate_type": "composite", "gate_params": {"gates": [
-                {"gate_type": "constant"},
-                {"gate_type": "prometheus-query", "gate_params": {"query": "up"}}
-            ]}}}),
-        )
-        .expect("valid");
-        assert_eq!(
-            spec.to_string(),
-            "wait-on-refuse[composite[constant, prometheus-query(query=up, fallback=none)]]"
-        );
-    }
-
-    #[test]
-    fn unbuilt_gates_are_known_but_not_available() {
-        let available = GateSpec::available_types();
-        assert!(!available.contains(&"redis-quota"));
-        assert!(!available.contains(&"tier-priority-admission"));
-        assert!(available.contains(&"vllm"));
-        assert_eq!(available.len() + 2, GATE_TYPES.len());
     }
 }

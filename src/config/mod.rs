@@ -9,13 +9,13 @@
 //! output, summaries or [`Config::to_redacted_toml`].
 //!
 //! Each key is declared once, below, with the `section!` macro: its doc,
-//! type, default and conversion. That declaration drives the file reader,
+//! type, default and conversion. That declaration drives the key checks,
 //! the `SLUICEGATE_<SECTION>_<KEY>` variables, error messages and the
-//! derived `Serialize` behind `config show`. Files: `layer` (sources: file,
-//! environment and flags layered onto one loose tree), `check` (key
-//! conversions and cross-key rules, tree → typed), `values` (shared loose →
-//! typed conversions), `gate` ([`GateSpec`]), `render` (summary and
-//! redacted TOML), `duration`, `secret`, `error`.
+//! derived `Serialize` behind `config show`. Files: `layer` (file,
+//! environment and flags layered onto one loose tree), `check` (tree →
+//! typed: unknown keys, cross-key rules), `values` (every loose → typed
+//! conversion, shared with gate parameters), `gate` ([`GateSpec`]),
+//! `render` (summary and redacted TOML), `duration`, `secret`, `error`.
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -48,14 +48,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
-use check::{
-    NONZERO, attempts, choice, duration_min, env_filter, file_path, host_port, http_url,
-    inline_secret, optional_string, path, redis_url, socket_addr, url_path,
+use values::{
+    Ctx, NONZERO, as_nonempty_string, as_positive_f64, as_u64, attempts, choice, constant_url,
+    duration_min, env_filter, host_port, http_url, inline_secret, optional_string, path, redis_url,
+    socket_addr, url_path,
 };
-use values::{Ctx, as_nonempty_string, as_positive_f64, as_u64, as_u64_in};
 
 pub use duration::{format_duration, parse_duration};
 pub use error::{ConfigError, ConfigErrors};
@@ -63,24 +63,24 @@ pub use gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
 };
 pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
-// Loose value conversions the gates' parameter adapters share.
 pub use secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
+// Loose value conversions the gates' parameter adapters share.
 pub(crate) use values::{
-    as_duration, as_f64, as_string, as_string_list, as_string_map, kind, show,
+    as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in, kind, show,
 };
 
 /// Declares a closed set of config spellings once: the enum, its spelling
 /// function, the accepted names (canonical first, then aliases) for
-/// parsing and error messages, and a `Serialize` that writes the spelling.
+/// parsing and error messages, and a `Serialize` that writes the canonical one.
 macro_rules! spelled {
-    ($(#[$m:meta])* pub enum $name:ident, $spelling:ident {
+    ($($(#[$m:meta])* pub enum $name:ident, $spelling:ident {
         $($(#[$vm:meta])* $variant:ident = $text:literal $(| $alias:literal)*,)+
-    }) => {
+    })+) => {$(
         $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub enum $name { $($(#[$vm])* $variant,)+ }
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+        pub enum $name { $($(#[$vm])* #[serde(rename = $text)] $variant,)+ }
 
         impl $name {
             /// Every accepted spelling, canonical first, then aliases.
@@ -92,19 +92,15 @@ macro_rules! spelled {
                 match self { $(Self::$variant => $text,)+ }
             }
         }
-
-        impl Serialize for $name {
-            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.serialize_str(self.$spelling())
-            }
-        }
-    };
+    )+};
 }
 
 /// A `[section]` declared with `section!`.
 pub(crate) trait Section: Default {
     /// The table's name in the file.
     const NAME: &'static str;
+    /// Its keys.
+    const KEYS: &'static [&'static str];
     /// Sets the fields whose keys are in `map` (errors under `<path>.<key>`).
     fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx);
 }
@@ -114,13 +110,18 @@ pub(crate) trait Section: Default {
 /// field type, whose error message says what is allowed); from it come the
 /// typed struct (with derived `Serialize` for `config show`), its
 /// `Default`, the key list (unknown-key errors, environment variable names)
-/// and `merge`, which reads the keys present in a loose table. The `@struct`
-/// form takes hand-parsed fields and extra keys and makes no `Default`
-/// (used by `[[queue]]`, whose defaults depend on `[gateway]`).
+/// and `merge`, which reads the keys present in a loose table. The
+/// `with_defaults` form (`[[queue]]`, whose defaults depend on `[gateway]`)
+/// adds hand-parsed fields and extra keys, and makes a constructor taking
+/// the hand fields and the arguments the defaults use, instead of `Default`.
 macro_rules! section {
-    ($(#[$m:meta])* pub struct $name:ident in $section:literal {
+    ($($(#[$m:meta])* pub struct $name:ident in $section:literal {
         $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
-    }) => {
+    })+) => {
+        /// The sections with their keys, in file order: the one list the
+        /// key checks, the environment overlay and error messages walk.
+        pub(crate) const SECTIONS: &[(&str, &[&str])] = &[$(($section, $name::KEYS)),+];
+        $(
         section!(@struct $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
 
         impl Default for $name {
@@ -131,8 +132,28 @@ macro_rules! section {
 
         impl Section for $name {
             const NAME: &'static str = $section;
+            const KEYS: &'static [&'static str] = $name::KEYS;
             fn merge(&mut self, map: &Map<String, Value>, path: &str, ctx: &mut Ctx) {
                 $name::merge(self, map, path, ctx)
+            }
+        }
+    )+};
+    ($(#[$m:meta])* pub struct $name:ident with_defaults($($arg:ident: $aty:ty),*) {
+        $($(#[$hm:meta])* $hand:ident: $hty:ty,)*
+    } {
+        $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
+    } [$($extra:literal),*]) => {
+        section!(@struct $(#[$m])* $name { $($(#[$hm])* $hand: $hty,)* }
+            { $($(#[$fm])* $field: $ty, $conv;)+ } [$($extra),*]);
+
+        impl $name {
+            /// The keys `merge` reads (each also a `SLUICEGATE_QUEUE_<KEY>`
+            /// variable): `KEYS` less the hand-parsed ones.
+            pub(crate) const FIELD_KEYS: &'static [&'static str] = &[$(stringify!($field)),+];
+
+            /// An entry with every default.
+            pub(crate) fn with_defaults($($hand: $hty,)* $($arg: $aty),*) -> Self {
+                Self { $($hand,)* $($field: $default,)+ }
             }
         }
     };
@@ -146,10 +167,6 @@ macro_rules! section {
         }
 
         impl $name {
-            /// The keys `merge` reads (each also a `SLUICEGATE_<SECTION>_<KEY>`
-            /// variable); they differ from `KEYS` only for `[[queue]]`.
-            #[allow(dead_code)]
-            pub(crate) const FIELD_KEYS: &'static [&'static str] = &[$(stringify!($field)),+];
             /// Every key the section accepts in a file.
             pub(crate) const KEYS: &'static [&'static str] =
                 &[$($extra,)* $(stringify!($field)),+];
@@ -180,9 +197,7 @@ spelled! {
         /// Embedded durable single-node store.
         Embedded = "embedded",
     }
-}
 
-spelled! {
     /// The unit `max_SYS` and the headroom `N` are counted in.
     pub enum Unit, as_str {
         /// Requests in flight.
@@ -192,9 +207,7 @@ spelled! {
         /// Request body bytes in flight.
         Bytes = "bytes",
     }
-}
 
-spelled! {
     /// How the real-valued headroom `N` becomes a whole number.
     pub enum Rounding, as_str {
         /// Round down (default).
@@ -204,9 +217,7 @@ spelled! {
         /// Round down, but at least one while the gate is open.
         AtLeastOne = "at-least-one",
     }
-}
 
-spelled! {
     /// Log output format.
     pub enum LogFormat, as_str {
         /// Human-readable lines.
@@ -214,9 +225,7 @@ spelled! {
         /// One JSON object per line.
         Json = "json",
     }
-}
 
-spelled! {
     /// Which header carries the queue's inference objective; the config
     /// spelling is the header name.
     pub enum ObjectiveHeader, header_name {
@@ -251,18 +260,6 @@ pub struct Config {
     pub queues: Vec<QueueConfig>,
 }
 
-/// The sections with their keys, in file order: the one list the file
-/// reader, the environment overlay and error messages walk.
-pub(crate) const SECTIONS: &[(&str, &[&str])] = &[
-    (GatewayConfig::NAME, GatewayConfig::KEYS),
-    (RedisConfig::NAME, RedisConfig::KEYS),
-    (PrometheusConfig::NAME, PrometheusConfig::KEYS),
-    (PubSubConfig::NAME, PubSubConfig::KEYS),
-    (EmbeddedConfig::NAME, EmbeddedConfig::KEYS),
-    (DispatchConfig::NAME, DispatchConfig::KEYS),
-    (TelemetryConfig::NAME, TelemetryConfig::KEYS),
-];
-
 /// Default `[redis] url`.
 pub(crate) const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379/0";
 /// Default queue name (upstream's `request-sortedset`).
@@ -289,7 +286,7 @@ section! {
         /// Bearer token sent to the gateway (inline, or read from `token_file` at load).
         token: Option<Secret> = None, inline_secret;
         /// File the token was read from, when given that way.
-        token_file: Option<PathBuf> = None, file_path;
+        token_file: Option<PathBuf> = None, |v| path(v).map(Some);
         /// Header that carries the inference objective.
         objective_header: ObjectiveHeader = ObjectiveHeader::Gateway,
             choice(ObjectiveHeader::CHOICES);
@@ -297,43 +294,37 @@ section! {
         #[serde(serialize_with = "render::or_empty")]
         fairness_attribute: Option<String> = Some("userid".to_owned()), optional_string;
     }
-}
 
-section! {
     /// `[redis]`: connection for the Redis transport and Redis-backed gates.
     pub struct RedisConfig in "redis" {
         /// `redis://` or `rediss://` URL (a password in it is masked when shown).
-        url: EndpointUrl = check::constant_url(DEFAULT_REDIS_URL), redis_url;
+        url: EndpointUrl = constant_url(DEFAULT_REDIS_URL), redis_url;
         /// ACL user name.
         username: Option<String> = None, optional_string;
         /// Password (inline, or read from `password_file` at load).
         password: Option<Secret> = None, inline_secret;
         /// File the password was read from, when given that way.
-        password_file: Option<PathBuf> = None, file_path;
+        password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
-}
 
-section! {
     /// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is
     /// required when the section is present; the default is only a
     /// placeholder.
     pub struct PrometheusConfig in "prometheus" {
         /// Base URL of the Prometheus HTTP API.
-        url: EndpointUrl = check::constant_url("http://127.0.0.1:9090"), http_url;
+        url: EndpointUrl = constant_url("http://127.0.0.1:9090"), http_url;
         /// Bearer token (inline, or read from `bearer_token_file` at load).
         bearer_token: Option<Secret> = None, inline_secret;
         /// File the bearer token was read from.
-        bearer_token_file: Option<PathBuf> = None, file_path;
+        bearer_token_file: Option<PathBuf> = None, |v| path(v).map(Some);
         /// Basic-auth user.
         basic_user: Option<String> = None, optional_string;
         /// Basic-auth password (inline, or read from `basic_password_file` at load).
         basic_password: Option<Secret> = None, inline_secret;
         /// File the basic-auth password was read from.
-        basic_password_file: Option<PathBuf> = None, file_path;
+        basic_password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
-}
 
-section! {
     /// `[pubsub]`: Google Cloud Pub/Sub. `project_id` is required.
     pub struct PubSubConfig in "pubsub" {
         /// GCP project.
@@ -343,18 +334,14 @@ section! {
         /// `host:port` of the emulator, when testing.
         emulator_host: Option<String> = None, host_port;
     }
-}
 
-section! {
     /// `[embedded]`: the single-node durable store (SQLite file) of the
     /// `embedded` transport.
     pub struct EmbeddedConfig in "embedded" {
         /// Database file.
         path: PathBuf = PathBuf::from("sluicegate.db"), path;
     }
-}
 
-section! {
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.
     pub struct DispatchConfig in "dispatch" {
         /// How often the gate is observed (also on demand when the window is used up).
@@ -398,9 +385,7 @@ section! {
         #[serde(serialize_with = "render::duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);
     }
-}
 
-section! {
     /// `[telemetry]`: the metrics/health listener and logging.
     pub struct TelemetryConfig in "telemetry" {
         /// Address serving `/metrics`, `/healthz` and `/readyz`.
@@ -413,11 +398,10 @@ section! {
 }
 
 section! {
-    @struct
     /// One `[[queue]]`: where messages come from, where they go and which gate
-    /// paces them. Field names follow upstream's queue entries; defaults
-    /// (some taken from `[gateway]`) are set in `QueueConfig::with_defaults`.
-    QueueConfig {
+    /// paces them. Field names follow upstream's queue entries; some
+    /// defaults come from `[gateway]`.
+    pub struct QueueConfig with_defaults(url: EndpointUrl, gateway: &GatewayConfig) {
         /// Queue (sorted-set key) or, for Pub/Sub, subscription id (alias
         /// `subscriber_id`; variable `SLUICEGATE_QUEUE`).
         queue_name: String,
@@ -425,82 +409,26 @@ section! {
         #[serde(flatten, serialize_with = "render::gate")]
         gate: GateSpec,
     } {
-        /// Gateway base URL for this queue.
-        igw_base_url: EndpointUrl, http_url;
+        /// Gateway base URL for this queue (default `gateway.url`).
+        igw_base_url: EndpointUrl = url, http_url;
         /// Request path appended to `igw_base_url`; starts with '/'.
-        request_path_url: String, url_path;
+        request_path_url: String = gateway.request_path.clone(), url_path;
         /// Inference objective sent in the objective header, if any.
-        inference_objective: Option<String>, optional_string;
+        inference_objective: Option<String> = None, optional_string;
         /// Worker pool id (upstream label).
-        worker_pool_id: String, as_nonempty_string;
+        worker_pool_id: String = "default".to_owned(), as_nonempty_string;
         /// Labels copied onto messages (e.g. `tier`).
-        labels: BTreeMap<String, String>, as_string_map;
+        labels: BTreeMap<String, String> = BTreeMap::new(), as_string_map;
         /// Redis list results go to, when the queue sets one: it wins over the
         /// message's `result_queue_name`, which wins over `result-list`.
-        result_queue_name: Option<String>, |v| as_nonempty_string(v).map(Some);
+        result_queue_name: Option<String> = None, |v| as_nonempty_string(v).map(Some);
         /// TTL of result records in seconds; 0 = none.
-        result_ttl_seconds: u64, as_u64;
+        result_ttl_seconds: u64 = 0, as_u64;
         /// Static capacity `max_SYS` in `unit`s; > 0.
-        max_sys: f64, as_positive_f64;
+        max_sys: f64 = 100.0, as_positive_f64;
         /// Unit of `max_sys` and of the headroom.
-        unit: Unit, choice(Unit::CHOICES);
+        unit: Unit = Unit::Requests, choice(Unit::CHOICES);
         /// Rounding of the headroom.
-        rounding: Rounding, choice(Rounding::CHOICES);
+        rounding: Rounding = Rounding::Floor, choice(Rounding::CHOICES);
     } ["queue_name", "subscriber_id", "gate_type", "gate_params"]
-}
-
-impl QueueConfig {
-    /// A queue with every default: the gateway's URL and path, pool
-    /// `default`, `max_sys` 100 requests, floor rounding, no labels, no
-    /// result list.
-    pub(crate) fn with_defaults(
-        queue_name: String,
-        igw_base_url: EndpointUrl,
-        gateway: &GatewayConfig,
-        gate: GateSpec,
-    ) -> Self {
-        Self {
-            queue_name,
-            gate,
-            igw_base_url,
-            request_path_url: gateway.request_path.clone(),
-            inference_objective: None,
-            worker_pool_id: "default".to_owned(),
-            labels: BTreeMap::new(),
-            result_queue_name: None,
-            result_ttl_seconds: 0,
-            max_sys: 100.0,
-            unit: Unit::Requests,
-            rounding: Rounding::Floor,
-        }
-    }
-}
-
-impl Config {
-    /// Loads the configuration from a file (if any), the environment map
-    /// and flags, with precedence flag > environment > file > default.
-    /// Returns every problem found, not just the first.
-    pub fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
-        layer::load(sources)
-    }
-
-    /// Loads from TOML text instead of a file, with an environment map and
-    /// no flags (for tests and tools).
-    pub fn from_toml_str(
-        text: &str,
-        env: &BTreeMap<String, String>,
-    ) -> Result<Config, ConfigErrors> {
-        layer::load_text(Some((text, "<string>")), env, &Overrides::default())
-    }
-
-    /// A human summary for `check-config`; secrets are never included.
-    pub fn summary(&self) -> String {
-        render::summary(self)
-    }
-
-    /// The effective configuration as TOML (for `config show`): every key
-    /// spelled out, secrets `<redacted>`, URL passwords masked.
-    pub fn to_redacted_toml(&self) -> String {
-        render::to_redacted_toml(self)
-    }
 }

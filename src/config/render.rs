@@ -7,7 +7,6 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use serde::{Serialize, Serializer};
-use serde_json::Value;
 
 use super::{Config, GateSpec, format_duration};
 
@@ -29,24 +28,7 @@ pub(crate) fn or_empty<S: Serializer>(v: &Option<String>, s: S) -> Result<S::Ok,
 
 /// A gate as its `gate_type` and `gate_params` keys (flattened into the queue).
 pub(crate) fn gate<S: Serializer>(g: &GateSpec, s: S) -> Result<S::Ok, S::Error> {
-    let mut v = g.to_upstream();
-    drop_nulls(&mut v);
-    v.serialize(s)
-}
-
-/// TOML has no null; a null parameter means "not set" anyway.
-fn drop_nulls(v: &mut Value) {
-    match v {
-        Value::Object(m) => {
-            m.retain(|_, x| !x.is_null());
-            m.values_mut().for_each(drop_nulls);
-        }
-        Value::Array(a) => {
-            a.retain(|x| !x.is_null());
-            a.iter_mut().for_each(drop_nulls);
-        }
-        _ => {}
-    }
+    g.to_upstream().serialize(s)
 }
 
 /// The config as a TOML table, secrets redacted and URL passwords masked.
@@ -54,58 +36,59 @@ fn redacted_table(c: &Config) -> Result<toml::Table, toml::ser::Error> {
     let mut root = toml::Table::try_from(c)?;
     // A secret read from a file is shown by its path only (the path is not
     // secret), so the output also loads back.
-    for (_, section) in root.iter_mut() {
-        if let toml::Value::Table(t) = section {
-            let inline: Vec<String> = t
-                .keys()
-                .filter_map(|k| k.strip_suffix("_file"))
-                .filter(|k| t.contains_key(*k))
-                .map(str::to_owned)
-                .collect();
-            inline.iter().for_each(|k| drop(t.remove(k)));
-        }
+    for t in root.iter_mut().filter_map(|(_, v)| v.as_table_mut()) {
+        let inline: Vec<String> = (t.keys().filter_map(|k| k.strip_suffix("_file")))
+            .filter(|k| t.contains_key(*k))
+            .map(str::to_owned)
+            .collect();
+        inline.iter().for_each(|k| drop(t.remove(k)));
     }
     Ok(root)
 }
 
-pub(crate) fn to_redacted_toml(c: &Config) -> String {
-    // Serialising strings, numbers, tables and arrays cannot fail short of
-    // an integer beyond i64; the text then says so rather than panicking.
-    redacted_table(c)
-        .and_then(|root| toml::to_string(&root))
-        .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
-}
+impl Config {
+    /// The effective configuration as TOML (for `config show`): every key
+    /// spelled out, secrets `<redacted>`, URL passwords masked.
+    pub fn to_redacted_toml(&self) -> String {
+        // Serialising strings, numbers, tables and arrays cannot fail short of
+        // an integer beyond i64; the text then says so rather than panicking.
+        redacted_table(self)
+            .and_then(|root| toml::to_string(&root))
+            .unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
 
-/// One line per section (`key=value`, redacted as in `config show`), then
-/// one per queue with its target, capacity and gate.
-pub(crate) fn summary(c: &Config) -> String {
-    let mut o = format!("transport: {}\n", c.transport.as_str());
-    // Writing to a String cannot fail.
-    for (name, section) in redacted_table(c).unwrap_or_default() {
-        if let toml::Value::Table(t) = section {
-            let fields: Vec<String> = t
-                .iter()
-                .map(|(k, v)| match v {
-                    toml::Value::String(s) => format!("{k}={s}"),
-                    v => format!("{k}={v}"),
-                })
-                .collect();
-            let _ = writeln!(o, "{name}: {}", fields.join(", "));
+    /// A human summary for `check-config` (secrets never included): one
+    /// line per section (`key=value`, redacted as in `config show`), then
+    /// one per queue with its target, capacity and gate.
+    pub fn summary(&self) -> String {
+        let mut o = format!("transport: {}\n", self.transport.as_str());
+        // Writing to a String cannot fail.
+        for (name, section) in redacted_table(self).unwrap_or_default() {
+            if let toml::Value::Table(t) = section {
+                let fields: Vec<String> = t
+                    .iter()
+                    .map(|(k, v)| match v {
+                        toml::Value::String(s) => format!("{k}={s}"),
+                        v => format!("{k}={v}"),
+                    })
+                    .collect();
+                let _ = writeln!(o, "{name}: {}", fields.join(", "));
+            }
         }
+        let _ = writeln!(o, "queues: {}", self.queues.len());
+        for q in &self.queues {
+            let _ = writeln!(
+                o,
+                "  {} -> {}{} max_sys {} {} ({}) gate {}",
+                q.queue_name,
+                q.igw_base_url.masked().trim_end_matches('/'),
+                q.request_path_url,
+                q.max_sys,
+                q.unit.as_str(),
+                q.rounding.as_str(),
+                q.gate
+            );
+        }
+        o
     }
-    let _ = writeln!(o, "queues: {}", c.queues.len());
-    for q in &c.queues {
-        let _ = writeln!(
-            o,
-            "  {} -> {}{} max_sys {} {} ({}) gate {}",
-            q.queue_name,
-            q.igw_base_url.masked().trim_end_matches('/'),
-            q.request_path_url,
-            q.max_sys,
-            q.unit.as_str(),
-            q.rounding.as_str(),
-            q.gate
-        );
-    }
-    o
 }

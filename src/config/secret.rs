@@ -49,6 +49,31 @@ pub fn read_secret_file(path: &std::path::Path) -> Result<Secret, SecretFileErro
     Ok(Secret::new(secret))
 }
 
+/// `Display`, `Serialize` and `Debug` (formatted by `$debug`) show only
+/// the text of `$shown`, so the value itself can never be printed.
+macro_rules! shown_as {
+    ($t:ty, $shown:expr, $debug:literal) => {
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&$shown(self))
+            }
+        }
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(&$shown(self))
+            }
+        }
+        impl fmt::Debug for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, $debug, $shown(self))
+            }
+        }
+    };
+}
+
+shown_as!(Secret, |_: &Secret| REDACTED, "{}");
+shown_as!(EndpointUrl, EndpointUrl::masked, "EndpointUrl({})");
+
 /// A secret string (token, password). `Debug`, `Display` and `Serialize`
 /// print `<redacted>`; only [`Secret::expose`] returns the value.
 #[derive(Clone, PartialEq, Eq)]
@@ -63,24 +88,6 @@ impl Secret {
     /// The secret value, for the one place that sends it (a header, AUTH).
     pub fn expose(&self) -> &str {
         &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(REDACTED)
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(REDACTED)
-    }
-}
-
-impl Serialize for Secret {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(REDACTED)
     }
 }
 
@@ -124,50 +131,4 @@ pub fn mask_url(url: &Url) -> String {
         return REDACTED.to_owned();
     }
     shown.to_string()
-}
-
-impl fmt::Debug for EndpointUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "EndpointUrl({})", self.masked())
-    }
-}
-
-impl fmt::Display for EndpointUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.masked())
-    }
-}
-
-impl Serialize for EndpointUrl {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.masked())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn secret_never_prints_its_value() {
-        let s = Secret::new("hunter2");
-        assert_eq!(format!("{s}"), REDACTED);
-        assert_eq!(format!("{s:?}"), REDACTED);
-        assert_eq!(
-            serde_json::to_string(&s).unwrap_or_default(),
-            "\"<redacted>\""
-        );
-        assert_eq!(s.expose(), "hunter2");
-    }
-
-    #[test]
-    fn endpoint_url_masks_password_but_keeps_user() {
-        let u = Url::parse("redis://alice:hunter2@db:6379/0").unwrap_or_else(|e| panic!("{e}"));
-        let e = EndpointUrl::new(u);
-        assert!(e.has_password());
-        let shown = format!("{e} {e:?}");
-        assert!(!shown.contains("hunter2"), "{shown}");
-        assert!(shown.contains("alice:****@db"), "{shown}");
-        assert_eq!(e.expose().password(), Some("hunter2"));
-    }
 }

@@ -1,13 +1,19 @@
-//! Conversions from loosely typed values (TOML, JSON, environment strings)
-//! to typed ones, and the error sink that attributes errors to their origin.
+//! Loose values (TOML, JSON, environment strings) → typed ones: the
+//! conversions named in the key declarations (`mod.rs`), of which the
+//! general ones also back the gate parameters' `loose` adapters; and the
+//! error sink that attributes errors to their origin.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde_json::Value;
+use url::Url;
 
-use super::duration::{parse_duration, seconds};
+use super::duration::{format_duration, parse_duration};
 use super::error::ConfigError;
+use super::secret::{EndpointUrl, Secret};
 
 /// Collects errors and knows where overridden keys came from.
 #[derive(Default)]
@@ -19,20 +25,16 @@ pub(crate) struct Ctx {
 }
 
 impl Ctx {
-    /// Records an error for `key`, attributed to the variable or flag that
-    /// set `key` or one of its parents.
-    pub(crate) fn err(&mut self, key: impl Into<String>, message: impl Into<String>) {
-        let key = key.into();
-        let mut e = ConfigError::new(key.clone(), message);
-        if let Some(origin) = self.origin_of(&key) {
-            e = e.with_origin(origin);
-        }
+    /// Records an error; one without an origin is attributed to the
+    /// variable or flag that set its key or one of its parents.
+    pub(crate) fn push(&mut self, mut e: ConfigError) {
+        e.origin = e.origin.or_else(|| self.origin_of(&e.key));
         self.errors.push(e);
     }
 
-    /// Records an error already attributed.
-    pub(crate) fn push(&mut self, e: ConfigError) {
-        self.errors.push(e);
+    /// Records an error for `key` (attributed as by [`Ctx::push`]).
+    pub(crate) fn err(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.push(ConfigError::new(key, message));
     }
 
     /// Notes that `key` was set by `origin` (a variable or flag).
@@ -48,8 +50,7 @@ impl Ctx {
             if let Some(o) = self.origins.get(k) {
                 return Some(o.clone());
             }
-            let cut = k.rfind(['.', '['])?;
-            k = &k[..cut];
+            k = &k[..k.rfind(['.', '['])?];
         }
     }
 
@@ -60,186 +61,16 @@ impl Ctx {
         value: Option<&Value>,
         f: impl FnOnce(&Value) -> Result<T, String>,
     ) -> Option<T> {
-        let v = value?;
-        match f(v) {
-            Ok(t) => Some(t),
-            Err(msg) => {
-                self.err(key, msg);
-                None
-            }
-        }
+        f(value?).map_err(|msg| self.err(key, msg)).ok()
     }
 }
 
 /// Short description of a value for error messages (never used for secrets).
 pub(crate) fn show(v: &Value) -> String {
     let s = v.to_string();
-    if s.chars().count() > 80 {
-        let head: String = s.chars().take(77).collect();
-        format!("{head}…")
-    } else {
-        s
-    }
-}
-
-/// A string; numbers and booleans are accepted in their text form since
-/// upstream configurations carry every parameter as a string.
-pub(crate) fn as_string(v: &Value) -> Result<String, String> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Number(n) => Ok(n.to_string()),
-        Value::Bool(b) => Ok(b.to_string()),
-        other => Err(format!("expected a string, got {}", kind(other))),
-    }
-}
-
-/// A string that must not be empty.
-pub(crate) fn as_nonempty_string(v: &Value) -> Result<String, String> {
-    let s = as_string(v)?;
-    if s.trim().is_empty() {
-        Err("must not be empty".to_owned())
-    } else {
-        Ok(s)
-    }
-}
-
-/// A finite float, from a number or a decimal string.
-pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
-    let x = match v {
-        Value::Number(n) => n.as_f64().ok_or_else(|| format!("{n} is not a number"))?,
-        Value::String(s) => s
-            .trim()
-            .parse::<f64>()
-            .map_err(|_| format!("expected a number, got {}", show(v)))?,
-        other => return Err(format!("expected a number, got {}", kind(other))),
-    };
-    if x.is_finite() {
-        Ok(x)
-    } else {
-        Err(format!("expected a finite number, got {}", show(v)))
-    }
-}
-
-/// A float strictly greater than zero.
-pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
-    let x = as_f64(v)?;
-    if x > 0.0 {
-        Ok(x)
-    } else {
-        Err(format!("must be greater than 0, got {x}"))
-    }
-}
-
-/// A non-negative integer, from a number or a decimal string.
-pub(crate) fn as_u64(v: &Value) -> Result<u64, String> {
-    match v {
-        Value::Number(n) => n
-            .as_u64()
-            .ok_or_else(|| format!("expected a whole number >= 0, got {n}")),
-        Value::String(s) => s
-            .trim()
-            .parse::<u64>()
-            .map_err(|_| format!("expected a whole number >= 0, got {}", show(v))),
-        other => Err(format!("expected a whole number, got {}", kind(other))),
-    }
-}
-
-/// An integer in `[lo, hi]`.
-pub(crate) fn as_u64_in(v: &Value, lo: u64, hi: u64) -> Result<u64, String> {
-    let x = as_u64(v)?;
-    if (lo..=hi).contains(&x) {
-        Ok(x)
-    } else {
-        Err(format!("must be in [{lo}, {hi}], got {x}"))
-    }
-}
-
-/// A duration: text such as `"30s"` or a number of seconds.
-pub(crate) fn as_duration(v: &Value) -> Result<Duration, String> {
-    match v {
-        Value::String(s) => parse_duration(s),
-        Value::Number(n) => n
-            .as_f64()
-            .and_then(seconds)
-            .ok_or_else(|| format!("expected a duration >= 0, got {n}")),
-        other => Err(format!(
-            "expected a duration such as \"30s\", got {}",
-            kind(other)
-        )),
-    }
-}
-
-/// One of a closed set of names.
-pub(crate) fn as_choice<T: Copy>(v: &Value, choices: &[(&str, T)]) -> Result<T, String> {
-    let allowed = || {
-        choices
-            .iter()
-            .map(|(n, _)| *n)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    match v {
-        Value::String(s) => choices
-            .iter()
-            .find(|(n, _)| n == s)
-            .map(|(_, t)| *t)
-            .ok_or_else(|| format!("unknown value {s:?}; allowed: {}", allowed())),
-        other => Err(format!(
-            "expected one of {}, got {}",
-            allowed(),
-            show(other)
-        )),
-    }
-}
-
-/// A string map: a table/object of scalars, a JSON object in a string, or
-/// `k=v,k2=v2` text.
-pub(crate) fn as_string_map(v: &Value) -> Result<BTreeMap<String, String>, String> {
-    match v {
-        Value::Object(m) => m
-            .iter()
-            .map(|(k, v)| {
-                as_string(v)
-                    .map(|s| (k.clone(), s))
-                    .map_err(|e| format!("{k}: {e}"))
-            })
-            .collect(),
-        Value::String(s) if s.trim_start().starts_with('{') => {
-            let parsed: Value =
-                serde_json::from_str(s).map_err(|e| format!("expected a JSON object: {e}"))?;
-            as_string_map(&parsed)
-        }
-        Value::String(s) => {
-            let mut out = BTreeMap::new();
-            for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-                let (k, v) = pair
-                    .split_once('=')
-                    .ok_or_else(|| format!("expected key=value pairs, got {pair:?}"))?;
-                out.insert(k.trim().to_owned(), v.trim().to_owned());
-            }
-            Ok(out)
-        }
-        other => Err(format!("expected a table of strings, got {}", kind(other))),
-    }
-}
-
-/// A list of strings: an array, a JSON array in a string, or comma-separated
-/// text.
-pub(crate) fn as_string_list(v: &Value) -> Result<Vec<String>, String> {
-    match v {
-        Value::Array(a) => a.iter().map(as_string).collect(),
-        Value::String(s) if s.trim_start().starts_with('[') => {
-            let parsed: Value =
-                serde_json::from_str(s).map_err(|e| format!("expected a JSON array: {e}"))?;
-            as_string_list(&parsed)
-        }
-        Value::String(s) => Ok(s
-            .split(',')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .map(str::to_owned)
-            .collect()),
-        other => Err(format!("expected a list of strings, got {}", kind(other))),
+    match s.char_indices().nth(77) {
+        Some((cut, _)) if s.chars().count() > 80 => format!("{}…", &s[..cut]),
+        _ => s,
     }
 }
 
@@ -255,10 +86,258 @@ pub(crate) fn kind(v: &Value) -> &'static str {
     }
 }
 
+/// A string; numbers and booleans are accepted in their text form since
+/// upstream configurations carry every parameter as a string.
+pub(crate) fn as_string(v: &Value) -> Result<String, String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Number(_) | Value::Bool(_) => Ok(v.to_string()),
+        other => Err(format!("expected a string, got {}", kind(other))),
+    }
+}
+
+/// A string that must not be empty.
+pub(crate) fn as_nonempty_string(v: &Value) -> Result<String, String> {
+    let s = as_string(v)?;
+    (!s.trim().is_empty())
+        .then_some(s)
+        .ok_or_else(|| "must not be empty".to_owned())
+}
+
+/// A string where empty means "none".
+pub(crate) fn optional_string(v: &Value) -> Result<Option<String>, String> {
+    as_string(v).map(|s| (!s.is_empty()).then_some(s))
+}
+
+/// A finite float, from a number or a decimal string.
+pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
+    let x = match v {
+        Value::Number(n) => n.as_f64().ok_or_else(|| format!("{n} is not a number"))?,
+        Value::String(s) => s
+            .trim()
+            .parse::<f64>()
+            .map_err(|_| format!("expected a number, got {}", show(v)))?,
+        other => return Err(format!("expected a number, got {}", kind(other))),
+    };
+    x.is_finite()
+        .then_some(x)
+        .ok_or_else(|| format!("expected a finite number, got {}", show(v)))
+}
+
+/// A float strictly greater than zero.
+pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
+    let x = as_f64(v)?;
+    (x > 0.0)
+        .then_some(x)
+        .ok_or_else(|| format!("must be greater than 0, got {x}"))
+}
+
+/// A non-negative integer, from a number or a decimal string.
+pub(crate) fn as_u64(v: &Value) -> Result<u64, String> {
+    let bad = || format!("expected a whole number >= 0, got {}", show(v));
+    match v {
+        Value::Number(n) => n.as_u64().ok_or_else(bad),
+        Value::String(s) => s.trim().parse::<u64>().map_err(|_| bad()),
+        other => Err(format!("expected a whole number, got {}", kind(other))),
+    }
+}
+
+/// An integer in `[lo, hi]`.
+pub(crate) fn as_u64_in(v: &Value, lo: u64, hi: u64) -> Result<u64, String> {
+    let x = as_u64(v)?;
+    (lo..=hi)
+        .contains(&x)
+        .then_some(x)
+        .ok_or_else(|| format!("must be in [{lo}, {hi}], got {x}"))
+}
+
+/// `max_attempts`: 0 means unlimited (`None`).
+pub(crate) fn attempts(v: &Value) -> Result<Option<u32>, String> {
+    let n = as_u64_in(v, 0, u64::from(u32::MAX)).map_err(|e| format!("{e} (0 = unlimited)"))?;
+    Ok(u32::try_from(n).ok().filter(|n| *n > 0))
+}
+
+/// A duration: text such as `"30s"` or a number of seconds.
+pub(crate) fn as_duration(v: &Value) -> Result<Duration, String> {
+    match v {
+        Value::String(s) => parse_duration(s),
+        Value::Number(n) => (n.as_f64().filter(|secs| (0.0..1e15).contains(secs)))
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| format!("expected a duration >= 0, got {n}")),
+        other => Err(format!(
+            "expected a duration such as \"30s\", got {}",
+            kind(other)
+        )),
+    }
+}
+
+/// Smallest duration that counts as "greater than 0".
+pub(crate) const NONZERO: Duration = Duration::from_nanos(1);
+
+/// A duration of at least `min`.
+pub(crate) fn duration_min(min: Duration) -> impl Fn(&Value) -> Result<Duration, String> {
+    move |v| match as_duration(v)? {
+        d if d >= min => Ok(d),
+        _ if min == NONZERO => Err("must be greater than 0".to_owned()),
+        _ => Err(format!("must be at least {}", format_duration(min))),
+    }
+}
+
+/// One of an enum's spellings (`CHOICES` of a `spelled!` enum).
+pub(crate) fn choice<T: Copy>(choices: &[(&str, T)]) -> impl Fn(&Value) -> Result<T, String> {
+    move |v| {
+        let allowed = choices
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ");
+        match v {
+            Value::String(s) => (choices.iter().find(|(n, _)| n == s).map(|(_, t)| *t))
+                .ok_or_else(|| format!("unknown value {s:?}; allowed: {allowed}")),
+            other => Err(format!("expected one of {allowed}, got {}", show(other))),
+        }
+    }
+}
+
+/// The non-empty items of comma-separated text.
+fn comma_items(s: &str) -> impl Iterator<Item = &str> {
+    s.split(',').map(str::trim).filter(|p| !p.is_empty())
+}
+
+/// A string map: a table/object of scalars, a JSON object in a string, or
+/// `k=v,k2=v2` text.
+pub(crate) fn as_string_map(v: &Value) -> Result<BTreeMap<String, String>, String> {
+    match v {
+        Value::Object(m) => (m.iter())
+            .map(|(k, v)| {
+                as_string(v)
+                    .map(|s| (k.clone(), s))
+                    .map_err(|e| format!("{k}: {e}"))
+            })
+            .collect(),
+        Value::String(s) if s.trim_start().starts_with('{') => as_string_map(
+            &serde_json::from_str(s).map_err(|e| format!("expected a JSON object: {e}"))?,
+        ),
+        Value::String(s) => comma_items(s)
+            .map(|pair| match pair.split_once('=') {
+                Some((k, v)) => Ok((k.trim().to_owned(), v.trim().to_owned())),
+                None => Err(format!("expected key=value pairs, got {pair:?}")),
+            })
+            .collect(),
+        other => Err(format!("expected a table of strings, got {}", kind(other))),
+    }
+}
+
+/// A list of strings: an array, a JSON array in a string, or comma-separated
+/// text.
+pub(crate) fn as_string_list(v: &Value) -> Result<Vec<String>, String> {
+    match v {
+        Value::Array(a) => a.iter().map(as_string).collect(),
+        Value::String(s) if s.trim_start().starts_with('[') => as_string_list(
+            &serde_json::from_str(s).map_err(|e| format!("expected a JSON array: {e}"))?,
+        ),
+        Value::String(s) => Ok(comma_items(s).map(str::to_owned).collect()),
+        other => Err(format!("expected a list of strings, got {}", kind(other))),
+    }
+}
+
+/// A URL with one of `schemes` (`what` in messages) and a host.
+fn url(v: &Value, what: &str, schemes: &[&str]) -> Result<EndpointUrl, String> {
+    let u = Url::parse(as_string(v)?.trim()).map_err(|e| format!("expected {what}: {e}"))?;
+    if !schemes.contains(&u.scheme()) {
+        return Err(format!("expected {what}, got scheme {:?}", u.scheme()));
+    }
+    if u.host_str().is_none_or(str::is_empty) {
+        return Err(format!("expected {what} with a host"));
+    }
+    Ok(EndpointUrl::new(u))
+}
+
+/// An http(s) URL with a host.
+pub(crate) fn http_url(v: &Value) -> Result<EndpointUrl, String> {
+    url(v, "an http(s) URL", &["http", "https"])
+}
+
+/// A `redis://` or `rediss://` URL.
+pub(crate) fn redis_url(v: &Value) -> Result<EndpointUrl, String> {
+    url(v, "a redis:// or rediss:// URL", &["redis", "rediss"])
+}
+
+/// Parses a URL literal of the key declarations.
+pub(crate) fn constant_url(text: &'static str) -> EndpointUrl {
+    // Invariant: only called with the valid literal URLs of the key
+    // declarations (checked by the `constant_urls_parse` test).
+    #[allow(clippy::expect_used)]
+    EndpointUrl::new(Url::parse(text).expect("constant URL is valid"))
+}
+
+/// A URL path starting with '/'.
+pub(crate) fn url_path(v: &Value) -> Result<String, String> {
+    let s = as_string(v)?;
+    match s.starts_with('/') && !s.contains(char::is_whitespace) {
+        true => Ok(s),
+        false => Err(format!("must be a path starting with '/', got {s:?}")),
+    }
+}
+
+/// An inline secret; the message never echoes the value.
+pub(crate) fn inline_secret(v: &Value) -> Result<Option<Secret>, String> {
+    match v {
+        Value::String(s) if s.is_empty() => Err("must not be empty".to_owned()),
+        Value::String(s) => Ok(Some(Secret::new(s.clone()))),
+        _ => Err("expected a string".to_owned()),
+    }
+}
+
+/// A file path.
+pub(crate) fn path(v: &Value) -> Result<PathBuf, String> {
+    as_nonempty_string(v).map(PathBuf::from)
+}
+
+/// `host:port`, or empty for none.
+pub(crate) fn host_port(v: &Value) -> Result<Option<String>, String> {
+    let s = as_string(v)?;
+    match s.rsplit_once(':') {
+        _ if s.is_empty() => Ok(None),
+        Some((h, port)) if !h.is_empty() && port.parse::<u16>().is_ok() => Ok(Some(s)),
+        _ => Err(format!("expected host:port, got {s:?}")),
+    }
+}
+
+/// A socket address.
+pub(crate) fn socket_addr(v: &Value) -> Result<SocketAddr, String> {
+    let s = as_string(v)?;
+    (s.trim().parse()).map_err(|_| {
+        format!("expected a socket address such as 127.0.0.1:9464 or [::]:9464, got {s:?}")
+    })
+}
+
+/// A `tracing` `EnvFilter` directive.
+pub(crate) fn env_filter(v: &Value) -> Result<String, String> {
+    let s = as_nonempty_string(v)?;
+    let parsed = tracing_subscriber::EnvFilter::builder().parse(&s);
+    let e = "expected an EnvFilter directive such as \"info\" or \"info,sluicegate=debug\"";
+    parsed.map(|_| s).map_err(|err| format!("{e}: {err}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::DEFAULT_REDIS_URL;
     use serde_json::json;
+
+    #[test]
+    fn constant_urls_parse() {
+        assert_eq!(
+            constant_url(DEFAULT_REDIS_URL).expose().as_str(),
+            DEFAULT_REDIS_URL
+        );
+        assert_eq!(
+            constant_url("http://127.0.0.1:9090").expose().port(),
+            Some(9090)
+        );
+        assert_eq!(constant_url("http://127.0.0.1/").expose().port(), None);
+    }
 
     #[test]
     fn numbers_accept_strings_and_numbers() {
@@ -274,7 +353,7 @@ mod tests {
 
     #[test]
     fn choice_error_lists_allowed_values() {
-        let err = as_choice(&json!("xml"), &[("text", 1), ("json", 2)]).expect_err("unknown");
+        let err = choice(&[("text", 1), ("json", 2)])(&json!("xml")).expect_err("unknown");
         assert!(err.contains("text, json"), "{err}");
     }
 

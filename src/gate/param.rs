@@ -338,7 +338,7 @@ fn no_password(u: &Url) -> Result<(), String> {
 /// `#[serde(deserialize_with = "loose::…")]`.
 pub(crate) mod loose {
     use super::*;
-    use crate::config::{as_duration, as_f64, as_string, as_string_list, as_string_map};
+    use crate::config::{as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in};
 
     fn value<'de, D: Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
         Value::deserialize(d)
@@ -366,19 +366,8 @@ pub(crate) mod loose {
 
     /// A whole number that fits `u32` (number or string).
     pub(crate) fn u32<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
-        let v = value(d)?;
-        let n = match &v {
-            Value::Number(n) => n.as_u64(),
-            Value::String(s) => s.trim().parse::<u64>().ok(),
-            _ => None,
-        };
-        n.and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
-            de::Error::custom(format!(
-                "expected a whole number in [0, {}], got {}",
-                u32::MAX,
-                show(&v)
-            ))
-        })
+        let n = as_u64_in(&value(d)?, 0, u64::from(u32::MAX)).map_err(de::Error::custom)?;
+        u32::try_from(n).map_err(de::Error::custom)
     }
 
     /// An optional whole number (number or string).
