@@ -140,3 +140,136 @@ fn reading_a_mistyped_store_is_an_error_naming_it_and_creates_nothing() {
     let entries: Vec<_> = std::fs::read_dir(&tmp.0).expect("dir").collect();
     assert!(entries.is_empty(), "files left behind: {entries:?}");
 }
+
+/// `run` on the memory transport, configured by the environment alone.
+fn memory_run(dir: &Path, gateway: &str) -> Command {
+    let input = dir.join("requests.jsonl");
+    let deadline = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+        + 3600;
+    let lines: Vec<String> = (0..5)
+        .map(|i| {
+            serde_json::json!({"id": format!("q-{i}"), "deadline": deadline, "payload": {"model": "m"}})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let mut cmd = sluicegate(&["run", "--input"]);
+    cmd.arg(&input)
+        .arg("--output")
+        .arg(dir.join("results.jsonl"))
+        .env("SLUICEGATE_TRANSPORT", "memory")
+        .env("SLUICEGATE_GATEWAY_URL", gateway)
+        .env("SLUICEGATE_GATE_TYPE", "local-max-concurrency")
+        .env("SLUICEGATE_GATE_PARAMS", r#"{"limit":"2"}"#)
+        .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
+        .env("SLUICEGATE_LOG_LEVEL", "debug")
+        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "50ms")
+        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "50ms");
+    cmd
+}
+
+fn signal(child: &std::process::Child, name: &str) {
+    let status = Command::new("kill")
+        .args([name, &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+}
+
+/// Waits up to `secs` for `child` to exit.
+fn exits_within(child: &mut std::process::Child, secs: u64) -> Option<std::process::ExitStatus> {
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < give_up {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return Some(status);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    None
+}
+
+#[test]
+fn run_with_a_closed_stderr_pipe_still_drains_and_exits_on_sigint() {
+    let tmp = TempDir::new("newuser-closed-stderr");
+    // Nothing listens on port 1: every request fails and is retried, so
+    // the run logs steadily and has unsettled messages at exit.
+    let mut child = memory_run(&tmp.0, "http://127.0.0.1:1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run starts");
+    // `2>&1 | head -1`: read one line, then close the pipe.
+    let mut stderr = child.stderr.take().expect("stderr");
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut stderr, &mut first).expect("a first log byte");
+    drop(stderr);
+    drop(child.stdout.take());
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    signal(&child, "-INT");
+    let status = exits_within(&mut child, 15);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("run did not exit after SIGINT with its stderr closed");
+    }
+    let results = tmp.0.join("results.jsonl");
+    assert!(results.exists(), "no results file written");
+    let unsettled = tmp.0.join("results.jsonl.unsettled.jsonl");
+    let results_n = std::fs::read_to_string(&results)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    let unsettled_n = std::fs::read_to_string(&unsettled)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    assert_eq!(results_n + unsettled_n, 5, "every message accounted for");
+}
+
+#[test]
+fn run_exits_on_sigterm_with_a_closed_stderr_pipe() {
+    let tmp = TempDir::new("newuser-closed-stderr-term");
+    let mut child = memory_run(&tmp.0, "http://127.0.0.1:1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run starts");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let mut first = [0u8; 1];
+    std::io::Read::read_exact(&mut stderr, &mut first).expect("a first log byte");
+    drop(stderr);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    signal(&child, "-TERM");
+    if exits_within(&mut child, 15).is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("run did not exit after SIGTERM with its stderr closed");
+    }
+    assert!(
+        tmp.0.join("results.jsonl").exists(),
+        "no results file written"
+    );
+}
+
+#[test]
+fn logs_to_a_pipe_carry_no_colour_codes() {
+    let tmp = TempDir::new("newuser-colour");
+    let mut child = memory_run(&tmp.0, "http://127.0.0.1:1")
+        .env("SLUICEGATE_LOG_FORMAT", "text")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run starts");
+    std::thread::sleep(std::time::Duration::from_millis(800));
+    signal(&child, "-TERM");
+    let out = child.wait_with_output().expect("run exits");
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("sluicegate started"), "{stderr}");
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "ANSI codes in a pipe: {stderr:?}"
+    );
+}

@@ -504,7 +504,10 @@ fn write_memory_results(
             results.push('\n');
         }
         for dead in queue.dead_letters() {
-            eprintln!(
+            // Not `eprintln!` here or below: it panics on a closed stderr,
+            // and the results must still be written.
+            let _ = writeln!(
+                std::io::stderr(),
                 "dead letter: {}",
                 serde_json::to_string(&dead.last_error).unwrap_or_default()
             );
@@ -524,15 +527,20 @@ fn write_memory_results(
             let mut rest = path.clone().into_os_string();
             rest.push(".unsettled.jsonl");
             let rest = PathBuf::from(rest);
-            eprintln!(
+            std::fs::write(&rest, &unsettled)?;
+            let _ = writeln!(
+                std::io::stderr(),
                 "{unsettled_count} messages were not settled; written to {}",
                 rest.display()
             );
-            std::fs::write(rest, &unsettled)
+            Ok(())
         }
         ResultsOutput::Stdout => {
             if unsettled_count > 0 {
-                eprintln!("{unsettled_count} messages were not settled:\n{unsettled}");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{unsettled_count} messages were not settled:\n{unsettled}"
+                );
             }
             std::io::stdout().write_all(results.as_bytes())
         }

@@ -12,6 +12,7 @@ mod probe;
 mod results;
 mod submit;
 
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -156,8 +157,15 @@ impl ConfigArgs {
     }
 }
 
-/// Runs the parsed command line.
+/// Runs the parsed command line; the last log lines reach stderr before
+/// it returns (briefly waited for, never blocking the exit).
 pub async fn run(cli: Cli) -> ExitCode {
+    let code = run_command(cli).await;
+    crate::telemetry::logging::flush(std::time::Duration::from_secs(2));
+    code
+}
+
+async fn run_command(cli: Cli) -> ExitCode {
     match cli.command {
         Command::CheckConfig(args) => match args.load() {
             Ok(config) => {
@@ -221,18 +229,22 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
     match crate::app::run(&config, options, shutdown.cancelled_owned()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("{error}");
+            // Not `eprintln!`: it panics when stderr is closed, and the
+            // exit code still tells what happened.
+            let _ = writeln!(std::io::stderr(), "{error}");
             ExitCode::from(error.exit_code())
         }
     }
 }
 
 /// Cancels `shutdown` on SIGTERM or SIGINT; a second signal exits at once.
+/// The drain starts before anything is logged, so nothing about the log
+/// (a closed or full stderr) can keep a signal from stopping the process.
 fn spawn_signal_handler(shutdown: CancellationToken) {
     tokio::spawn(async move {
         wait_for_signal().await;
-        tracing::info!("signal received; draining (send again to exit at once)");
         shutdown.cancel();
+        tracing::info!("signal received; draining (send again to exit at once)");
         wait_for_signal().await;
         std::process::exit(130);
     });
