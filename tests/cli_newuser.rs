@@ -257,7 +257,7 @@ fn run_exits_on_sigterm_with_a_closed_stderr_pipe() {
 #[test]
 fn logs_to_a_pipe_carry_no_colour_codes() {
     let tmp = TempDir::new("newuser-colour");
-    let mut child = memory_run(&tmp.0, "http://127.0.0.1:1")
+    let child = memory_run(&tmp.0, "http://127.0.0.1:1")
         .env("SLUICEGATE_LOG_FORMAT", "text")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -272,4 +272,77 @@ fn logs_to_a_pipe_carry_no_colour_codes() {
         !stderr.contains('\u{1b}'),
         "ANSI codes in a pipe: {stderr:?}"
     );
+}
+
+/// `check-config` and `run` on the same environment.
+fn check_and_run(envs: &[(&str, &str)]) -> (Output, Output) {
+    let with_env = |args: &[&str]| {
+        let mut cmd = sluicegate(args);
+        cmd.env("SLUICEGATE_GATEWAY_URL", "http://127.0.0.1:1")
+            .env("SLUICEGATE_QUEUE", "q")
+            .env("SLUICEGATE_LISTEN", "127.0.0.1:0");
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        cmd
+    };
+    let check = output(&mut with_env(&["check-config"]));
+    let run = output(&mut with_env(&["run"]));
+    (check, run)
+}
+
+#[test]
+fn check_config_refuses_what_run_refuses() {
+    let cases: [&[(&str, &str)]; 3] = [
+        &[
+            ("SLUICEGATE_TRANSPORT", "pubsub"),
+            ("SLUICEGATE_GATE_TYPE", "constant"),
+        ],
+        &[
+            ("SLUICEGATE_TRANSPORT", "memory"),
+            ("SLUICEGATE_GATE_TYPE", "redis-quota"),
+            (
+                "SLUICEGATE_GATE_PARAMS",
+                r#"{"address":"127.0.0.1:6379","limit":"5"}"#,
+            ),
+        ],
+        &[
+            ("SLUICEGATE_TRANSPORT", "memory"),
+            ("SLUICEGATE_GATE_TYPE", "tier-priority-admission"),
+            (
+                "SLUICEGATE_GATE_PARAMS",
+                r#"{"saturation_gate":{"gate_type":"constant"}}"#,
+            ),
+        ],
+    ];
+    for envs in cases {
+        let (check, run) = check_and_run(envs);
+        assert_eq!(run.status.code(), Some(2), "run: {run:?}");
+        let refused = text(&run.stderr);
+        assert_eq!(
+            check.status.code(),
+            Some(2),
+            "check-config approved what run refuses ({refused}): {}",
+            text(&check.stdout)
+        );
+        // The same reason, word for word.
+        let reason = refused.trim().lines().last().unwrap_or_default().to_owned();
+        assert!(
+            text(&check.stderr).contains(&reason),
+            "{envs:?}: {} vs {reason}",
+            text(&check.stderr)
+        );
+    }
+    // What run accepts, check-config still accepts (`run` itself would
+    // run until a signal, so only check-config is asked).
+    let check = output(
+        sluicegate(&["check-config"])
+            .env("SLUICEGATE_GATEWAY_URL", "http://127.0.0.1:1")
+            .env("SLUICEGATE_QUEUE", "q")
+            .envs([
+                ("SLUICEGATE_TRANSPORT", "memory"),
+                ("SLUICEGATE_GATE_TYPE", "constant"),
+            ]),
+    );
+    assert!(check.status.success(), "{check:?}");
 }

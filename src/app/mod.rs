@@ -177,6 +177,41 @@ pub async fn run(
     start(config, options, shutdown).await?.wait().await
 }
 
+/// Everything about `config` that `run` would refuse before it opens
+/// anything: a transport or gate that is valid configuration but not in
+/// this build, a gateway client that cannot be built, a gate that cannot
+/// be built from its parameters and context, a queue's target. [`start`]
+/// calls it first and `check-config` calls it after loading, so the two
+/// never disagree. Opens no connection (Redis and gateways are only
+/// reached once running).
+pub fn preflight(config: &Config) -> Result<(), AppError> {
+    if matches!(config.transport, TransportKind::PubSub) {
+        return Err(AppError::Open(crate::queue::OpenError::NotBuilt(
+            TransportKind::PubSub,
+        )));
+    }
+    GatewayClient::new(GatewaySettings::from(&config.gateway))?;
+    let context = GateContext::from_config(config);
+    for queue_config in &config.queues {
+        build_gate(&queue_config.gate, &context.clone().for_queue(queue_config)).map_err(
+            |source| AppError::Gate {
+                queue: queue_config.queue_name.clone(),
+                source,
+            },
+        )?;
+        Target::new(
+            queue_config.igw_base_url.expose().as_str(),
+            &queue_config.request_path_url,
+            queue_config.inference_objective.clone(),
+        )
+        .map_err(|source| AppError::Target {
+            queue: queue_config.queue_name.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
 /// Opens the transport, builds every dispatcher and starts them, with
 /// telemetry; returns once everything runs. [`Running::wait`] drains.
 pub async fn start(
@@ -205,6 +240,7 @@ pub async fn start(
         }
         TransportKind::Redis | TransportKind::PubSub => {}
     }
+    preflight(config)?;
     if options.input.is_some() && config.queues.len() != 1 {
         return Err(AppError::Options(
             "--input needs exactly one configured queue",

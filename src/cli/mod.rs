@@ -167,11 +167,19 @@ pub async fn run(cli: Cli) -> ExitCode {
 
 async fn run_command(cli: Cli) -> ExitCode {
     match cli.command {
+        // Loading alone would approve a transport or gate `run` refuses:
+        // the same preflight `run` starts with decides.
         Command::CheckConfig(args) => match args.load() {
-            Ok(config) => {
-                println!("{}", config.summary());
-                ExitCode::SUCCESS
-            }
+            Ok(config) => match crate::app::preflight(&config) {
+                Ok(()) => {
+                    println!("{}", config.summary());
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("configuration errors:\n{error}");
+                    ExitCode::from(error.exit_code())
+                }
+            },
             Err(code) => code,
         },
         Command::Config(ConfigCommand::Show(args)) => match args.load() {
