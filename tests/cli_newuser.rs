@@ -346,3 +346,34 @@ fn check_config_refuses_what_run_refuses() {
     );
     assert!(check.status.success(), "{check:?}");
 }
+
+#[test]
+fn compatibility_metric_mapping_names_only_real_metrics() {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/compatibility.md"),
+    )
+    .expect("docs/compatibility.md");
+    let section = doc
+        .split("## Metric names")
+        .nth(1)
+        .expect("a metric names section");
+    let mut named = 0;
+    for word in section.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("sluicegate_") && !word.ends_with('_') {
+            named += 1;
+            assert!(
+                sluicegate::telemetry::METRIC_NAMES.contains(&word),
+                "docs/compatibility.md names `{word}`, which sluicegate does not export"
+            );
+        }
+    }
+    assert!(named > 10, "the mapping names sluicegate metrics");
+    for upstream in [
+        "async_request_total",
+        "async_inflight_requests",
+        "async_dispatch_budget",
+        "async_gate_decisions_total",
+    ] {
+        assert!(section.contains(upstream), "{upstream} is mapped");
+    }
+}
