@@ -377,3 +377,57 @@ fn compatibility_metric_mapping_names_only_real_metrics() {
         assert!(section.contains(upstream), "{upstream} is mapped");
     }
 }
+
+#[test]
+fn license_matches_cargo_and_docs_cite_only_files_in_the_repository() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cargo: toml::Value =
+        toml::from_str(&std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml"))
+            .expect("TOML");
+    assert_eq!(cargo["package"]["license"].as_str(), Some("Apache-2.0"));
+    let license = std::fs::read_to_string(root.join("LICENSE")).expect("a LICENSE file");
+    assert!(license.contains("Apache License"), "Apache text");
+    assert!(license.contains("Version 2.0, January 2004"));
+    assert!(
+        license.contains("END OF TERMS AND CONDITIONS"),
+        "the full text"
+    );
+
+    fn walk(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path
+                .extension()
+                .is_some_and(|e| e == "rs" || e == "md" || e == "toml")
+            {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = vec![root.join("README.md")];
+    for dir in ["docs", "src", "tests", "config"] {
+        walk(&root.join(dir), &mut files);
+    }
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        for missing in [
+            "ARCHITECTURE.md",
+            "REFERENCE.md",
+            "ARCHITECTURE,",
+            "REFERENCE §",
+        ] {
+            // This test names them; nothing else may.
+            if file.ends_with("cli_newuser.rs") {
+                continue;
+            }
+            assert!(
+                !text.contains(missing),
+                "{} cites {missing}, which is not in the repository",
+                file.display()
+            );
+        }
+    }
+    assert!(root.join("docs/architecture.md").is_file());
+}
