@@ -162,6 +162,14 @@ impl ConfigArgs {
 pub async fn run(cli: Cli) -> ExitCode {
     let code = run_command(cli).await;
     crate::telemetry::logging::flush(std::time::Duration::from_secs(2));
+    let dropped = crate::telemetry::logging::dropped_lines();
+    if dropped > 0 {
+        // Stderr may be the very thing that failed: best effort, no panic.
+        let _ = writeln!(
+            std::io::stderr(),
+            "{dropped} log lines were dropped (stderr closed or not keeping up)"
+        );
+    }
     code
 }
 
