@@ -1,4 +1,4 @@
-//! Request messages as submitters write them (REFERENCE.md §1), and their
+//! Request messages as submitters write them (docs/architecture.md, "Request messages"), and their
 //! parsing from the bytes a queue delivers.
 //!
 //! A message is either the Redis envelope `{"internal", "request_kind",

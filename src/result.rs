@@ -1,4 +1,4 @@
-//! Result records (REFERENCE.md §2): exactly one per submission.
+//! Result records (docs/architecture.md, "Result records"): exactly one per submission.
 
 use serde::{Deserialize, Serialize};
 
@@ -95,7 +95,7 @@ impl ResultRecord {
     }
 
     /// The result of a message its deadline ended: the last HTTP answer an
-    /// attempt got (REFERENCE.md §2), else `DEADLINE_EXCEEDED`.
+    /// attempt got (docs/architecture.md, "Result records"), else `DEADLINE_EXCEEDED`.
     pub fn ended_by_deadline(
         id: &str,
         token: Option<&str>,

@@ -58,7 +58,6 @@ async fn two_workers_on_one_file_answer_every_submission_once() {
     let submitted = Command::new(BIN)
         .args(["submit", "--embedded"])
         .arg(&db)
-        .args(["--queue", "batch"])
         .arg(&file)
         .output()
         .expect("submit");
@@ -67,7 +66,7 @@ async fn two_workers_on_one_file_answer_every_submission_once() {
 
     let mut a = worker(&config, &db).spawn().expect("worker a");
     let mut b = worker(&config, &db).spawn().expect("worker b");
-    let store = EmbeddedQueue::open(&db, "batch").expect("open");
+    let store = EmbeddedQueue::open(&db, "request-sortedset").expect("open");
     let give_up = Instant::now() + Duration::from_secs(40);
     while store.result_count().expect("count") < n {
         assert!(Instant::now() < give_up, "workers did not finish");

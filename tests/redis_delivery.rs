@@ -6,7 +6,7 @@
 //! fast the claims of a SIGKILLed dispatcher are dispatched again.
 //!
 //! Messages are fed both as our producer writes them and hand-written in
-//! the upstream envelope shape (REFERENCE.md §1/§4) with `redis-cli`.
+//! the upstream envelope shape (docs/architecture.md, docs/transports.md) with `redis-cli`.
 
 mod support;
 

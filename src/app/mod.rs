@@ -177,6 +177,41 @@ pub async fn run(
     start(config, options, shutdown).await?.wait().await
 }
 
+/// Everything about `config` that `run` would refuse before it opens
+/// anything: a transport or gate that is valid configuration but not in
+/// this build, a gateway client that cannot be built, a gate that cannot
+/// be built from its parameters and context, a queue's target. [`start`]
+/// calls it first and `check-config` calls it after loading, so the two
+/// never disagree. Opens no connection (Redis and gateways are only
+/// reached once running).
+pub fn preflight(config: &Config) -> Result<(), AppError> {
+    if matches!(config.transport, TransportKind::PubSub) {
+        return Err(AppError::Open(crate::queue::OpenError::NotBuilt(
+            TransportKind::PubSub,
+        )));
+    }
+    GatewayClient::new(GatewaySettings::from(&config.gateway))?;
+    let context = GateContext::from_config(config);
+    for queue_config in &config.queues {
+        build_gate(&queue_config.gate, &context.clone().for_queue(queue_config)).map_err(
+            |source| AppError::Gate {
+                queue: queue_config.queue_name.clone(),
+                source,
+            },
+        )?;
+        Target::new(
+            queue_config.igw_base_url.expose().as_str(),
+            &queue_config.request_path_url,
+            queue_config.inference_objective.clone(),
+        )
+        .map_err(|source| AppError::Target {
+            queue: queue_config.queue_name.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
 /// Opens the transport, builds every dispatcher and starts them, with
 /// telemetry; returns once everything runs. [`Running::wait`] drains.
 pub async fn start(
@@ -205,6 +240,7 @@ pub async fn start(
         }
         TransportKind::Redis | TransportKind::PubSub => {}
     }
+    preflight(config)?;
     if options.input.is_some() && config.queues.len() != 1 {
         return Err(AppError::Options(
             "--input needs exactly one configured queue",
@@ -504,7 +540,10 @@ fn write_memory_results(
             results.push('\n');
         }
         for dead in queue.dead_letters() {
-            eprintln!(
+            // Not `eprintln!` here or below: it panics on a closed stderr,
+            // and the results must still be written.
+            let _ = writeln!(
+                std::io::stderr(),
                 "dead letter: {}",
                 serde_json::to_string(&dead.last_error).unwrap_or_default()
             );
@@ -524,15 +563,20 @@ fn write_memory_results(
             let mut rest = path.clone().into_os_string();
             rest.push(".unsettled.jsonl");
             let rest = PathBuf::from(rest);
-            eprintln!(
+            std::fs::write(&rest, &unsettled)?;
+            let _ = writeln!(
+                std::io::stderr(),
                 "{unsettled_count} messages were not settled; written to {}",
                 rest.display()
             );
-            std::fs::write(rest, &unsettled)
+            Ok(())
         }
         ResultsOutput::Stdout => {
             if unsettled_count > 0 {
-                eprintln!("{unsettled_count} messages were not settled:\n{unsettled}");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{unsettled_count} messages were not settled:\n{unsettled}"
+                );
             }
             std::io::stdout().write_all(results.as_bytes())
         }

@@ -1,5 +1,5 @@
 //! Batch input lines: OpenAI Batch API lines (`custom_id`, `method`, `url`,
-//! `body`) and sluicegate request lines (REFERENCE.md §1), turned into
+//! `body`) and sluicegate request lines (docs/architecture.md, "Request messages"), turned into
 //! queue messages. Shared by `sluicegate batch` and `submit --embedded`.
 
 use std::collections::HashMap;

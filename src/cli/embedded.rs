@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::Args;
 
 use crate::batch::input::parse_input;
+use crate::queue::Queue;
 use crate::queue::embedded::EmbeddedQueue;
 
 /// Flags of `sluicegate results-embedded`.
@@ -17,8 +18,9 @@ pub(crate) struct ResultsEmbeddedArgs {
     /// The embedded store file.
     #[arg(long)]
     pub(crate) embedded: PathBuf,
-    /// Queue name in the store.
-    #[arg(long, default_value = "batch")]
+    /// Queue name in the store (the same default as `submit --embedded`
+    /// and `config/embedded.toml`).
+    #[arg(long, default_value = crate::config::DEFAULT_QUEUE_NAME)]
     pub(crate) queue: String,
 }
 
@@ -71,9 +73,12 @@ pub(crate) fn submit(store: &Path, queue: &str, deadline_in: Duration, file: &Pa
     }
 }
 
-/// Prints the results of a queue in an embedded store as JSON lines.
+/// Prints the results of a queue in an embedded store as JSON lines. The
+/// store must exist (reading never creates one); a queue with no results
+/// says on standard error whether messages are still waiting, or that the
+/// queue is empty and which queues the store does hold.
 pub(crate) fn results(args: &ResultsEmbeddedArgs) -> ExitCode {
-    let queue = match EmbeddedQueue::open(&args.embedded, args.queue.clone()) {
+    let queue = match EmbeddedQueue::open_existing(&args.embedded, args.queue.clone()) {
         Ok(q) => q,
         Err(e) => {
             eprintln!("{e}");
@@ -82,6 +87,9 @@ pub(crate) fn results(args: &ResultsEmbeddedArgs) -> ExitCode {
     };
     match queue.results() {
         Ok(results) => {
+            if results.is_empty() {
+                explain_empty(&queue);
+            }
             for r in results {
                 println!("{}", serde_json::to_string(&r).unwrap_or_default());
             }
@@ -91,5 +99,37 @@ pub(crate) fn results(args: &ResultsEmbeddedArgs) -> ExitCode {
             eprintln!("{e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Says on standard error why a queue printed no results: messages still
+/// waiting (the worker has not answered them yet), or nothing at all in
+/// this queue (most often a different queue name), naming the queues the
+/// store holds.
+fn explain_empty(queue: &EmbeddedQueue) {
+    let name = queue.name();
+    let path = queue.path().display();
+    let waiting = queue.unsettled_count().unwrap_or(0);
+    let dead = queue.dead_letter_count().unwrap_or(0);
+    if waiting > 0 || dead > 0 {
+        eprintln!(
+            "queue `{name}` in {path}: no results yet; {waiting} messages waiting, {dead} dead letters"
+        );
+        return;
+    }
+    let others: Vec<String> = queue
+        .queue_names()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|q| q != name)
+        .map(|q| format!("`{q}`"))
+        .collect();
+    if others.is_empty() {
+        eprintln!("queue `{name}` in {path} has no messages and no results; the store is empty");
+    } else {
+        eprintln!(
+            "queue `{name}` in {path} has no messages and no results; the store holds queues {} (pick one with --queue)",
+            others.join(", ")
+        );
     }
 }

@@ -12,6 +12,7 @@ mod probe;
 mod results;
 mod submit;
 
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -156,14 +157,37 @@ impl ConfigArgs {
     }
 }
 
-/// Runs the parsed command line.
+/// Runs the parsed command line; the last log lines reach stderr before
+/// it returns (briefly waited for, never blocking the exit).
 pub async fn run(cli: Cli) -> ExitCode {
+    let code = run_command(cli).await;
+    crate::telemetry::logging::flush(std::time::Duration::from_secs(2));
+    let dropped = crate::telemetry::logging::dropped_lines();
+    if dropped > 0 {
+        // Stderr may be the very thing that failed: best effort, no panic.
+        let _ = writeln!(
+            std::io::stderr(),
+            "{dropped} log lines were dropped (stderr closed or not keeping up)"
+        );
+    }
+    code
+}
+
+async fn run_command(cli: Cli) -> ExitCode {
     match cli.command {
+        // Loading alone would approve a transport or gate `run` refuses:
+        // the same preflight `run` starts with decides.
         Command::CheckConfig(args) => match args.load() {
-            Ok(config) => {
-                println!("{}", config.summary());
-                ExitCode::SUCCESS
-            }
+            Ok(config) => match crate::app::preflight(&config) {
+                Ok(()) => {
+                    println!("{}", config.summary());
+                    ExitCode::SUCCESS
+                }
+                Err(error) => {
+                    eprintln!("configuration errors:\n{error}");
+                    ExitCode::from(error.exit_code())
+                }
+            },
             Err(code) => code,
         },
         Command::Config(ConfigCommand::Show(args)) => match args.load() {
@@ -221,18 +245,22 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
     match crate::app::run(&config, options, shutdown.cancelled_owned()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("{error}");
+            // Not `eprintln!`: it panics when stderr is closed, and the
+            // exit code still tells what happened.
+            let _ = writeln!(std::io::stderr(), "{error}");
             ExitCode::from(error.exit_code())
         }
     }
 }
 
 /// Cancels `shutdown` on SIGTERM or SIGINT; a second signal exits at once.
+/// The drain starts before anything is logged, so nothing about the log
+/// (a closed or full stderr) can keep a signal from stopping the process.
 fn spawn_signal_handler(shutdown: CancellationToken) {
     tokio::spawn(async move {
         wait_for_signal().await;
-        tracing::info!("signal received; draining (send again to exit at once)");
         shutdown.cancel();
+        tracing::info!("signal received; draining (send again to exit at once)");
         wait_for_signal().await;
         std::process::exit(130);
     });

@@ -74,8 +74,9 @@ pub(super) fn connect(config: &RedisConfig) -> Result<(Client, ConnectionManager
 pub(crate) struct SubmitArgs {
     #[command(flatten)]
     redis: RedisArgs,
-    /// Queue (pending sorted set) to submit to.
-    #[arg(long, default_value = "request-sortedset")]
+    /// Queue (Redis: pending sorted set) to submit to; the same default as
+    /// the config's `queue_name`, for Redis and `--embedded` alike.
+    #[arg(long, default_value = crate::config::DEFAULT_QUEUE_NAME)]
     queue: String,
     /// Deadline for lines without one, from now (e.g. `24h`, `90m`).
     #[arg(long, default_value = "24h")]

@@ -2,7 +2,7 @@
 //! no I/O, no clock, no randomness; callers pass instants and a uniform
 //! jitter sample in.
 //!
-//! The rule (ARCHITECTURE.md, "When the budget is zero"):
+//! The rule (docs/architecture.md, "When the budget is zero"):
 //! - a 429 or 503 means the pool is saturated despite the budget (a spike
 //!   arrived before the metrics showed it), so nothing more is sent to that
 //!   gateway, from any queue, for a hold;

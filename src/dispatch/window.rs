@@ -2,7 +2,7 @@
 //! gate observations and what this dispatcher already sent. Pure: no I/O,
 //! no clock; callers pass instants in.
 //!
-//! The rule (ARCHITECTURE.md, "How N becomes dispatches"):
+//! The rule (docs/architecture.md, "The dispatch budget and the window"):
 //! - `N = max_SYS × (D − B)` when `D > B`, else 0, rounded per [`Rounding`];
 //! - `window = own_in_flight_at(taken_at) + N`, and new work goes only
 //!   while `own_in_flight < window`;

@@ -84,7 +84,7 @@ struct Query {
     /// Whether the metric counts this dispatcher's own requests once they
     /// run. The endpoint picker's queues count only *queued* requests:
     /// batch work that runs never lowers them, so for those the window
-    /// must be `N` itself, never in-flight + `N` (ARCHITECTURE.md).
+    /// must be `N` itself, never in-flight + `N` (docs/architecture.md, "The dispatch budget and the window").
     sees_own_load: bool,
 }
 

@@ -152,7 +152,7 @@ impl GatewayClient {
     /// path must start with a single `/` and may not contain `.`/`..`
     /// segments, backslashes, whitespace or control characters; an
     /// absolute URL must have the base's scheme, host and port. Headers
-    /// follow REFERENCE.md §3, later wins: `Content-Type:
+    /// follow docs/architecture.md ("Headers sent to the gateway"), later wins: `Content-Type:
     /// application/json`; the objective header when the target has an
     /// objective; the message's `headers` (illegal names or values,
     /// framing and hop-by-hop headers, `proxy-*`, and `Authorization` when

@@ -13,7 +13,7 @@
 //!   attempt ([`GatewayClient::send`]) and the bounded body read.
 //! - `target.rs`: [`Target`] (a queue's gateway URL and objective),
 //!   endpoint resolution that cannot leave the gateway origin, and the
-//!   request headers of REFERENCE.md §3 ([`PreparedRequest`]).
+//!   request headers of docs/architecture.md ("Headers sent to the gateway") ([`PreparedRequest`]).
 //! - `classify.rs`: [`AttemptOutcome`], [`AttemptFailure`], the status
 //!   classes and `Retry-After` parsing.
 //! - `time.rs`: [`deadline_instant`], Unix-seconds deadlines on tokio's

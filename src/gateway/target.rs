@@ -1,6 +1,6 @@
 //! Where a request goes and what it carries: a queue's gateway [`Target`],
 //! per-message endpoints that cannot leave the gateway origin, and the
-//! headers of REFERENCE.md §3, assembled into a [`PreparedRequest`].
+//! headers of docs/architecture.md ("Headers sent to the gateway"), assembled into a [`PreparedRequest`].
 
 use std::fmt;
 
@@ -305,7 +305,7 @@ impl PrepareError {
 pub struct PreparedRequest {
     /// Where to POST.
     url: Url,
-    /// All headers, in REFERENCE.md §3 precedence.
+    /// All headers, in the precedence of docs/architecture.md ("Headers sent to the gateway").
     headers: HeaderMap,
     /// The payload exactly as the message carried it.
     body: Bytes,

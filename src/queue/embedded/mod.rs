@@ -64,6 +64,15 @@ pub enum EmbeddedError {
         /// Version this build writes.
         expected: u32,
     },
+    /// A reading command named a store file that does not exist (reading
+    /// never creates a store: a mistyped path would read as empty).
+    #[error(
+        "embedded store {path} does not exist (`submit --embedded` or `run` creates it; check the path)"
+    )]
+    Missing {
+        /// The file that was named.
+        path: PathBuf,
+    },
     /// Another process holds the store's exclusive owner lock.
     #[error(
         "embedded store {path} is in use by another sluicegate process (only one may own it); stop it or use another state directory"
@@ -147,6 +156,33 @@ impl EmbeddedQueue {
                 next_tag: AtomicU64::new(0),
                 arrived: Notify::new(),
             }),
+        })
+    }
+
+    /// Opens the queue `queue` of a store that must already exist: for
+    /// commands that only read, so a mistyped path is an error naming it
+    /// instead of a new empty store.
+    pub fn open_existing(
+        path: impl AsRef<Path>,
+        queue: impl Into<String>,
+    ) -> Result<Self, EmbeddedError> {
+        let path = path.as_ref();
+        if !path.is_file() {
+            return Err(EmbeddedError::Missing {
+                path: path.to_path_buf(),
+            });
+        }
+        Self::open(path, queue)
+    }
+
+    /// Every queue name the store holds messages, results or dead letters
+    /// for, sorted (to name the right one when a queue reads as empty).
+    pub fn queue_names(&self) -> Result<Vec<String>, EmbeddedError> {
+        self.inner.read(|c, _| {
+            let mut s = c.prepare(
+                "SELECT queue FROM messages UNION SELECT queue FROM results UNION SELECT queue FROM dead_letters ORDER BY queue",
+            )?;
+            s.query_map([], |r| r.get(0))?.collect()
         })
     }
 

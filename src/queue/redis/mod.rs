@@ -1,5 +1,5 @@
 //! Redis sorted-set transport, wire-compatible with llm-d-async's
-//! `redis-sortedset` (REFERENCE.md §4), with durable claims and
+//! `redis-sortedset` (docs/transports.md), with durable claims and
 //! exactly-once results. Keys, guarantees and differences from upstream:
 //! `docs/transports.md`.
 //!
