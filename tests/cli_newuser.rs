@@ -415,6 +415,7 @@ fn license_matches_cargo_and_docs_cite_only_files_in_the_repository() {
         for missing in [
             "ARCHITECTURE.md",
             "REFERENCE.md",
+            "EVALUATION.md",
             "ARCHITECTURE,",
             "REFERENCE §",
         ] {

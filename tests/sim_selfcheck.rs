@@ -1,4 +1,4 @@
-//! Self-checks of the pool simulator (EVALUATION.md §1): the properties a
+//! Self-checks of the pool simulator (docs/simulator.md): the properties a
 //! real vLLM pool shows, asserted on virtual-time runs with fixed seeds.
 //! Figures are printed (`cargo test --test sim_selfcheck -- --nocapture`)
 //! and quoted in docs/simulator.md.
