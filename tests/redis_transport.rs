@@ -8,7 +8,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use sluicegate::app::Running;
+use sluicegate::app::{Running, Tasks};
 use sluicegate::config::{Config, EndpointUrl, RedisConfig, Secret};
 use sluicegate::queue::Queue;
 use sluicegate::queue::redis::{
@@ -345,9 +345,11 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     // Without the password: the transport reports errors, never data.
     let wrong = redis_config(&server, Some("wrong"));
     let c = client(&wrong).expect("client");
+    let tasks = Tasks::new();
     let queue = RedisQueue::start(
         manager(&c).expect("manager"),
         RedisQueueSettings::new("auth"),
+        &tasks,
     );
     assert!(queue.backlog().await.is_err());
     drop(queue);
@@ -461,13 +463,16 @@ async fn an_expired_lease_is_reclaimed_and_the_old_holder_is_fenced_out() {
     let redis = redis_config(&server, None);
     submit(&redis, "lease", &[request_line("slow", unix_now() + 600)]).await;
     let c = client(&redis).expect("client");
+    let tasks = Tasks::new();
     let old_holder = RedisQueue::start(
         manager(&c).expect("manager"),
         RedisQueueSettings::new("lease"),
+        &tasks,
     );
     let new_holder = RedisQueue::start(
         manager(&c).expect("manager"),
         RedisQueueSettings::new("lease"),
+        &tasks,
     );
     let first = old_holder
         .receive(10, Duration::from_secs(1), Duration::ZERO)

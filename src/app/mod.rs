@@ -256,7 +256,10 @@ pub async fn start(
         None => None,
     };
 
-    let transports = crate::queue::open(config).await?;
+    // The task tree exists before the transports: their housekeeping runs
+    // on it.
+    let tasks = Tasks::new();
+    let transports = crate::queue::open(config, &tasks).await?;
     if let (Some(text), Some(queue)) = (&input, transports.memory().first()) {
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             queue.push_message(line.to_owned());
@@ -305,7 +308,6 @@ pub async fn start(
         .local_addr()
         .map_err(|source| AppError::Listen { addr, source })?;
 
-    let tasks = Tasks::new();
     {
         let root = tasks.root_token().clone();
         let server =

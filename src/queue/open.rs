@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::app::Tasks;
 use crate::config::{Config, EndpointUrl, RedisConfig, TransportKind};
 
 use super::embedded::{EmbeddedError, EmbeddedQueue};
@@ -82,7 +83,7 @@ pub enum OpenError {
 /// Opens one queue per `[[queue]]` on the configured transport. Redis is
 /// not waited for: an unreachable server is logged, and the transport
 /// retries in the background (readiness follows it).
-pub async fn open(config: &Config) -> Result<Transports, OpenError> {
+pub async fn open(config: &Config, tasks: &Tasks) -> Result<Transports, OpenError> {
     match config.transport {
         TransportKind::Memory => Ok(Transports::Memory(
             config
@@ -91,7 +92,7 @@ pub async fn open(config: &Config) -> Result<Transports, OpenError> {
                 .map(|q| Arc::new(MemoryQueue::new(q.queue_name.clone())))
                 .collect(),
         )),
-        TransportKind::Redis => open_redis(config).await,
+        TransportKind::Redis => open_redis(config, tasks).await,
         TransportKind::Embedded => {
             let path = config
                 .embedded
@@ -122,7 +123,7 @@ pub fn default_redis_config() -> RedisConfig {
     }
 }
 
-async fn open_redis(config: &Config) -> Result<Transports, OpenError> {
+async fn open_redis(config: &Config, tasks: &Tasks) -> Result<Transports, OpenError> {
     let redis_config = config.redis.clone().unwrap_or_else(default_redis_config);
     let client = client(&redis_config)?;
     let conn = manager(&client)?;
@@ -152,7 +153,7 @@ async fn open_redis(config: &Config) -> Result<Transports, OpenError> {
             // names overrides the message's.
             settings.result_list = q.result_queue_name.clone();
             settings.result_ttl_seconds = q.result_ttl_seconds;
-            Arc::new(RedisQueue::start(conn.clone(), settings))
+            Arc::new(RedisQueue::start(conn.clone(), settings, tasks))
         })
         .collect();
     Ok(Transports::Redis(queues))

@@ -31,6 +31,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
 };
+use crate::app::Tasks;
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
@@ -164,10 +165,13 @@ pub struct RedisQueue {
 }
 
 impl RedisQueue {
-    /// A queue on `conn`; starts its housekeeping task (stopped on drop).
-    /// Does not wait for Redis: while it is unreachable, operations fail
-    /// with [`QueueError::Redis`] and [`Queue::status`] says so.
-    pub fn start(conn: ConnectionManager, settings: RedisQueueSettings) -> Self {
+    /// A queue on `conn`; starts its housekeeping (reclaimer of expired
+    /// claims, mover of due retries) on `tasks`, so a panic there fails the
+    /// run instead of silently stopping reclaims; it stops with the tree or
+    /// when the queue is dropped. Does not wait for Redis: while it is
+    /// unreachable, operations fail with [`QueueError::Redis`] and
+    /// [`Queue::status`] says so.
+    pub fn start(conn: ConnectionManager, settings: RedisQueueSettings, tasks: &Tasks) -> Self {
         let keys = Keys::new(&settings.name, settings.cluster);
         let inner = Arc::new(Inner {
             settings,
@@ -176,8 +180,11 @@ impl RedisQueue {
             held: Mutex::new(HashMap::new()),
             stats: Stats::default(),
         });
-        let stop = CancellationToken::new();
-        tokio::spawn(housekeeping(inner.clone(), stop.clone()));
+        let stop = tasks.root_token().child_token();
+        tasks.spawn(
+            format!("queue `{}`: redis housekeeping", inner.settings.name),
+            housekeeping(inner.clone(), stop.clone()),
+        );
         Self {
             inner,
             _housekeeping: stop.drop_guard(),
