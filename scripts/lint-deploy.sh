@@ -115,6 +115,7 @@ step "helm $("$helm" version --short) lint --strict $CHART (default values)"
 }
 "$helm" template lint "$CHART" >"$rendered" || die "helm template failed for the default values"
 grep -q '^kind: Deployment$' "$rendered" || die "the default values render no Deployment"
+grep -q "^          startupProbe:$" "$rendered" || die "the default values render no startupProbe"
 
 for values in "$CHART"/ci/*-values.yaml; do
   [ -e "$values" ] || continue
