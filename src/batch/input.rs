@@ -1,6 +1,8 @@
 //! Batch input lines: OpenAI Batch API lines (`custom_id`, `method`, `url`,
-//! `body`) and sluicegate request lines (docs/architecture.md, "Request messages"), turned into
-//! queue messages. Shared by `sluicegate batch` and `submit --embedded`.
+//! `body`), sluicegate request lines (docs/architecture.md, "Request
+//! messages") and upstream envelopes, turned into queue messages. The one
+//! line validator `sluicegate batch`, `submit` and `submit --embedded`
+//! share, so they accept the same lines and word their errors alike.
 
 use std::collections::HashMap;
 
@@ -42,6 +44,22 @@ pub struct ParsedInput {
     pub valid: Vec<InputLine>,
     /// Lines answered with an error, in file order.
     pub invalid: Vec<InvalidLine>,
+    /// Lines whose id an earlier line already has, in file order. With
+    /// [`DuplicateIds::Refuse`] they are in `invalid` too; with
+    /// [`DuplicateIds::Allow`] they are in `valid` too.
+    pub duplicates: Vec<InvalidLine>,
+}
+
+/// What [`parse_input_with`] does with a line whose id an earlier line
+/// already has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DuplicateIds {
+    /// The line is invalid (the first line with the id wins): results are
+    /// keyed by id, so a second line with it could not be told apart.
+    Refuse,
+    /// The line is kept (`submit --allow-duplicates`); it is still listed
+    /// in [`ParsedInput::duplicates`] so the caller can warn.
+    Allow,
 }
 
 impl ParsedInput {
@@ -66,6 +84,15 @@ struct OpenAiLine {
 /// `default_deadline` (Unix seconds). A repeated id is invalid (the first
 /// line with it wins), because results are keyed by id.
 pub fn parse_input(text: &str, default_deadline: i64) -> ParsedInput {
+    parse_input_with(text, default_deadline, DuplicateIds::Refuse)
+}
+
+/// [`parse_input`] with a choice about repeated ids.
+pub fn parse_input_with(
+    text: &str,
+    default_deadline: i64,
+    duplicates: DuplicateIds,
+) -> ParsedInput {
     let mut out = ParsedInput::default();
     let mut seen: HashMap<String, usize> = HashMap::new();
     for (index, raw) in text.lines().enumerate() {
@@ -76,14 +103,19 @@ pub fn parse_input(text: &str, default_deadline: i64) -> ParsedInput {
         match convert_line(raw, line, default_deadline) {
             Ok(input) => {
                 if let Some(first) = seen.get(&input.custom_id) {
-                    out.invalid.push(InvalidLine {
+                    let duplicate = InvalidLine {
                         line,
                         custom_id: Some(input.custom_id.clone()),
                         message: format!(
                             "line {line}: duplicate custom_id `{}` (first on line {first})",
                             input.custom_id
                         ),
-                    });
+                    };
+                    out.duplicates.push(duplicate.clone());
+                    match duplicates {
+                        DuplicateIds::Refuse => out.invalid.push(duplicate),
+                        DuplicateIds::Allow => out.valid.push(input),
+                    }
                 } else {
                     seen.insert(input.custom_id.clone(), line);
                     out.valid.push(input);
@@ -110,10 +142,19 @@ pub fn convert_line(
     let object: Map<String, Value> = match serde_json::from_str(text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err(invalid(None, "not a JSON object".into())),
-        Err(e) => return Err(invalid(None, format!("not JSON: {e}"))),
+        Err(e) => return Err(invalid(None, format!("not valid JSON: {e}"))),
     };
     let bytes = if object.contains_key("custom_id") {
         openai_request(text, default_deadline).map_err(|(id, why)| invalid(id, why))?
+    } else if is_envelope(&object) {
+        // An upstream envelope: the deadline belongs to its `data`.
+        let mut object = object;
+        if let Some(Value::Object(data)) = object.get_mut("data")
+            && !data.contains_key("deadline")
+        {
+            data.insert("deadline".into(), Value::from(default_deadline));
+        }
+        serde_json::to_vec(&Value::Object(object)).map_err(|e| invalid(None, e.to_string()))?
     } else if object.contains_key("id") {
         if object.contains_key("deadline") {
             text.as_bytes().to_vec()
@@ -125,7 +166,7 @@ pub fn convert_line(
     } else {
         return Err(invalid(
             None,
-            "neither an OpenAI batch line (custom_id, method, url, body) nor a request (id, deadline, payload)".into(),
+            "neither an OpenAI batch line (custom_id, method, url, body), a request (id, deadline, payload) nor an envelope (internal, data)".into(),
         ));
     };
     match parse_message(&bytes) {
@@ -137,6 +178,13 @@ pub fn convert_line(
         }),
         Err(failure) => Err(invalid(failure.id, failure.reason)),
     }
+}
+
+/// Whether `object` is an upstream envelope (`data` with `internal` or
+/// `request_kind`), the rule [`parse_message`] applies.
+fn is_envelope(object: &Map<String, Value>) -> bool {
+    object.contains_key("data")
+        && (object.contains_key("internal") || object.contains_key("request_kind"))
 }
 
 /// Converts one OpenAI Batch API line (`custom_id`, `method`, `url`,
@@ -228,10 +276,48 @@ mod tests {
         assert_eq!(parsed.valid.len(), 1);
         let lines: Vec<usize> = parsed.invalid.iter().map(|i| i.line).collect();
         assert_eq!(lines, vec![3, 4, 5, 6]);
-        assert!(parsed.invalid[0].message.starts_with("line 3: not JSON"));
+        // One wording for `batch` and `submit` (issue 16 item 5): "not
+        // valid JSON", as `submit` always said.
+        assert!(
+            parsed.invalid[0]
+                .message
+                .starts_with("line 3: not valid JSON")
+        );
         assert!(parsed.invalid[1].message.contains("duplicate custom_id"));
         assert_eq!(parsed.invalid[2].custom_id.as_deref(), Some("c"));
         assert_eq!(parsed.total(), 5);
+    }
+
+    #[test]
+    fn duplicates_are_refused_or_kept_and_always_listed() {
+        let line =
+            |id: &str| format!(r#"{{"custom_id":"{id}","url":"/v1/completions","body":{{}}}}"#);
+        let text = [line("a"), line("b"), line("a"), line("a")].join("\n");
+        let refused = parse_input_with(&text, 10, DuplicateIds::Refuse);
+        assert_eq!(refused.valid.len(), 2);
+        let lines: Vec<usize> = refused.duplicates.iter().map(|d| d.line).collect();
+        assert_eq!(lines, vec![3, 4]);
+        assert_eq!(refused.invalid.len(), 2);
+        assert_eq!(
+            refused.duplicates[0].message,
+            "line 3: duplicate custom_id `a` (first on line 1)"
+        );
+        let kept = parse_input_with(&text, 10, DuplicateIds::Allow);
+        assert_eq!((kept.valid.len(), kept.invalid.len()), (4, 0));
+        assert_eq!(kept.duplicates.len(), 2);
+    }
+
+    #[test]
+    fn envelopes_get_the_default_deadline_in_their_data() {
+        let got = convert_line(
+            r#"{"internal":{"request_token":"t"},"request_kind":"redis","data":{"id":"e","payload":{}}}"#,
+            1,
+            42,
+        )
+        .expect("valid");
+        assert_eq!((got.custom_id.as_str(), got.deadline), ("e", 42));
+        let m = parse_message(&got.body).expect("parses");
+        assert_eq!(m.token(), Some("t"));
     }
 
     #[test]

@@ -12,6 +12,10 @@ use crate::batch::{BatchOptions, run_batch};
 use crate::config::GateSpec;
 use crate::gate::{DispatchGate, GateContext, build_gate};
 
+/// Where request lines without an endpoint go: one rule for every
+/// command (`run`'s `gateway.request_path` default is the same).
+const DEFAULT_REQUEST_PATH: &str = "/v1/completions";
+
 /// Exit code of a run stopped before every line had a result.
 const EXIT_INTERRUPTED: u8 = 130;
 
@@ -25,9 +29,10 @@ pub(crate) struct BatchArgs {
     /// Output: one line per input line, OpenAI batch output shape.
     #[arg(long)]
     output: PathBuf,
-    /// Inference gateway base URL.
-    #[arg(long)]
-    gateway: String,
+    /// Inference gateway base URL (as `run --gateway-url`; `--gateway` is
+    /// the old spelling, still accepted).
+    #[arg(long, alias = "gateway")]
+    gateway_url: String,
     /// Gate type, as in the config (`constant`, `local-max-concurrency`,
     /// `vllm`, `composite`, ...).
     #[arg(long, default_value = "constant")]
@@ -45,12 +50,19 @@ pub(crate) struct BatchArgs {
     /// deadline).
     #[arg(long, default_value_t = 5)]
     max_attempts: u32,
-    /// Path for request lines without an endpoint.
-    #[arg(long, default_value = "/v1/chat/completions")]
+    /// Path for request lines without an endpoint (OpenAI lines carry
+    /// their own `url`); the same default as the config's
+    /// `gateway.request_path`.
+    #[arg(long, default_value = DEFAULT_REQUEST_PATH)]
     request_path: String,
-    /// Deadline, in seconds from the first run, of lines without one.
-    #[arg(long, default_value_t = 86_400)]
-    deadline_secs: u64,
+    /// Deadline of lines without one, from the first run (e.g. `24h`,
+    /// `90m`), as `submit --deadline`.
+    #[arg(long, default_value = "24h")]
+    deadline: String,
+    /// The old spelling of `--deadline`, in seconds (hidden; kept so
+    /// existing scripts work).
+    #[arg(long, hide = true, conflicts_with = "deadline")]
+    deadline_secs: Option<u64>,
     /// No progress display.
     #[arg(long)]
     quiet: bool,
@@ -83,12 +95,22 @@ pub(crate) async fn run(args: BatchArgs) -> ExitCode {
             return ExitCode::from(super::EXIT_CONFIG);
         }
     };
-    let mut options = BatchOptions::new(args.input, args.output, args.gateway);
+    let deadline = match args.deadline_secs {
+        Some(secs) => Duration::from_secs(secs),
+        None => match crate::config::parse_duration(&args.deadline) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("--deadline: {e}");
+                return ExitCode::from(super::EXIT_CONFIG);
+            }
+        },
+    };
+    let mut options = BatchOptions::new(args.input, args.output, args.gateway_url);
     options.state = args.state;
     options.max_in_flight = f64::from(args.max_in_flight);
     options.max_attempts = (args.max_attempts > 0).then_some(args.max_attempts);
     options.request_path = args.request_path;
-    options.deadline = Duration::from_secs(args.deadline_secs);
+    options.deadline = deadline;
     options.progress = !args.quiet;
     let shutdown = CancellationToken::new();
     super::spawn_signal_handler(shutdown.clone());
@@ -105,5 +127,71 @@ pub(crate) async fn run(args: BatchArgs) -> ExitCode {
             eprintln!("batch: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: BatchArgs,
+    }
+
+    #[test]
+    fn default_request_path_is_the_gateway_default() {
+        let gateway = crate::config::GatewayConfig::default();
+        assert_eq!(DEFAULT_REQUEST_PATH, gateway.request_path);
+    }
+
+    #[test]
+    fn old_spellings_parse_as_the_new_ones() {
+        let old = Wrap::try_parse_from([
+            "x",
+            "--input",
+            "i",
+            "--output",
+            "o",
+            "--gateway",
+            "http://g",
+            "--deadline-secs",
+            "60",
+        ])
+        .expect("old spellings parse");
+        assert_eq!(old.args.gateway_url, "http://g");
+        assert_eq!(old.args.deadline_secs, Some(60));
+        let new = Wrap::try_parse_from([
+            "x",
+            "--input",
+            "i",
+            "--output",
+            "o",
+            "--gateway-url",
+            "http://g",
+            "--deadline",
+            "1m",
+        ])
+        .expect("new spellings parse");
+        assert_eq!(new.args.deadline, "1m");
+        assert!(
+            Wrap::try_parse_from([
+                "x",
+                "--input",
+                "i",
+                "--output",
+                "o",
+                "--gateway-url",
+                "g",
+                "--deadline",
+                "1m",
+                "--deadline-secs",
+                "5",
+            ])
+            .is_err(),
+            "one deadline spelling at a time"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The embedded transport from the command line: `submit --embedded PATH`
-//! and `results-embedded` (`run` with `transport = "embedded"` goes
-//! through [`crate::app::run`] like every transport).
+//! and the deprecated `results-embedded` alias of `results --embedded PATH`
+//! (`run` with `transport = "embedded"` goes through [`crate::app::run`]
+//! like every transport).
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -8,11 +9,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
 
-use crate::batch::input::parse_input;
+use crate::batch::input::{DuplicateIds, parse_input_with};
 use crate::queue::Queue;
 use crate::queue::embedded::EmbeddedQueue;
 
-/// Flags of `sluicegate results-embedded`.
+/// Flags of the deprecated `sluicegate results-embedded` (hidden; kept so
+/// existing scripts work; `results --embedded PATH` replaces it).
 #[derive(Debug, Args)]
 pub(crate) struct ResultsEmbeddedArgs {
     /// The embedded store file.
@@ -28,7 +30,16 @@ pub(crate) struct ResultsEmbeddedArgs {
 /// `file` into `queue` of the store at `store`, with `deadline_in` from now
 /// for lines without a deadline; invalid lines are reported on standard
 /// error with their line number and not enqueued (exit 1 if there were any).
-pub(crate) fn submit(store: &Path, queue: &str, deadline_in: Duration, file: &Path) -> ExitCode {
+/// Ids repeated inside the file refuse the whole file (nothing enqueued,
+/// exit 2) unless `allow_duplicates`; ids already waiting in the queue
+/// are warned about.
+pub(crate) fn submit(
+    store: &Path,
+    queue: &str,
+    deadline_in: Duration,
+    file: &Path,
+    allow_duplicates: bool,
+) -> ExitCode {
     let text = match std::fs::read_to_string(file) {
         Ok(t) => t,
         Err(e) => {
@@ -40,9 +51,14 @@ pub(crate) fn submit(store: &Path, queue: &str, deadline_in: Duration, file: &Pa
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let deadline = i64::try_from(now.saturating_add(deadline_in.as_secs())).unwrap_or(i64::MAX);
-    let parsed = parse_input(&text, deadline);
-    for bad in &parsed.invalid {
-        eprintln!("skipped {}", bad.message);
+    let policy = if allow_duplicates {
+        DuplicateIds::Allow
+    } else {
+        DuplicateIds::Refuse
+    };
+    let parsed = parse_input_with(&text, deadline, policy);
+    if let Some(code) = super::submit::report_lines(&parsed, allow_duplicates) {
+        return code;
     }
     let store_queue = match EmbeddedQueue::open(store, queue.to_owned()) {
         Ok(q) => q,
@@ -51,6 +67,17 @@ pub(crate) fn submit(store: &Path, queue: &str, deadline_in: Duration, file: &Pa
             return ExitCode::FAILURE;
         }
     };
+    match store_queue.pending_ids() {
+        Ok(pending) => {
+            let ids = parsed.valid.iter().map(|l| l.custom_id.as_str());
+            let already: Vec<&str> = ids
+                .filter(|id| pending.binary_search_by(|p| p.as_str().cmp(id)).is_ok())
+                .collect();
+            super::submit::warn_active(&already, "waiting in this queue");
+        }
+        // Only a warning depends on it: say so and carry on.
+        Err(e) => eprintln!("warning: cannot check for ids already waiting: {e}"),
+    }
     let items: Vec<(bytes::Bytes, i64)> = parsed
         .valid
         .iter()
@@ -73,40 +100,25 @@ pub(crate) fn submit(store: &Path, queue: &str, deadline_in: Duration, file: &Pa
     }
 }
 
-/// Prints the results of a queue in an embedded store as JSON lines. The
-/// store must exist (reading never creates one); a queue with no results
-/// says on standard error whether messages are still waiting, or that the
-/// queue is empty and which queues the store does hold.
+/// The deprecated `sluicegate results-embedded`: a one-line notice on
+/// standard error, then exactly what `results --embedded PATH` prints.
 pub(crate) fn results(args: &ResultsEmbeddedArgs) -> ExitCode {
-    let queue = match EmbeddedQueue::open_existing(&args.embedded, args.queue.clone()) {
-        Ok(q) => q,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match queue.results() {
-        Ok(results) => {
-            if results.is_empty() {
-                explain_empty(&queue);
-            }
-            for r in results {
-                println!("{}", serde_json::to_string(&r).unwrap_or_default());
-            }
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            ExitCode::FAILURE
-        }
-    }
+    eprintln!(
+        "note: `results-embedded` is deprecated; use `sluicegate results --embedded PATH` (same output)"
+    );
+    super::results::embedded_results(
+        &args.embedded,
+        &args.queue,
+        super::results::Format::Native,
+        None,
+    )
 }
 
 /// Says on standard error why a queue printed no results: messages still
 /// waiting (the worker has not answered them yet), or nothing at all in
 /// this queue (most often a different queue name), naming the queues the
 /// store holds.
-fn explain_empty(queue: &EmbeddedQueue) {
+pub(super) fn explain_empty(queue: &EmbeddedQueue) {
     let name = queue.name();
     let path = queue.path().display();
     let waiting = queue.unsettled_count().unwrap_or(0);

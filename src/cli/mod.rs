@@ -53,13 +53,17 @@ enum Command {
     /// The one-command demo: a simulated pool with interactive waves, a
     /// batch through a metric-driven gate, a report and a chart.
     Demo(demo::DemoArgs),
-    /// Print the results of a queue in an embedded store (JSON lines).
+    /// Deprecated: `results --embedded PATH` (hidden; prints a notice).
+    #[command(hide = true)]
     ResultsEmbedded(embedded::ResultsEmbeddedArgs),
-    /// Enqueue requests (JSON lines or OpenAI Batch API lines) into a Redis queue.
+    /// Enqueue requests (JSON lines or OpenAI Batch API lines) into a Redis
+    /// queue or, with `--embedded PATH`, an embedded store.
     Submit(submit::SubmitArgs),
-    /// Collect results from a Redis result list into a JSON-lines file.
+    /// Collect results from a Redis result list or, with `--embedded
+    /// PATH`, an embedded store, as JSON lines (native or OpenAI batch
+    /// output).
     Results(results::ResultsArgs),
-    /// Cancel active submissions by id.
+    /// Cancel active submissions by id (Redis, or `--embedded PATH`).
     Cancel(cancel::CancelArgs),
     /// Benchmarks against real servers.
     #[command(subcommand)]

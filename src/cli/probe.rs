@@ -10,16 +10,43 @@ use clap::Args;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use super::{ConfigArgs, EXIT_CONFIG};
+use std::path::PathBuf;
+
+use super::EXIT_CONFIG;
 use crate::config::{Config, ConfigSources, Overrides, QueueConfig, Rounding, Unit};
 use crate::dispatch::window::headroom_units;
 use crate::gate::{DispatchGate, Explanation, GateContext, Observation, build_gate};
 
-/// Flags of `gate probe`.
+/// Flags of `gate probe`: only those the probe uses are listed in its
+/// help. The dispatcher flags it once shared with `run` are still
+/// accepted (hidden) so existing scripts work; the probe needs neither a
+/// transport nor a gateway.
 #[derive(Debug, Args)]
 pub(super) struct ProbeArgs {
-    #[command(flatten)]
-    config: ConfigArgs,
+    /// Config file (TOML); also `SLUICEGATE_CONFIG`.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// The queue whose gate to probe (needed when several are configured).
+    #[arg(long)]
+    queue: Option<String>,
+    /// Hidden: accepted for old scripts, not used by the probe.
+    #[arg(long, hide = true)]
+    transport: Option<String>,
+    /// Hidden: accepted for old scripts, not used by the probe.
+    #[arg(long, hide = true)]
+    gateway_url: Option<String>,
+    /// Hidden: accepted for old scripts, not used by the probe.
+    #[arg(long, hide = true)]
+    request_path: Option<String>,
+    /// Hidden: accepted for old scripts, not used by the probe.
+    #[arg(long, hide = true)]
+    listen: Option<String>,
+    /// Hidden: accepted for old scripts, not used by the probe.
+    #[arg(long, hide = true)]
+    log_format: Option<String>,
+    /// Hidden: accepted for old scripts, not used by the probe.
+    #[arg(long, hide = true)]
+    log_level: Option<String>,
     /// Print JSON (one object per reading) instead of text.
     #[arg(long)]
     json: bool,
@@ -193,7 +220,7 @@ async fn evaluate(gate: &dyn DispatchGate, queue: &QueueConfig, max_staleness: D
 /// Loads the configuration like `run`. The probe needs neither a transport
 /// nor a gateway, so when those are the only errors it fills in
 /// placeholders that it never uses.
-fn load(args: &ConfigArgs) -> Result<Config, ExitCode> {
+fn load(args: &ProbeArgs) -> Result<Config, ExitCode> {
     let overrides = Overrides {
         transport: args.transport.clone(),
         gateway_url: args.gateway_url.clone(),
@@ -234,11 +261,11 @@ fn load(args: &ConfigArgs) -> Result<Config, ExitCode> {
 
 /// Runs `gate probe`.
 pub(super) async fn run(args: ProbeArgs) -> ExitCode {
-    let config = match load(&args.config) {
+    let config = match load(&args) {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let queue = match &args.config.queue {
+    let queue = match &args.queue {
         Some(name) => config.queues.iter().find(|q| &q.queue_name == name),
         None if config.queues.len() == 1 => config.queues.first(),
         None => {
@@ -257,7 +284,7 @@ pub(super) async fn run(args: ProbeArgs) -> ExitCode {
     let Some(queue) = queue else {
         eprintln!(
             "--queue: no queue named {:?}",
-            args.config.queue.unwrap_or_default()
+            args.queue.clone().unwrap_or_default()
         );
         return ExitCode::from(EXIT_CONFIG);
     };

@@ -1,21 +1,25 @@
 //! `sluicegate results`: pops results from a Redis list (oldest first, as
-//! upstream readers do) into a JSON-lines file.
+//! upstream readers do), or reads an embedded queue's results
+//! (`--embedded PATH`), into a JSON-lines file or standard output.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use std::path::Path;
+
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::submit::RedisArgs;
+use crate::queue::Queue as _;
 use crate::queue::redis::blocking;
 use crate::result::ResultRecord;
 
 /// Output shape.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-enum Format {
+pub(super) enum Format {
     /// Result records as written to the list.
     Native,
     /// OpenAI Batch API output lines.
@@ -26,22 +30,150 @@ enum Format {
 pub(crate) struct ResultsArgs {
     #[command(flatten)]
     redis: RedisArgs,
-    /// Result list to read (popped: each result is read once).
+    /// Redis: result list to read (popped: each result is read once).
     #[arg(long, default_value = "result-list")]
     list: String,
-    /// File to append results to (JSON lines).
-    #[arg(long)]
-    out: PathBuf,
-    /// Wait until this many results were collected; without it, collect
-    /// what is there and stop.
+    /// Read this embedded store file instead of Redis (it must exist);
+    /// its results stay in the store, so reading twice gives them twice.
+    #[arg(long, conflicts_with_all = ["expect", "timeout"])]
+    embedded: Option<PathBuf>,
+    /// With `--embedded`: the queue in the store (the same default as
+    /// `submit --embedded` and `config/embedded.toml`).
+    #[arg(long, default_value = crate::config::DEFAULT_QUEUE_NAME)]
+    queue: String,
+    /// File to append results to (JSON lines); standard output when absent
+    /// (the summary then goes to standard error). `--out` is the old
+    /// spelling, still accepted.
+    #[arg(long, alias = "out")]
+    output: Option<PathBuf>,
+    /// Redis: wait until this many results were collected; without it,
+    /// collect what is there and stop.
     #[arg(long)]
     expect: Option<u64>,
-    /// Give up waiting after this long (e.g. `10m`); default: wait forever.
+    /// Redis: give up waiting after this long (e.g. `10m`); default: wait
+    /// forever.
     #[arg(long)]
     timeout: Option<String>,
     /// Output shape.
     #[arg(long, value_enum, default_value = "native")]
     format: Format,
+}
+
+/// Where result lines go: a file opened for appending, or standard output.
+struct Sink {
+    out: Box<dyn Write>,
+    /// The file's name, or "standard output", for messages.
+    name: String,
+    /// Whether the lines go to standard output (the summary then goes to
+    /// standard error so it does not mix with them).
+    stdout: bool,
+}
+
+impl Sink {
+    fn open(path: Option<&Path>) -> Result<Self, String> {
+        match path {
+            None => Ok(Self {
+                out: Box::new(std::io::BufWriter::new(std::io::stdout())),
+                name: "standard output".into(),
+                stdout: true,
+            }),
+            Some(path) => std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map(|f| Self {
+                    out: Box::new(std::io::BufWriter::new(f)),
+                    name: path.display().to_string(),
+                    stdout: false,
+                })
+                .map_err(|e| format!("cannot open {}: {e}", path.display())),
+        }
+    }
+
+    fn line(&mut self, line: &str) -> Result<(), String> {
+        writeln!(self.out, "{line}").map_err(|e| format!("cannot write {}: {e}", self.name))
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        self.out
+            .flush()
+            .map_err(|e| format!("cannot write {}: {e}", self.name))
+    }
+
+    fn summary(&self, text: &str) {
+        if self.stdout {
+            eprintln!("{text}");
+        } else {
+            println!("{text}");
+        }
+    }
+}
+
+/// Prints the results of `queue` in the embedded store at `store` to
+/// `output` (standard output when `None`) in `format`. The store must
+/// exist (reading never creates one); a queue with no results says on
+/// standard error why.
+pub(super) fn embedded_results(
+    store: &Path,
+    queue: &str,
+    format: Format,
+    output: Option<&Path>,
+) -> ExitCode {
+    let queue = match crate::queue::embedded::EmbeddedQueue::open_existing(store, queue) {
+        Ok(q) => q,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let results = match queue.results() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if results.is_empty() {
+        super::embedded::explain_empty(&queue);
+    }
+    let mut sink = match Sink::open(output) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut errors = 0u64;
+    for (n, record) in results.iter().enumerate() {
+        if record.status_code.is_none_or(|s| !(200..300).contains(&s)) {
+            errors += 1;
+        }
+        let line = match format {
+            // A result is plain strings and numbers: serialising cannot fail.
+            Format::Native => serde_json::to_string(record).unwrap_or_default(),
+            Format::Openai => openai_line(record, n as u64 + 1).to_string(),
+        };
+        if let Err(e) = sink.line(&line) {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    if let Err(e) = sink.flush() {
+        eprintln!("{e}");
+        return ExitCode::FAILURE;
+    }
+    // Standard output carries only result lines, as `results-embedded`
+    // always printed; a file gets the summary like the Redis path.
+    if !sink.stdout {
+        sink.summary(&format!(
+            "collected {} results from `{}` in {} into {} ({errors} not 2xx)",
+            results.len(),
+            queue.name(),
+            store.display(),
+            sink.name
+        ));
+    }
+    ExitCode::SUCCESS
 }
 
 /// One OpenAI Batch API output line for `record`.
@@ -72,6 +204,9 @@ fn openai_line(record: &ResultRecord, n: u64) -> serde_json::Value {
 }
 
 pub(super) async fn run(args: ResultsArgs) -> ExitCode {
+    if let Some(store) = &args.embedded {
+        return embedded_results(store, &args.queue, args.format, args.output.as_deref());
+    }
     let timeout = match args.timeout.as_deref().map(crate::config::parse_duration) {
         None => None,
         Some(Ok(d)) => Some(d),
@@ -98,14 +233,10 @@ pub(super) async fn run(args: ResultsArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&args.out);
-    let mut out = match file {
-        Ok(f) => std::io::BufWriter::new(f),
+    let mut out = match Sink::open(args.output.as_deref()) {
+        Ok(s) => s,
         Err(e) => {
-            eprintln!("cannot open {}: {e}", args.out.display());
+            eprintln!("{e}");
             return ExitCode::FAILURE;
         }
     };
@@ -168,23 +299,23 @@ pub(super) async fn run(args: ResultsArgs) -> ExitCode {
                 text
             }
         };
-        if let Err(e) = writeln!(out, "{line}") {
-            eprintln!("cannot write {}: {e}", args.out.display());
+        if let Err(e) = out.line(&line) {
+            eprintln!("{e}");
             return ExitCode::FAILURE;
         }
         bar.inc(1);
     }
     bar.finish_and_clear();
     if let Err(e) = out.flush() {
-        eprintln!("cannot write {}: {e}", args.out.display());
+        eprintln!("{e}");
         return ExitCode::FAILURE;
     }
-    println!(
+    out.summary(&format!(
         "collected {got} results from `{}` into {} ({errors} not 2xx, {unparsable} unparsable) in {:.1}s",
         args.list,
-        args.out.display(),
+        out.name,
         started.elapsed().as_secs_f64()
-    );
+    ));
     match args.expect {
         Some(n) if got < n => {
             eprintln!("expected {n} results, got {got}");

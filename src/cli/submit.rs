@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use redis::Client;
 use redis::aio::ConnectionManager;
 
+use crate::batch::input::{DuplicateIds, ParsedInput, parse_input_with};
 use crate::config::{EndpointUrl, RedisConfig, Secret, parse_duration, read_secret_file};
 use crate::queue::redis::{ConnectError, Submission, client, enqueue, manager};
 use crate::request::parse_message;
@@ -88,35 +89,89 @@ pub(crate) struct SubmitArgs {
     /// instead of Redis.
     #[arg(long, conflicts_with = "result_list")]
     embedded: Option<PathBuf>,
+    /// Submit lines whose id an earlier line of the file already has
+    /// (without it such a file is refused and nothing is submitted).
+    #[arg(long)]
+    allow_duplicates: bool,
     /// Request lines: sluicegate/upstream request JSON, envelopes, or
     /// OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`).
     file: PathBuf,
 }
 
-/// Converts one input line into a request message JSON; errors name what
-/// is wrong.
-fn to_request(line: &str, default_deadline: i64) -> Result<crate::request::Message, String> {
-    let mut value: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
-    let object = value.as_object_mut().ok_or("not a JSON object")?;
-    if object.contains_key("custom_id") {
-        // The converter `batch` uses: one shape for OpenAI lines everywhere.
-        let bytes =
-            crate::batch::input::openai_request(line, default_deadline).map_err(|(_, why)| why)?;
-        return parse_message(&bytes).map_err(|e| e.reason);
-    } else {
-        let target = if object.contains_key("data") {
-            object.get_mut("data").and_then(|d| d.as_object_mut())
-        } else {
-            Some(object)
-        };
-        if let Some(request) = target
-            && !request.contains_key("deadline")
-        {
-            request.insert("deadline".into(), default_deadline.into());
+/// How many ids a warning lists before it says "and N more".
+const LIST_IDS: usize = 10;
+
+/// Reports a parsed file's problems on standard error, in the wording
+/// `batch` uses for the same lines. Returns the exit code when nothing
+/// may be submitted: ids repeated inside the file without
+/// `allow_duplicates` refuse the whole file, naming every line.
+pub(super) fn report_lines(parsed: &ParsedInput, allow_duplicates: bool) -> Option<ExitCode> {
+    if !parsed.duplicates.is_empty() && !allow_duplicates {
+        for bad in &parsed.invalid {
+            eprintln!("{}", bad.message);
         }
+        eprintln!(
+            "nothing submitted: {} lines repeat the id of an earlier line (results are keyed by id); fix the file or pass --allow-duplicates",
+            parsed.duplicates.len()
+        );
+        return Some(ExitCode::from(super::EXIT_CONFIG));
     }
-    parse_message(value.to_string().as_bytes()).map_err(|e| e.reason)
+    for bad in &parsed.invalid {
+        eprintln!("skipped {}", bad.message);
+    }
+    for duplicate in &parsed.duplicates {
+        eprintln!(
+            "warning: {}; submitted anyway (--allow-duplicates)",
+            duplicate.message
+        );
+    }
+    None
+}
+
+/// Warns that `ids` were submitted before and are not finished yet
+/// (`state` says where they are): submitting them again means a second
+/// request and a second result for each.
+pub(super) fn warn_active(ids: &[&str], state: &str) {
+    if ids.is_empty() {
+        return;
+    }
+    let mut shown: Vec<String> = ids
+        .iter()
+        .take(LIST_IDS)
+        .map(|i| format!("`{i}`"))
+        .collect();
+    if ids.len() > LIST_IDS {
+        shown.push(format!("and {} more", ids.len() - LIST_IDS));
+    }
+    eprintln!(
+        "warning: {} ids are already {state} from an earlier submission and will be sent and answered again: {}",
+        ids.len(),
+        shown.join(", ")
+    );
+}
+
+/// The ids among `ids` that have a `request-active:<id>` key (submitted
+/// and not finished), in the order given.
+async fn active_ids<'a>(
+    conn: &mut ConnectionManager,
+    ids: &[&'a str],
+) -> redis::RedisResult<Vec<&'a str>> {
+    let mut active = Vec::new();
+    for chunk in ids.chunks(CHUNK) {
+        let mut pipe = redis::pipe();
+        for id in chunk {
+            pipe.cmd("EXISTS").arg(format!("request-active:{id}"));
+        }
+        let found: Vec<i64> = pipe.query_async(conn).await?;
+        active.extend(
+            chunk
+                .iter()
+                .zip(found)
+                .filter(|(_, n)| *n > 0)
+                .map(|(id, _)| *id),
+        );
+    }
+    Ok(active)
 }
 
 pub(super) async fn run(args: SubmitArgs) -> ExitCode {
@@ -128,7 +183,13 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
         }
     };
     if let Some(store) = &args.embedded {
-        return super::embedded::submit(store, &args.queue, deadline, &args.file);
+        return super::embedded::submit(
+            store,
+            &args.queue,
+            deadline,
+            &args.file,
+            args.allow_duplicates,
+        );
     }
     let text = match std::fs::read_to_string(&args.file) {
         Ok(t) => t,
@@ -137,6 +198,22 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    let default_deadline =
+        now_ms / 1000 + i64::try_from(deadline.as_secs()).unwrap_or(i64::MAX / 2);
+    let policy = if args.allow_duplicates {
+        DuplicateIds::Allow
+    } else {
+        DuplicateIds::Refuse
+    };
+    // Every line is checked before anything is sent: a refused file sends
+    // nothing.
+    let parsed = parse_input_with(&text, default_deadline, policy);
+    if let Some(code) = report_lines(&parsed, args.allow_duplicates) {
+        return code;
+    }
     let (_client, mut conn) = match args.redis.connect() {
         Ok(c) => c,
         Err(e) => {
@@ -144,48 +221,43 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let default_deadline =
-        now_ms / 1000 + i64::try_from(deadline.as_secs()).unwrap_or(i64::MAX / 2);
-    let lines: Vec<(usize, &str)> = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l))
-        .collect();
-    let bar = ProgressBar::new(lines.len() as u64);
+    let ids: Vec<&str> = parsed.valid.iter().map(|l| l.custom_id.as_str()).collect();
+    match active_ids(&mut conn, &ids).await {
+        Ok(active) => warn_active(&active, "active (`request-active:<id>`)"),
+        Err(error) => {
+            eprintln!("redis: {error}; nothing submitted");
+            return ExitCode::FAILURE;
+        }
+    }
+    let bad = parsed.invalid.len();
+    let bar = ProgressBar::new(parsed.valid.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} lines {per_sec} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let mut bad = 0usize;
     let mut submitted = 0usize;
     let started = std::time::Instant::now();
-    for chunk in lines.chunks(CHUNK) {
+    for chunk in parsed.valid.chunks(CHUNK) {
         let mut batch = Vec::with_capacity(chunk.len());
-        for (number, line) in chunk {
-            match to_request(line, default_deadline) {
-                Ok(mut message) => {
-                    if let Some(list) = &args.result_list {
-                        message.internal.result_queue_name = Some(list.clone());
-                    }
-                    batch.push(
-                        Submission::new(message, &args.queue, now_ms).in_sequence(*number as u64),
-                    );
+        for line in chunk {
+            // The validator accepted exactly these bytes, so they parse.
+            let mut message = match parse_message(&line.body) {
+                Ok(m) => m,
+                Err(failure) => {
+                    bar.suspend(|| eprintln!("skipped line {}: {}", line.line, failure.reason));
+                    continue;
                 }
-                Err(reason) => {
-                    bad += 1;
-                    bar.suspend(|| eprintln!("line {number}: {reason}"));
-                }
+            };
+            if let Some(list) = &args.result_list {
+                message.internal.result_queue_name = Some(list.clone());
             }
+            batch.push(Submission::new(message, &args.queue, now_ms).in_sequence(line.line as u64));
         }
         if let Err(error) = enqueue(&mut conn, &args.queue, &batch).await {
             bar.abandon();
             eprintln!(
                 "redis: {error}; {submitted} lines submitted before the failure (line {} onwards not submitted)",
-                chunk.first().map_or(0, |(n, _)| *n)
+                chunk.first().map_or(0, |l| l.line)
             );
             return ExitCode::FAILURE;
         }
@@ -210,6 +282,13 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One line through the shared validator, as `run` sees it.
+    fn to_request(line: &str, default_deadline: i64) -> Result<crate::request::Message, String> {
+        let parsed = crate::batch::input::convert_line(line, 1, default_deadline)
+            .map_err(|bad| bad.message)?;
+        parse_message(&parsed.body).map_err(|e| e.reason)
+    }
 
     #[test]
     fn openai_batch_line_becomes_a_request() {

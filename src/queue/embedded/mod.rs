@@ -110,6 +110,18 @@ pub struct EmbeddedDeadLetter {
     pub last_error: ResultRecord,
 }
 
+/// What [`EmbeddedQueue::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EmbeddedCancel {
+    /// This many waiting messages were removed and answered `CANCELLED`.
+    Cancelled(u64),
+    /// The id is only under a lease: a worker is sending it now.
+    InFlight,
+    /// No unsettled message has the id (finished, never submitted, or
+    /// another queue).
+    NotPending,
+}
+
 /// One queue in an embedded database file. Cheap to clone; clones share
 /// one connection.
 #[derive(Debug, Clone)]
@@ -287,6 +299,73 @@ impl EmbeddedQueue {
     /// Messages not yet settled (waiting, delayed or leased).
     pub fn unsettled_count(&self) -> Result<u64, EmbeddedError> {
         self.count("SELECT COUNT(*) FROM messages WHERE queue = ?1")
+    }
+
+    /// Ids of this queue's unsettled messages (waiting, delayed or
+    /// leased), sorted, without repeats: what `submit --embedded` checks a
+    /// new file against.
+    pub fn pending_ids(&self) -> Result<Vec<String>, EmbeddedError> {
+        let bodies: Vec<Vec<u8>> = self.inner.read(|c, queue| {
+            let mut s = c.prepare("SELECT body FROM messages WHERE queue = ?1")?;
+            s.query_map([queue], |r| r.get(0))?.collect()
+        })?;
+        let mut ids: Vec<String> = bodies
+            .iter()
+            .filter_map(|b| parse_message(b).ok().map(|m| m.request.id))
+            .collect();
+        ids.sort();
+        ids.dedup();
+        Ok(ids)
+    }
+
+    /// Cancels the waiting messages with id `id`: each is removed and
+    /// answered with a `CANCELLED` result, in one transaction. A message
+    /// under an unexpired lease is in flight and left alone (its worker
+    /// answers it).
+    pub fn cancel(&self, id: &str) -> Result<EmbeddedCancel, EmbeddedError> {
+        let now = now_ms();
+        let outcome = self.inner.write(|tx, queue| {
+            let rows: Vec<(i64, Vec<u8>, bool)> = {
+                let mut s = tx.prepare(
+                    "SELECT seq, body, lease_tag IS NOT NULL AND lease_expires_ms > ?2 FROM messages WHERE queue = ?1",
+                )?;
+                s.query_map(params![queue, now], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+                    .collect::<rusqlite::Result<_>>()?
+            };
+            let (mut cancelled, mut in_flight) = (0u64, 0u64);
+            for (seq, body, leased) in rows {
+                let Ok(message) = parse_message(&body) else {
+                    continue;
+                };
+                if message.request.id != id {
+                    continue;
+                }
+                if leased {
+                    in_flight += 1;
+                    continue;
+                }
+                let result = ResultRecord::error(
+                    id,
+                    message.token(),
+                    crate::result::ErrorCode::Cancelled,
+                    "cancelled before dispatch",
+                );
+                // A result is plain strings and numbers: serialising cannot fail.
+                let record = serde_json::to_string(&result).unwrap_or_default();
+                tx.execute(
+                    "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![queue, id, message.token().unwrap_or_default(), record, now],
+                )?;
+                tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
+                cancelled += 1;
+            }
+            Ok(match (cancelled, in_flight) {
+                (0, 0) => EmbeddedCancel::NotPending,
+                (0, _) => EmbeddedCancel::InFlight,
+                (n, _) => EmbeddedCancel::Cancelled(n),
+            })
+        })?;
+        Ok(outcome)
     }
 
     /// Messages currently under an unexpired lease.
