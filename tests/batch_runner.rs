@@ -314,3 +314,57 @@ async fn output_lines_are_readable_by_openai_and_vllm_readers() {
     assert_eq!(out[2]["error"]["code"], "batch_expired", "{}", out[2]);
     assert_eq!(out[2]["error"]["llm_d_code"], "DEADLINE_EXCEEDED");
 }
+
+/// A `local-max-concurrency` batch at its limit is running as fast as it
+/// may: its status says "window full", never "gate closed" (issue 16).
+#[tokio::test(flavor = "multi_thread")]
+async fn local_limit_at_capacity_reports_window_full_not_gate_closed() {
+    let sim = spawn_http(SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let tmp = support::TempDir::new("batch-window-full");
+    let dir = &tmp.0;
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    // About 8 s at 4 in flight: long enough for a live progress line,
+    // which is printed every 5 s when stderr is not a terminal.
+    let lines: Vec<String> = (0..64).map(|i| openai_line(i, 32)).collect();
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let out = Command::new(BIN)
+        .args(["batch", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .args(["--gateway", &sim.base_url()])
+        .args(["--gate", "local-max-concurrency"])
+        .args([
+            "--gate-params",
+            r#"{"limit": 4, "gating_mode": "blocking"}"#,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(read_output(&output).len(), 64);
+    let states = stderr
+        .lines()
+        .find(|l| l.contains("time by state:"))
+        .unwrap_or_else(|| panic!("no state line in:\n{stderr}"));
+    assert!(states.contains("window full"), "{stderr}");
+    assert!(!stderr.contains("gate closed"), "{stderr}");
+    // The live progress line shows the window, and no D for a local limit.
+    let progress = stderr
+        .lines()
+        .find(|l| l.starts_with("progress:"))
+        .unwrap_or_else(|| panic!("no progress line in:\n{stderr}"));
+    assert!(
+        (progress.contains("window full") || progress.contains("sending"))
+            && progress.contains(" in flight"),
+        "{progress}"
+    );
+    assert!(!progress.contains("D="), "{progress}");
+}
