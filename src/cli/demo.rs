@@ -33,6 +33,10 @@ pub(crate) struct DemoArgs {
     dir: PathBuf,
 }
 
+/// One chart sample: (seconds, batch done %, the pool gate's budget `D`
+/// while it is the tighter gate).
+type Sample = (f64, f64, Option<f64>);
+
 /// Sizes of one demo run.
 struct Plan {
     lines: usize,
@@ -218,7 +222,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     // Samples for the chart: (t, batch done %, budget D). D is charted
     // only while the pool gate (`vllm`) is the tighter one: when the local
     // limit binds, the composite's D is only its free share of 16 slots.
-    let samples: Arc<Mutex<Vec<(f64, f64, Option<f64>)>>> = Arc::default();
+    let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
     let sampler = {
         let (samples, stop, stats) = (samples.clone(), stop.clone(), gate_stats.clone());
         let db = state.join("queue.db");
