@@ -267,3 +267,104 @@ async fn ctrl_c_writes_partial_output_exits_130_and_the_rerun_completes() {
     ids.dedup();
     assert_eq!((out.len(), ids.len()), (n, n));
 }
+
+/// vLLM's typed reader of batch output wants a string `custom_id` and a
+/// string `request_id`; OpenAI's error codes stand where one exists.
+#[tokio::test(flavor = "multi_thread")]
+async fn output_lines_are_readable_by_openai_and_vllm_readers() {
+    let sim = spawn_http(SimConfig {
+        time_scale: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let tmp = support::TempDir::new("batch-compat");
+    let dir = &tmp.0;
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    let lines = [
+        openai_line(0, 4),
+        "this is not json".to_owned(),
+        // A deadline long past: it expires before it can be sent.
+        r#"{"id":"expired","deadline":1,"payload":{"model":"m","prompt":"hi","max_tokens":4},"endpoint":"/v1/completions"}"#.to_owned(),
+        openai_line(1, 4),
+    ];
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let status = batch_cmd(&input, &output, &sim.base_url(), 4)
+        .status()
+        .expect("runs");
+    assert!(status.success(), "{status:?}");
+    let out = read_output(&output);
+    assert_eq!(out.len(), 4);
+    for v in &out {
+        assert!(v["custom_id"].is_string(), "{v}");
+        assert!(v["id"].is_string(), "{v}");
+        if !v["response"].is_null() {
+            let custom_id = v["custom_id"].as_str().expect("custom_id");
+            let request_id = v["response"]["request_id"].as_str().expect("request_id");
+            assert!(request_id.starts_with(&format!("{custom_id}#")), "{v}");
+        }
+    }
+    // The unparsable line: the line-number form, and its message says so.
+    assert_eq!(out[1]["custom_id"], "invalid-line-2");
+    let message = out[1]["error"]["message"].as_str().expect("message");
+    assert!(message.contains("invalid-line-2"), "{message}");
+    // The expired line: OpenAI's code, the llm-d code kept beside it.
+    assert_eq!(out[2]["custom_id"], "expired");
+    assert_eq!(out[2]["error"]["code"], "batch_expired", "{}", out[2]);
+    assert_eq!(out[2]["error"]["llm_d_code"], "DEADLINE_EXCEEDED");
+}
+
+/// A `local-max-concurrency` batch at its limit is running as fast as it
+/// may: its status says "window full", never "gate closed" (issue 16).
+#[tokio::test(flavor = "multi_thread")]
+async fn local_limit_at_capacity_reports_window_full_not_gate_closed() {
+    let sim = spawn_http(SimConfig {
+        time_scale: 1.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let tmp = support::TempDir::new("batch-window-full");
+    let dir = &tmp.0;
+    let input = dir.join("in.jsonl");
+    let output = dir.join("out.jsonl");
+    // About 8 s at 4 in flight: long enough for a live progress line,
+    // which is printed every 5 s when stderr is not a terminal.
+    let lines: Vec<String> = (0..64).map(|i| openai_line(i, 32)).collect();
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let out = Command::new(BIN)
+        .args(["batch", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&output)
+        .args(["--gateway", &sim.base_url()])
+        .args(["--gate", "local-max-concurrency"])
+        .args([
+            "--gate-params",
+            r#"{"limit": 4, "gating_mode": "blocking"}"#,
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(read_output(&output).len(), 64);
+    let states = stderr
+        .lines()
+        .find(|l| l.contains("time by state:"))
+        .unwrap_or_else(|| panic!("no state line in:\n{stderr}"));
+    assert!(states.contains("window full"), "{stderr}");
+    assert!(!stderr.contains("gate closed"), "{stderr}");
+    // The live progress line shows the window, and no D for a local limit.
+    let progress = stderr
+        .lines()
+        .find(|l| l.starts_with("progress:"))
+        .unwrap_or_else(|| panic!("no progress line in:\n{stderr}"));
+    assert!(
+        (progress.contains("window full") || progress.contains("sending"))
+            && progress.contains(" in flight"),
+        "{progress}"
+    );
+    assert!(!progress.contains("D="), "{progress}");
+}

@@ -19,6 +19,10 @@ fn demo_short_mode_runs_to_completion_with_report_and_chart() {
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stdout.contains("demo report"), "{stdout}");
     assert!(stdout.contains("interactive TTFT p99"), "{stdout}");
+    // A full window (16 in flight) is reported as such, apart from time
+    // the gate held the batch back (issue 16).
+    assert!(stdout.contains("window full (16 in flight)"), "{stdout}");
+    assert!(stderr.contains("time by state:"), "{stderr}");
     let results = std::fs::read_to_string(dir.join("results.jsonl")).expect("results");
     assert_eq!(results.lines().count(), 120);
     let svg = std::fs::read_to_string(dir.join("demo.svg")).expect("chart");

@@ -414,7 +414,11 @@ async fn producer_commands_submit_cancel_and_collect_with_line_numbers_for_bad_l
     assert_eq!(lines.len(), 3);
     for line in &lines {
         match line["custom_id"].as_str() {
-            Some("b-2") => assert_eq!(line["error"]["code"], "CANCELLED", "{line}"),
+            // OpenAI's code; the llm-d code is kept in `llm_d_code`.
+            Some("b-2") => {
+                assert_eq!(line["error"]["code"], "batch_cancelled", "{line}");
+                assert_eq!(line["error"]["llm_d_code"], "CANCELLED", "{line}");
+            }
             Some("b-1" | "b-3") => {
                 assert_eq!(line["response"]["status_code"], 200, "{line}");
                 assert_eq!(line["response"]["body"]["choices"][0]["text"], "ok");

@@ -3,8 +3,10 @@
 //! output shape, resumable after Ctrl-C or a crash.
 //!
 //! Files: `input.rs` parses and converts input lines; `output.rs` writes
-//! output lines; `watch.rs` records what the gate said; `chart.rs` writes
-//! SVG. Gates are the catalogue's ([`crate::gate::build_gate`]); the
+//! output lines; `watch.rs` records what the gate said; `status.rs` tells
+//! apart what holds the batch back (gate closed, source unavailable,
+//! congestion hold, window full) for the progress line and summary;
+//! `chart.rs` writes SVG. Gates are the catalogue's ([`crate::gate::build_gate`]); the
 //! dispatcher is built as `run` builds it ([`crate::app::build_dispatcher`]).
 //!
 //! Resume: the state directory holds an embedded store
@@ -19,6 +21,7 @@
 pub mod chart;
 pub mod input;
 pub mod output;
+pub mod status;
 pub mod watch;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -44,6 +47,7 @@ use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
 use crate::result::ResultRecord;
 use crate::telemetry::Metrics;
 
+pub use status::{BatchState, StateTimes, format_rate};
 pub use watch::{GateStats, GateWatch, GateWatchHandle};
 
 /// Queue name of the batch inside its store.
@@ -188,8 +192,9 @@ pub struct BatchSummary {
     pub completion_tokens_this_run: u64,
     /// Wall time of this run.
     pub elapsed: Duration,
-    /// Time the gate was closed during this run.
-    pub gate_closed: Duration,
+    /// Time this run spent in each state (sending, window full, gate
+    /// closed, source unavailable, congestion hold).
+    pub states: StateTimes,
     /// Whether the run stopped before every line had a result.
     pub interrupted: bool,
     /// Whether earlier runs had already settled lines.
@@ -243,19 +248,14 @@ impl std::fmt::Display for BatchSummary {
         )?;
         writeln!(
             f,
-            "  this run: {} lines in {:.1} s ({:.1} lines/s, {:.0} completion tokens/s){}",
+            "  this run: {} lines in {:.1} s ({} lines/s, {} completion tokens/s){}",
             self.settled_this_run,
             secs,
-            self.settled_this_run as f64 / secs,
-            self.completion_tokens_this_run as f64 / secs,
+            format_rate(self.settled_this_run as f64 / secs),
+            format_rate(self.completion_tokens_this_run as f64 / secs),
             if self.resumed { ", resumed" } else { "" }
         )?;
-        writeln!(
-            f,
-            "  gate closed: {:.1} s of {:.1} s",
-            self.gate_closed.as_secs_f64(),
-            secs
-        )?;
+        writeln!(f, "  time by state: {} (of {:.1} s)", self.states, secs)?;
         write!(f, "  output: {}", self.output.display())
     }
 }
@@ -333,8 +333,21 @@ pub async fn run_batch(
 
     let (watch, stats) = GateWatch::new(gate);
     let mut interrupted = false;
+    let mut states = StateTimes::default();
     if queue.unsettled_count()? > 0 {
-        let dispatcher = build_dispatcher(options, Arc::new(queue.clone()), watch)?;
+        let metrics = Metrics::new();
+        let congestion = Arc::new(CongestionHold::new(
+            (&batch_config(options)?.dispatch).into(),
+        ));
+        let dispatcher = build_dispatcher(
+            options,
+            Arc::new(queue.clone()),
+            watch,
+            &metrics,
+            congestion.clone(),
+        )?;
+        // The dispatcher's own gauges: the window and own in-flight.
+        let gauges = metrics.queue(QUEUE);
         let tasks = Tasks::new();
         let stop = tasks.drain_token().child_token();
         let task = tasks.spawn(
@@ -343,15 +356,25 @@ pub async fn run_batch(
         );
         let bar = progress_bar(options, total, settled_at_start);
         let mut last_line = Instant::now();
+        let mut last_sample = Instant::now();
         loop {
             let settled = queue.result_count()? + queue.dead_letter_count()?;
-            let gate_now = stats.snapshot();
+            let now = Instant::now();
+            let state = BatchState::classify(
+                &stats.snapshot(),
+                u64::try_from(gauges.in_flight.get()).unwrap_or(0),
+                u64::try_from(gauges.window.get()).unwrap_or(0),
+                congestion.clearance(now),
+                now,
+            );
+            states.add(&state, now.saturating_duration_since(last_sample));
+            last_sample = now;
+            let done_here = settled.saturating_sub(settled_at_start);
+            let rate = done_here as f64 / started.elapsed().as_secs_f64().max(1e-3);
             let extra = status.as_ref().map(|s| s()).unwrap_or_default();
             let msg = format!(
-                "gate {} D={:.2} (closed {:.0}s){}{}",
-                if gate_now.open { "open" } else { "closed" },
-                gate_now.budget,
-                gate_now.closed.as_secs_f64(),
+                "{state}; {} lines/s{}{}",
+                format_rate(rate),
                 if extra.is_empty() { "" } else { " | " },
                 extra
             );
@@ -446,7 +469,7 @@ pub async fn run_batch(
     })?;
     summary.interrupted = interrupted || summary.pending > 0;
     summary.elapsed = started.elapsed();
-    summary.gate_closed = stats.snapshot().closed;
+    summary.states = states;
     Ok((summary, stats))
 }
 
@@ -458,7 +481,7 @@ fn progress_bar(options: &BatchOptions, total: u64, start: u64) -> ProgressBar {
     };
     let bar = ProgressBar::with_draw_target(Some(total), target);
     if let Ok(style) = ProgressStyle::with_template(
-        "{spinner} [{elapsed_precise}] {bar:30.cyan/blue} {pos}/{len} {per_sec} ETA {eta}\n  {msg}",
+        "{spinner} [{elapsed_precise}] {bar:30.cyan/blue} {pos}/{len} ETA {eta}\n  {msg}",
     ) {
         bar.set_style(style.progress_chars("=> "));
     }
@@ -527,19 +550,20 @@ fn build_dispatcher(
     options: &BatchOptions,
     queue: Arc<EmbeddedQueue>,
     watch: GateWatch,
+    metrics: &Metrics,
+    congestion: Arc<CongestionHold>,
 ) -> Result<QueueDispatcher, BatchError> {
     let config = batch_config(options)?;
     let settings = GatewaySettings::from(&config.gateway);
     let gateway = GatewayClient::new(settings).map_err(BatchError::Gateway)?;
-    let metrics = Metrics::new();
     crate::app::build_dispatcher(
         &config,
         &config.queues[0],
         queue,
         Box::new(watch),
         gateway,
-        Arc::new(CongestionHold::new((&config.dispatch).into())),
-        &metrics,
+        congestion,
+        metrics,
     )
     .map_err(|e| BatchError::Dispatcher(Box::new(e)))
 }

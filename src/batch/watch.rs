@@ -1,5 +1,6 @@
-//! A gate wrapper that records what the gate said, for progress, the
-//! summary's "time the gate was closed" and the demo's chart.
+//! A gate wrapper that records what the gate said, for the progress line
+//! and the summary (through [`super::status::BatchState`]) and the demo's
+//! chart.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -16,9 +17,17 @@ pub struct GateStats {
     pub budget: f64,
     /// Baseline `B` of the last observation.
     pub baseline: f64,
-    /// Whether the last observation was open (`D > B`).
+    /// Whether the last observation was open (`D > B`, source available).
     pub open: bool,
-    /// Total time spent closed (closed observation until the next one).
+    /// Whether the last observation's source answered (false after an
+    /// error, or for a fallback reading).
+    pub source_available: bool,
+    /// Whether the last observation was a local limit's free share
+    /// ([`crate::gate::Observation::local_limit`]): closed then means a
+    /// full window, not a busy pool.
+    pub local_limit: bool,
+    /// Total time the gate read closed (closed observation until the next
+    /// one), a full local limit included.
     pub closed: Duration,
     /// Observations made.
     pub observations: u64,
@@ -87,11 +96,15 @@ impl DispatchGate for GateWatch {
                     s.budget = o.budget.get();
                     s.baseline = o.baseline.get();
                     s.open = o.is_open() && o.source_available;
+                    s.source_available = o.source_available;
+                    s.local_limit = o.local_limit;
                     s.reason.clone_from(&o.reason);
                 }
                 Err(e) => {
                     s.budget = 0.0;
                     s.open = false;
+                    s.source_available = false;
+                    s.local_limit = false;
                     s.errors += 1;
                     s.reason = e.to_string();
                 }

@@ -176,31 +176,11 @@ pub(super) fn embedded_results(
     ExitCode::SUCCESS
 }
 
-/// One OpenAI Batch API output line for `record`.
+/// One OpenAI Batch API output line for `record`, in the same shape as
+/// `sluicegate batch` writes (`request_id`, error codes, string
+/// `custom_id`: see `docs/batch.md`).
 fn openai_line(record: &ResultRecord, n: u64) -> serde_json::Value {
-    let (response, error) = match record.status_code {
-        Some(status) => {
-            let body = serde_json::from_str::<serde_json::Value>(&record.payload)
-                .unwrap_or_else(|_| serde_json::Value::String(record.payload.clone()));
-            (
-                serde_json::json!({"status_code": status, "request_id": record.request_token, "body": body}),
-                serde_json::Value::Null,
-            )
-        }
-        None => (
-            serde_json::Value::Null,
-            serde_json::json!({
-                "code": record.error_code.map(|c| c.as_str()),
-                "message": record.error_message,
-            }),
-        ),
-    };
-    serde_json::json!({
-        "id": format!("batch_req_{n}"),
-        "custom_id": record.id,
-        "response": response,
-        "error": error,
-    })
+    crate::batch::output::openai_line(&format!("batch_req_{n}"), &record.id, record)
 }
 
 pub(super) async fn run(args: ResultsArgs) -> ExitCode {
@@ -341,6 +321,19 @@ mod tests {
         let err = ResultRecord::error("b", None, ErrorCode::Cancelled, "cancelled");
         let line = openai_line(&err, 2);
         assert!(line["response"].is_null());
-        assert_eq!(line["error"]["code"], "CANCELLED");
+        // OpenAI's code where one exists, the llm-d code kept beside it.
+        assert_eq!(line["error"]["code"], "batch_cancelled");
+        assert_eq!(line["error"]["llm_d_code"], "CANCELLED");
+    }
+
+    #[test]
+    fn openai_request_id_has_the_batch_runner_format() {
+        // `batch` writes `<custom_id>#<attempts>`; so does `results`, also
+        // for records without a submission token (never `null`).
+        let ok = ResultRecord::http("a", None, 200, "{}".into(), 2);
+        let line = openai_line(&ok, 1);
+        assert_eq!(line["response"]["request_id"], "a#2");
+        let with_token = ResultRecord::http("b", Some("t"), 200, "{}".into(), 1);
+        assert_eq!(openai_line(&with_token, 2)["response"]["request_id"], "b#1");
     }
 }

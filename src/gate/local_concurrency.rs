@@ -125,6 +125,8 @@ impl DispatchGate for LocalMaxConcurrencyGate {
         // it blind would count our work twice and fill half the limit.
         observation.sees_own_load = true;
         observation.max_sys = Some(self.limit as f64);
+        // D is our own free slots, not the pool's: full is a full window.
+        observation.local_limit = true;
         observation.reason = format!("{used} of {} local slots in use", self.limit);
         Box::pin(std::future::ready(Ok(observation)))
     }

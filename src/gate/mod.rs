@@ -144,6 +144,11 @@ pub struct Observation {
     pub sees_own_load: bool,
     /// Whether the gate's data source answered usably.
     pub source_available: bool,
+    /// Whether `D` is only this process's free share of a local limit
+    /// (`local-max-concurrency`), not a reading of the pool: closed then
+    /// means our own window is full, and status lines say "window full"
+    /// rather than "gate closed" and show no `D`.
+    pub local_limit: bool,
     /// Why the gate reads what it reads, for logs and `gate probe`.
     pub reason: String,
 }
@@ -159,6 +164,7 @@ impl Observation {
             max_sys: None,
             sees_own_load: false,
             source_available: true,
+            local_limit: false,
             reason: String::new(),
         }
     }
@@ -172,6 +178,7 @@ impl Observation {
             max_sys: None,
             sees_own_load: false,
             source_available: false,
+            local_limit: false,
             reason: reason.into(),
         }
     }

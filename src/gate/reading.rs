@@ -185,6 +185,7 @@ pub(crate) fn pool_reading(
         max_sys,
         sees_own_load: true,
         source_available: true,
+        local_limit: false,
         reason,
     }
 }
@@ -208,6 +209,7 @@ pub(crate) fn with_fallback(
             max_sys: None,
             sees_own_load: false,
             source_available: false,
+            local_limit: false,
             reason: format!("fallback {f} because {e}"),
         }),
     }
