@@ -148,3 +148,23 @@ fn probe_reports_config_errors_with_exit_code_2() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("prometheus.url"), "{err}");
 }
+
+#[test]
+fn probe_reports_only_what_it_needs() {
+    // One missing gate parameter: the probe names it, and not the transport
+    // or gateway URL it never uses (check-config reports those).
+    let out = Command::new(BIN)
+        .args(["gate", "probe"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("SLUICEGATE_GATE_TYPE", "prometheus-budget")
+        .env("SLUICEGATE_GATE_PARAMS", "{}")
+        .env("SLUICEGATE_PROMETHEUS_URL", "http://127.0.0.1:9")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("gate_params.pool"), "{err}");
+    assert!(!err.contains("transport"), "{err}");
+    assert!(!err.contains("igw_base_url"), "{err}");
+}

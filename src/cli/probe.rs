@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use std::path::PathBuf;
 
 use super::EXIT_CONFIG;
-use crate::config::{Config, ConfigSources, Overrides, QueueConfig, Rounding, Unit};
+use crate::config::{Config, ConfigError, ConfigSources, Overrides, QueueConfig, Rounding, Unit};
 use crate::dispatch::window::headroom_units;
 use crate::gate::{DispatchGate, Explanation, GateContext, Observation, build_gate};
 
@@ -235,12 +235,14 @@ fn load(args: &ProbeArgs) -> Result<Config, ExitCode> {
     match Config::load(&sources) {
         Ok(c) => return Ok(c),
         Err(errors) => {
-            let only_unused = errors
-                .errors()
-                .iter()
-                .all(|e| e.key == "transport" || e.key.ends_with(".igw_base_url"));
-            if !only_unused {
-                eprintln!("configuration errors:\n{errors}");
+            let unused =
+                |e: &&ConfigError| e.key == "transport" || e.key.ends_with(".igw_base_url");
+            let needed: Vec<&ConfigError> = errors.errors().iter().filter(|e| !unused(e)).collect();
+            if !needed.is_empty() {
+                // Only what the probe needs: a missing transport or gateway
+                // would be reported by `check-config`, not here.
+                let text: Vec<String> = needed.iter().map(ToString::to_string).collect();
+                eprintln!("configuration errors:\n{}", text.join("\n"));
                 return Err(ExitCode::from(EXIT_CONFIG));
             }
         }
