@@ -63,6 +63,11 @@ pub struct ResultRecord {
     /// How many times the request was sent to the gateway (additive field).
     #[serde(default)]
     pub attempts: u32,
+    /// The last attempt ended because its timeout passed, with no answer
+    /// (additive field, written only when true; OpenAI output reports it
+    /// as `request_timeout`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
 }
 
 impl ResultRecord {
@@ -76,6 +81,7 @@ impl ResultRecord {
             error_message: None,
             request_token: token.map(str::to_owned),
             attempts,
+            timed_out: false,
         }
     }
 
@@ -91,6 +97,7 @@ impl ResultRecord {
             error_message: Some(message.to_owned()),
             request_token: token.map(str::to_owned),
             attempts: 0,
+            timed_out: false,
         }
     }
 
@@ -132,6 +139,13 @@ impl ResultRecord {
         result.error_code = Some(ErrorCode::InferenceError);
         result.error_message = Some(message);
         result
+    }
+
+    /// Marks the last attempt as timed out.
+    #[must_use]
+    pub fn timed_out(mut self) -> Self {
+        self.timed_out = true;
+        self
     }
 
     /// Sets the attempt count.

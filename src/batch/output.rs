@@ -9,18 +9,16 @@ use serde_json::{Value, json};
 use super::input::InvalidLine;
 use crate::result::{ErrorCode, ResultRecord};
 
-/// The OpenAI batch `error.code` for a result error code: OpenAI's own
-/// code where one means the same (`batch_expired` for a deadline that
-/// passed, `batch_cancelled` for a cancelled request), else the llm-d code
+/// The OpenAI batch `error.code` for a result's error: OpenAI's own code
+/// where one means the same (`batch_expired` for a deadline that passed,
+/// `batch_cancelled` for a cancelled request, `request_timeout` for an
+/// `INFERENCE_ERROR` whose last attempt timed out), else the llm-d code
 /// itself. The llm-d code always travels in `error.llm_d_code` too.
-///
-/// OpenAI's `request_timeout` is not produced: a result does not record
-/// whether its last failed attempt timed out (an attempt timeout is an
-/// `INFERENCE_ERROR` whose message says so).
-pub const fn openai_error_code(code: ErrorCode) -> &'static str {
+pub const fn openai_error_code(code: ErrorCode, timed_out: bool) -> &'static str {
     match code {
         ErrorCode::DeadlineExceeded => "batch_expired",
         ErrorCode::Cancelled => "batch_cancelled",
+        ErrorCode::InferenceError if timed_out => "request_timeout",
         ErrorCode::GateDropped
         | ErrorCode::GateError
         | ErrorCode::InferenceError
@@ -72,7 +70,9 @@ pub fn openai_line(id: &str, custom_id: &str, result: &ResultRecord) -> Value {
                 "custom_id": custom_id,
                 "response": null,
                 "error": {
-                    "code": result.error_code.map_or("UNKNOWN", openai_error_code),
+                    "code": result
+                        .error_code
+                        .map_or("UNKNOWN", |c| openai_error_code(c, result.timed_out)),
                     "message": result.error_message.clone().unwrap_or_default(),
                     "llm_d_code": llm_d,
                 },
@@ -158,6 +158,36 @@ mod tests {
         assert_eq!(v["error"]["code"], "batch_expired");
         assert_eq!(v["error"]["llm_d_code"], "DEADLINE_EXCEEDED");
         assert_eq!(v["error"]["message"], "late");
+    }
+
+    #[test]
+    fn a_timed_out_last_attempt_is_a_request_timeout() {
+        let r = ResultRecord::error(
+            "t",
+            None,
+            ErrorCode::InferenceError,
+            "gateway attempt timed out",
+        )
+        .timed_out();
+        let v = result_line(4, "t", &r);
+        assert_eq!(v["error"]["code"], "request_timeout");
+        assert_eq!(v["error"]["llm_d_code"], "INFERENCE_ERROR");
+        let other = ResultRecord::error("o", None, ErrorCode::InferenceError, "reset");
+        assert_eq!(
+            result_line(5, "o", &other)["error"]["code"],
+            "INFERENCE_ERROR"
+        );
+        // The additive field is written only when true.
+        assert!(
+            serde_json::to_string(&r)
+                .unwrap_or_default()
+                .contains("\"timed_out\":true")
+        );
+        assert!(
+            !serde_json::to_string(&other)
+                .unwrap_or_default()
+                .contains("timed_out")
+        );
     }
 
     #[test]

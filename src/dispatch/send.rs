@@ -230,8 +230,15 @@ pub(super) fn failure_result(
     let (id, token) = (&message.request.id, message.token());
     match failure.http_answer() {
         Some((status, body)) => ResultRecord::http(id, token, status, body.to_owned(), attempts),
-        None => ResultRecord::error(id, token, ErrorCode::InferenceError, &failure.to_string())
-            .with_attempts(attempts),
+        None => {
+            let result =
+                ResultRecord::error(id, token, ErrorCode::InferenceError, &failure.to_string())
+                    .with_attempts(attempts);
+            match failure {
+                AttemptFailure::Timeout => result.timed_out(),
+                _ => result,
+            }
+        }
     }
 }
 

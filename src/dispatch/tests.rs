@@ -162,3 +162,19 @@ async fn a_429_holds_the_window_shut_until_the_hold_ends_then_one_probe() {
     stop.cancel();
     observer.await.expect("observer ends");
 }
+
+#[test]
+fn a_timed_out_last_attempt_is_marked_in_the_result() {
+    use crate::gateway::AttemptFailure;
+    let deadline = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        + 3600;
+    let body = format!(r#"{{"id":"a","deadline":{deadline},"payload":{{}}}}"#);
+    let message = crate::request::parse_message(body.as_bytes()).expect("valid");
+    let timed_out = super::send::failure_result(&message, &AttemptFailure::Timeout, 3);
+    assert!(timed_out.timed_out);
+    assert_eq!(timed_out.attempts, 3);
+    let reset = super::send::failure_result(&message, &AttemptFailure::Reset("rst".into()), 1);
+    assert!(!reset.timed_out);
+}
