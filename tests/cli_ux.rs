@@ -9,29 +9,10 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 
 use support::TempDir;
+use support::cli::{output, sluicegate, text};
 use support::redis::RedisServer;
-
-const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
-
-fn sluicegate(args: &[&str]) -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .args(args)
-        .stdin(Stdio::null());
-    cmd
-}
-
-fn output(cmd: &mut Command) -> Output {
-    cmd.output().expect("sluicegate runs")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
 
 fn openai_line(id: &str) -> String {
     serde_json::json!({

@@ -3,6 +3,7 @@
 //! needs.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod cli;
 pub mod prometheus;
 pub mod redis;
 pub mod sim;
