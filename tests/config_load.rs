@@ -829,3 +829,26 @@ fn endpoint_url_masks_password_but_keeps_user() {
     assert!(shown.contains("alice:****@db"), "{shown}");
     assert_eq!(e.expose().password(), Some("hunter2"));
 }
+
+#[test]
+fn zero_congestion_and_wait_delays_are_errors_naming_the_key() {
+    // Zero would let a 429 storm through, or re-claim a refused message in
+    // a loop; both used to be accepted.
+    for key in [
+        "congestion_backoff",
+        "congestion_max_backoff",
+        "wait_requeue_delay",
+    ] {
+        let text = format!("{MINIMAL}\n[dispatch]\n{key} = \"0s\"\n");
+        let err = load_err(Some(&text), &[]);
+        assert!(err.contains(&format!("dispatch.{key}")), "{key}: {err}");
+        assert!(err.contains("greater than 0"), "{key}: {err}");
+    }
+    let err = load_err(
+        Some(&format!(
+            "{MINIMAL}\n[dispatch]\ncongestion_backoff = \"10s\"\ncongestion_max_backoff = \"5s\"\n"
+        )),
+        &[],
+    );
+    assert!(err.contains("dispatch.congestion_max_backoff"), "{err}");
+}
