@@ -67,19 +67,6 @@ async fn start_dispatcher(
     support::start_app(&config).await
 }
 
-async fn wait_for_len(server: &RedisServer, list: &str, n: i64) -> Vec<serde_json::Value> {
-    let give_up = Instant::now() + Duration::from_secs(30);
-    while server.int(&["LLEN", list]) < n {
-        assert!(Instant::now() < give_up, "{list} never reached {n}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    server
-        .cli(&["LRANGE", list, "0", "-1"])
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("result is JSON"))
-        .collect()
-}
-
 fn find<'a>(results: &'a [serde_json::Value], id: &str) -> &'a serde_json::Value {
     results
         .iter()
@@ -191,7 +178,7 @@ async fn a_deadline_passing_while_requeued_answers_with_the_last_http_answer() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("late"), "").await;
-    let results = wait_for_len(&server, "result-list", 2).await;
+    let results = server.wait_for_len("result-list", 2).await;
     for id in ["ours", "theirs"] {
         let r = find(&results, id);
         assert_eq!(r["status_code"], 429, "{r}");
@@ -225,7 +212,7 @@ async fn attempts_count_congested_tries_too() {
         r#"congestion_backoff = "100ms""#,
     )
     .await;
-    let results = wait_for_len(&server, "result-list", 1).await;
+    let results = server.wait_for_len("result-list", 1).await;
     let r = &results[0];
     assert_eq!(r["status_code"], 200, "{r}");
     assert_eq!(r["payload"], "answer-3");
@@ -294,15 +281,15 @@ async fn result_lists_follow_queue_then_envelope_then_request_then_default() {
         "",
     )
     .await;
-    let internal_list = wait_for_len(&server, "internal-list", 1).await;
+    let internal_list = server.wait_for_len("internal-list", 1).await;
     assert_eq!(internal_list[0]["id"], "both");
-    let data_list = wait_for_len(&server, "data-list", 2).await;
+    let data_list = server.wait_for_len("data-list", 2).await;
     let mut ids: Vec<&str> = data_list.iter().filter_map(|r| r["id"].as_str()).collect();
     ids.sort_unstable();
     assert_eq!(ids, ["data-only", "ours"]);
-    assert_eq!(wait_for_len(&server, "bare-list", 1).await[0]["id"], "bare");
+    assert_eq!(server.wait_for_len("bare-list", 1).await[0]["id"], "bare");
     assert_eq!(
-        wait_for_len(&server, "result-list", 1).await[0]["id"],
+        server.wait_for_len("result-list", 1).await[0]["id"],
         "neither"
     );
     d.stop().await;
@@ -317,10 +304,7 @@ async fn result_lists_follow_queue_then_envelope_then_request_then_default() {
     let mut pinned = RedisQueueSettings::new("pinned");
     pinned.result_list = Some("queue-list".into());
     let d = start_dispatcher(&server, &gateway.uri(), pinned, "").await;
-    assert_eq!(
-        wait_for_len(&server, "queue-list", 1).await[0]["id"],
-        "both"
-    );
+    assert_eq!(server.wait_for_len("queue-list", 1).await[0]["id"], "both");
     assert_eq!(server.int(&["LLEN", "internal-list"]), 1);
     assert_eq!(server.int(&["LLEN", "data-list"]), 2);
     d.stop().await;
@@ -350,7 +334,7 @@ async fn unknown_request_kinds_and_far_deadlines_are_invalid_and_never_sent() {
         "",
     )
     .await;
-    let results = wait_for_len(&server, "result-list", 3).await;
+    let results = server.wait_for_len("result-list", 3).await;
     for id in ["odd-kind", "year-9999", "millis"] {
         let r = find(&results, id);
         assert_eq!(r["error_code"], "INVALID_REQUEST", "{r}");
@@ -396,7 +380,7 @@ async fn unusable_ids_get_short_printable_stable_result_ids() {
     server.cli(&["ZADD", "ids", &deadline.to_string(), &nul]);
     server.cli(&["ZADD", "ids", "1", "\x01 not json at all"]);
     let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("ids"), "").await;
-    let results = wait_for_len(&server, "result-list", 3).await;
+    let results = server.wait_for_len("result-list", 3).await;
     for r in &results {
         let id = r["id"].as_str().expect("id");
         assert!(id.len() <= MAX_ID_LEN, "{} bytes", id.len());
@@ -477,7 +461,7 @@ async fn a_dead_letter_also_writes_a_result_and_cleans_its_active_key() {
         "max_attempts = 2",
     )
     .await;
-    let results = wait_for_len(&server, "result-list", 2).await;
+    let results = server.wait_for_len("result-list", 2).await;
     for id in ["doomed", "resubmitted"] {
         let r = find(&results, id);
         assert_eq!(r["error_code"], "INFERENCE_ERROR", "{r}");
@@ -496,7 +480,7 @@ async fn a_dead_letter_also_writes_a_result_and_cleans_its_active_key() {
             "{r}"
         );
     }
-    let up = wait_for_len(&server, "up-results", 1).await;
+    let up = server.wait_for_len("up-results", 1).await;
     assert_eq!(up[0]["id"], "upstream-doomed");
     assert_eq!(up[0]["request_token"], "up-tok");
     assert_eq!(server.int(&["LLEN", "dead:dead-letters"]), 3);
@@ -596,5 +580,5 @@ async fn crash_recovery_time_after_sigkill_with_the_default_lease() {
         "crash recovery: {N} claims of a SIGKILLed dispatcher dispatched again by a second process {:.1} s after the kill (dispatch.lease default 30 s, heartbeat every 10 s)",
         recovery.as_secs_f64()
     );
-    wait_for_len(&server, "result-list", N as i64).await;
+    server.wait_for_len("result-list", N as i64).await;
 }

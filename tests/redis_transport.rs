@@ -87,22 +87,6 @@ async fn start_dispatcher_gated(
     }
 }
 
-async fn wait_for_len(server: &RedisServer, list: &str, n: i64) -> Vec<serde_json::Value> {
-    let give_up = Instant::now() + Duration::from_secs(30);
-    loop {
-        if server.int(&["LLEN", list]) >= n {
-            break;
-        }
-        assert!(Instant::now() < give_up, "{list} never reached {n}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    server
-        .cli(&["LRANGE", list, "0", "-1"])
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("result is JSON"))
-        .collect()
-}
-
 fn request_line(id: &str, deadline: i64) -> String {
     serde_json::json!({
         "id": id,
@@ -140,7 +124,7 @@ async fn round_trip_through_the_simulator_writes_one_result_per_request() {
     submit(&redis, "rt", &lines).await;
     assert_eq!(server.int(&["ZCARD", "rt"]), 60);
     let d = start_dispatcher(redis, &sim.base_url(), "rt", "").await;
-    let results = wait_for_len(&server, "result-list", 60).await;
+    let results = server.wait_for_len("result-list", 60).await;
     let mut ids: Vec<&str> = results
         .iter()
         .map(|r| r["id"].as_str().expect("id"))
@@ -215,7 +199,7 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
         "",
     )
     .await;
-    let upstream = wait_for_len(&server, "upstream-results", 1).await;
+    let upstream = server.wait_for_len("upstream-results", 1).await;
     let r = &upstream[0];
     assert_eq!(r["id"], "up-1");
     assert_eq!(r["status_code"], 200);
@@ -223,7 +207,7 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
     let body: serde_json::Value =
         serde_json::from_str(r["payload"].as_str().expect("payload is a string")).expect("json");
     assert!(body["choices"].is_array(), "{body}");
-    let defaults = wait_for_len(&server, "result-list", 2).await;
+    let defaults = server.wait_for_len("result-list", 2).await;
     let bare = defaults
         .iter()
         .find(|r| r["id"] == "up-2")
@@ -266,7 +250,7 @@ async fn expired_and_cancelled_messages_get_typed_results() {
         assert_eq!(outcome, sluicegate::queue::redis::CancelOutcome::NotActive);
     }
     let d = start_dispatcher(redis, &sim.base_url(), "typed", "").await;
-    let results = wait_for_len(&server, "result-list", 3).await;
+    let results = server.wait_for_len("result-list", 3).await;
     let by_id = |id: &str| {
         results
             .iter()
@@ -297,7 +281,7 @@ async fn failed_attempts_go_through_the_retry_set_into_dead_letters() {
     let redis = redis_config(&server, None);
     submit(&redis, "flaky", &[request_line("doomed", unix_now() + 600)]).await;
     let d = start_dispatcher(redis, &gateway.uri(), "flaky", "max_attempts = 3").await;
-    let dead = wait_for_len(&server, "flaky:dead-letters", 1).await;
+    let dead = server.wait_for_len("flaky:dead-letters", 1).await;
     assert_eq!(dead[0]["last_error"]["id"], "doomed");
     assert_eq!(dead[0]["last_error"]["status_code"], 500);
     let message =
@@ -310,7 +294,7 @@ async fn failed_attempts_go_through_the_retry_set_into_dead_letters() {
     );
     // A dead letter also writes its result (the last answer, flagged as
     // exhausted), so readers waiting for every result are not left waiting.
-    let results = wait_for_len(&server, "result-list", 1).await;
+    let results = server.wait_for_len("result-list", 1).await;
     assert_eq!(results.len(), 1);
     assert_eq!(results[0]["id"], "doomed");
     assert_eq!(results[0]["error_code"], "INFERENCE_ERROR");
@@ -377,7 +361,7 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     )
     .await;
     let d = start_dispatcher(redis, &sim.base_url(), "auth", "").await;
-    let results = wait_for_len(&server, "result-list", 2).await;
+    let results = server.wait_for_len("result-list", 2).await;
     assert!(results.iter().all(|r| r["status_code"] == 200));
     assert!(d.queue.is_reachable());
     d.stop().await;
@@ -439,7 +423,7 @@ gate_params = { limit = 1, gating_mode = "blocking" }"#,
         let outcome = cancel(&mut conn, "second").await.expect("cancel");
         assert_eq!(outcome, sluicegate::queue::redis::CancelOutcome::Cancelled);
     }
-    let results = wait_for_len(&server, "result-list", 2).await;
+    let results = server.wait_for_len("result-list", 2).await;
     let second = results
         .iter()
         .find(|r| r["id"] == "second")
@@ -565,8 +549,8 @@ gate_params = {{ limit = 2, gating_mode = "blocking" }}
     let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
     config.redis = Some(redis);
     let support::App { running, shutdown } = support::start_app(&config).await;
-    let alpha = wait_for_len(&server, "alpha-results", 10).await;
-    let beta = wait_for_len(&server, "beta-results", 10).await;
+    let alpha = server.wait_for_len("alpha-results", 10).await;
+    let beta = server.wait_for_len("beta-results", 10).await;
     assert!(
         alpha
             .iter()

@@ -137,10 +137,12 @@ pub struct Observation {
     /// static `max_sys` applies.
     pub max_sys: Option<f64>,
     /// Whether the reading already counts this dispatcher's own work in
-    /// flight (true for gates that read the pool's load). A blind gate
-    /// (constant, local concurrency) sets false: its `D` says nothing about
-    /// our requests, so the window caps own in-flight at `N` instead of
-    /// adding `N` to what was in flight, which would grow without bound.
+    /// flight, a property of the source (`docs/gates.md`, "Whether a reading
+    /// sees our own load"): vLLM's running requests and KV use, and the
+    /// local concurrency gate's slots, do; queue sizes, `constant` and
+    /// fallbacks do not. When false the window caps own in-flight at `N`
+    /// instead of adding `N` to what was in flight, which would grow
+    /// without bound.
     pub sees_own_load: bool,
     /// Whether the gate's data source answered usably.
     pub source_available: bool,

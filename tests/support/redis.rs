@@ -32,6 +32,23 @@ pub(crate) struct RedisServer {
 }
 
 impl RedisServer {
+    /// Waits (up to 30 s) until `list` holds at least `n` entries, then
+    /// returns them all, parsed as JSON (result records).
+    pub(crate) async fn wait_for_len(&self, list: &str, n: i64) -> Vec<serde_json::Value> {
+        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while self.int(&["LLEN", list]) < n {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "{list} never reached {n}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        self.cli(&["LRANGE", list, "0", "-1"])
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("result is JSON"))
+            .collect()
+    }
+
     /// Starts a server without persistence or password.
     pub(crate) fn start() -> Self {
         Self::start_with(RedisOptions::default())
