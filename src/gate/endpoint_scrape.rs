@@ -223,6 +223,7 @@ impl EndpointScrapeGate {
                 self.baseline,
                 page.taken_at,
                 None,
+                self.sees_own_load,
                 format!("saturation {value} read directly; D = 1 − saturation"),
             ));
         }
@@ -238,6 +239,7 @@ impl EndpointScrapeGate {
                 self.baseline,
                 taken_at,
                 Some(0.0),
+                self.sees_own_load,
                 "no ready pods: closed".into(),
             ));
         }
@@ -247,6 +249,7 @@ impl EndpointScrapeGate {
             self.baseline,
             taken_at,
             Some(max_sys),
+            self.sees_own_load,
             format!(
                 "saturation = {value} / ({pods} pods × {}) = {saturation:.4}; D = 1 − saturation",
                 self.max_count_per_pod
@@ -305,8 +308,6 @@ impl MetricGate for EndpointScrapeGate {
     const KIND: &'static str = "endpoint-scrape";
 
     async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
-        let mut reading = self.read_page(sources).await?;
-        reading.sees_own_load = self.sees_own_load;
-        Ok(reading)
+        self.read_page(sources).await
     }
 }

@@ -277,6 +277,8 @@ impl PrometheusBudgetGate {
                 self.baseline,
                 at,
                 Some(0.0),
+                // Closed whatever it sees: N is 0.
+                false,
                 format!("pool {} has no ready endpoints: closed", self.pool),
             ));
         }
@@ -321,15 +323,14 @@ impl PrometheusBudgetGate {
                     Some((_, r_at)) if r_at < at => r_at,
                     _ => at,
                 };
-                let mut reading = pool_reading(
+                return Ok(pool_reading(
                     d,
                     self.baseline,
                     taken_at,
                     max_sys,
+                    q.sees_own_load,
                     format!("{} ({explain}; overload reads 0)", q.role),
-                );
-                reading.sees_own_load = q.sees_own_load;
-                return Ok(reading);
+                ));
             }
         }
         Err(GateError::SourceUnavailable(format!(

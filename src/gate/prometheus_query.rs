@@ -82,19 +82,19 @@ impl MetricGate for PrometheusQueryGate {
                     }
                     Some(d) => {
                         report.outcome = "used".into();
-                        let mut reading = pool_reading(
+                        Ok(pool_reading(
                             d,
                             0.0,
                             t.taken_at,
                             None,
+                            // An arbitrary expression can be dated only when
+                            // it was evaluated, not by its samples' scrape:
+                            // so it never counts as seeing our load (the
+                            // window is N itself), or every poll would add
+                            // N again.
+                            false,
                             format!("query value {d} (min of {} series)", t.value.len()),
-                        );
-                        // An arbitrary expression can be dated only when it
-                        // was evaluated, not by its samples' scrape: so it
-                        // never counts as seeing our load (the window is N
-                        // itself), or every poll would add N again.
-                        reading.sees_own_load = false;
-                        Ok(reading)
+                        ))
                     }
                 }
             }

@@ -144,6 +144,8 @@ impl PrometheusSaturationGate {
                 1.0 - self.threshold,
                 t.taken_at,
                 None,
+                // The picker's detectors count in-flight requests and KV use.
+                true,
                 format!(
                     "{role}: S = {s} (max of {} series), D = 1 − S",
                     t.value.len()

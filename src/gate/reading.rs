@@ -169,13 +169,15 @@ impl Aggregate {
     }
 }
 
-/// An available reading of a gate that sees the pool's load (which
-/// includes this dispatcher's own requests in flight).
+/// An available reading of a metric source. `sees_own_load` is the
+/// source's own property (does its metric count our running requests?),
+/// so every gate states it where it reads the source.
 pub(crate) fn pool_reading(
     d: f64,
     baseline: f64,
     taken_at: Instant,
     max_sys: Option<f64>,
+    sees_own_load: bool,
     reason: String,
 ) -> Observation {
     Observation {
@@ -183,7 +185,7 @@ pub(crate) fn pool_reading(
         baseline: Budget::saturating(baseline),
         taken_at,
         max_sys,
-        sees_own_load: true,
+        sees_own_load,
         source_available: true,
         local_limit: false,
         reason,

@@ -182,16 +182,16 @@ impl MetricGate for RedisBudgetGate {
                         if let Some(id) = &record.decision_id {
                             reason.push_str(&format!(" (decision {id})"));
                         }
-                        let mut reading = pool_reading(
+                        // A bare number has no date and says nothing about
+                        // our load; a record says whether it does.
+                        let reading = pool_reading(
                             record.budget,
                             0.0,
                             record.taken_at.unwrap_or(t.taken_at),
                             None,
+                            record.sees_own_load,
                             reason,
                         );
-                        // A bare number has no date and says nothing about
-                        // our load; a record says whether it does.
-                        reading.sees_own_load = record.sees_own_load;
                         let usable = reading.taken_at.elapsed() <= self.max_staleness;
                         if let (Some(id), true) = (&record.decision_id, usable) {
                             self.acknowledge(id).await;

@@ -265,6 +265,8 @@ impl MetricGate for VllmGate {
                     self.baseline,
                     taken_at,
                     Some(max_sys),
+                    // Running, waiting and KV of each engine include ours.
+                    true,
                     format!(
                         "mean roofline over {count} engines ({unreadable} unreadable count as full): D = {d:.4}"
                     ),
