@@ -8,7 +8,9 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-use crate::gate::{Admission, AdmissionRequest, DispatchGate, GateError, Observation};
+use crate::gate::{
+    Admission, AdmissionRequest, DispatchEvent, DispatchGate, GateError, Observation,
+};
 
 /// What a watched gate has said so far.
 #[derive(Debug, Clone, Default)]
@@ -120,5 +122,9 @@ impl DispatchGate for GateWatch {
 
     fn kind(&self) -> &'static str {
         self.inner.kind()
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        self.inner.on_event(event);
     }
 }

@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use super::dispatcher::{Ready, Results, Send, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
-use crate::gate::Ticket;
+use crate::gate::{DispatchEvent, Ticket};
 use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
 use crate::queue::NackReason;
 use crate::request::{AttemptRecord, LastAnswer, Message, log_id};
@@ -62,6 +62,11 @@ pub(super) async fn send_and_settle(
     metrics.sent.inc();
     let deadline = deadline_instant(ready.message.request.deadline);
     let started = Instant::now();
+    let gate = &shared.config.gate;
+    gate.on_event(DispatchEvent::Sent {
+        at: started,
+        cost: ready.cost,
+    });
     let outcome = tokio::select! {
         o = shared.config.gateway.send(&ready.prepared, deadline) => Some(o),
         () = abandon.cancelled() => None,
@@ -77,6 +82,16 @@ pub(super) async fn send_and_settle(
         }
         _ => false,
     };
+    if let Some(outcome) = &outcome {
+        gate.on_event(dispatch_event(outcome, started, now, ready.cost));
+    } else {
+        // Abandoned at shutdown: for the gate's in-flight count it ended.
+        gate.on_event(DispatchEvent::Failed {
+            at: now,
+            sent_at: started,
+            cost: ready.cost,
+        });
+    }
     let congestion_hold = {
         let mut window = shared.window();
         window.finished(now, ready.cost);
@@ -222,6 +237,24 @@ pub(super) async fn send_and_settle(
 
 /// The result for a failure with no more attempts: the last HTTP answer if
 /// there was one, else `INFERENCE_ERROR`.
+/// What the gate learns of one attempt's outcome.
+fn dispatch_event(
+    outcome: &AttemptOutcome,
+    sent_at: Instant,
+    at: Instant,
+    cost: u64,
+) -> DispatchEvent {
+    match outcome.status() {
+        Some(status) => DispatchEvent::Answered {
+            at,
+            sent_at,
+            status,
+            cost,
+        },
+        None => DispatchEvent::Failed { at, sent_at, cost },
+    }
+}
+
 pub(super) fn failure_result(
     message: &Message,
     failure: &AttemptFailure,

@@ -78,6 +78,10 @@ pub struct GateContext {
     /// This process's name where a controller reads acknowledgements
     /// (`HOSTNAME`, the pod name on Kubernetes, else `sluicegate-<pid>`).
     pub replica: String,
+    /// Seed of the gates' jitter (feedback windows, so replicas do not
+    /// move in step): random per process in production, the scenario's
+    /// seed in `sluicegate eval` so runs repeat exactly.
+    pub seed: u64,
 }
 
 /// A queue's static `max_SYS` and the unit it counts.
@@ -142,6 +146,7 @@ impl GateContext {
                 .ok()
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| format!("sluicegate-{}", std::process::id())),
+            seed: rand::random(),
         }
     }
 

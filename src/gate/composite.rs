@@ -7,8 +7,8 @@ use serde_json::{Map, Value};
 
 use super::param::{GateParams, ParseCx, kind};
 use super::{
-    Admission, AdmissionRequest, BuildError, Capacity, DispatchGate, Explanation, GateContext,
-    GateError, Observation, Ticket,
+    Admission, AdmissionRequest, BuildError, Capacity, DispatchEvent, DispatchGate, Explanation,
+    GateContext, GateError, Observation, Ticket,
 };
 use crate::config::GateSpec;
 
@@ -148,6 +148,12 @@ impl DispatchGate for CompositeGate {
 
     fn kind(&self) -> &'static str {
         "composite"
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        for gate in &self.gates {
+            gate.on_event(event);
+        }
     }
 
     /// Every inner gate's sources, labelled by gate; the reading itself is

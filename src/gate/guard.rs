@@ -9,7 +9,9 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use super::reading::with_fallback;
-use super::{Admission, AdmissionRequest, DispatchGate, Explanation, GateError, Observation};
+use super::{
+    Admission, AdmissionRequest, DispatchEvent, DispatchGate, Explanation, GateError, Observation,
+};
 
 /// The opt-in `fallback` parameter: when the wrapped gate cannot read its
 /// source, it reads `budget` as its headroom instead of failing closed,
@@ -42,6 +44,10 @@ impl DispatchGate for Fallback {
 
     fn kind(&self) -> &'static str {
         self.inner.kind()
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        self.inner.on_event(event);
     }
 
     fn explain(&self) -> BoxFuture<'_, Explanation> {
@@ -90,6 +96,10 @@ impl<G: DispatchGate> DispatchGate for StalenessLimit<G> {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+
+    fn on_event(&self, event: DispatchEvent) {
+        self.inner.on_event(event);
+    }
 }
 
 /// The gate as the dispatcher sees it: observing cannot fail, because
@@ -125,6 +135,11 @@ impl FailClosed {
     pub fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+
+    /// Tells the wrapped gate what happened to a request.
+    pub fn on_event(&self, event: DispatchEvent) {
+        self.inner.on_event(event);
+    }
 }
 
 impl DispatchGate for Box<dyn DispatchGate> {
@@ -138,6 +153,10 @@ impl DispatchGate for Box<dyn DispatchGate> {
 
     fn kind(&self) -> &'static str {
         (**self).kind()
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        (**self).on_event(event);
     }
 
     fn explain(&self) -> BoxFuture<'_, Explanation> {

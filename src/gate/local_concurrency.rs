@@ -11,8 +11,8 @@ use tokio::time::Instant;
 
 use super::param::{GateParams, ParseCx, decode, loose};
 use super::{
-    Admission, AdmissionRequest, Budget, BuildError, DispatchGate, GateContext, GateError,
-    Observation, Ticket,
+    Admission, AdmissionRequest, Budget, BuildError, DispatchEvent, DispatchGate, GateContext,
+    GateError, Observation, Ticket,
 };
 
 /// What an admission gate does when it is full.
@@ -169,6 +169,10 @@ impl<G: DispatchGate + ?Sized> DispatchGate for Arc<G> {
 
     fn kind(&self) -> &'static str {
         (**self).kind()
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        (**self).on_event(event);
     }
 }
 

@@ -321,6 +321,54 @@ impl Admission {
     }
 }
 
+/// What happened to one batch request, as the dispatcher tells its gate
+/// ([`DispatchGate::on_event`]). `cost` is the request's cost in the
+/// queue's unit (requests, tokens or bytes).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DispatchEvent {
+    /// The request was sent to the gateway at `at`.
+    Sent {
+        /// When it was sent.
+        at: Instant,
+        /// Its cost in the queue's unit.
+        cost: u64,
+    },
+    /// The gateway answered with HTTP `status` at `at` (429 and 503 mean
+    /// the pool is saturated).
+    Answered {
+        /// When the answer arrived.
+        at: Instant,
+        /// When the request had been sent.
+        sent_at: Instant,
+        /// The HTTP status.
+        status: u16,
+        /// Its cost in the queue's unit.
+        cost: u64,
+    },
+    /// The attempt ended without an HTTP answer (timeout, reset).
+    Failed {
+        /// When the attempt ended.
+        at: Instant,
+        /// When the request had been sent.
+        sent_at: Instant,
+        /// Its cost in the queue's unit.
+        cost: u64,
+    },
+}
+
+impl DispatchEvent {
+    /// Whether this is a 429 or 503 answer: the pool is saturated.
+    pub fn is_congestion(&self) -> bool {
+        matches!(
+            self,
+            Self::Answered {
+                status: 429 | 503,
+                ..
+            }
+        )
+    }
+}
+
 /// A source of dispatch budget and per-message admission.
 ///
 /// Contract:
@@ -346,6 +394,14 @@ pub trait DispatchGate: Send + Sync + fmt::Debug {
     /// The gate's catalogue name (`constant`, `composite`, ...), for logs
     /// and metrics labels.
     fn kind(&self) -> &'static str;
+
+    /// Learns what happened to a batch request this queue sent (feedback
+    /// gates cut their window on a 429/503 and track their own in-flight
+    /// work). Called by the dispatcher's worker in order of events; must be
+    /// cheap and must not block. The default ignores it.
+    fn on_event(&self, event: DispatchEvent) {
+        let _ = event;
+    }
 
     /// Reads the pool once and says how: each source, its query or URL,
     /// the raw values. For `gate probe`; the default reports no sources.

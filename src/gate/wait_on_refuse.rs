@@ -7,7 +7,8 @@ use serde_json::{Map, Value};
 
 use super::param::{GateParams, ParseCx};
 use super::{
-    Admission, AdmissionRequest, BuildError, DispatchGate, GateContext, GateError, Observation,
+    Admission, AdmissionRequest, BuildError, DispatchEvent, DispatchGate, GateContext, GateError,
+    Observation,
 };
 use crate::config::GateSpec;
 
@@ -70,6 +71,10 @@ impl DispatchGate for WaitOnRefuseGate {
 
     fn kind(&self) -> &'static str {
         "wait-on-refuse"
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        self.inner.on_event(event);
     }
 
     fn explain(&self) -> BoxFuture<'_, super::Explanation> {
