@@ -12,14 +12,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::dispatcher::{Shared, saturating_i64};
-use super::window::{Applied, headroom_units};
-use crate::config::Rounding;
+use super::window::Applied;
 use crate::gate::Capacity;
 
 /// Reads the gate and applies each reading to the window.
 pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
     let settings = shared.settings().clone();
-    let at_least_one = settings.rounding == Rounding::AtLeastOne;
     let mut was_open: Option<bool> = None;
     let mut was_available: Option<bool> = None;
     let mut open_log = ChangeLog::new(MIN_LOG_GAP);
@@ -28,24 +26,15 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
     loop {
         let observation = shared.config.gate.observe().await;
         let now = Instant::now();
-        // A gate's live max_SYS counts requests (ready endpoints ×
-        // concurrency); in tokens or bytes only the queue's own applies.
-        let max_sys = Capacity {
+        let capacity = Capacity {
             max_sys: settings.max_sys,
             unit: settings.unit,
-        }
-        .effective(observation.max_sys);
-        let n = headroom_units(max_sys, observation.headroom(), settings.rounding);
-        let (applied, held) = {
+        };
+        let (applied, n, held) = {
             let mut window = shared.window();
-            let applied = window.observe(
-                observation.taken_at,
-                n,
-                at_least_one,
-                observation.sees_own_load,
-            );
+            let (n, applied) = window.apply(&observation, capacity, settings.rounding);
             shared.export_window(&window, now);
-            (applied, window.is_held() || shared.congestion_held(now))
+            (applied, n, window.is_held() || shared.congestion_held(now))
         };
         let m = shared.metrics();
         m.budget.set(observation.budget.get());

@@ -20,6 +20,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::Rounding;
+use crate::gate::{Capacity, Observation};
 
 /// Relative tolerance so `50 × (0.7 − 0.1)` floors to 30, not 29: budgets
 /// come from float arithmetic and must not lose a unit to representation
@@ -164,6 +165,28 @@ impl Window {
             at_least_one: at_least_one && n > 0,
         });
         Applied::Fresh
+    }
+
+    /// Applies a gate's reading for a queue of static `capacity`: `N` from
+    /// the reading's headroom and capacity (its live `max_SYS` counts
+    /// requests, so token and byte queues use their own), then
+    /// [`Self::observe`]. The dispatcher's observer and `sluicegate eval`
+    /// both go through here, so what `eval` measures is what `run` does.
+    pub fn apply(
+        &mut self,
+        observation: &Observation,
+        capacity: Capacity,
+        rounding: Rounding,
+    ) -> (u64, Applied) {
+        let max_sys = capacity.effective(observation.max_sys);
+        let n = headroom_units(max_sys, observation.headroom(), rounding);
+        let applied = self.observe(
+            observation.taken_at,
+            n,
+            rounding == Rounding::AtLeastOne,
+            observation.sees_own_load,
+        );
+        (n, applied)
     }
 
     /// The gateway said the pool is saturated (429/503) at `at`: budget zero

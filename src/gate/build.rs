@@ -8,7 +8,9 @@
 use std::time::Duration;
 
 use crate::config::{Config, GateSpec, PrometheusConfig, QueueConfig, RedisConfig, Unit};
-use crate::source::{Cached, PromAuth, PromClient, RedisKey, Scrape, Source, SourceError};
+use crate::source::{
+    Cached, MetricsAccess, PromAuth, PromClient, RedisKey, Scrape, Source, SourceError,
+};
 
 use super::DispatchGate;
 
@@ -72,6 +74,9 @@ pub struct GateContext {
     pub source_timeout: Duration,
     /// The HTTP client for scrapes (one connection pool).
     pub http: reqwest::Client,
+    /// Where metric sources read: the network, or in-process endpoints
+    /// (`sluicegate eval` runs the same gates on the simulated pool).
+    pub metrics: MetricsAccess,
     /// The queue's static capacity, against which a composite compares
     /// inner gates that have no live `max_SYS` of their own.
     pub capacity: Capacity,
@@ -141,6 +146,7 @@ impl GateContext {
             max_staleness,
             source_timeout: max_staleness.min(Duration::from_secs(10)),
             http: reqwest::Client::new(),
+            metrics: MetricsAccess::Network,
             capacity: Capacity::default(),
             replica: std::env::var("HOSTNAME")
                 .ok()
@@ -167,6 +173,9 @@ impl GateContext {
 
     /// The Prometheus client, for a `gate_type` gate that needs one.
     pub(crate) fn prom_client(&self, gate_type: &'static str) -> Result<PromClient, BuildError> {
+        if let MetricsAccess::InProcess(endpoint) = &self.metrics {
+            return Ok(PromClient::in_process(endpoint.clone()));
+        }
         let p = self
             .prometheus
             .as_ref()
@@ -196,7 +205,11 @@ impl GateContext {
             url: url.to_owned(),
             source,
         })?;
-        Ok(self.cache(Scrape::new(self.http.clone(), parsed, self.source_timeout)))
+        let scrape = match &self.metrics {
+            MetricsAccess::Network => Scrape::new(self.http.clone(), parsed, self.source_timeout),
+            MetricsAccess::InProcess(endpoint) => Scrape::in_process(endpoint.clone(), parsed),
+        };
+        Ok(self.cache(scrape))
     }
 }
 

@@ -8,9 +8,12 @@
 //! `scrape.rs` (GET a text-format `/metrics` page), `text.rs` (our own
 //! text-format parser, which keeps names with `:`), `redis_key.rs` (a budget
 //! written to a Redis key by an external controller), `cache.rs` (a
-//! single-flight TTL cache with a staleness limit that wraps any source).
+//! single-flight TTL cache with a staleness limit that wraps any source),
+//! `local.rs` (in-process endpoints for pages and PromQL, how `eval` runs
+//! the same sources in virtual time).
 
 mod cache;
+mod local;
 mod prom;
 mod redis_key;
 mod scrape;
@@ -22,6 +25,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 pub use cache::Cached;
+pub use local::{MetricsAccess, MetricsEndpoint, PromAnswer};
 pub use prom::{PromAuth, PromClient, PromQuery, PromSample, PromVector};
 pub use redis_key::{APPLIED_SUFFIX, BudgetRecord, RecordError, RedisKey, parse_budget_record};
 pub use scrape::Scrape;

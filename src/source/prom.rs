@@ -10,7 +10,7 @@ use prometheus_http_query::response::Data;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderValue};
 use tokio::time::Instant;
 
-use super::{Source, SourceError, Timestamped};
+use super::{MetricsEndpoint, Source, SourceError, Timestamped};
 
 /// One series of an instant vector.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,10 +28,19 @@ pub type PromVector = Vec<PromSample>;
 /// A Prometheus HTTP API client with its authentication and timeout.
 #[derive(Clone)]
 pub struct PromClient {
-    client: prometheus_http_query::Client,
+    backend: Backend,
     /// Base URL with any password masked, for messages.
     shown_url: String,
     timeout: Duration,
+}
+
+/// Who answers the queries.
+#[derive(Clone)]
+enum Backend {
+    /// Prometheus' HTTP API.
+    Http(prometheus_http_query::Client),
+    /// An in-process endpoint (`sluicegate eval`).
+    InProcess(Arc<dyn MetricsEndpoint>),
 }
 
 impl std::fmt::Debug for PromClient {
@@ -86,10 +95,20 @@ impl PromClient {
         let client = prometheus_http_query::Client::from(http, url.as_str())
             .map_err(|e| SourceError::Client(Arc::new(e)))?;
         Ok(Self {
-            client,
+            backend: Backend::Http(client),
             shown_url: crate::config::mask_url(url),
             timeout,
         })
+    }
+
+    /// A client whose queries an in-process endpoint answers
+    /// (`sluicegate eval`: the simulated pool's Prometheus view).
+    pub fn in_process(endpoint: Arc<dyn MetricsEndpoint>) -> Self {
+        Self {
+            backend: Backend::InProcess(endpoint),
+            shown_url: "in-process".to_owned(),
+            timeout: Duration::ZERO,
+        }
     }
 
     /// The base URL, password masked.
@@ -144,7 +163,14 @@ impl PromClient {
         query: &str,
     ) -> Result<(PromVector, Instant, Option<f64>), SourceError> {
         let sent = Instant::now();
-        let answer = tokio::time::timeout(self.timeout, self.client.query(query).get())
+        let client = match &self.backend {
+            Backend::Http(client) => client,
+            Backend::InProcess(endpoint) => {
+                let answer = endpoint.query(query)?;
+                return Ok((answer.samples, sent, Some(answer.evaluated_at)));
+            }
+        };
+        let answer = tokio::time::timeout(self.timeout, client.query(query).get())
             .await
             .map_err(|_| SourceError::Timeout(self.timeout))?;
         let result = answer.map_err(|e| match e {
