@@ -44,6 +44,7 @@ pub mod batch;
 pub mod cli;
 pub mod config;
 pub mod dispatch;
+pub mod eval;
 pub mod gate;
 pub mod gateway;
 pub mod queue;

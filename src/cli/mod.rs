@@ -8,6 +8,7 @@ mod bench;
 mod cancel;
 mod demo;
 mod embedded;
+mod eval;
 mod probe;
 mod results;
 mod submit;
@@ -71,6 +72,10 @@ enum Command {
     /// Dispatch gate commands.
     #[command(subcommand)]
     Gate(GateCommand),
+    /// Gate quality in virtual time: every scenario without batch and with
+    /// each gate and baseline, scored by harvest, excess SLO violations
+    /// and tail inflation (`docs/gate-quality.md`).
+    Eval(eval::EvalArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -210,6 +215,10 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Cancel(args) => cancel::run(args).await,
         Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
+        // Virtual time on its own runtimes: off the async workers.
+        Command::Eval(args) => tokio::task::spawn_blocking(move || eval::run(args))
+            .await
+            .unwrap_or(ExitCode::FAILURE),
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();

@@ -371,6 +371,16 @@ pub struct LoadConfig {
     pub max_tokens: u32,
     /// Request priority (vLLM semantics: lower runs first).
     pub priority: i32,
+    /// A step in the arrival rate: from `rate_step_at_s` on, every rate is
+    /// multiplied by `rate_step_factor` (`None` = no step).
+    pub rate_step_at_s: Option<f64>,
+    /// Rate multiplier after the step (e.g. 3.0 for a 3× step), > 0.
+    pub rate_step_factor: f64,
+    /// `[start, end]` seconds during which prompts are `long_prompt_factor`
+    /// times longer (capped by the model length), `None` = never.
+    pub long_prompt_window_s: Option<[f64; 2]>,
+    /// Prompt length multiplier inside the window, > 0.
+    pub long_prompt_factor: f64,
 }
 
 impl Default for LoadConfig {
@@ -395,6 +405,10 @@ impl Default for LoadConfig {
             output_cv: 0.6,
             max_tokens: 1024,
             priority: 0,
+            rate_step_at_s: None,
+            rate_step_factor: 1.0,
+            long_prompt_window_s: None,
+            long_prompt_factor: 1.0,
         }
     }
 }
@@ -445,11 +459,24 @@ impl LoadConfig {
             ("trace_speed", self.trace_speed),
             ("prompt_mean", self.prompt_mean),
             ("output_mean", self.output_mean),
+            ("rate_step_factor", self.rate_step_factor),
+            ("long_prompt_factor", self.long_prompt_factor),
         ];
         for (k, v) in positive {
             if !(v.is_finite() && v > 0.0) {
                 return Err(SimError::config(&key(k), "must be a finite number > 0"));
             }
+        }
+        if let Some(at) = self.rate_step_at_s
+            && !(at.is_finite() && at >= 0.0)
+        {
+            return Err(SimError::config(
+                &key("rate_step_at_s"),
+                "must be a finite number >= 0",
+            ));
+        }
+        if let Some(window) = self.long_prompt_window_s {
+            validate_windows(&key("long_prompt_window_s"), &[window])?;
         }
         let ranges = [
             ("burst_duration_s", self.burst_duration_s, 0.0),

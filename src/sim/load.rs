@@ -198,6 +198,10 @@ pub struct LoadGenerator {
     rng: Xoshiro256PlusPlus,
     t: SimTime,
     priority: i32,
+    /// `(at, factor)`: rates are multiplied by `factor` from `at` on.
+    rate_step: Option<(SimTime, f64)>,
+    /// `([start, end], factor)`: prompts are longer inside the window.
+    long_prompts: Option<([SimTime; 2], f64)>,
 }
 
 impl LoadGenerator {
@@ -263,12 +267,37 @@ impl LoadGenerator {
             rng,
             t: 0.0,
             priority: cfg.priority,
+            rate_step: cfg.rate_step_at_s.map(|at| (at, cfg.rate_step_factor)),
+            long_prompts: cfg
+                .long_prompt_window_s
+                .map(|w| (w, cfg.long_prompt_factor)),
         })
     }
 
     /// The arrival rate (requests per second) the process targets at `t`,
     /// for the bursts generated so far.
     pub fn rate_at(&self, t: SimTime) -> f64 {
+        self.base_rate_at(t) * self.step_factor(t)
+    }
+
+    /// The rate multiplier of the configured step at `t`.
+    fn step_factor(&self, t: SimTime) -> f64 {
+        match self.rate_step {
+            Some((at, factor)) if t >= at => factor,
+            _ => 1.0,
+        }
+    }
+
+    /// The prompt multiplier at `t`.
+    fn prompt_factor(&self, t: SimTime) -> f64 {
+        match self.long_prompts {
+            Some(([start, end], factor)) if (start..end).contains(&t) => factor,
+            _ => 1.0,
+        }
+    }
+
+    /// The process's own rate at `t`, before the step.
+    fn base_rate_at(&self, t: SimTime) -> f64 {
         match &self.process {
             Process::Off | Process::Trace { .. } => 0.0,
             Process::Poisson {
@@ -326,7 +355,8 @@ impl LoadGenerator {
     }
 
     fn rate_bound(&self) -> f64 {
-        match &self.process {
+        let step = self.rate_step.map_or(1.0, |(_, f)| f.max(1.0));
+        step * match &self.process {
             Process::Off | Process::Trace { .. } => 0.0,
             Process::Poisson {
                 base,
@@ -347,8 +377,9 @@ impl LoadGenerator {
             *next += 1;
             let at = (row.timestamp - t0) / *speed;
             let max_tokens = self.lengths.max_tokens.max(row.output_tokens);
+            let prompt_factor = self.prompt_factor(at);
             let (p, o, m) = self.lengths.fit(
-                f64::from(row.input_tokens),
+                f64::from(row.input_tokens) * prompt_factor,
                 f64::from(row.output_tokens),
                 max_tokens,
             );
@@ -374,7 +405,13 @@ impl LoadGenerator {
                 break;
             }
         }
-        let (p, o, m) = self.lengths.draw(&mut self.rng);
+        let (mut p, mut o, mut m) = self.lengths.draw(&mut self.rng);
+        let prompt_factor = self.prompt_factor(self.t);
+        if prompt_factor != 1.0 {
+            (p, o, m) = self
+                .lengths
+                .fit(f64::from(p) * prompt_factor, f64::from(o), m);
+        }
         Some(Arrival {
             at: self.t,
             prompt_tokens: p,
@@ -451,6 +488,35 @@ mod tests {
         let high = v.iter().filter(|a| a.at < 60.0).count() as f64 / 60.0;
         let low = v.iter().filter(|a| a.at >= 60.0).count() as f64 / 90.0;
         assert!(high > 25.0 && low < 2.0, "high {high} low {low}");
+    }
+
+    #[test]
+    fn a_rate_step_multiplies_the_rate_and_long_prompts_stay_in_their_window() {
+        let mut c = cfg(LoadMode::Poisson);
+        c.diurnal_amplitude = 0.0;
+        c.burst_mean_gap_s = 0.0;
+        c.rate_step_at_s = Some(500.0);
+        c.rate_step_factor = 3.0;
+        c.long_prompt_window_s = Some([200.0, 300.0]);
+        c.long_prompt_factor = 8.0;
+        let g = LoadGenerator::new(&c, 1, 32_768, 5).unwrap();
+        let arrivals: Vec<Arrival> = g.take_while(|a| a.at < 1000.0).collect();
+        let before = arrivals.iter().filter(|a| a.at < 500.0).count() as f64;
+        let after = arrivals.iter().filter(|a| a.at >= 500.0).count() as f64;
+        let ratio = after / before;
+        assert!((2.6..3.4).contains(&ratio), "rate ratio {ratio}");
+        let mean_prompt = |lo: f64, hi: f64| {
+            let v: Vec<f64> = arrivals
+                .iter()
+                .filter(|a| (lo..hi).contains(&a.at))
+                .map(|a| f64::from(a.prompt_tokens))
+                .collect();
+            v.iter().sum::<f64>() / v.len() as f64
+        };
+        let long = mean_prompt(200.0, 300.0);
+        let normal = mean_prompt(0.0, 200.0);
+        assert!(long / normal > 5.0, "{long} vs {normal}");
+        assert!(mean_prompt(300.0, 500.0) / normal < 1.5);
     }
 
     #[test]

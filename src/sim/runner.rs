@@ -146,6 +146,10 @@ pub struct PolicyInput<'a> {
     pub last_rejection_at: Option<SimTime>,
     /// Number of replicas in the pool (what a static config would know).
     pub replicas: usize,
+    /// The pool itself, for policies that serve its metrics to a gate
+    /// through their own lagged views (`sluicegate eval`); a policy must
+    /// not read more than a real dispatcher could scrape.
+    pub pool: &'a Pool,
 }
 
 /// Decides, every policy interval, how many batch requests to release now.
@@ -159,6 +163,23 @@ pub trait BatchPolicy {
     fn name(&self) -> String;
     /// How many batch requests to release at `input.now`.
     fn release(&mut self, input: &PolicyInput<'_>) -> u32;
+
+    /// One batch request was released at `now` (called once per request
+    /// actually submitted, before any refusal of it).
+    fn sent(&mut self, now: SimTime) {
+        let _ = now;
+    }
+
+    /// A released batch request was refused at `now` with HTTP `status`
+    /// (429 or 503), at submission or when flow control let it go.
+    fn refused(&mut self, now: SimTime, status: u16) {
+        let _ = (now, status);
+    }
+
+    /// A released batch request finished (completed or aborted) at `now`.
+    fn finished(&mut self, now: SimTime, record: &RequestRecord) {
+        let _ = (now, record);
+    }
 }
 
 /// Releases nothing: the interactive-only baseline.
@@ -468,19 +489,24 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
     let (mut policy_k, mut sample_k) = (0u64, 0u64);
     let mut last_obs_age: Option<f64> = None;
 
-    let drain =
-        |events: &mut Vec<EngineEvent>, records: &mut Vec<RequestRecord>, c: &mut Counters| {
-            for ev in events.drain(..) {
-                if let EngineEvent::Finished(r) = ev {
-                    let k = r.class as usize;
-                    c.in_flight[k] = c.in_flight[k].saturating_sub(1);
-                    if r.class == RequestClass::Batch && r.outcome == Outcome::Completed {
+    let drain = |events: &mut Vec<EngineEvent>,
+                 records: &mut Vec<RequestRecord>,
+                 c: &mut Counters,
+                 policy: &mut dyn BatchPolicy| {
+        for ev in events.drain(..) {
+            if let EngineEvent::Finished(r) = ev {
+                let k = r.class as usize;
+                c.in_flight[k] = c.in_flight[k].saturating_sub(1);
+                if r.class == RequestClass::Batch {
+                    if r.outcome == Outcome::Completed {
                         c.batch_completed += 1;
                     }
-                    records.push(*r);
+                    policy.finished(r.finished_at.unwrap_or(r.arrival), &r);
                 }
+                records.push(*r);
             }
-        };
+        }
+    };
 
     loop {
         let t_policy = policy_k as f64 * sc.policy_interval_s;
@@ -499,10 +525,13 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
             break;
         }
         pool.advance_to(te, &mut events, &mut released);
-        drain(&mut events, &mut records, &mut c);
+        drain(&mut events, &mut records, &mut c, policy);
         for (req, a) in released.drain(..) {
             // Held requests were already counted in flight; only refusals change.
-            if let Admission::Rejected(_) = a {
+            if let Admission::Rejected(code) = a {
+                if req.class == RequestClass::Batch {
+                    policy.refused(te, code);
+                }
                 c.in_flight[req.class as usize] = c.in_flight[req.class as usize].saturating_sub(1);
                 if req.class == RequestClass::Batch {
                     c.batch_released = c.batch_released.saturating_sub(1);
@@ -550,6 +579,7 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
                 batch_rejected_503_total: c.batch_rejected[1],
                 last_rejection_at: c.last_rejection_at,
                 replicas: sc.pool.replicas,
+                pool: &pool,
             };
             let want = u64::from(policy.release(&input)).min(backlog);
             if let Some(lengths) = &batch_len {
@@ -568,8 +598,10 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
                     };
                     next_id += 1;
                     let adm = pool.submit(req.clone());
+                    policy.sent(te);
                     c.admitted(RequestClass::Batch, adm, &req, &mut records, te);
-                    if let Admission::Rejected(_) = adm {
+                    if let Admission::Rejected(code) = adm {
+                        policy.refused(te, code);
                         break;
                     }
                     backlog -= 1;
@@ -599,7 +631,7 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
         }
     }
     pool.advance_to(sc.duration_s, &mut events, &mut released);
-    drain(&mut events, &mut records, &mut c);
+    drain(&mut events, &mut records, &mut c, policy);
     let steps = pool.engines().iter().map(|e| e.steps()).sum();
     let preemptions = pool.engines().iter().map(|e| e.preemptions()).sum();
     let tokens_generated = tokens(&pool);
