@@ -23,7 +23,9 @@ pub(super) struct EvalArgs {
     #[arg(long, default_value = "all", value_name = "SIZE")]
     pool: String,
     /// Contenders to run (repeatable): ungated, static-cap-oracle,
-    /// upstream-per-poll, or a gate name from the list. Default: all.
+    /// static-cap-N (a fixed cap of N), upstream-per-poll, or a gate
+    /// (prometheus-budget, prometheus-saturation, vllm, feedback,
+    /// slo-headroom, ...). Default: every built-in one.
     #[arg(long = "gate", value_name = "NAME")]
     gates: Vec<String>,
     /// Also replay a CSV trace (timestamp, input tokens, output tokens) as

@@ -17,6 +17,8 @@ pub enum Kind {
     /// No gate: the whole backlog is released at once (flow control and
     /// 429s permitting).
     Ungated,
+    /// A fixed static batch concurrency cap (`static-cap-N`).
+    Cap(u32),
     /// The best static batch concurrency cap, found by grid search with
     /// the interactive outcome known in advance: an oracle no user has.
     StaticOracle,
@@ -64,6 +66,21 @@ impl Contender {
             }
         )
     }
+}
+
+/// The contender called `name` among `built_in`, or a fixed cap
+/// `static-cap-N`.
+pub fn find(built_in: &[Contender], name: &str) -> Option<Contender> {
+    if let Some(cap) = name
+        .strip_prefix("static-cap-")
+        .and_then(|n| n.parse::<u32>().ok())
+    {
+        return Some(Contender {
+            name: name.to_owned(),
+            kind: Kind::Cap(cap),
+        });
+    }
+    built_in.iter().find(|c| c.name == name).cloned()
 }
 
 /// The built-in contenders, baselines first. Gates run untuned: only the
