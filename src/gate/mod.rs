@@ -25,6 +25,7 @@
 mod build;
 mod composite;
 mod constant;
+pub mod control;
 mod endpoint_scrape;
 mod guard;
 mod local_concurrency;
