@@ -43,6 +43,8 @@ async fn every_example_gate_builds() {
         "endpoint-scrape",
         "redis",
         "vllm",
+        "feedback",
+        "slo-headroom",
     ] {
         assert!(kinds.contains(&kind), "no example config for {kind}");
     }
@@ -74,6 +76,12 @@ fn sample_params(t: &str) -> Value {
             json!({"saturation_gate": "prometheus-saturation", "saturation_gate_params": {"pool": "p"}})
         }
         "vllm" => json!({"urls": ["http://127.0.0.1:8000/metrics"]}),
+        "feedback" => json!({
+            "urls": ["http://127.0.0.1:8000/metrics"],
+            "labels": {"model_name": "chat"},
+            "setpoint": {"horizon": "20s"}
+        }),
+        "slo-headroom" => json!({"urls": "http://127.0.0.1:8000/metrics", "horizon": "5s"}),
         other => panic!("no sample for {other}"),
     }
 }
@@ -323,4 +331,32 @@ fn unbuilt_gates_are_known_but_not_available() {
     assert!(!available.contains(&"tier-priority-admission"));
     assert!(available.contains(&"vllm"));
     assert_eq!(available.len() + 2, GATE_TYPES.len());
+}
+
+#[test]
+fn feedback_gates_collect_every_error_under_their_keys() {
+    let err = parse(
+        "feedback",
+        json!({"urls": ["ftp://x"], "decrease": 1.5, "jitter": 1, "target": 0,
+               "setpoint": {"urls": ["http://a/metrics"], "margin": 2, "regression_window": 2}}),
+    )
+    .expect_err("invalid")
+    .to_string();
+    for key in [
+        "queue[0].gate_params.urls[0]",
+        "queue[0].gate_params.decrease",
+        "queue[0].gate_params.jitter",
+        "queue[0].gate_params.target",
+        "queue[0].gate_params.setpoint.urls",
+        "queue[0].gate_params.setpoint.margin",
+        "queue[0].gate_params.setpoint.regression_window",
+    ] {
+        assert!(err.contains(key), "{key} missing from {err}");
+    }
+    let err = parse("slo-headroom", json!({"horizon": "0s", "bogus": 1}))
+        .expect_err("invalid")
+        .to_string();
+    for key in ["queue[0].gate_params.urls", "queue[0].gate_params.bogus"] {
+        assert!(err.contains(key), "{key} missing from {err}");
+    }
 }

@@ -110,6 +110,10 @@ gate_catalogue! {
     TierPriorityAdmission(gate::TierPriorityAdmissionParams) = "tier-priority-admission",
     /// Budget from vLLM servers' own `/metrics` (KV cache and queue).
     Vllm(gate::VllmParams) = "vllm",
+    /// AIMD window of own in-flight work from vLLM SLO attainment and 429s.
+    Feedback(gate::FeedbackParams) = "feedback",
+    /// Own in-flight that keeps forecast interactive ITL within its SLO.
+    SloHeadroom(gate::SloHeadroomParams) = "slo-headroom",
 }
 
 /// Where a gate is, for errors: the gate itself (depth errors), its

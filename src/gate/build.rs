@@ -46,6 +46,17 @@ pub enum BuildError {
         #[source]
         source: SourceError,
     },
+    /// A parameter that is optional in general is needed for this queue
+    /// (e.g. `cost_per_request` when the queue counts tokens).
+    #[error("gate `{gate_type}` needs `{param}`: {why}")]
+    MissingParam {
+        /// The gate name.
+        gate_type: &'static str,
+        /// The parameter.
+        param: &'static str,
+        /// Why this queue needs it.
+        why: String,
+    },
     /// A URL in the gate parameters does not parse (validated earlier, so
     /// only reachable when a spec is built by hand).
     #[error("invalid URL {url:?}")]

@@ -12,20 +12,27 @@
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
 //! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
 //! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs`,
-//! `redis_quota.rs`, `tier_priority.rs` and `vllm.rs` are gates, each file
+//! `redis_quota.rs`, `tier_priority.rs`, `vllm.rs`, `feedback.rs` and
+//! `slo_headroom.rs` are gates, each file
 //! holding the gate's parameters (serde shape, defaults, validation), its
 //! constructor and the gate; `param.rs` holds what parameters share (the
 //! [`GateParams`] trait, loose upstream value adapters, error collection);
 //! `reading.rs` holds what the metric gates share (one observe / explain
 //! for all of them, value checks, explicit aggregation); `guard.rs` holds
 //! the wrappers: staleness and fail-closed (every gate runs behind them)
-//! and the opt-in fallback; `build.rs` holds the build context and errors.
+//! and the opt-in fallback; `build.rs` holds the build context and errors;
+//! `control.rs` holds the pure controllers of the feedback gates (AIMD
+//! window, Kalman trend, non-negative regression, histogram deltas) and
+//! `engine_signals.rs` what those gates read from vLLM pages.
 //! The catalogue of gates is [`crate::config::GateSpec`].
 
 mod build;
 mod composite;
 mod constant;
+pub mod control;
 mod endpoint_scrape;
+mod engine_signals;
+mod feedback;
 mod guard;
 mod local_concurrency;
 pub(crate) mod param;
@@ -35,6 +42,7 @@ mod prometheus_saturation;
 mod reading;
 mod redis_budget;
 mod redis_quota;
+mod slo_headroom;
 mod tier_priority;
 mod vllm;
 mod wait_on_refuse;
@@ -52,6 +60,7 @@ pub use build::{BuildError, Capacity, GateContext, build_gate};
 pub use composite::{CompositeGate, CompositeParams};
 pub use constant::{ConstantGate, ConstantParams};
 pub use endpoint_scrape::{EndpointScrapeGate, EndpointScrapeParams, PodsSource};
+pub use feedback::{FeedbackGate, FeedbackParams};
 pub use guard::{FailClosed, Fallback, StalenessLimit};
 pub use local_concurrency::{GatingMode, LocalMaxConcurrencyGate, LocalMaxConcurrencyParams};
 pub use param::{GateParams, ParseCx};
@@ -61,6 +70,7 @@ pub use prometheus_saturation::{PrometheusSaturationGate, PrometheusSaturationPa
 pub use reading::{Explanation, SourceReport};
 pub use redis_budget::{MissingBudget, RedisBudgetGate, RedisParams};
 pub use redis_quota::{QuotaMode, RedisQuotaParams};
+pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
 pub use tier_priority::TierPriorityAdmissionParams;
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};

@@ -11,7 +11,7 @@ use std::future::Future;
 use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
-use super::{Budget, DispatchGate, GateError, Observation};
+use super::{Budget, DispatchEvent, DispatchGate, GateError, Observation};
 
 /// A gate that reads metric sources and turns them into a budget. Each
 /// gate supplies only its sources and formula ([`MetricGate::read`]);
@@ -33,6 +33,12 @@ pub(crate) trait MetricGate: Send + Sync + fmt::Debug {
     fn notes(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// What happened to a batch request ([`DispatchGate::on_event`]); the
+    /// feedback gates learn their own in-flight work and 429/503s here.
+    fn on_event(&self, event: DispatchEvent) {
+        let _ = event;
+    }
 }
 
 /// Reads a metric gate once and says how.
@@ -53,6 +59,10 @@ impl<G: MetricGate> DispatchGate for G {
 
     fn kind(&self) -> &'static str {
         G::KIND
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        MetricGate::on_event(self, event);
     }
 
     fn explain(&self) -> BoxFuture<'_, Explanation> {
