@@ -28,6 +28,12 @@ pub(super) struct EvalArgs {
     /// slo-headroom, ...). Default: every built-in one.
     #[arg(long = "gate", value_name = "NAME")]
     gates: Vec<String>,
+    /// Also evaluate a gate of your own (repeatable):
+    /// `NAME={"gate_type": "...", "gate_params": {...}}`, with the
+    /// simulated pool's metrics at `http://pool.sim.invalid/metrics` and
+    /// Prometheus pool name `pool`.
+    #[arg(long = "gate-spec", value_name = "NAME=JSON")]
+    gate_specs: Vec<String>,
     /// Also replay a CSV trace (timestamp, input tokens, output tokens) as
     /// a scenario on each pool size.
     #[arg(long, value_name = "FILE")]
@@ -139,7 +145,9 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
         sc.seed = sc.seed.wrapping_add(args.seed);
     }
     let all = contender::built_in()?;
-    let contenders: Vec<Contender> = if args.gates.is_empty() {
+    let contenders: Vec<Contender> = if args.gates.is_empty() && !args.gate_specs.is_empty() {
+        Vec::new()
+    } else if args.gates.is_empty() {
         all
     } else {
         let names: Vec<String> = all.iter().map(|c| c.name.clone()).collect();
@@ -153,6 +161,10 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
             })
             .collect::<Result<_, _>>()?
     };
+    let mut contenders = contenders;
+    for spec in &args.gate_specs {
+        contenders.push(custom_gate(spec)?);
+    }
     let threads = args.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
@@ -163,6 +175,24 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
         slo: Slo::default(),
         threads,
     })
+}
+
+/// A `--gate-spec NAME=JSON` contender.
+fn custom_gate(arg: &str) -> Result<Contender, String> {
+    let (name, json) = arg
+        .split_once('=')
+        .ok_or_else(|| format!("--gate-spec: expected NAME=JSON, got `{arg}`"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| format!("--gate-spec {name}: {e}"))?;
+    let gate_type = value
+        .get("gate_type")
+        .and_then(serde_json::Value::as_str)
+        .ok_or_else(|| format!("--gate-spec {name}: `gate_type` (a string) is required"))?;
+    let params = value
+        .get("gate_params")
+        .cloned()
+        .unwrap_or_else(|| serde_json::json!({}));
+    Contender::gate(name, gate_type, &params)
 }
 
 /// Runs the evaluation will make, for the progress bar.

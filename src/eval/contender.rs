@@ -105,5 +105,12 @@ pub fn built_in() -> Result<Vec<Contender>, String> {
         Contender::gate("prometheus-budget", "prometheus-budget", &pool)?,
         Contender::gate("prometheus-saturation", "prometheus-saturation", &pool)?,
         Contender::gate("vllm", "vllm", &pages)?,
+        Contender::gate("feedback", "feedback", &pages)?,
+        Contender::gate("slo-headroom", "slo-headroom", &pages)?,
+        Contender::gate(
+            "feedback+slo-headroom",
+            "feedback",
+            &json!({ "urls": [PAGE_URL], "setpoint": {} }),
+        )?,
     ])
 }
