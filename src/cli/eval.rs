@@ -99,7 +99,39 @@ pub(super) fn run(args: EvalArgs) -> ExitCode {
     } else {
         print!("{}", table(&report));
     }
+    if let Some(path) = &args.svg {
+        if let Err(e) = write_svgs(&report, path, args.svg_gate.as_deref()) {
+            eprintln!("sluicegate eval: --svg: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
     ExitCode::SUCCESS
+}
+
+/// One SVG per scenario: `path` itself for one scenario, else
+/// `<stem>-<scenario>.svg` beside it.
+fn write_svgs(report: &Report, path: &std::path::Path, gate: Option<&str>) -> Result<(), String> {
+    let many = report.scenarios.len() > 1;
+    for sc in &report.scenarios {
+        let row = match gate {
+            Some(name) => sc.rows.iter().find(|r| r.contender == name),
+            None => sc.best_gate(),
+        };
+        let Some(row) = row else {
+            return Err(format!("no contender to draw in {}", sc.scenario.name));
+        };
+        let file = if many {
+            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("eval");
+            let name = sc.scenario.name.replace('/', "-");
+            path.with_file_name(format!("{stem}-{name}.svg"))
+        } else {
+            path.to_path_buf()
+        };
+        let svg = crate::eval::timeline_svg(sc, row).map_err(|e| e.to_string())?;
+        std::fs::write(&file, svg).map_err(|e| format!("{}: {e}", file.display()))?;
+        eprintln!("wrote {} ({} in {})", file.display(), row.contender, sc.scenario.name);
+    }
+    Ok(())
 }
 
 fn options(args: &EvalArgs) -> Result<Options, String> {

@@ -13,6 +13,7 @@
 //! - [`score`]: the figures, pure.
 //! - `chart.rs`: the run over time as an SVG.
 
+mod chart;
 pub mod contender;
 mod endpoint;
 pub mod harness;
@@ -26,6 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde::Serialize;
 
+pub use chart::timeline_svg;
 pub use contender::{Contender, Kind};
 pub use endpoint::{PAGE_URL, SimMetrics};
 pub use harness::{DispatchModel, GatePolicy, GateSample, HarnessError, Release};
@@ -78,6 +80,9 @@ pub struct Row {
     pub contender: String,
     /// What the figures are of, when not obvious (the oracle's cap).
     pub detail: Option<String>,
+    /// Whether this is a sluicegate gate through the window (not a
+    /// baseline).
+    pub gate: bool,
     /// The figures.
     pub score: Score,
     /// The run over time, for charts.
@@ -101,6 +106,18 @@ pub struct ScenarioReport {
     /// The baseline over time.
     #[serde(skip)]
     pub baseline_timeline: Timeline,
+}
+
+impl ScenarioReport {
+    /// The gate with the most batch tokens within the SLO budget, else the
+    /// gate with the smallest `ΔV`.
+    pub fn best_gate(&self) -> Option<&Row> {
+        let gates = || self.rows.iter().filter(|r| r.gate);
+        gates()
+            .filter(|r| within_slo_budget(&r.score))
+            .max_by(|a, b| a.score.batch_tokens_per_s.total_cmp(&b.score.batch_tokens_per_s))
+            .or_else(|| gates().min_by(|a, b| a.score.delta_v_pp.total_cmp(&b.score.delta_v_pp)))
+    }
 }
 
 /// Everything `eval` measured.
@@ -429,6 +446,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
                         row: Row {
                             contender: c.name.clone(),
                             detail: cap.map(|c| format!("cap {c}")),
+                            gate: c.is_gate(),
                             score,
                             timeline: Timeline::of(&run, readings),
                         },

@@ -69,7 +69,7 @@ pub enum Shape {
     Step,
     /// Steady load with the metrics dark for 60 s.
     Blackout,
-    /// Steady load whose prompts are 8× longer for a period.
+    /// Steady load whose prompts are 8× longer for a minute.
     LongContext,
     /// A CSV trace (`--trace FILE`).
     Trace,
@@ -187,7 +187,10 @@ impl Scenario {
                 sc.disturbance = Some(window);
             }
             Shape::LongContext => {
-                let window = [sc.duration_s / 3.0, 2.0 * sc.duration_s / 3.0];
+                // A minute: 8× prompts at the steady rate nearly saturate
+                // prefill even without batch work.
+                let start = (sc.duration_s / 2.0).floor();
+                let window = [start, start + 60.0];
                 load.long_prompt_window_s = Some(window);
                 load.long_prompt_factor = 8.0;
                 sc.disturbance = Some(window);
