@@ -34,13 +34,16 @@
 //! - [`config`]: file + environment + flags into a typed configuration.
 //! - [`batch`]: the batch-file runner (OpenAI batch files through a
 //!   catalogue gate, resumable through an embedded store), the one
-//!   OpenAI-line converter, and the demo's chart.
+//!   OpenAI-line converter.
+//! - [`chart`]: SVG line charts (stacked panels over a shared time axis,
+//!   drawn with `plotters`) for the demo and `eval`.
 //! - [`app`]: wiring ([`app::run`]), the task tree and the shutdown order;
 //!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 
 pub mod app;
 pub mod batch;
+pub mod chart;
 pub mod cli;
 pub mod config;
 pub mod dispatch;

@@ -27,5 +27,15 @@ fn demo_short_mode_runs_to_completion_with_report_and_chart() {
     assert_eq!(results.lines().count(), 120);
     let svg = std::fs::read_to_string(dir.join("demo.svg")).expect("chart");
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
+    // The chart's panels, with their legends.
+    for text in [
+        "interactive load on the pool (waves)",
+        "twin pool without batch (baseline)",
+        "batch requests in flight",
+        "budget D",
+        "baseline B",
+    ] {
+        assert!(svg.contains(text), "chart lacks {text:?}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

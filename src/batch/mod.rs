@@ -5,8 +5,8 @@
 //! Files: `input.rs` parses and converts input lines; `output.rs` writes
 //! output lines; `watch.rs` records what the gate said; `status.rs` tells
 //! apart what holds the batch back (gate closed, source unavailable,
-//! congestion hold, window full) for the progress line and summary;
-//! `chart.rs` writes SVG. Gates are the catalogue's ([`crate::gate::build_gate`]); the
+//! congestion hold, window full) for the progress line and summary (the
+//! demo's chart is drawn by [`crate::chart`]). Gates are the catalogue's ([`crate::gate::build_gate`]); the
 //! dispatcher is built as `run` builds it ([`crate::app::build_dispatcher`]).
 //!
 //! Resume: the state directory holds an embedded store
@@ -18,7 +18,6 @@
 //! result is sent again. The output file is rewritten from the store, in
 //! input order, at the end of every run.
 
-pub mod chart;
 pub mod input;
 pub mod output;
 pub mod status;

@@ -37,6 +37,10 @@ pub struct GateStats {
     pub errors: u64,
     /// The reason of the last observation.
     pub reason: String,
+    /// Batch work in flight (sent, not yet answered or failed), in the
+    /// queue's unit, as the dispatcher reports it through
+    /// [`DispatchGate::on_event`].
+    pub in_flight: u64,
     last_at: Option<Instant>,
 }
 
@@ -125,6 +129,43 @@ impl DispatchGate for GateWatch {
     }
 
     fn on_event(&self, event: DispatchEvent) {
+        {
+            let mut s = self.stats.lock();
+            match event {
+                DispatchEvent::Sent { cost, .. } => s.in_flight += cost,
+                DispatchEvent::Answered { cost, .. } | DispatchEvent::Failed { cost, .. } => {
+                    s.in_flight = s.in_flight.saturating_sub(cost);
+                }
+            }
+        }
         self.inner.on_event(event);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gate::{Budget, ConstantGate};
+
+    #[test]
+    fn counts_batch_in_flight_from_dispatch_events() {
+        let (watch, stats) = GateWatch::new(Box::new(ConstantGate::new(Budget::FULL)));
+        let at = Instant::now();
+        watch.on_event(DispatchEvent::Sent { at, cost: 3 });
+        watch.on_event(DispatchEvent::Sent { at, cost: 2 });
+        watch.on_event(DispatchEvent::Answered {
+            at,
+            sent_at: at,
+            status: 200,
+            cost: 3,
+        });
+        assert_eq!(stats.snapshot().in_flight, 2);
+        // More finished than sent (a caller's miscount) stays at zero.
+        watch.on_event(DispatchEvent::Failed {
+            at,
+            sent_at: at,
+            cost: 5,
+        });
+        assert_eq!(stats.snapshot().in_flight, 0);
     }
 }

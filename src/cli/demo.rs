@@ -16,9 +16,8 @@ use clap::Args;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::batch::chart::{Series, render};
 use crate::batch::{BatchOptions, GateWatch, run_batch};
-use crate::queue::embedded::EmbeddedQueue;
+use crate::chart::{Line, LineStyle, Panel, render_svg};
 use crate::sim::config::LoadMode;
 use crate::sim::{SimConfig, spawn_http};
 
@@ -33,9 +32,28 @@ pub(crate) struct DemoArgs {
     dir: PathBuf,
 }
 
-/// One chart sample: (seconds, batch done %, the pool gate's budget `D`
-/// while it is the tighter gate).
-type Sample = (f64, f64, Option<f64>);
+/// The demo's local concurrency limit (two replicas × 8).
+const LOCAL_LIMIT: u64 = 16;
+
+/// Over how long the interactive arrival rate is averaged on the chart:
+/// a quarter of a wave phase, so the waves stay square but Poisson noise
+/// is smoothed.
+const RATE_SPAN_S: f64 = 2.0;
+
+/// One chart sample, taken every 250 ms.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    /// Seconds since the demo started.
+    t: f64,
+    /// Interactive requests the simulated pool's load generator has
+    /// submitted so far (the waves; probes and batch not counted).
+    arrivals: u64,
+    /// Batch requests in flight (sent, not answered).
+    in_flight: u64,
+    /// The pool gate's budget `D` and baseline `B` (`None` when its
+    /// source did not answer).
+    budget: Option<(f64, f64)>,
+}
 
 /// Sizes of one demo run.
 struct Plan {
@@ -94,6 +112,88 @@ fn write_batch_file(path: &Path, lines: usize) -> std::io::Result<()> {
         out.push('\n');
     }
     std::fs::write(path, out)
+}
+
+/// The chart's panels: interactive load, its TTFT with the batch and
+/// without (the twin), batch in flight, and the gate's `D` and `B`.
+fn demo_panels(
+    samples: &[Sample],
+    pool_ttft: Vec<(f64, f64)>,
+    twin_ttft: Vec<(f64, f64)>,
+) -> Vec<Panel> {
+    // Arrival rate over the last RATE_SPAN_S at each sample (from the
+    // first sample at least that old).
+    let rate: Vec<(f64, f64)> = samples
+        .iter()
+        .filter_map(|s| {
+            let from = samples.iter().rev().find(|o| s.t - o.t >= RATE_SPAN_S)?;
+            let n = s.arrivals.saturating_sub(from.arrivals) as f64;
+            Some((s.t, n / (s.t - from.t)))
+        })
+        .collect();
+    let grey = LineStyle::dashed().with_color(90, 90, 90);
+    let budget = |pick: fn((f64, f64)) -> f64| -> Vec<(f64, f64)> {
+        samples
+            .iter()
+            .filter_map(|s| s.budget.map(|b| (s.t, pick(b))))
+            .collect()
+    };
+    let t_end = samples.last().map_or(0.0, |s| s.t);
+    vec![
+        Panel {
+            title: "interactive load on the pool (waves)".into(),
+            y_label: "arrivals / s".into(),
+            lines: vec![Line::new(
+                format!("interactive arrivals ({RATE_SPAN_S:.0} s average)"),
+                rate,
+                LineStyle::solid(),
+            )],
+            y_range: None,
+        },
+        Panel {
+            title: "interactive TTFT p99 (rolling 3 s)".into(),
+            y_label: "ms".into(),
+            lines: vec![
+                Line::new(
+                    "with batch",
+                    pool_ttft,
+                    LineStyle::solid().with_color(214, 39, 40),
+                ),
+                Line::new("twin pool without batch (baseline)", twin_ttft, grey),
+            ],
+            y_range: None,
+        },
+        Panel {
+            title: "batch requests in flight".into(),
+            y_label: "requests".into(),
+            lines: vec![
+                Line::new(
+                    "in flight",
+                    samples.iter().map(|s| (s.t, s.in_flight as f64)).collect(),
+                    LineStyle::solid(),
+                ),
+                Line::new(
+                    format!("local-max-concurrency limit ({LOCAL_LIMIT})"),
+                    vec![(0.0, LOCAL_LIMIT as f64), (t_end, LOCAL_LIMIT as f64)],
+                    grey,
+                ),
+            ],
+            y_range: None,
+        },
+        Panel {
+            title: "pool gate (vllm): budget D and baseline B".into(),
+            y_label: "fraction of capacity".into(),
+            lines: vec![
+                Line::new(
+                    "budget D",
+                    budget(|(d, _)| d),
+                    LineStyle::solid().with_color(44, 160, 44),
+                ),
+                Line::new("baseline B", budget(|(_, b)| b), grey),
+            ],
+            y_range: Some((0.0, 1.0)),
+        },
+    ]
 }
 
 /// Sends one tiny interactive request; its latency is the TTFT (one
@@ -203,15 +303,16 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     // roofline over the pool's own /metrics (baseline 0.3 kept for the
     // interactive waves), capped by `local-max-concurrency` so the batch
     // never holds more than 16 requests at once (two replicas × 8).
+    let pool_gate = serde_json::json!({
+        "urls": [format!("{pool_url}/metrics")],
+        "baseline": 0.3,
+    });
     let gate = super::batch::gate_from_flags(
         "composite",
         &serde_json::json!({"gates": [
-            {"gate_type": "vllm", "gate_params": {
-                "urls": [format!("{pool_url}/metrics")],
-                "baseline": 0.3,
-            }},
+            {"gate_type": "vllm", "gate_params": pool_gate.clone()},
             {"gate_type": "local-max-concurrency", "gate_params": {
-                "limit": 16,
+                "limit": LOCAL_LIMIT,
                 "gating_mode": "blocking",
             }},
         ]})
@@ -219,34 +320,38 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     )?;
     let (watched, gate_stats) = GateWatch::new(gate);
 
-    // Samples for the chart: (t, batch done %, budget D). D is charted
-    // only while the pool gate (`vllm`) is the tighter one: when the local
-    // limit binds, the composite's D is only its free share of 16 slots.
+    // Samples for the chart. The pool gate's D and B come from a twin of
+    // the composite's `vllm` gate on the same /metrics: while the local
+    // limit binds, the composite reports only its free share of the 16
+    // slots, which hides what the pool gate sees.
+    let pool_gate = super::batch::gate_from_flags("vllm", &pool_gate.to_string())?;
     let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
+    let pool = Arc::new(pool);
     let sampler = {
         let (samples, stop, stats) = (samples.clone(), stop.clone(), gate_stats.clone());
-        let db = state.join("queue.db");
-        let lines = plan.lines as f64;
+        let pool = pool.clone();
         tasks.spawn("demo sampler", async move {
-            let mut store: Option<EmbeddedQueue> = None;
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
                     () = tokio::time::sleep(Duration::from_millis(250)) => {}
                 }
-                if store.is_none() && db.exists() {
-                    store = EmbeddedQueue::open(&db, "batch").ok();
-                }
-                let done = store
-                    .as_ref()
-                    .and_then(|s| s.result_count().ok())
-                    .unwrap_or(0) as f64;
-                let gate = stats.snapshot();
-                samples.lock().unwrap_or_else(|e| e.into_inner()).push((
-                    started.elapsed().as_secs_f64(),
-                    100.0 * done / lines,
-                    (!gate.local_limit).then_some(gate.budget),
-                ));
+                let budget = pool_gate
+                    .observe()
+                    .await
+                    .ok()
+                    .filter(|o| o.source_available)
+                    .map(|o| (o.budget.get(), o.baseline.get()));
+                let sample = Sample {
+                    t: started.elapsed().as_secs_f64(),
+                    arrivals: pool.interactive_arrivals(),
+                    in_flight: stats.snapshot().in_flight,
+                    budget,
+                };
+                samples
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(sample);
             }
         })
     };
@@ -279,8 +384,10 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     let _ = sampler.await;
     tasks.stop().await;
     let (summary, _) = result.map_err(|e| e.to_string())?;
-    let elapsed = started.elapsed().as_secs_f64();
-    let _ = pool.shutdown().await;
+    // The sampler has ended, so this is the last handle on the pool.
+    if let Ok(pool) = Arc::try_unwrap(pool) {
+        let _ = pool.shutdown().await;
+    }
     let _ = twin.shutdown().await;
 
     let probes = probes.lock().unwrap_or_else(|e| e.into_inner());
@@ -291,60 +398,21 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     let rolling = |v: &[(f64, f64)]| -> Vec<(f64, f64)> {
         samples
             .iter()
-            .filter_map(|(t, _, _)| {
+            .filter_map(|s| {
                 p99(v
                     .iter()
-                    .filter(|(at, _)| at <= t && t - at < 3.0)
+                    .filter(|(at, _)| *at <= s.t && s.t - at < 3.0)
                     .map(|(_, x)| *x))
-                .map(|x| (*t, x))
+                .map(|x| (s.t, x))
             })
             .collect()
     };
-    let (pool_ttft, twin_ttft) = (rolling(&probes.pool), rolling(&probes.twin));
-    let ttft_top = pool_ttft
-        .iter()
-        .chain(twin_ttft.iter())
-        .map(|(_, x)| *x)
-        .fold(10.0_f64, f64::max)
-        .ceil();
-    let chart = render(
+    let chart = render_svg(
         "sluicegate demo: batch through a metric-driven gate beside interactive waves",
-        "seconds",
-        elapsed,
-        &[
-            Series {
-                label: "batch done, %".into(),
-                color: "#1f77b4".into(),
-                points: samples.iter().map(|(t, d, _)| (*t, *d)).collect(),
-                y_max: 100.0,
-                dashed: false,
-            },
-            Series {
-                label: "gate budget D".into(),
-                color: "#2ca02c".into(),
-                points: samples
-                    .iter()
-                    .filter_map(|(t, _, b)| b.map(|b| (*t, b)))
-                    .collect(),
-                y_max: 1.0,
-                dashed: false,
-            },
-            Series {
-                label: "interactive TTFT p99 (3 s), ms, with batch".into(),
-                color: "#d62728".into(),
-                points: pool_ttft,
-                y_max: ttft_top,
-                dashed: false,
-            },
-            Series {
-                label: "same, twin pool without batch (baseline)".into(),
-                color: "#7f7f7f".into(),
-                points: twin_ttft,
-                y_max: ttft_top,
-                dashed: true,
-            },
-        ],
-    );
+        "seconds since start",
+        &demo_panels(&samples, rolling(&probes.pool), rolling(&probes.twin)),
+    )
+    .map_err(|e| format!("chart: {e}"))?;
     let svg = dir.join("demo.svg");
     std::fs::write(&svg, chart).map_err(|e| format!("{}: {e}", svg.display()))?;
 

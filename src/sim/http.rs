@@ -152,6 +152,8 @@ pub struct SimHandle {
     addr: SocketAddr,
     cancel: CancellationToken,
     task: Option<tokio::task::JoinHandle<Result<(), SimError>>>,
+    /// Read by [`Self::interactive_arrivals`] (the demo charts the load).
+    shared: Arc<Shared>,
 }
 
 impl SimHandle {
@@ -163,6 +165,13 @@ impl SimHandle {
     /// `http://ADDR`, without a trailing slash.
     pub fn base_url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Requests the built-in interactive load generator has submitted so
+    /// far (requests sent over HTTP are not counted), as of the last time
+    /// the simulator advanced.
+    pub fn interactive_arrivals(&self) -> u64 {
+        self.shared.lock().background_arrivals
     }
 
     /// Stops the server and waits for it (in-flight requests end with 503 or a
@@ -198,7 +207,7 @@ pub async fn spawn_http(config: SimConfig) -> Result<SimHandle, SimError> {
     let cancel = CancellationToken::new();
 
     let driver = tokio::spawn(drive(shared.clone(), cancel.clone()));
-    let app = router(shared);
+    let app = router(shared.clone());
     let stop = cancel.clone();
     let task = tokio::spawn(async move {
         let served = axum::serve(listener, app)
@@ -213,6 +222,7 @@ pub async fn spawn_http(config: SimConfig) -> Result<SimHandle, SimError> {
         addr,
         cancel,
         task: Some(task),
+        shared,
     })
 }
 
@@ -232,6 +242,9 @@ struct Live {
     next_id: u64,
     background: Option<LoadGenerator>,
     next_background: Option<Arrival>,
+    /// Background arrivals submitted so far (see
+    /// [`SimHandle::interactive_arrivals`]).
+    background_arrivals: u64,
     /// Lagged `/metrics` history (only when `metrics.lag_s > 0`).
     history: Option<LaggedView<MetricsSnapshot>>,
     events: Vec<EngineEvent>,
@@ -286,6 +299,7 @@ impl Live {
                 .advance_to(a.at, &mut self.events, &mut self.released);
             let id = self.next_id;
             self.next_id += 1;
+            self.background_arrivals += 1;
             self.pool.submit(SimRequest {
                 id,
                 class: RequestClass::Interactive,
@@ -384,6 +398,7 @@ impl Shared {
                 next_id: 1 << 40, // leaves room below for background ids
                 background,
                 next_background,
+                background_arrivals: 0,
                 history,
                 events: Vec::new(),
                 released: Vec::new(),
