@@ -160,11 +160,14 @@ impl Scenario {
         match shape {
             Shape::Steady | Shape::Trace => {}
             Shape::Diurnal => {
+                // Peaks at 1.5× the steady rate, with an occasional 2×
+                // burst on top: busy, but within what the pool serves.
                 sc.duration_s = d(1200.0);
-                load.diurnal_amplitude = 0.6;
+                load.diurnal_amplitude = 0.5;
                 load.diurnal_period_s = sc.duration_s;
-                load.burst_mean_gap_s = sc.duration_s / 4.0;
-                load.burst_duration_s = [30.0, 90.0];
+                load.burst_mean_gap_s = sc.duration_s / 3.0;
+                load.burst_duration_s = [30.0, 60.0];
+                load.burst_factor = [1.5, 2.0];
             }
             Shape::Waves => {
                 sc.duration_s = d(900.0);

@@ -155,6 +155,35 @@ impl Histogram {
         )
     }
 
+    /// The `p`-quantile interpolated linearly inside its bucket, as
+    /// Prometheus' `histogram_quantile` does (a continuous value a
+    /// regression can fit, where the bucket edge jumps); the upper edge of
+    /// the last finite bucket when it falls in `+Inf`. `None` without
+    /// observations.
+    pub fn quantile_interpolated(&self, p: f64) -> Option<f64> {
+        if self.count <= 0.0 {
+            return None;
+        }
+        let rank = p.clamp(0.0, 1.0) * self.count;
+        let (mut lower_edge, mut lower_count) = (0.0, 0.0);
+        for &(le, cumulative) in &self.buckets {
+            if cumulative >= rank {
+                if le.is_infinite() {
+                    return Some(lower_edge);
+                }
+                let inside = cumulative - lower_count;
+                let share = if inside > 0.0 {
+                    (rank - lower_count) / inside
+                } else {
+                    1.0
+                };
+                return Some(lower_edge + (le - lower_edge) * share);
+            }
+            (lower_edge, lower_count) = (le, cumulative);
+        }
+        Some(lower_edge)
+    }
+
     /// The mean observation (`sum / count`). `None` without observations.
     pub fn mean(&self) -> Option<f64> {
         (self.count > 0.0).then(|| self.sum / self.count)
@@ -659,8 +688,10 @@ pub struct HeadroomInputs {
     pub waiting: f64,
     /// Our own requests in flight.
     pub own: f64,
-    /// Mean ITL over the interval, when any token was produced.
-    pub itl_mean: Option<f64>,
+    /// The interval's ITL statistic the SLO is held to (`slo-headroom`'s
+    /// `itl_quantile` of the token gaps, interpolated), when any token was
+    /// produced.
+    pub itl: Option<f64>,
     /// Observed TTFT quantile over the interval, when any request started.
     pub ttft_quantile: Option<f64>,
 }
@@ -722,7 +753,7 @@ impl HeadroomModel {
         let c = self.cfg;
         let load = (i.running + i.waiting - i.own).max(0.0);
         self.trend.update(load, i.dt);
-        if let Some(itl) = i.itl_mean.filter(|v| v.is_finite() && *v >= 0.0) {
+        if let Some(itl) = i.itl.filter(|v| v.is_finite() && *v >= 0.0) {
             // Judge the model before it learns this point, so the ratio
             // measures prediction error, not fit residue.
             if let Some(line) = self.trusted_line() {
@@ -1040,6 +1071,29 @@ mod tests {
     }
 
     #[test]
+    fn interpolated_quantiles_fall_inside_their_bucket() {
+        let inf = f64::INFINITY;
+        let h = Histogram::select(
+            &[series(
+                &[],
+                &[(0.025, 50.0), (0.05, 90.0), (0.075, 100.0), (inf, 100.0)],
+                3.0,
+            )],
+            &BTreeMap::new(),
+        )
+        .unwrap();
+        // Rank 70 is half-way through the (0.025, 0.05] bucket (50 → 90).
+        let q = h.quantile_interpolated(0.7).unwrap();
+        assert!((q - 0.0375).abs() < 1e-12, "{q}");
+        // The bucket-edge reading over-estimates; interpolation does not.
+        assert_eq!(h.quantile(0.7), Some(0.05));
+        assert!((h.quantile_interpolated(0.25).unwrap() - 0.0125).abs() < 1e-12);
+        assert_eq!(h.quantile_interpolated(1.0), Some(0.075));
+        let empty = Histogram::select(&[series(&[], &[(inf, 0.0)], 0.0)], &BTreeMap::new());
+        assert!(empty.is_none_or(|h| h.quantile_interpolated(0.5).is_none()));
+    }
+
+    #[test]
     fn kalman_uses_the_constant_predictor_until_warm() {
         let mut k = LocalLinearTrend::new(KALMAN);
         for (t, z) in [10.0, 20.0, 30.0, 40.0].into_iter().enumerate() {
@@ -1135,7 +1189,7 @@ mod tests {
             running,
             waiting: 0.0,
             own: 0.0,
-            itl_mean: Some(itl),
+            itl: Some(itl),
             ttft_quantile: Some(0.1),
         }
     }

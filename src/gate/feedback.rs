@@ -37,7 +37,9 @@ pub struct FeedbackParams {
     /// ITL SLO in seconds, > 0 (default 0.05).
     #[serde(deserialize_with = "loose::f64")]
     pub itl_slo: f64,
-    /// Attainment below this cuts, in (0, 1] (default 0.99).
+    /// Attainment below this cuts, in (0, 1] (default 0.98: attainment
+    /// counts token gaps, and the SLO allows each request 5 % of slow ones;
+    /// `docs/gate-quality.md` has the sweep behind the defaults).
     #[serde(deserialize_with = "loose::f64")]
     pub target: f64,
     /// Growth needs attainment >= target + margin, >= 0 (default 0.005).
@@ -46,7 +48,8 @@ pub struct FeedbackParams {
     /// Waiting requests above this count as waiting, >= 0 (default 0).
     #[serde(deserialize_with = "loose::f64")]
     pub waiting_threshold: f64,
-    /// Waiting over this many consecutive readings cuts, >= 1 (default 3).
+    /// Waiting over this many consecutive readings cuts, >= 1 (default 1:
+    /// a queue at the engines is the earliest sign of a wave).
     #[serde(deserialize_with = "loose::u32")]
     pub waiting_persist: u32,
     /// Window at start in the queue's unit (default 5 % of `max_sys`, at
@@ -56,7 +59,7 @@ pub struct FeedbackParams {
     /// Floor of the window in the queue's unit, >= 0 (default 0).
     #[serde(deserialize_with = "loose::f64")]
     pub min_window: f64,
-    /// Growth step per clean reading in the queue's unit (default 1 % of
+    /// Growth step per clean reading in the queue's unit (default 2 % of
     /// `max_sys`, at least 1 for requests).
     #[serde(deserialize_with = "loose::opt_f64")]
     pub increase: Option<f64>,
@@ -82,10 +85,10 @@ impl Default for FeedbackParams {
             labels: BTreeMap::new(),
             ttft_slo: 0.5,
             itl_slo: 0.05,
-            target: 0.99,
+            target: 0.98,
             margin: 0.005,
             waiting_threshold: 0.0,
-            waiting_persist: 3,
+            waiting_persist: 1,
             initial_window: None,
             min_window: 0.0,
             increase: None,
@@ -160,11 +163,11 @@ impl GateParams for FeedbackParams {
         let max_sys = ctx.capacity.max_sys;
         let requests = ctx.capacity.unit == Unit::Requests;
         // One request has no meaning in tokens or bytes, so steps are a
-        // fraction of max_sys: empty to full takes 100 clean readings
+        // fraction of max_sys: empty to full takes 50 clean readings
         // whatever the unit. In requests, never below one request, or a
         // small max_sys could never show use of the window.
         let at_least = |x: f64| if requests { x.max(1.0) } else { x };
-        let increase = self.increase.unwrap_or_else(|| at_least(0.01 * max_sys));
+        let increase = self.increase.unwrap_or_else(|| at_least(0.02 * max_sys));
         let initial = self
             .initial_window
             .unwrap_or_else(|| at_least(0.05 * max_sys));

@@ -50,6 +50,12 @@ pub struct SloHeadroomParams {
     /// Which TTFT quantile is held to the SLO, in (0, 1] (default 0.99).
     #[serde(deserialize_with = "loose::f64")]
     pub ttft_quantile: f64,
+    /// Which quantile of the interval's inter-token gaps the regression
+    /// fits and holds to the ITL SLO, in (0, 1] (default 0.95: the SLO
+    /// bounds each request's p95 ITL, and the mean hides the prefill
+    /// spikes that break it).
+    #[serde(deserialize_with = "loose::f64")]
+    pub itl_quantile: f64,
     /// Waiting requests above this admit nothing, >= 0 (default 0).
     #[serde(deserialize_with = "loose::f64")]
     pub waiting_threshold: f64,
@@ -98,6 +104,7 @@ impl Default for SloHeadroomParams {
             itl_slo: 0.05,
             margin: 0.1,
             ttft_quantile: 0.99,
+            itl_quantile: 0.95,
             waiting_threshold: 0.0,
             horizon: Duration::from_secs(10),
             q_level: 1.0,
@@ -129,6 +136,10 @@ impl SloHeadroomParams {
         if !(self.ttft_quantile > 0.0 && self.ttft_quantile <= 1.0) {
             let q = self.ttft_quantile;
             cx.error(&k("ttft_quantile"), format!("must be in (0, 1], got {q}"));
+        }
+        if !(self.itl_quantile > 0.0 && self.itl_quantile <= 1.0) {
+            let q = self.itl_quantile;
+            cx.error(&k("itl_quantile"), format!("must be in (0, 1], got {q}"));
         }
         cx.non_negative(&k("waiting_threshold"), self.waiting_threshold);
         if self.horizon.is_zero() {
@@ -189,6 +200,7 @@ impl SloHeadroomParams {
         Ok(Headroom {
             model: HeadroomModel::new(cfg, kalman, self.regression_window as usize),
             ttft_quantile: self.ttft_quantile,
+            itl_quantile: self.itl_quantile,
             cost,
         })
     }
@@ -226,6 +238,7 @@ impl GateParams for SloHeadroomParams {
 pub(crate) struct Headroom {
     model: HeadroomModel,
     ttft_quantile: f64,
+    itl_quantile: f64,
     /// Queue units per request.
     cost: f64,
 }
@@ -240,7 +253,7 @@ impl Headroom {
             running: interval.now.running,
             waiting: interval.now.waiting,
             own: own_requests,
-            itl_mean: d.and_then(|d| d.itl.mean()),
+            itl: d.and_then(|d| d.itl.quantile_interpolated(self.itl_quantile)),
             ttft_quantile: d.and_then(|d| d.ttft.quantile(self.ttft_quantile)),
         };
         let (m, why) = self.model.on_interval(&inputs);
