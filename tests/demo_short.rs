@@ -19,12 +19,15 @@ fn demo_short_mode_runs_to_completion_with_report_and_chart() {
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stdout.contains("demo report"), "{stdout}");
     assert!(stdout.contains("interactive TTFT p99"), "{stdout}");
-    // A full window (16 in flight) is reported as such, apart from time
-    // the gate held the batch back (issue 16).
-    assert!(stdout.contains("window full (16 in flight)"), "{stdout}");
+    // A full window is reported as such, apart from time the gate held
+    // the batch back (issue 16); the harvest sits next to the interactive
+    // cost against the batch-free twin (issue 11).
+    assert!(stdout.contains("window full"), "{stdout}");
+    assert!(stdout.contains("batch harvest: 60/60 lines"), "{stdout}");
+    assert!(stdout.contains("on the batch-free twin (rho "), "{stdout}");
     assert!(stderr.contains("time by state:"), "{stderr}");
     let results = std::fs::read_to_string(dir.join("results.jsonl")).expect("results");
-    assert_eq!(results.lines().count(), 120);
+    assert_eq!(results.lines().count(), 60);
     let svg = std::fs::read_to_string(dir.join("demo.svg")).expect("chart");
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
     // The chart's panels, with their legends.
@@ -32,6 +35,8 @@ fn demo_short_mode_runs_to_completion_with_report_and_chart() {
         "interactive load on the pool (waves)",
         "twin pool without batch (baseline)",
         "batch requests in flight",
+        "the gate's window",
+        "gate (feedback)",
         "budget D",
         "baseline B",
     ] {

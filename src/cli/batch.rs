@@ -10,7 +10,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::batch::{BatchOptions, run_batch};
 use crate::config::GateSpec;
-use crate::gate::{DispatchGate, GateContext, build_gate};
+use crate::config::Unit;
+use crate::gate::{Capacity, DispatchGate, GateContext, build_gate};
 
 /// Where request lines without an endpoint go: one rule for every
 /// command (`run`'s `gateway.request_path` default is the same).
@@ -68,27 +69,38 @@ pub(crate) struct BatchArgs {
     quiet: bool,
 }
 
-/// Builds a gate from `--gate` and `--gate-params`.
-pub(crate) fn gate_from_flags(gate: &str, params: &str) -> Result<Box<dyn DispatchGate>, String> {
+/// Builds a gate from `--gate` and `--gate-params` for a queue of
+/// `max_sys` requests in flight (the capacity composites and feedback
+/// windows are measured against).
+pub(crate) fn gate_from_flags(
+    gate: &str,
+    params: &str,
+    max_sys: f64,
+) -> Result<Box<dyn DispatchGate>, String> {
     let params: serde_json::Value =
         serde_json::from_str(params).map_err(|e| format!("--gate-params: not JSON: {e}"))?;
     let spec = GateSpec::parse(gate, &params, "--gate").map_err(|e| e.to_string())?;
     // No `[prometheus]` or `[redis]` section on this command line: gates
     // that need one report it; scrape gates (`vllm`, `endpoint-scrape`)
     // take their URLs from the parameters.
-    let ctx = GateContext::new(
+    let mut ctx = GateContext::new(
         None,
         None,
         Duration::from_millis(250),
         Duration::from_secs(10),
     );
+    ctx.capacity = Capacity {
+        max_sys,
+        unit: Unit::Requests,
+    };
     build_gate(&spec, &ctx).map_err(|e| format!("--gate: {e}"))
 }
 
 /// Runs `sluicegate batch`.
 pub(crate) async fn run(args: BatchArgs) -> ExitCode {
     crate::telemetry::logging::init(crate::config::LogFormat::Text, "warn");
-    let gate = match gate_from_flags(&args.gate, &args.gate_params) {
+    let max_sys = f64::from(args.max_in_flight).max(1.0);
+    let gate = match gate_from_flags(&args.gate, &args.gate_params, max_sys) {
         Ok(g) => g,
         Err(e) => {
             eprintln!("{e}");

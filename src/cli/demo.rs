@@ -1,6 +1,7 @@
 //! `sluicegate demo`: the simulator in-process with interactive waves, a
-//! generated batch file run through a metric-driven gate with live
-//! progress, then a report and an SVG chart. No network, no services.
+//! generated batch file run through the `feedback` gate (the best gate in
+//! `sluicegate eval`'s table, `docs/gate-quality.md`) with live progress,
+//! then a report and an SVG chart. No network, no services.
 //!
 //! The interactive cost is measured against a twin: a second simulated
 //! pool with the same seed and the same waves but no batch. Both get the
@@ -32,8 +33,12 @@ pub(crate) struct DemoArgs {
     dir: PathBuf,
 }
 
-/// The demo's local concurrency limit (two replicas × 8).
-const LOCAL_LIMIT: u64 = 16;
+/// The feedback window's growth per clean reading (requests).
+const DEMO_INCREASE: f64 = 3.0;
+
+/// The batch queue's `max_sys`: the most batch requests the gate may
+/// ever allow in flight (its window is a fraction of it).
+const MAX_IN_FLIGHT: f64 = 48.0;
 
 /// Over how long the interactive arrival rate is averaged on the chart:
 /// a quarter of a wave phase, so the waves stay square but Poisson noise
@@ -50,8 +55,9 @@ struct Sample {
     arrivals: u64,
     /// Batch requests in flight (sent, not answered).
     in_flight: u64,
-    /// The pool gate's budget `D` and baseline `B` (`None` when its
-    /// source did not answer).
+    /// The gate's budget `D` (for `feedback`, its window as a fraction of
+    /// `MAX_IN_FLIGHT`) and baseline `B` (`None` when its source did not
+    /// answer).
     budget: Option<(f64, f64)>,
 }
 
@@ -173,16 +179,21 @@ fn demo_panels(
                     LineStyle::solid(),
                 ),
                 Line::new(
-                    format!("local-max-concurrency limit ({LOCAL_LIMIT})"),
-                    vec![(0.0, LOCAL_LIMIT as f64), (t_end, LOCAL_LIMIT as f64)],
+                    "the gate's window",
+                    budget(|(d, b)| (d - b).max(0.0) * MAX_IN_FLIGHT),
                     grey,
+                ),
+                Line::new(
+                    format!("max_sys ({MAX_IN_FLIGHT:.0})"),
+                    vec![(0.0, MAX_IN_FLIGHT), (t_end, MAX_IN_FLIGHT)],
+                    LineStyle::dashed().with_color(180, 180, 180),
                 ),
             ],
             y_range: None,
         },
         Panel {
-            title: "pool gate (vllm): budget D and baseline B".into(),
-            y_label: "fraction of capacity".into(),
+            title: "gate (feedback): budget D = window / max_sys, baseline B".into(),
+            y_label: "fraction of max_sys".into(),
             lines: vec![
                 Line::new(
                     "budget D",
@@ -232,12 +243,12 @@ pub(crate) async fn run(args: DemoArgs) -> ExitCode {
 async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     let plan = if args.short {
         Plan {
-            lines: 120,
+            lines: 60,
             probe_every: Duration::from_millis(100),
         }
     } else {
         Plan {
-            lines: 2400,
+            lines: 300,
             probe_every: Duration::from_millis(100),
         }
     };
@@ -257,7 +268,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         "simulated pool (2 vLLM replicas, interactive waves) on {pool_url}; batch-free twin on {twin_url}"
     );
     eprintln!(
-        "batch: {} chat completions in {}; gate: composite of vllm (on {pool_url}/metrics) and local-max-concurrency 16",
+        "batch: {} chat completions in {}; gate: feedback on {pool_url}/metrics (defaults), max_sys {MAX_IN_FLIGHT:.0}",
         plan.lines,
         input.display()
     );
@@ -299,32 +310,22 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         })
     };
 
-    // A catalogue gate, built as `run` builds any queue's gate: the `vllm`
-    // roofline over the pool's own /metrics (baseline 0.3 kept for the
-    // interactive waves), capped by `local-max-concurrency` so the batch
-    // never holds more than 16 requests at once (two replicas × 8).
-    let pool_gate = serde_json::json!({
-        "urls": [format!("{pool_url}/metrics")],
-        "baseline": 0.3,
-    });
+    // A catalogue gate, built as `run` builds any queue's gate:
+    // `feedback` on the pool's own /metrics grows its batch window while
+    // the interactive SLO has margin and nothing waits, and cuts it when
+    // a wave arrives. Defaults except the growth step: the demo's waves
+    // last 8 s, not minutes, so the window must climb faster to use them.
     let gate = super::batch::gate_from_flags(
-        "composite",
-        &serde_json::json!({"gates": [
-            {"gate_type": "vllm", "gate_params": pool_gate.clone()},
-            {"gate_type": "local-max-concurrency", "gate_params": {
-                "limit": LOCAL_LIMIT,
-                "gating_mode": "blocking",
-            }},
-        ]})
+        "feedback",
+        &serde_json::json!({
+            "urls": [format!("{pool_url}/metrics")],
+            "increase": DEMO_INCREASE,
+        })
         .to_string(),
+        MAX_IN_FLIGHT,
     )?;
     let (watched, gate_stats) = GateWatch::new(gate);
 
-    // Samples for the chart. The pool gate's D and B come from a twin of
-    // the composite's `vllm` gate on the same /metrics: while the local
-    // limit binds, the composite reports only its free share of the 16
-    // slots, which hides what the pool gate sees.
-    let pool_gate = super::batch::gate_from_flags("vllm", &pool_gate.to_string())?;
     let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
     let pool = Arc::new(pool);
     let sampler = {
@@ -336,17 +337,14 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
                     () = stop.cancelled() => return,
                     () = tokio::time::sleep(Duration::from_millis(250)) => {}
                 }
-                let budget = pool_gate
-                    .observe()
-                    .await
-                    .ok()
-                    .filter(|o| o.source_available)
-                    .map(|o| (o.budget.get(), o.baseline.get()));
+                let gate = stats.snapshot();
                 let sample = Sample {
                     t: started.elapsed().as_secs_f64(),
                     arrivals: pool.interactive_arrivals(),
-                    in_flight: stats.snapshot().in_flight,
-                    budget,
+                    in_flight: gate.in_flight,
+                    budget: gate
+                        .source_available
+                        .then_some((gate.budget, gate.baseline)),
                 };
                 samples
                     .lock()
@@ -374,7 +372,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
 
     let mut options = BatchOptions::new(input.clone(), output.clone(), pool_url.clone());
     options.state = Some(state.clone());
-    options.max_in_flight = 48.0;
+    options.max_in_flight = MAX_IN_FLIGHT;
     options.poll_interval = Duration::from_millis(200);
     let shutdown = CancellationToken::new();
     super::spawn_signal_handler(shutdown.clone());
@@ -408,7 +406,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
             .collect()
     };
     let chart = render_svg(
-        "sluicegate demo: batch through a metric-driven gate beside interactive waves",
+        "sluicegate demo: batch through the feedback gate beside interactive waves",
         "seconds since start",
         &demo_panels(&samples, rolling(&probes.pool), rolling(&probes.twin)),
     )
@@ -418,19 +416,21 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
 
     eprintln!("{summary}");
     println!("demo report");
-    // "Held back" is the pool gate, its source or a congestion hold; a
-    // full window (16 in flight) is the batch running at its limit.
+    // "Held back" is the gate, its source or a congestion hold; a full
+    // window is the batch running at what the gate allows.
+    let elapsed = summary.elapsed.as_secs_f64();
     println!(
-        "  batch: {}/{} lines completed in {:.1} s; held back by the gate {:.1} s, window full (16 in flight) {:.1} s",
+        "  batch harvest: {}/{} lines completed in {elapsed:.1} s ({:.1} requests/s beside the interactive waves); held back by the gate {:.1} s, window full {:.1} s",
         summary.completed,
         summary.lines,
-        summary.elapsed.as_secs_f64(),
+        summary.completed as f64 / elapsed.max(1e-9),
         summary.states.held_back().as_secs_f64(),
         summary.states.window_full.as_secs_f64()
     );
     match (with_batch, baseline) {
         (Some(a), Some(b)) => println!(
-            "  interactive TTFT p99: {a:.0} ms with the batch vs {b:.0} ms baseline (same waves, no batch); {} probes each",
+            "  interactive TTFT p99: {a:.0} ms with the batch vs {b:.0} ms on the batch-free twin (rho {:.2}; same waves); {} probes each",
+            a / b.max(1e-9),
             probes.pool.len().min(probes.twin.len())
         ),
         _ => println!("  interactive TTFT: no probe answered"),
