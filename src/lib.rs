@@ -40,6 +40,9 @@
 //! - [`app`]: wiring ([`app::run`]), the task tree and the shutdown order;
 //!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
+//! - [`eval`]: gate quality in virtual time (`sluicegate eval`): the
+//!   production gates, window and congestion hold driving the simulator,
+//!   scored against a batch-free twin run.
 
 pub mod app;
 pub mod batch;

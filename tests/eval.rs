@@ -20,7 +20,7 @@ fn options(shapes: &[Shape], contenders: Vec<Contender>, scale: f64) -> Options 
 }
 
 fn named(names: &[&str]) -> Vec<Contender> {
-    let all = contender::built_in().unwrap();
+    let all = contender::built_in().expect("built-in contenders");
     names
         .iter()
         .map(|n| contender::find(&all, n).unwrap_or_else(|| panic!("no contender {n}")))

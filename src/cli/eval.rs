@@ -99,11 +99,11 @@ pub(super) fn run(args: EvalArgs) -> ExitCode {
     } else {
         print!("{}", table(&report));
     }
-    if let Some(path) = &args.svg {
-        if let Err(e) = write_svgs(&report, path, args.svg_gate.as_deref()) {
-            eprintln!("sluicegate eval: --svg: {e}");
-            return ExitCode::FAILURE;
-        }
+    if let Some(path) = &args.svg
+        && let Err(e) = write_svgs(&report, path, args.svg_gate.as_deref())
+    {
+        eprintln!("sluicegate eval: --svg: {e}");
+        return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
 }

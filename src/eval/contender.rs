@@ -26,7 +26,7 @@ pub enum Kind {
     /// per-poll release.
     Gate {
         /// The gate, as it would be configured.
-        spec: GateSpec,
+        spec: Box<GateSpec>,
         /// Window or per-poll release.
         release: Release,
     },
@@ -49,7 +49,7 @@ impl Contender {
         Ok(Self {
             name: name.to_owned(),
             kind: Kind::Gate {
-                spec,
+                spec: Box::new(spec),
                 release: Release::Window,
             },
         })

@@ -277,11 +277,13 @@ fn measure_capacity(pool: PoolSize, slo: Slo) -> Result<f64, EvalError> {
     Ok(best)
 }
 
+/// One unit of work for [`parallel`].
+type Job<'a, T> = Box<dyn FnOnce() -> T + Send + 'a>;
+
 /// Runs jobs on `threads` workers, results in job order.
-fn parallel<T: Send>(threads: usize, jobs: Vec<Box<dyn FnOnce() -> T + Send + '_>>) -> Vec<T> {
+fn parallel<T: Send>(threads: usize, jobs: Vec<Job<'_, T>>) -> Vec<T> {
     let n = jobs.len();
-    let queue: Mutex<Vec<Option<Box<dyn FnOnce() -> T + Send + '_>>>> =
-        Mutex::new(jobs.into_iter().map(Some).collect());
+    let queue: Mutex<Vec<Option<Job<'_, T>>>> = Mutex::new(jobs.into_iter().map(Some).collect());
     let results: Mutex<Vec<Option<T>>> = Mutex::new((0..n).map(|_| None).collect());
     let next = AtomicUsize::new(0);
     std::thread::scope(|scope| {
@@ -358,14 +360,14 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
     sizes.dedup();
     sizes.sort_by_key(|s| s.replicas());
     sizes.dedup();
-    let jobs: Vec<Box<dyn FnOnce() -> Result<(PoolSize, f64), EvalError> + Send + '_>> = sizes
+    let jobs: Vec<Job<'_, Result<(PoolSize, f64), EvalError>>> = sizes
         .iter()
         .map(|&size| {
             Box::new(move || {
                 let theta = capacity(size, *slo)?;
                 progress(&format!("capacity {}", size.name()));
                 Ok((size, theta))
-            }) as Box<dyn FnOnce() -> _ + Send>
+            }) as Job<'_, _>
         })
         .collect();
     let capacities = parallel(*threads, jobs)
@@ -379,14 +381,14 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
     };
 
     // Baselines.
-    let jobs: Vec<Box<dyn FnOnce() -> Result<RunReport, EvalError> + Send + '_>> = scenarios
+    let jobs: Vec<Job<'_, Result<RunReport, EvalError>>> = scenarios
         .iter()
         .map(|sc| {
             Box::new(move || {
                 let run = run_policy(sc, false, &mut NoBatch)?;
                 progress(&format!("{} baseline", sc.name));
                 Ok(run)
-            }) as Box<dyn FnOnce() -> _ + Send>
+            }) as Job<'_, _>
         })
         .collect();
     let baselines = parallel(*threads, jobs)
@@ -399,7 +401,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
         .collect();
 
     // Every contender run (the oracle: one per cap).
-    let mut jobs: Vec<Box<dyn FnOnce() -> Result<Scored, EvalError> + Send + '_>> = Vec::new();
+    let mut jobs: Vec<Job<'_, Result<Scored, EvalError>>> = Vec::new();
     for (si, sc) in scenarios.iter().enumerate() {
         for (ci, c) in contenders.iter().enumerate() {
             let plans: Vec<Plan<'_>> = match &c.kind {

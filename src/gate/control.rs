@@ -222,7 +222,7 @@ pub struct AimdConfig {
     pub target: f64,
     /// Growth needs attainment of at least `target + margin`.
     pub margin: f64,
-    /// Waiting requests above this count as waiting.
+    /// Waiting requests per engine above this count as waiting.
     pub waiting_threshold: f64,
     /// Waiting over this many consecutive readings cuts.
     pub waiting_persist: u32,
@@ -236,7 +236,7 @@ pub struct Signals {
     /// Attainment over the interval (`None`: no interactive requests
     /// finished, which neither cuts nor blocks growth).
     pub attainment: Option<f64>,
-    /// Requests waiting in the pool.
+    /// Requests waiting per engine.
     pub waiting: f64,
     /// Preemptions since the previous reading.
     pub new_preemptions: f64,
@@ -686,6 +686,8 @@ pub struct HeadroomInputs {
     pub running: f64,
     /// Requests waiting.
     pub waiting: f64,
+    /// Engines in the pool (waiting is judged per engine).
+    pub engines: f64,
     /// Our own requests in flight.
     pub own: f64,
     /// The interval's ITL statistic the SLO is held to (`slo-headroom`'s
@@ -768,7 +770,7 @@ impl HeadroomModel {
         if i.ttft_quantile.is_some_and(|t| t > c.ttft_limit) {
             return (0.0, Admitted::TtftOver);
         }
-        if i.waiting > c.waiting_threshold {
+        if i.waiting / i.engines.max(1.0) > c.waiting_threshold {
             return (0.0, Admitted::Waiting);
         }
         let Some(line) = self.trusted_line() else {
@@ -1188,6 +1190,7 @@ mod tests {
             dt: 1.0,
             running,
             waiting: 0.0,
+            engines: 1.0,
             own: 0.0,
             itl: Some(itl),
             ttft_quantile: Some(0.1),
@@ -1241,5 +1244,11 @@ mod tests {
             ..inputs(5.0, 0.02)
         };
         assert_eq!(h.on_interval(&waiting), (0.0, Admitted::Waiting));
+        // Waiting is judged per engine: 2 waiting over 8 engines is 0.25.
+        let spread = HeadroomInputs {
+            engines: 8.0,
+            ..waiting
+        };
+        assert_ne!(h.on_interval(&spread).1, Admitted::Waiting);
     }
 }

@@ -38,6 +38,10 @@ pub(crate) struct Snapshot {
     pub(crate) running: f64,
     /// Requests waiting, summed over engines.
     pub(crate) waiting: f64,
+    /// Engines seen (series of `vllm:num_requests_running`), so waiting
+    /// thresholds can be per engine: a pool of 16 almost always has one
+    /// request waiting for the next step somewhere.
+    pub(crate) engines: f64,
     /// Cumulative preemptions, summed over engines.
     pub(crate) preemptions: f64,
     /// Cumulative TTFT histogram of the selected series.
@@ -107,6 +111,7 @@ pub(crate) async fn read_pages(
             .map_err(|e| GateError::source(report.target.clone(), e))
             .and_then(|p| {
                 let running = sum_of(&p.value, "vllm:num_requests_running")?;
+                let engines = p.value.named("vllm:num_requests_running").count() as f64;
                 let waiting = sum_of(&p.value, "vllm:num_requests_waiting")?;
                 let preemptions = sum_of(&p.value, "vllm:num_preemptions_total")?;
                 let ttft = histogram(&p.value, &[TTFT], labels)?;
@@ -116,6 +121,7 @@ pub(crate) async fn read_pages(
                     taken_at: p.taken_at,
                     running,
                     waiting,
+                    engines,
                     preemptions,
                     ttft,
                     itl,
@@ -138,6 +144,7 @@ pub(crate) async fn read_pages(
                         all.taken_at = all.taken_at.min(s.taken_at);
                         all.running += s.running;
                         all.waiting += s.waiting;
+                        all.engines += s.engines;
                         all.preemptions += s.preemptions;
                         merge(&mut all.ttft, s.ttft);
                         merge(&mut all.itl, s.itl);
@@ -307,6 +314,7 @@ mod tests {
             taken_at: at,
             running: sum_of(&page, "vllm:num_requests_running").unwrap_or(-1.0),
             waiting: 1.0,
+            engines: 1.0,
             preemptions,
             ttft,
             itl,

@@ -37,7 +37,7 @@ pub struct FeedbackParams {
     /// ITL SLO in seconds, > 0 (default 0.05).
     #[serde(deserialize_with = "loose::f64")]
     pub itl_slo: f64,
-    /// Attainment below this cuts, in (0, 1] (default 0.98: attainment
+    /// Attainment below this cuts, in (0, 1] (default 0.983: attainment
     /// counts token gaps, and the SLO allows each request 5 % of slow ones;
     /// `docs/gate-quality.md` has the sweep behind the defaults).
     #[serde(deserialize_with = "loose::f64")]
@@ -45,7 +45,10 @@ pub struct FeedbackParams {
     /// Growth needs attainment >= target + margin, >= 0 (default 0.005).
     #[serde(deserialize_with = "loose::f64")]
     pub margin: f64,
-    /// Waiting requests above this count as waiting, >= 0 (default 0).
+    /// Waiting requests per engine above this count as waiting, >= 0
+    /// (default 0.25: a quarter of the engines with one request waiting; a pool of
+    /// many engines almost always has one request waiting for the next
+    /// step somewhere, which is no queue).
     #[serde(deserialize_with = "loose::f64")]
     pub waiting_threshold: f64,
     /// Waiting over this many consecutive readings cuts, >= 1 (default 1:
@@ -85,9 +88,9 @@ impl Default for FeedbackParams {
             labels: BTreeMap::new(),
             ttft_slo: 0.5,
             itl_slo: 0.05,
-            target: 0.98,
+            target: 0.983,
             margin: 0.005,
-            waiting_threshold: 0.0,
+            waiting_threshold: 0.25,
             waiting_persist: 1,
             initial_window: None,
             min_window: 0.0,
@@ -272,7 +275,7 @@ impl MetricGate for FeedbackGate {
                             d.ttft.fraction_within(self.ttft_slo),
                             d.itl.fraction_within(self.itl_slo),
                         ),
-                        waiting: interval.now.waiting,
+                        waiting: interval.now.waiting / interval.now.engines.max(1.0),
                         new_preemptions: d.preemptions,
                         own_in_flight: st.own.units,
                     };

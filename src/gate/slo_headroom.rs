@@ -56,7 +56,8 @@ pub struct SloHeadroomParams {
     /// spikes that break it).
     #[serde(deserialize_with = "loose::f64")]
     pub itl_quantile: f64,
-    /// Waiting requests above this admit nothing, >= 0 (default 0).
+    /// Waiting requests per engine above this admit nothing, >= 0
+    /// (default 0.25, as `feedback`'s).
     #[serde(deserialize_with = "loose::f64")]
     pub waiting_threshold: f64,
     /// How long a batch request admitted now keeps running (default 10 s).
@@ -105,7 +106,7 @@ impl Default for SloHeadroomParams {
             margin: 0.1,
             ttft_quantile: 0.99,
             itl_quantile: 0.95,
-            waiting_threshold: 0.0,
+            waiting_threshold: 0.25,
             horizon: Duration::from_secs(10),
             q_level: 1.0,
             q_slope: 0.01,
@@ -252,6 +253,7 @@ impl Headroom {
             dt: interval.dt,
             running: interval.now.running,
             waiting: interval.now.waiting,
+            engines: interval.now.engines,
             own: own_requests,
             itl: d.and_then(|d| d.itl.quantile_interpolated(self.itl_quantile)),
             ttft_quantile: d.and_then(|d| d.ttft.quantile(self.ttft_quantile)),
