@@ -35,7 +35,7 @@ fn demo_short_mode_runs_to_completion_with_report_and_chart() {
         "interactive load on the pool (waves)",
         "twin pool without batch (baseline)",
         "batch requests in flight",
-        "the gate's window",
+        "gate window",
         "gate (feedback)",
         "budget D",
         "baseline B",

@@ -179,7 +179,7 @@ fn demo_panels(
                     LineStyle::solid(),
                 ),
                 Line::new(
-                    "the gate's window",
+                    "gate window",
                     budget(|(d, b)| (d - b).max(0.0) * MAX_IN_FLIGHT),
                     grey,
                 ),

@@ -1244,7 +1244,17 @@ mod tests {
             ..inputs(5.0, 0.02)
         };
         assert_eq!(h.on_interval(&waiting), (0.0, Admitted::Waiting));
-        // Waiting is judged per engine: 2 waiting over 8 engines is 0.25.
+        // Waiting is judged per engine: 2 waiting is 2 per engine on one
+        // engine, 0.25 per engine over eight.
+        let mut h = HeadroomModel::new(
+            HeadroomConfig {
+                waiting_threshold: 0.5,
+                ..HEADROOM
+            },
+            KALMAN,
+            20,
+        );
+        assert_eq!(h.on_interval(&waiting), (0.0, Admitted::Waiting));
         let spread = HeadroomInputs {
             engines: 8.0,
             ..waiting
