@@ -41,7 +41,12 @@ fn metric_gates_dispatch_nothing_while_metrics_are_dark() {
     // The blackout lasts 60 s; the scenario is shortened around it.
     let o = options(
         &[Shape::Blackout],
-        named(&["prometheus-budget", "prometheus-saturation", "vllm", "ungated"]),
+        named(&[
+            "prometheus-budget",
+            "prometheus-saturation",
+            "vllm",
+            "ungated",
+        ]),
         0.4,
     );
     let report = evaluate(&o, &|_| {}).unwrap();
@@ -105,5 +110,9 @@ fn the_production_window_bounds_what_a_blind_gate_keeps_in_flight() {
     assert!(series.iter().all(|p| p.batch_in_flight <= 8));
     assert!(series.iter().any(|p| p.batch_in_flight == 8));
     let readings = &report.scenarios[0].rows[0].timeline.readings;
-    assert!(readings.len() >= 50, "one reading per poll: {}", readings.len());
+    assert!(
+        readings.len() >= 50,
+        "one reading per poll: {}",
+        readings.len()
+    );
 }

@@ -53,7 +53,10 @@ fn close(a: f64, b: f64) -> bool {
 async fn feedback_window_grows_with_use_cuts_once_per_burst_and_fails_closed() {
     let sim = small_pool().await;
     let url = format!("{}/metrics", sim.base_url());
-    let gate = gate("feedback", json!({"urls": [url], "jitter": 0, "increase": 1}));
+    let gate = gate(
+        "feedback",
+        json!({"urls": [url], "jitter": 0, "increase": 1}),
+    );
     // max_sys 100 requests: initial window 5, step 1 (pinned: the test is
     // about the rules, not the default step).
     let first = gate.observe().await;

@@ -129,7 +129,12 @@ fn write_svgs(report: &Report, path: &std::path::Path, gate: Option<&str>) -> Re
         };
         let svg = crate::eval::timeline_svg(sc, row).map_err(|e| e.to_string())?;
         std::fs::write(&file, svg).map_err(|e| format!("{}: {e}", file.display()))?;
-        eprintln!("wrote {} ({} in {})", file.display(), row.contender, sc.scenario.name);
+        eprintln!(
+            "wrote {} ({} in {})",
+            file.display(),
+            row.contender,
+            sc.scenario.name
+        );
     }
     Ok(())
 }

@@ -115,7 +115,11 @@ impl ScenarioReport {
         let gates = || self.rows.iter().filter(|r| r.gate);
         gates()
             .filter(|r| within_slo_budget(&r.score))
-            .max_by(|a, b| a.score.batch_tokens_per_s.total_cmp(&b.score.batch_tokens_per_s))
+            .max_by(|a, b| {
+                a.score
+                    .batch_tokens_per_s
+                    .total_cmp(&b.score.batch_tokens_per_s)
+            })
             .or_else(|| gates().min_by(|a, b| a.score.delta_v_pp.total_cmp(&b.score.delta_v_pp)))
     }
 }
