@@ -675,6 +675,11 @@ pub struct HeadroomConfig {
     pub initial: f64,
     /// Ceiling of the admitted amount.
     pub max: f64,
+    /// The admitted amount exceeds own in-flight by at most this much
+    /// (requests per reading): the model's headroom is reached in steps,
+    /// because a burst of batch prefills hurts interactive TTFT before
+    /// any reading can show it.
+    pub max_increase: f64,
 }
 
 /// What one interval shows, for the [`HeadroomModel`].
@@ -783,7 +788,8 @@ impl HeadroomModel {
             .forecast(0.0)
             .max(self.trend.forecast(c.horizon))
             .max(0.0);
-        let m = admissible(line, self.correction, forecast, c.itl_limit, c.max);
+        let m = admissible(line, self.correction, forecast, c.itl_limit, c.max)
+            .min(i.own.max(0.0) + c.max_increase);
         (
             m,
             Admitted::Model {
@@ -1183,6 +1189,7 @@ mod tests {
         correction_alpha: 0.5,
         initial: 2.0,
         max: 100.0,
+        max_increase: 1000.0,
     };
 
     fn inputs(running: f64, itl: f64) -> HeadroomInputs {
@@ -1229,6 +1236,30 @@ mod tests {
         let (slower, _) = h.on_interval(&inputs(20.0, 0.06));
         assert!(h.correction() > 1.5, "{}", h.correction());
         assert!(slower < m, "{slower} vs {m}");
+    }
+
+    #[test]
+    fn headroom_climbs_to_the_model_in_steps_above_own_work() {
+        let mut h = HeadroomModel::new(
+            HeadroomConfig {
+                max_increase: 3.0,
+                ..HEADROOM
+            },
+            KALMAN,
+            60,
+        );
+        // The same exact line as above: the model alone admits about 15.
+        for r in [0.0, 10.0, 20.0, 30.0].into_iter().chain([20.0; 40]) {
+            h.on_interval(&inputs(r, 0.01 + 0.001 * r));
+        }
+        let (idle, _) = h.on_interval(&inputs(20.0, 0.03));
+        assert!((idle - 3.0).abs() < 1e-9, "{idle}");
+        let busy = HeadroomInputs {
+            own: 10.0,
+            ..inputs(30.0, 0.04)
+        };
+        let (m, _) = h.on_interval(&busy);
+        assert!(m <= 13.0 + 1e-9 && m > 3.0, "{m}");
     }
 
     #[test]

@@ -44,7 +44,9 @@ pub struct SloHeadroomParams {
     /// ITL SLO in seconds, > 0 (default 0.05).
     #[serde(deserialize_with = "loose::f64")]
     pub itl_slo: f64,
-    /// Fraction of each SLO kept in reserve, in [0, 1) (default 0.1).
+    /// Fraction of each SLO kept in reserve, in [0, 1) (default 0.3: the
+    /// line in the running count under-predicts the ITL tail that prefill
+    /// chunks cause; chosen by the sweep in `docs/gate-quality.md`).
     #[serde(deserialize_with = "loose::f64")]
     pub margin: f64,
     /// Which TTFT quantile is held to the SLO, in (0, 1] (default 0.99).
@@ -94,6 +96,11 @@ pub struct SloHeadroomParams {
     /// tokens or bytes (ignored for requests).
     #[serde(deserialize_with = "loose::opt_f64")]
     pub cost_per_request: Option<f64>,
+    /// Requests by which the admitted amount may exceed our own in-flight
+    /// work at one reading, > 0 (default 2 % of `max_sys` in requests, at
+    /// least 1): admission climbs to the model's headroom in steps.
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub max_increase: Option<f64>,
 }
 
 impl Default for SloHeadroomParams {
@@ -103,7 +110,7 @@ impl Default for SloHeadroomParams {
             labels: BTreeMap::new(),
             ttft_slo: 0.5,
             itl_slo: 0.05,
-            margin: 0.1,
+            margin: 0.3,
             ttft_quantile: 0.99,
             itl_quantile: 0.95,
             waiting_threshold: 0.25,
@@ -117,6 +124,7 @@ impl Default for SloHeadroomParams {
             correction_alpha: 0.2,
             initial: 1.0,
             cost_per_request: None,
+            max_increase: None,
         }
     }
 }
@@ -166,6 +174,9 @@ impl SloHeadroomParams {
         if let Some(c) = self.cost_per_request {
             cx.positive(&k("cost_per_request"), c);
         }
+        if let Some(m) = self.max_increase {
+            cx.positive(&k("max_increase"), m);
+        }
     }
 
     /// The controller these parameters describe, for the queue of `ctx`.
@@ -191,6 +202,11 @@ impl SloHeadroomParams {
             correction_alpha: self.correction_alpha,
             initial: self.initial,
             max: ctx.capacity.max_sys / cost,
+            // Like `feedback`'s default step: 2 % of max_sys, at least one
+            // request.
+            max_increase: self
+                .max_increase
+                .unwrap_or_else(|| (0.02 * ctx.capacity.max_sys / cost).max(1.0)),
         };
         let kalman = KalmanConfig {
             q_level: self.q_level,
