@@ -356,6 +356,8 @@ fn config() -> impl Strategy<Value = Config> {
                         ..GatewayConfig::default()
                     },
                     redis: None,
+                    // From OTEL variables, not the file: not rendered.
+                    traces: None,
                     prometheus: prom.map(|u| PrometheusConfig {
                         url: endpoint(&u),
                         bearer_token: None,

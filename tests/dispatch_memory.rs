@@ -95,6 +95,7 @@ impl Harness {
             settings,
             metrics: metrics.queue("q"),
             labels: BTreeMap::new(),
+            traces: None,
         };
         let shutdown = CancellationToken::new();
         let tasks = Tasks::new();

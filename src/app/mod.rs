@@ -11,7 +11,9 @@
 //! Shutdown order: stop receiving → finish in flight within
 //! `shutdown_grace` → requeue the rest → write results → ack (all inside
 //! each dispatcher) → [`Queue::close`] hands back what is still held →
-//! the memory transport's results are written → telemetry stops → exit.
+//! the memory transport's results are written → spans are flushed and the
+//! tracer provider shut down (when traces are on), within `shutdown_grace`
+//! → telemetry stops → exit.
 //! A task that panics starts the same drain and fails the run.
 
 mod tasks;
@@ -33,6 +35,7 @@ use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{BuildError, DispatchGate, FailClosed, GateContext, build_gate};
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings, Target, TargetError};
 use crate::queue::{MemoryQueue, OpenError, Queue, Transports};
+use crate::telemetry::traces::{TraceExport, TraceStartError};
 use crate::telemetry::{Health, Metrics, QueueMetrics};
 
 pub use tasks::Tasks;
@@ -46,6 +49,9 @@ pub const EXIT_FAILURE: u8 = 1;
 
 /// How often `--exit-when-done` asks the queues whether anything is left.
 const DONE_POLL: Duration = Duration::from_millis(50);
+/// Least time given to the span flush at shutdown, even with a zero
+/// `shutdown_grace` (which bounds it otherwise).
+const TRACE_FLUSH_MIN: Duration = Duration::from_secs(2);
 /// How often transport status feeds readiness and metrics.
 const STATUS_EVERY: Duration = Duration::from_millis(250);
 
@@ -103,6 +109,9 @@ pub enum AppError {
     /// The memory transport's results could not be written.
     #[error("cannot write results: {0}")]
     Output(#[source] std::io::Error),
+    /// The OTLP trace exporter could not be built.
+    #[error(transparent)]
+    Traces(#[from] TraceStartError),
 }
 
 impl AppError {
@@ -117,7 +126,8 @@ impl AppError {
             | Self::Listen { .. }
             | Self::Gateway(_)
             | Self::Target { .. }
-            | Self::Gate { .. } => EXIT_CONFIG,
+            | Self::Gate { .. }
+            | Self::Traces(_) => EXIT_CONFIG,
         }
     }
 }
@@ -164,6 +174,11 @@ pub struct Running {
     watcher: JoinHandle<Option<()>>,
     /// Where the memory transport's results go.
     output: Option<ResultsOutput>,
+    /// The tracer provider, when traces are on; shut down after results
+    /// are written.
+    traces: Option<TraceExport>,
+    /// Bounds the span flush at shutdown.
+    shutdown_grace: Duration,
 }
 
 /// Runs the dispatcher on the configured transport until `shutdown`
@@ -270,6 +285,8 @@ pub async fn start(
     let health = Arc::new(Health::default());
     let gateway = GatewayClient::new(GatewaySettings::from(&config.gateway))?;
     let context = GateContext::from_config(config);
+    // Off (no exporter, no provider) unless an OTLP endpoint is set.
+    let trace_export = config.traces.as_ref().map(TraceExport::start).transpose()?;
     let mut built = Vec::with_capacity(queues.len());
     // One congestion hold per gateway: a 429 seen by one queue holds every
     // queue that sends to the same place.
@@ -290,7 +307,7 @@ pub async fn start(
                 queue: queue_config.queue_name.clone(),
                 source,
             })?;
-        built.push(build_dispatcher(
+        let mut dispatcher = build_dispatcher(
             config,
             queue_config,
             queue.clone(),
@@ -298,7 +315,9 @@ pub async fn start(
             gateway.clone(),
             congestion,
             &metrics,
-        )?);
+        )?;
+        dispatcher.traces = trace_export.as_ref().map(TraceExport::traces);
+        built.push(dispatcher);
     }
     let addr = config.telemetry.listen;
     let listener = TcpListener::bind(addr)
@@ -363,6 +382,8 @@ pub async fn start(
         dispatchers,
         watcher,
         output: options.output,
+        traces: trace_export,
+        shutdown_grace: config.dispatch.shutdown_grace,
     })
 }
 
@@ -400,6 +421,11 @@ impl Running {
             Some(output) => write_memory_results(self.transports.memory(), output),
             None => Ok(()),
         };
+        if let Some(traces) = self.traces {
+            traces
+                .shutdown(self.shutdown_grace.max(TRACE_FLUSH_MIN))
+                .await;
+        }
         // Telemetry stays up through the drain so it can be watched.
         self.tasks.stop().await;
         let panicked = self.tasks.panicked();
@@ -444,6 +470,7 @@ pub fn build_dispatcher(
         settings,
         metrics: metrics.queue(&name),
         labels: queue_config.labels.clone(),
+        traces: None,
     })
 }
 

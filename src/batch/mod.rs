@@ -513,6 +513,8 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
         prometheus: None,
         pubsub: None,
         embedded: None,
+        // The batch runner exports no traces.
+        traces: None,
         dispatch: DispatchConfig {
             poll_interval: options.poll_interval,
             max_staleness: Duration::from_secs(10),

@@ -267,6 +267,8 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         dispatch,
         telemetry,
         queues,
+        // Set by the loader from the environment map.
+        traces: None,
     }
 }
 

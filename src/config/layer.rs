@@ -12,6 +12,7 @@ use super::check::{build, did_you_mean};
 use super::error::{ConfigError, ConfigErrors};
 use super::values::{Ctx, kind};
 use super::{Config, QueueConfig, SECTIONS};
+use crate::telemetry::traces::TRACE_ENV_VARS;
 
 /// The loose tree: top-level keys, section tables and the `queue` array.
 type Tree = Map<String, Value>;
@@ -81,14 +82,15 @@ impl std::fmt::Debug for ConfigSources {
 
 impl ConfigSources {
     /// Sources for the binary: the `--config` flag, the process's
-    /// `SLUICEGATE_*` variables and the other flags. A variable whose value
+    /// `SLUICEGATE_*` variables and the OTEL trace variables
+    /// ([`TRACE_ENV_VARS`]), and the other flags. A variable whose value
     /// is not UTF-8 is kept lossily converted, so it fails validation
     /// rather than being silently ignored.
     pub fn from_process(file_flag: Option<PathBuf>, overrides: Overrides) -> Self {
         let env = std::env::vars_os()
             .filter_map(|(k, v)| {
                 let k = k.to_string_lossy().into_owned();
-                k.starts_with(ENV_PREFIX)
+                (k.starts_with(ENV_PREFIX) || TRACE_ENV_VARS.contains(&k.as_str()))
                     .then(|| (k, v.to_string_lossy().into_owned()))
             })
             .collect();
@@ -215,7 +217,12 @@ fn load_text(
     };
     apply_env(&mut tree, env, &mut ctx);
     apply_overrides(&mut tree, overrides, &mut ctx);
-    let config = build(tree, &mut ctx);
+    let mut config = build(tree, &mut ctx);
+    // The one place the OTEL variables are read, from the same map.
+    match crate::telemetry::TraceSettings::from_env(env) {
+        Ok(traces) => config.traces = traces,
+        Err(error) => ctx.push(ConfigError::new(error.var, error.message)),
+    }
     match ctx.errors.is_empty() {
         true => Ok(config),
         false => Err(ConfigErrors(ctx.errors)),

@@ -258,6 +258,11 @@ pub struct Config {
     /// The queues to drain (`[[queue]]`); at least one, names unique.
     #[serde(rename = "queue")]
     pub queues: Vec<QueueConfig>,
+    /// OTLP trace export, from the standard `OTEL_EXPORTER_OTLP_*`
+    /// variables of the environment map; `None` (the default) exports
+    /// nothing. Not a file key, so not rendered.
+    #[serde(skip)]
+    pub traces: Option<crate::telemetry::TraceSettings>,
 }
 
 /// Default `[redis] url`.

@@ -22,7 +22,7 @@
 //! in-flight requests the grace period, requeue what is still running,
 //! flush results, exit.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -45,6 +45,7 @@ use crate::gateway::{GatewayClient, PreparedRequest, Target};
 use crate::queue::{Completion, Delivery, DeliveryTag, NackReason, Queue};
 use crate::request::{AttemptRecord, Message};
 use crate::telemetry::QueueMetrics;
+use crate::telemetry::traces::{MessageTrace, StepSpan};
 
 /// Results buffered between workers and the writer; a full buffer slows
 /// workers down instead of growing memory.
@@ -73,6 +74,9 @@ pub struct QueueDispatcher {
     /// Queue labels (e.g. `tier`), merged under each message's own labels
     /// for admission.
     pub labels: BTreeMap<String, String>,
+    /// Span export, `None` when traces are off (the default): then no
+    /// `traceparent` is parsed and no span is built.
+    pub traces: Option<crate::telemetry::Traces>,
 }
 
 /// State shared by the dispatcher's tasks.
@@ -91,6 +95,9 @@ pub(super) struct Shared {
     /// Deliveries not yet settled, whose leases the keeper renews.
     pub(super) held: Mutex<HashSet<DeliveryTag>>,
     pub(super) parked: AtomicUsize,
+    /// Open `settle` spans until the writer acknowledges their results;
+    /// stays empty when traces are off.
+    pub(super) settling: Mutex<HashMap<DeliveryTag, StepSpan>>,
 }
 
 impl Shared {
@@ -105,6 +112,7 @@ impl Shared {
             finished: Notify::new(),
             held: Mutex::new(HashSet::new()),
             parked: AtomicUsize::new(0),
+            settling: Mutex::new(HashMap::new()),
         }
     }
 
@@ -116,6 +124,10 @@ impl Shared {
 
     pub(super) fn held(&self) -> MutexGuard<'_, HashSet<DeliveryTag>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn settling(&self) -> MutexGuard<'_, HashMap<DeliveryTag, StepSpan>> {
+        self.settling.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn metrics(&self) -> &QueueMetrics {
@@ -260,6 +272,8 @@ pub(super) struct Ready {
     pub(super) prepared: PreparedRequest,
     pub(super) cost: u64,
     pub(super) received_at: Instant,
+    /// The message's trace, when traces are on.
+    pub(super) trace: Option<MessageTrace>,
 }
 
 /// Channel to the result writer.

@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -18,6 +20,7 @@ use crate::gate::{Admission, AdmissionRequest, Ticket};
 use crate::queue::{Delivery, NackReason};
 use crate::request::{log_id, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::telemetry::traces as trace_attr;
 
 /// How often a parked message asks its gate again when nothing else wakes it.
 const PARK_RECHECK: Duration = Duration::from_millis(250);
@@ -136,14 +139,14 @@ async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, resu
         Release::DeadlinePassed => {
             let attempts = ready.message.previous_attempts(ready.delivery.retry_count);
             let result = deadline_result(&ready.message, attempts);
-            settle(shared, results, tag, result).await;
+            settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::Congested(delay) => {
             shared.nack(tag, delay, NackReason::Congested).await;
         }
         Release::NotAdmitted(Admission::Drop { reason }) => {
             let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
-            settle(shared, results, tag, result).await;
+            settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::NotAdmitted(_) => {
             // Back to the queue without using an attempt; an expired
@@ -217,14 +220,32 @@ pub(super) async fn check(
                 ErrorCode::InvalidRequest,
                 &failure.reason,
             );
-            settle(shared, results, delivery.tag, result).await;
+            settle(shared, results, delivery.tag, result, None).await;
             return None;
         }
     };
+    // Only when traces are on: the `traceparent` is read here and nowhere
+    // on the hot path otherwise.
+    let trace = shared.config.traces.as_ref().map(|traces| {
+        let now = std::time::SystemTime::now();
+        let received = now.checked_sub(received_at.elapsed()).unwrap_or(now);
+        traces.receive(
+            &message.request.metadata,
+            received,
+            vec![
+                KeyValue::new(trace_attr::ATTR_QUEUE, shared.queue().name().to_owned()),
+                KeyValue::new(trace_attr::ATTR_REQUEST_ID, message.request.id.clone()),
+                KeyValue::new(
+                    trace_attr::ATTR_RETRY_COUNT,
+                    i64::from(delivery.retry_count),
+                ),
+            ],
+        )
+    });
     if message.request.deadline <= unix_now() {
         let attempts = message.previous_attempts(delivery.retry_count);
         let result = deadline_result(&message, attempts);
-        settle(shared, results, delivery.tag, result).await;
+        settle(shared, results, delivery.tag, result, trace.as_ref()).await;
         return None;
     }
     let prepared = match shared
@@ -235,7 +256,7 @@ pub(super) async fn check(
         Ok(prepared) => prepared,
         Err(error) => {
             let result = error_result(&message, ErrorCode::InvalidRequest, &error.to_string());
-            settle(shared, results, delivery.tag, result).await;
+            settle(shared, results, delivery.tag, result, trace.as_ref()).await;
             return None;
         }
     };
@@ -246,6 +267,7 @@ pub(super) async fn check(
         prepared,
         cost,
         received_at,
+        trace,
     })
 }
 
@@ -260,6 +282,10 @@ pub(super) async fn admit(shared: &Shared, ready: &Ready) -> Admission {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone())),
     );
+    let span = ready
+        .trace
+        .as_ref()
+        .map(|t| t.start(trace_attr::ADMIT, SpanKind::Internal));
     let verdict = shared
         .config
         .gate
@@ -272,6 +298,28 @@ pub(super) async fn admit(shared: &Shared, ready: &Ready) -> Admission {
     shared
         .metrics()
         .decision(verdict.verdict_label(), verdict.reason_label());
+    if let Some(mut span) = span {
+        let (available, in_flight) = {
+            let window = shared.window();
+            (window.available(Instant::now()), window.in_flight())
+        };
+        let m = shared.metrics();
+        span.set([
+            KeyValue::new(trace_attr::ATTR_VERDICT, verdict.verdict_label()),
+            KeyValue::new(trace_attr::ATTR_REASON, verdict.reason_label()),
+            KeyValue::new(trace_attr::ATTR_BUDGET, m.budget.get()),
+            KeyValue::new(trace_attr::ATTR_BASELINE, m.baseline.get()),
+            KeyValue::new(
+                trace_attr::ATTR_WINDOW_AVAILABLE,
+                i64::try_from(available).unwrap_or(i64::MAX),
+            ),
+            KeyValue::new(
+                trace_attr::ATTR_WINDOW_IN_FLIGHT,
+                i64::try_from(in_flight).unwrap_or(i64::MAX),
+            ),
+        ]);
+        span.end();
+    }
     verdict
 }
 

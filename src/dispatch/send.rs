@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use opentelemetry::KeyValue;
+use opentelemetry::trace::SpanKind;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -15,6 +17,7 @@ use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
 use crate::queue::NackReason;
 use crate::request::{AttemptRecord, LastAnswer, Message, log_id};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::telemetry::traces as trace_attr;
 
 /// How long a message must have waited since it was received before the
 /// queue is asked again whether it was cancelled (keeps the hot path free
@@ -53,7 +56,14 @@ pub(super) async fn send_and_settle(
             ErrorCode::Cancelled,
             "cancelled by the submitter",
         );
-        settle(&shared, &results, ready.delivery.tag, result).await;
+        settle(
+            &shared,
+            &results,
+            ready.delivery.tag,
+            result,
+            ready.trace.as_ref(),
+        )
+        .await;
         return;
     }
     metrics
@@ -67,11 +77,34 @@ pub(super) async fn send_and_settle(
         at: started,
         cost: ready.cost,
     });
+    let span = ready.trace.as_ref().map(|t| {
+        let mut span = t.start(trace_attr::SEND, SpanKind::Client);
+        let attempt = ready
+            .message
+            .previous_attempts(ready.delivery.retry_count)
+            .saturating_add(1);
+        span.set([KeyValue::new(trace_attr::ATTR_ATTEMPT, i64::from(attempt))]);
+        span
+    });
     let outcome = tokio::select! {
         o = shared.config.gateway.send(&ready.prepared, deadline) => Some(o),
         () = abandon.cancelled() => None,
     };
     let now = Instant::now();
+    if let Some(mut span) = span {
+        let label = outcome.as_ref().map_or("abandoned", AttemptOutcome::label);
+        span.set([KeyValue::new(trace_attr::ATTR_ATTEMPT_OUTCOME, label)]);
+        if let Some(status) = outcome.as_ref().and_then(AttemptOutcome::status) {
+            span.set([KeyValue::new(
+                trace_attr::ATTR_HTTP_STATUS,
+                i64::from(status),
+            )]);
+        }
+        if !matches!(outcome, Some(AttemptOutcome::Success { .. })) {
+            span.fail(label);
+        }
+        span.end();
+    }
     // Whether the pool itself answered (anything but 429/503 and transport
     // failures): only such an answer to a request sent after the latest
     // congestion signal ends the gateway's hold.
@@ -147,11 +180,12 @@ pub(super) async fn send_and_settle(
             .or_else(|| message.last_answer().cloned())
     };
     let tag = ready.delivery.tag;
+    let trace = ready.trace.as_ref();
     let (id, token) = (&message.request.id, message.token());
     match outcome {
         AttemptOutcome::Success { status, body } | AttemptOutcome::Final { status, body } => {
             let result = ResultRecord::http(id, token, status, body, attempts);
-            settle(&shared, &results, tag, result).await;
+            settle(&shared, &results, tag, result, trace).await;
         }
         AttemptOutcome::Congested {
             status,
@@ -173,7 +207,7 @@ pub(super) async fn send_and_settle(
             if now + delay >= deadline {
                 // No time left for another try: the last answer is the result.
                 let result = ResultRecord::http(id, token, status, body, attempts);
-                settle(&shared, &results, tag, result).await;
+                settle(&shared, &results, tag, result, trace).await;
             } else {
                 let last_answer = last_answer(Some((status, &body)));
                 let record = AttemptRecord {
@@ -221,16 +255,16 @@ pub(super) async fn send_and_settle(
                 } else {
                     failure_result(message, &failure, attempts)
                 };
-                settle(&shared, &results, tag, result).await;
+                settle(&shared, &results, tag, result, trace).await;
             }
         },
         AttemptOutcome::Failed { failure } => {
             let result = failure_result(message, &failure, attempts);
-            settle(&shared, &results, tag, result).await;
+            settle(&shared, &results, tag, result, trace).await;
         }
         AttemptOutcome::DeadlineExceeded => {
             let result = deadline_result(message, attempts);
-            settle(&shared, &results, tag, result).await;
+            settle(&shared, &results, tag, result, trace).await;
         }
     }
 }

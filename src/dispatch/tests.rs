@@ -71,6 +71,7 @@ fn shared(gate: Arc<Mutex<Observation>>) -> Arc<Shared> {
         settings,
         metrics: Metrics::new().queue("q"),
         labels: BTreeMap::new(),
+        traces: None,
     };
     Arc::new(Shared::new(config))
 }

@@ -1,10 +1,12 @@
 //! Telemetry: the metrics registry (`metrics.rs`), the `/metrics`,
-//! `/healthz` and `/readyz` server (`server.rs`) and log setup
-//! (`logging.rs`).
+//! `/healthz` and `/readyz` server (`server.rs`), log setup
+//! (`logging.rs`) and OTLP trace export, off by default (`traces.rs`).
 
 pub mod logging;
 pub mod metrics;
 pub mod server;
+pub mod traces;
 
 pub use metrics::{METRIC_NAMES, Metrics, QueueMetrics};
 pub use server::{Health, serve};
+pub use traces::{TraceExport, TraceSettings, Traces};
