@@ -93,6 +93,7 @@ async fn main() {
         settings,
         metrics: metrics.queue("bench"),
         labels: BTreeMap::new(),
+        traces: None,
     };
     let shutdown = CancellationToken::new();
     let cpu_start = cpu_seconds();

@@ -30,7 +30,8 @@
 //!   classification.
 //! - [`result`]: result records and error codes.
 //! - [`telemetry`]: the metrics registry, `/metrics` `/healthz` `/readyz`,
-//!   and logging.
+//!   logging, and OTLP trace export (off by default,
+//!   `src/telemetry/traces.rs`).
 //! - [`config`]: file + environment + flags into a typed configuration.
 //! - [`batch`]: the batch-file runner (OpenAI batch files through a
 //!   catalogue gate, resumable through an embedded store), the one

@@ -75,6 +75,19 @@ impl Config {
                 let _ = writeln!(o, "{name}: {}", fields.join(", "));
             }
         }
+        if let Some(traces) = &self.traces {
+            // A password in the URL is masked like the others.
+            let mut endpoint = url::Url::parse(&traces.endpoint).ok();
+            if let Some(u) = endpoint.as_mut().filter(|u| u.password().is_some()) {
+                let _ = u.set_password(Some("****"));
+            }
+            let _ = writeln!(
+                o,
+                "traces: otlp http/protobuf -> {} (service.name={})",
+                endpoint.map_or_else(|| traces.endpoint.clone(), |u| u.to_string()),
+                traces.service_name
+            );
+        }
         let _ = writeln!(o, "queues: {}", self.queues.len());
         for q in &self.queues {
             let _ = writeln!(

@@ -81,7 +81,7 @@ pub const ATTR_ATTEMPT_OUTCOME: &str = "sluicegate.attempt.outcome";
 /// Attribute (`send`, `settle`): the gateway's HTTP status, when it answered.
 pub const ATTR_HTTP_STATUS: &str = "http.response.status_code";
 /// Attribute (`settle`): the result's outcome label, as in
-/// `sluicegate_messages_total`.
+/// `sluicegate_outcomes_total`.
 pub const ATTR_OUTCOME: &str = "sluicegate.result.outcome";
 /// Attribute (`settle`): the result's error code, when it has one.
 pub const ATTR_ERROR_CODE: &str = "sluicegate.result.error_code";
@@ -385,6 +385,38 @@ mod tests {
             .unwrap()
             .is_some()
         );
+    }
+
+    #[test]
+    fn docs_list_every_variable_span_and_attribute() {
+        let config = include_str!("../../docs/configuration.md");
+        for var in TRACE_ENV_VARS {
+            assert!(config.contains(&format!("`{var}`")), "{var}");
+        }
+        let operations = include_str!("../../docs/operations.md");
+        for name in [
+            RECEIVE,
+            ADMIT,
+            SEND,
+            SETTLE,
+            ATTR_QUEUE,
+            ATTR_REQUEST_ID,
+            ATTR_RETRY_COUNT,
+            ATTR_VERDICT,
+            ATTR_REASON,
+            ATTR_BUDGET,
+            ATTR_BASELINE,
+            ATTR_WINDOW_AVAILABLE,
+            ATTR_WINDOW_IN_FLIGHT,
+            ATTR_ATTEMPT,
+            ATTR_ATTEMPT_OUTCOME,
+            ATTR_HTTP_STATUS,
+            ATTR_OUTCOME,
+            ATTR_ERROR_CODE,
+            ATTR_ACK,
+        ] {
+            assert!(operations.contains(&format!("`{name}`")), "{name}");
+        }
     }
 
     #[test]

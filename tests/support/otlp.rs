@@ -78,7 +78,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 async fn traces(State(shared): State<Shared>, body: Bytes) -> (StatusCode, Vec<u8>) {
-    *shared.requests.lock().unwrap() += 1;
+    *shared.requests.lock().unwrap_or_else(|p| p.into_inner()) += 1;
     let Ok(request) = ExportTraceServiceRequest::decode(body) else {
         return (StatusCode::BAD_REQUEST, Vec::new());
     };
@@ -112,7 +112,11 @@ async fn traces(State(shared): State<Shared>, body: Bytes) -> (StatusCode, Vec<u
             }
         }
     }
-    shared.spans.lock().unwrap().extend(received);
+    shared
+        .spans
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend(received);
     (
         StatusCode::OK,
         ExportTraceServiceResponse::default().encode_to_vec(),
@@ -146,11 +150,11 @@ impl OtlpReceiver {
 
     /// Every span received so far.
     pub fn spans(&self) -> Vec<ReceivedSpan> {
-        self.spans.lock().unwrap().clone()
+        self.spans.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// How many export requests arrived (decodable or not).
     pub fn requests(&self) -> usize {
-        *self.requests.lock().unwrap()
+        *self.requests.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
