@@ -1,9 +1,9 @@
 //! `sluicegate eval` in the test suite: short deterministic runs that check
 //! invariants of the evaluation (never performance thresholds).
 
+use sluicegate::dispatch::DispatchSettings;
 use sluicegate::eval::{
-    Contender, DispatchModel, Kind, Options, PoolSize, Report, Scenario, Shape, Slo, contender,
-    evaluate,
+    Contender, Kind, Options, PoolSize, Report, Scenario, Shape, Slo, contender, evaluate,
 };
 
 fn options(shapes: &[Shape], contenders: Vec<Contender>, scale: f64) -> Options {
@@ -13,7 +13,7 @@ fn options(shapes: &[Shape], contenders: Vec<Contender>, scale: f64) -> Options 
             .map(|&s| Scenario::built_in(s, PoolSize::Small, scale))
             .collect(),
         contenders,
-        model: DispatchModel::default(),
+        settings: DispatchSettings::default(),
         slo: Slo::default(),
         threads: 2,
     }
@@ -104,7 +104,7 @@ fn the_same_seed_gives_the_same_figures() {
 fn the_production_window_bounds_what_a_blind_gate_keeps_in_flight() {
     let blind = Contender::gate("constant", "constant", &serde_json::json!({})).unwrap();
     let mut o = options(&[Shape::Steady], vec![blind], 0.1);
-    o.model.max_sys = 8.0;
+    o.settings.max_sys = 8.0;
     let report = evaluate(&o, &|_| {}).unwrap();
     let series = &report.scenarios[0].rows[0].timeline.series;
     assert!(series.iter().all(|p| p.batch_in_flight <= 8));

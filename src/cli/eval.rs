@@ -7,9 +7,9 @@ use std::process::ExitCode;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::dispatch::DispatchSettings;
 use crate::eval::{
-    Contender, DispatchModel, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo,
-    contender,
+    Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, contender,
 };
 
 /// Flags of `sluicegate eval`.
@@ -208,7 +208,7 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
     Ok(Options {
         scenarios,
         contenders,
-        model: DispatchModel::default(),
+        settings: DispatchSettings::default(),
         slo: Slo::default(),
         threads,
     })

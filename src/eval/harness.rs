@@ -21,7 +21,8 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 use super::endpoint::SimMetrics;
-use crate::config::{GateSpec, Rounding, Unit};
+use crate::config::GateSpec;
+use crate::dispatch::DispatchSettings;
 use crate::dispatch::congestion::{Clearance, Congestion, CongestionPolicy};
 use crate::dispatch::window::{Applied, Window};
 use crate::gate::{
@@ -31,36 +32,6 @@ use crate::gate::{
 use crate::sim::engine::{RequestRecord, SimTime};
 use crate::sim::runner::{BatchPolicy, PolicyInput};
 use crate::source::MetricsAccess;
-
-/// The dispatcher settings a run uses (the configuration's defaults unless
-/// a scenario says otherwise).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DispatchModel {
-    /// `dispatch.poll_interval` (also the sources' cache TTL), seconds.
-    pub poll_interval_s: f64,
-    /// `dispatch.max_staleness`, seconds.
-    pub max_staleness_s: f64,
-    /// The queue's `max_sys`, requests.
-    pub max_sys: f64,
-    /// The queue's rounding of `N`.
-    pub rounding: Rounding,
-    /// `dispatch.congestion_backoff` and `congestion_max_backoff`.
-    pub congestion: CongestionPolicy,
-}
-
-impl Default for DispatchModel {
-    fn default() -> Self {
-        let d = crate::config::DispatchConfig::default();
-        Self {
-            poll_interval_s: d.poll_interval.as_secs_f64(),
-            max_staleness_s: d.max_staleness.as_secs_f64(),
-            // A `[[queue]]`'s defaults.
-            max_sys: Capacity::default().max_sys,
-            rounding: Rounding::Floor,
-            congestion: (&d).into(),
-        }
-    }
-}
 
 /// How readings become dispatches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +90,7 @@ pub struct GatePolicy {
     gate: FailClosed,
     window: Window,
     congestion: Congestion,
-    model: DispatchModel,
+    settings: DispatchSettings,
     release: Release,
     metrics: Arc<SimMetrics>,
     next_poll: SimTime,
@@ -153,6 +124,14 @@ impl std::fmt::Debug for GatePolicy {
     }
 }
 
+/// The queue's static capacity, as the dispatcher's observer uses it.
+fn capacity(settings: &DispatchSettings) -> Capacity {
+    Capacity {
+        max_sys: settings.max_sys,
+        unit: settings.unit,
+    }
+}
+
 /// Labels and metadata of simulated batch requests (none).
 static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
 
@@ -162,7 +141,7 @@ impl GatePolicy {
     pub fn new(
         name: impl Into<String>,
         spec: &GateSpec,
-        model: DispatchModel,
+        settings: DispatchSettings,
         release: Release,
         metrics: Arc<SimMetrics>,
         seed: u64,
@@ -176,19 +155,11 @@ impl GatePolicy {
             .map_err(HarnessError::Runtime)?;
         let _entered = runtime.enter();
         let t0 = Instant::now();
-        let max_staleness = Duration::from_secs_f64(model.max_staleness_s);
-        let mut ctx = GateContext::new(
-            None,
-            None,
-            Duration::from_secs_f64(model.poll_interval_s),
-            max_staleness,
-        );
+        let max_staleness = settings.max_staleness;
+        let mut ctx = GateContext::new(None, None, settings.poll_interval, max_staleness);
         ctx.metrics = MetricsAccess::InProcess(metrics.clone());
         ctx.seed = seed;
-        ctx.capacity = Capacity {
-            max_sys: model.max_sys,
-            unit: Unit::Requests,
-        };
+        ctx.capacity = capacity(&settings);
         let gate = build_gate(spec, &ctx).map_err(|source| HarnessError::Build {
             name: name.clone(),
             source,
@@ -198,8 +169,11 @@ impl GatePolicy {
             t0,
             gate: FailClosed::new(gate, max_staleness),
             window: Window::new(t0, max_staleness),
-            congestion: Congestion::new(model.congestion),
-            model,
+            congestion: Congestion::new(CongestionPolicy {
+                initial_backoff: settings.congestion_backoff,
+                max_backoff: settings.congestion_max_backoff,
+            }),
+            settings,
             release,
             metrics,
             next_poll: 0.0,
@@ -235,15 +209,13 @@ impl GatePolicy {
     /// dispatcher's observer does.
     fn observe(&mut self, now: SimTime) {
         let observation = self.runtime.block_on(self.gate.observe());
-        let capacity = Capacity {
-            max_sys: self.model.max_sys,
-            unit: Unit::Requests,
-        };
-        let (n, applied) = self
-            .window
-            .apply(&observation, capacity, self.model.rounding);
+        let (n, applied) = self.window.apply(
+            &observation,
+            capacity(&self.settings),
+            self.settings.rounding,
+        );
         self.refill_on_demand = applied == Applied::Fresh && n > 0;
-        self.next_poll = now + self.model.poll_interval_s;
+        self.next_poll = now + self.settings.poll_interval.as_secs_f64();
         self.last_headroom = observation.headroom();
         self.readings.push(GateSample {
             t: now,
@@ -287,7 +259,7 @@ impl GatePolicy {
     fn in_blackout_beyond_staleness(&self, t: SimTime) -> bool {
         self.blackouts
             .iter()
-            .any(|[a, b]| t >= a + self.model.max_staleness_s && t < *b)
+            .any(|[a, b]| t >= a + self.settings.max_staleness.as_secs_f64() && t < *b)
     }
 
     /// The request sent at `sent_at` is over.

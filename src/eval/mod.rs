@@ -30,10 +30,11 @@ use serde::Serialize;
 pub use chart::timeline_svg;
 pub use contender::{Contender, Kind};
 pub use endpoint::{PAGE_URL, SimMetrics};
-pub use harness::{DispatchModel, GatePolicy, GateSample, HarnessError, Release};
+pub use harness::{GatePolicy, GateSample, HarnessError, Release};
 pub use scenario::{PoolSize, Scenario, Shape};
 pub use score::{Interactive, Score, Slo};
 
+use crate::dispatch::DispatchSettings;
 use crate::sim::engine::RequestClass;
 use crate::sim::error::SimError;
 use crate::sim::metrics::{ExpositionLabels, ViewConfig};
@@ -65,8 +66,9 @@ pub struct Options {
     pub scenarios: Vec<Scenario>,
     /// The contenders.
     pub contenders: Vec<Contender>,
-    /// The dispatcher settings of every gate.
-    pub model: DispatchModel,
+    /// The dispatcher settings of every gate (the configuration's
+    /// defaults unless a caller changes them).
+    pub settings: DispatchSettings,
     /// The interactive SLO.
     pub slo: Slo,
     /// Worker threads (runs are independent).
@@ -355,7 +357,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
     let Options {
         scenarios,
         contenders,
-        model,
+        settings,
         slo,
         threads,
     } = options;
@@ -429,7 +431,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
                             let mut policy = GatePolicy::new(
                                 c.name.clone(),
                                 spec,
-                                *model,
+                                settings.clone(),
                                 release,
                                 metrics(sc),
                                 sc.seed,
@@ -489,7 +491,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
     }
     Ok(Report {
         slo: *slo,
-        max_staleness_s: model.max_staleness_s,
+        max_staleness_s: settings.max_staleness.as_secs_f64(),
         scenarios: reports,
     })
 }
