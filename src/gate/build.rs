@@ -222,6 +222,11 @@ impl GateContext {
         };
         Ok(self.cache(scrape))
     }
+
+    /// A cached scrape of each of `urls` (engine pages), in order.
+    pub(crate) fn scrapes(&self, urls: &[String]) -> Result<Vec<Cached<Scrape>>, BuildError> {
+        urls.iter().map(|u| self.scrape(u)).collect()
+    }
 }
 
 impl GateContext {

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::control::{Aimd, AimdConfig, Signals, Step, attainment};
 use super::engine_signals::{History, OwnLoad, read_pages};
-use super::param::{GateParams, ParseCx, check_http_url, loose};
+use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
 use super::reading::{MetricGate, SourceReport, pool_reading};
 use super::slo_headroom::{Headroom, SloHeadroomParams};
 use super::{BuildError, DispatchEvent, DispatchGate, GateContext, GateError, Observation};
@@ -103,24 +103,9 @@ impl Default for FeedbackParams {
     }
 }
 
-/// Checks a list of engine URLs under `urls`.
-pub(crate) fn validate_urls(cx: &mut ParseCx<'_>, urls: &[String]) {
-    if cx.require("urls", "a list of vLLM /metrics URLs") {
-        if urls.is_empty() {
-            cx.error("urls", "must list at least one URL");
-        }
-        let key = cx.key("urls");
-        for (i, u) in urls.iter().enumerate() {
-            if let Err(e) = check_http_url(u) {
-                cx.error_at(format!("{key}[{i}]"), e);
-            }
-        }
-    }
-}
-
 impl GateParams for FeedbackParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
-        validate_urls(cx, &self.urls);
+        validate_engine_urls(cx, &self.urls);
         cx.positive("ttft_slo", self.ttft_slo);
         cx.positive("itl_slo", self.itl_slo);
         if !(self.target > 0.0 && self.target <= 1.0) {
@@ -158,11 +143,7 @@ impl GateParams for FeedbackParams {
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
-        let pages = self
-            .urls
-            .iter()
-            .map(|u| ctx.scrape(u))
-            .collect::<Result<Vec<_>, _>>()?;
+        let pages = ctx.scrapes(&self.urls)?;
         let max_sys = ctx.capacity.max_sys;
         let requests = ctx.capacity.unit == Unit::Requests;
         // One request has no meaning in tokens or bytes, so steps are a

@@ -310,6 +310,22 @@ impl<'e> ParseCx<'e> {
     }
 }
 
+/// Checks a required list of vLLM `/metrics` URLs under `urls` (the
+/// engine-scraping gates: `vllm`, `feedback`, `slo-headroom`).
+pub(crate) fn validate_engine_urls(cx: &mut ParseCx<'_>, urls: &[String]) {
+    if cx.require("urls", "a list of vLLM /metrics URLs") {
+        if urls.is_empty() {
+            cx.error("urls", "must list at least one URL");
+        }
+        let key = cx.key("urls");
+        for (i, u) in urls.iter().enumerate() {
+            if let Err(e) = check_http_url(u) {
+                cx.error_at(format!("{key}[{i}]"), e);
+            }
+        }
+    }
+}
+
 /// An http(s) URL without a password.
 pub(crate) fn check_http_url(value: &str) -> Result<(), String> {
     let u = Url::parse(value).map_err(|e| format!("expected an http(s) URL: {e}"))?;

@@ -17,8 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::control::{Admitted, HeadroomConfig, HeadroomInputs, HeadroomModel, KalmanConfig};
 use super::engine_signals::{History, Interval, OwnLoad, read_pages};
-use super::feedback::validate_urls;
-use super::param::{GateParams, ParseCx, loose};
+use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
 use super::reading::{MetricGate, SourceReport, pool_reading};
 use super::{BuildError, DispatchEvent, DispatchGate, GateContext, GateError, Observation};
 use crate::config::Unit;
@@ -225,16 +224,12 @@ impl SloHeadroomParams {
 
 impl GateParams for SloHeadroomParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
-        validate_urls(cx, &self.urls);
+        validate_engine_urls(cx, &self.urls);
         self.validate_model(cx, "");
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
-        let pages = self
-            .urls
-            .iter()
-            .map(|u| ctx.scrape(u))
-            .collect::<Result<Vec<_>, _>>()?;
+        let pages = ctx.scrapes(&self.urls)?;
         Ok(Box::new(SloHeadroomGate {
             pages,
             labels: self.labels.clone(),

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use futures_util::future::join_all;
 use serde::{Deserialize, Serialize};
 
-use super::param::{GateParams, ParseCx, check_http_url, loose};
+use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
 use super::reading::{MetricGate, SourceReport, non_negative, pool_reading, show_labels};
 use super::{BuildError, DispatchGate, GateContext, GateError, Observation};
 use crate::source::{Cached, Exposition, Scrape, text::Sample};
@@ -53,17 +53,7 @@ impl Default for VllmParams {
 
 impl GateParams for VllmParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
-        if cx.require("urls", "a list of vLLM /metrics URLs") {
-            if self.urls.is_empty() {
-                cx.error("urls", "must list at least one URL");
-            }
-            let key = cx.key("urls");
-            for (i, u) in self.urls.iter().enumerate() {
-                if let Err(e) = check_http_url(u) {
-                    cx.error_at(format!("{key}[{i}]"), e);
-                }
-            }
-        }
+        validate_engine_urls(cx, &self.urls);
         if !(self.kv_ceiling > 0.0 && self.kv_ceiling <= 1.0) {
             cx.error(
                 "kv_ceiling",
@@ -78,11 +68,7 @@ impl GateParams for VllmParams {
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
-        let pages = self
-            .urls
-            .iter()
-            .map(|u| ctx.scrape(u))
-            .collect::<Result<Vec<_>, _>>()?;
+        let pages = ctx.scrapes(&self.urls)?;
         Ok(Box::new(VllmGate::new(
             pages,
             Roofline {
