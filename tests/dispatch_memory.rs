@@ -11,7 +11,8 @@ use sluicegate::app::Tasks;
 use sluicegate::config::{GatingMode, Rounding, Unit};
 use sluicegate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use sluicegate::gate::{
-    Budget, ConstantGate, DispatchGate, FailClosed, GateError, LocalMaxConcurrencyGate, Observation,
+    Budget, ConstantGate, DispatchEvent, DispatchGate, FailClosed, GateError,
+    LocalMaxConcurrencyGate, Observation,
 };
 use sluicegate::gateway::{GatewayClient, GatewaySettings, Target};
 use sluicegate::queue::MemoryQueue;
@@ -736,4 +737,79 @@ async fn a_message_waiting_for_room_goes_back_to_the_queue_during_a_long_congest
         "only A reached the gateway"
     );
     h.stop().await;
+}
+
+/// Open, and records every event the dispatcher reports.
+#[derive(Debug, Default)]
+struct Recording(std::sync::Mutex<Vec<DispatchEvent>>);
+
+impl DispatchGate for Recording {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        Box::pin(std::future::ready(Ok(Observation::open(
+            Budget::FULL,
+            Instant::now(),
+        ))))
+    }
+
+    fn kind(&self) -> &'static str {
+        "recording"
+    }
+
+    fn on_event(&self, event: DispatchEvent) {
+        self.0.lock().expect("lock").push(event);
+    }
+}
+
+#[tokio::test]
+async fn the_gate_hears_each_attempt_sent_and_answered_with_its_status() {
+    // The feedback gates learn their own in-flight work and 429/503s from
+    // these events: one `Sent` before each attempt, one `Answered` after.
+    let server = gateway(Script {
+        statuses: vec![(429, Some("0")), (503, None)],
+        calls: AtomicUsize::new(0),
+    })
+    .await;
+    let gate = Arc::new(Recording::default());
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(gate.clone()),
+        fast_settings(),
+        no_retry_limit(),
+    );
+    h.queue.push_message(message("e", 3600));
+    let results = h.wait_for_results(1).await;
+    assert_eq!(results[0].status_code, Some(200));
+    h.stop().await;
+    let events = gate.0.lock().expect("lock").clone();
+    let kinds: Vec<String> = events
+        .iter()
+        .map(|e| match e {
+            DispatchEvent::Sent { cost, .. } => format!("sent {cost}"),
+            DispatchEvent::Answered { status, cost, .. } => format!("answered {status} {cost}"),
+            DispatchEvent::Failed { .. } => "failed".to_owned(),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "sent 1",
+            "answered 429 1",
+            "sent 1",
+            "answered 503 1",
+            "sent 1",
+            "answered 200 1"
+        ],
+        "{events:?}"
+    );
+    assert!(events[1].is_congestion() && events[3].is_congestion());
+    assert!(!events[5].is_congestion());
+    // Each answer names when its request was sent.
+    for pair in events.chunks(2) {
+        let (DispatchEvent::Sent { at, .. }, DispatchEvent::Answered { sent_at, .. }) =
+            (pair[0], pair[1])
+        else {
+            panic!("{pair:?}")
+        };
+        assert_eq!(at, sent_at);
+    }
 }
