@@ -66,8 +66,13 @@ impl SimMetrics {
     pub fn advance(&self, now: f64, pool: &Pool, render_page: bool) {
         let mut s = self.lock();
         s.now = now;
-        if s.prometheus.scrape_due(now) {
-            let text = render(&pool.snapshot(), &self.labels);
+        let scrape_due = s.prometheus.scrape_due(now);
+        if !(scrape_due || render_page) {
+            return;
+        }
+        // One rendering serves both views when they fall on the same tick.
+        let text = render(&pool.snapshot(), &self.labels);
+        if scrape_due {
             // Our own renderer's output parses; if it ever did not, the
             // scrape fails like a real one would (nothing stored).
             if let Ok(page) = text::parse(&text) {
@@ -75,7 +80,7 @@ impl SimMetrics {
             }
         }
         if render_page {
-            s.page = Some(render(&pool.snapshot(), &self.labels));
+            s.page = Some(text);
         }
     }
 }

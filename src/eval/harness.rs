@@ -232,7 +232,8 @@ impl GatePolicy {
     fn window_release(&mut self, now: SimTime) -> u32 {
         let at = self.at(now);
         let mut want = self.window.available(at);
-        match self.congestion.clearance(at) {
+        let clearance = self.congestion.clearance(at);
+        match clearance {
             Clearance::Open => {}
             Clearance::Probe => want = want.min(1),
             Clearance::Held { .. } => want = 0,
@@ -250,7 +251,7 @@ impl GatePolicy {
                 _ => break,
             }
         }
-        if !self.admitted.is_empty() && self.congestion.clearance(at) == Clearance::Probe {
+        if !self.admitted.is_empty() && clearance == Clearance::Probe {
             self.congestion.probe_started();
         }
         u32::try_from(self.admitted.len()).unwrap_or(u32::MAX)
