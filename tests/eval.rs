@@ -126,3 +126,33 @@ fn the_production_window_bounds_what_a_blind_gate_keeps_in_flight() {
         readings.len()
     );
 }
+
+#[test]
+fn a_trace_is_replayed_as_its_own_scenario() {
+    // 200 requests over about 60 s, one every 0.3 s.
+    let dir = std::env::temp_dir().join(format!("sluicegate-eval-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("trace.csv");
+    let mut csv = String::from("timestamp,input_tokens,output_tokens\n");
+    for i in 0..200 {
+        csv.push_str(&format!("{},{},{}\n", 1000.0 + 0.3 * f64::from(i), 256, 64));
+    }
+    std::fs::write(&path, csv).expect("write trace");
+    let scenario = Scenario::trace(&path, PoolSize::Small).expect("trace scenario");
+    assert_eq!(scenario.name, "trace/small");
+    assert!((scenario.duration_s - 59.7).abs() < 1e-9, "{}", scenario.duration_s);
+    let o = Options {
+        scenarios: vec![scenario],
+        ..options(&[], named(&["static-cap-2"]), 1.0)
+    };
+    let report = evaluate(&o, &|_| {}).expect("evaluates");
+    let arrivals: f64 = report.scenarios[0]
+        .baseline_timeline
+        .interactive_rate
+        .iter()
+        .map(|(_, per_s)| per_s * 10.0)
+        .sum();
+    assert!((arrivals - 200.0).abs() < 1e-6, "{arrivals}");
+    assert!(report.scenarios[0].rows[0].score.batch_tokens_per_s > 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
