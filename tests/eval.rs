@@ -140,7 +140,11 @@ fn a_trace_is_replayed_as_its_own_scenario() {
     std::fs::write(&path, csv).expect("write trace");
     let scenario = Scenario::trace(&path, PoolSize::Small).expect("trace scenario");
     assert_eq!(scenario.name, "trace/small");
-    assert!((scenario.duration_s - 59.7).abs() < 1e-9, "{}", scenario.duration_s);
+    assert!(
+        (scenario.duration_s - 59.7).abs() < 1e-9,
+        "{}",
+        scenario.duration_s
+    );
     let o = Options {
         scenarios: vec![scenario],
         ..options(&[], named(&["static-cap-2"]), 1.0)
