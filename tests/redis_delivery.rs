@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sluicegate::config::{Config, EndpointUrl, RedisConfig};
-use sluicegate::queue::redis::{RedisQueueSettings, Submission, client, enqueue, manager};
+use sluicegate::queue::redis::{RedisQueueSettings, Submission, connection, enqueue};
 use sluicegate::request::{MAX_ID_LEN, parse_message, synthetic_id};
 use support::redis::RedisServer;
 use wiremock::matchers::method;
@@ -34,6 +34,7 @@ fn redis_config(server: &RedisServer) -> RedisConfig {
         username: None,
         password: None,
         password_file: None,
+        cluster: false,
     }
 }
 
@@ -85,8 +86,7 @@ fn request_line(id: &str, deadline: i64) -> String {
 
 /// Submits through our producer (envelope, token, `request-active:<id>`).
 async fn submit(server: &RedisServer, queue: &str, lines: &[String]) {
-    let c = client(&redis_config(server)).expect("client");
-    let mut conn = manager(&c).expect("manager");
+    let mut conn = connection(&redis_config(server)).expect("connection");
     let now_ms = unix_now() * 1000;
     let batch: Vec<Submission> = lines
         .iter()

@@ -12,7 +12,8 @@ use sluicegate::app::{Running, Tasks};
 use sluicegate::config::{Config, EndpointUrl, RedisConfig, Secret};
 use sluicegate::queue::Queue;
 use sluicegate::queue::redis::{
-    RedisQueue, RedisQueueSettings, Submission, cancel, client, enqueue, manager,
+    RedisConnection, RedisQueue, RedisQueueSettings, Submission, cancel, client, connection,
+    enqueue, manager,
 };
 use sluicegate::request::parse_message;
 use sluicegate::sim::{SimConfig, spawn_http};
@@ -32,6 +33,7 @@ fn redis_config(server: &RedisServer, password: Option<&str>) -> RedisConfig {
         username: None,
         password: password.map(Secret::new),
         password_file: None,
+        cluster: false,
     }
 }
 
@@ -97,8 +99,7 @@ fn request_line(id: &str, deadline: i64) -> String {
 }
 
 async fn submit(redis: &RedisConfig, queue: &str, lines: &[String]) {
-    let c = client(redis).expect("client");
-    let mut conn = manager(&c).expect("manager");
+    let mut conn = connection(redis).expect("connection");
     let now_ms = unix_now() * 1000;
     let batch: Vec<Submission> = lines
         .iter()
@@ -242,8 +243,7 @@ async fn expired_and_cancelled_messages_get_typed_results() {
     )
     .await;
     {
-        let c = client(&redis).expect("client");
-        let mut conn = manager(&c).expect("manager");
+        let mut conn = connection(&redis).expect("connection");
         let outcome = cancel(&mut conn, "cancelled").await.expect("cancel");
         assert_eq!(outcome, sluicegate::queue::redis::CancelOutcome::Cancelled);
         let outcome = cancel(&mut conn, "never-submitted").await.expect("cancel");
@@ -331,7 +331,7 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     let c = client(&wrong).expect("client");
     let tasks = Tasks::new();
     let queue = RedisQueue::start(
-        manager(&c).expect("manager"),
+        RedisConnection::Single(manager(&c).expect("manager")),
         RedisQueueSettings::new("auth"),
         &tasks,
     );
@@ -418,8 +418,7 @@ gate_params = { limit = 1, gating_mode = "blocking" }"#,
         "nothing is claimed beyond the gate's limit"
     );
     {
-        let c = client(&redis).expect("client");
-        let mut conn = manager(&c).expect("manager");
+        let mut conn = connection(&redis).expect("connection");
         let outcome = cancel(&mut conn, "second").await.expect("cancel");
         assert_eq!(outcome, sluicegate::queue::redis::CancelOutcome::Cancelled);
     }
@@ -449,12 +448,12 @@ async fn an_expired_lease_is_reclaimed_and_the_old_holder_is_fenced_out() {
     let c = client(&redis).expect("client");
     let tasks = Tasks::new();
     let old_holder = RedisQueue::start(
-        manager(&c).expect("manager"),
+        RedisConnection::Single(manager(&c).expect("manager")),
         RedisQueueSettings::new("lease"),
         &tasks,
     );
     let new_holder = RedisQueue::start(
-        manager(&c).expect("manager"),
+        RedisConnection::Single(manager(&c).expect("manager")),
         RedisQueueSettings::new("lease"),
         &tasks,
     );

@@ -85,7 +85,7 @@ async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<(
 
 async fn drain(args: DrainArgs) -> Result<(), String> {
     let redis_config = args.redis.config()?;
-    let (_client, mut conn) = args.redis.connect()?;
+    let mut conn = args.redis.connect()?;
     let results = format!("{}-results", args.queue);
     let keys = Keys::new(&args.queue, false);
     redis::cmd("DEL")

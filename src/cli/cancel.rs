@@ -34,7 +34,7 @@ pub(super) async fn run(args: CancelArgs) -> ExitCode {
     if let Some(store) = &args.embedded {
         return cancel_embedded(store, &args.queue, &args.ids);
     }
-    let (_client, mut conn) = match args.redis.connect() {
+    let mut conn = match args.redis.connect() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");

@@ -14,7 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::submit::RedisArgs;
 use crate::queue::Queue as _;
-use crate::queue::redis::blocking;
+use crate::queue::redis::blocking_connection;
 use crate::result::ResultRecord;
 
 /// Output shape.
@@ -195,18 +195,14 @@ pub(super) async fn run(args: ResultsArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let client = match args
-        .redis
-        .config()
-        .and_then(|c| crate::queue::redis::client(&c).map_err(|e| e.to_string()))
-    {
+    let redis_config = match args.redis.config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
             return ExitCode::from(2);
         }
     };
-    let mut conn = match blocking(&client).await {
+    let mut conn = match blocking_connection(&redis_config).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -257,7 +253,7 @@ pub(super) async fn run(args: ResultsArgs) -> ExitCode {
             Err(error) => {
                 bar.suspend(|| eprintln!("redis: {error}; retrying"));
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                if let Ok(c) = blocking(&client).await {
+                if let Ok(c) = blocking_connection(&redis_config).await {
                     conn = c;
                 }
                 continue;

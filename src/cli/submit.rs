@@ -7,12 +7,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use redis::Client;
-use redis::aio::ConnectionManager;
 
 use crate::batch::input::{DuplicateIds, ParsedInput, parse_input_with};
 use crate::config::{EndpointUrl, RedisConfig, Secret, parse_duration, read_secret_file};
-use crate::queue::redis::{ConnectError, Submission, client, enqueue, manager};
+use crate::queue::redis::{RedisConnection, Submission, connection, enqueue};
 use crate::request::parse_message;
 
 /// Lines sent per pipelined round trip.
@@ -37,6 +35,9 @@ pub(super) struct RedisArgs {
     /// File holding the Redis password.
     #[arg(long, env = "SLUICEGATE_REDIS_PASSWORD_FILE")]
     redis_password_file: Option<PathBuf>,
+    /// `--redis-url` is a seed node of a Redis Cluster.
+    #[arg(long, env = "SLUICEGATE_REDIS_CLUSTER")]
+    redis_cluster: bool,
 }
 
 impl RedisArgs {
@@ -55,20 +56,14 @@ impl RedisArgs {
             username: self.redis_username.clone(),
             password,
             password_file: self.redis_password_file.clone(),
+            cluster: self.redis_cluster,
         })
     }
 
-    /// Client and connection, or a message for the user.
-    pub(super) fn connect(&self) -> Result<(Client, ConnectionManager), String> {
-        connect(&self.config()?)
+    /// A lazily connecting connection, or a message for the user.
+    pub(super) fn connect(&self) -> Result<RedisConnection, String> {
+        connection(&self.config()?).map_err(|e| e.to_string())
     }
-}
-
-/// A client and a lazily connecting manager for `config`.
-pub(super) fn connect(config: &RedisConfig) -> Result<(Client, ConnectionManager), String> {
-    let c = client(config).map_err(|e: ConnectError| e.to_string())?;
-    let m = manager(&c).map_err(|e| e.to_string())?;
-    Ok((c, m))
 }
 
 #[derive(Debug, Args)]
@@ -153,21 +148,22 @@ pub(super) fn warn_active(ids: &[&str], state: &str) {
 /// The ids among `ids` that have a `request-active:<id>` key (submitted
 /// and not finished), in the order given.
 async fn active_ids<'a>(
-    conn: &mut ConnectionManager,
+    conn: &mut RedisConnection,
     ids: &[&'a str],
 ) -> redis::RedisResult<Vec<&'a str>> {
     let mut active = Vec::new();
     for chunk in ids.chunks(CHUNK) {
-        let mut pipe = redis::pipe();
+        // One MGET per chunk: a cluster connection splits it by slot.
+        let mut mget = redis::cmd("MGET");
         for id in chunk {
-            pipe.cmd("EXISTS").arg(format!("request-active:{id}"));
+            mget.arg(format!("request-active:{id}"));
         }
-        let found: Vec<i64> = pipe.query_async(conn).await?;
+        let found: Vec<Option<String>> = mget.query_async(conn).await?;
         active.extend(
             chunk
                 .iter()
                 .zip(found)
-                .filter(|(_, n)| *n > 0)
+                .filter(|(_, token)| token.is_some())
                 .map(|(id, _)| *id),
         );
     }
@@ -214,7 +210,7 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
     if let Some(code) = report_lines(&parsed, args.allow_duplicates) {
         return code;
     }
-    let (_client, mut conn) = match args.redis.connect() {
+    let mut conn = match args.redis.connect() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");

@@ -52,9 +52,9 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use values::{
-    Ctx, NONZERO, as_nonempty_string, as_positive_f64, as_u64, attempts, choice, constant_url,
-    duration_min, env_filter, host_port, http_url, inline_secret, optional_string, path, redis_url,
-    socket_addr, url_path,
+    Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
+    constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_string,
+    path, redis_url, socket_addr, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -310,6 +310,9 @@ section! {
         password: Option<Secret> = None, inline_secret;
         /// File the password was read from, when given that way.
         password_file: Option<PathBuf> = None, |v| path(v).map(Some);
+        /// `url` is one seed node of a Redis Cluster: the queue, its results,
+        /// the shared window and quota keys are routed by hash slot.
+        cluster: bool = false, as_bool;
     }
 
     /// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is

@@ -109,6 +109,20 @@ pub(crate) fn optional_string(v: &Value) -> Result<Option<String>, String> {
     as_string(v).map(|s| (!s.is_empty()).then_some(s))
 }
 
+/// A boolean, from `true`/`false` or their text form (environment values
+/// are strings).
+pub(crate) fn as_bool(v: &Value) -> Result<bool, String> {
+    match v {
+        Value::Bool(b) => Ok(*b),
+        Value::String(s) => match s.trim() {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(format!("expected true or false, got {}", show(v))),
+        },
+        other => Err(format!("expected true or false, got {}", kind(other))),
+    }
+}
+
 /// A finite float, from a number or a decimal string.
 pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
     let x = match v {

@@ -9,7 +9,7 @@ use crate::app::Tasks;
 use crate::config::{Config, EndpointUrl, RedisConfig, TransportKind};
 
 use super::embedded::{EmbeddedError, EmbeddedQueue};
-use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, client, manager, masked_addr};
+use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, connection, hash_tag, key_slot};
 use super::{MemoryQueue, Queue};
 
 /// Store file of the embedded transport when `[embedded]` names none.
@@ -78,6 +78,20 @@ pub enum OpenError {
     /// The embedded store could not be opened.
     #[error("embedded.path: {0}")]
     Embedded(#[source] EmbeddedError),
+    /// On a Redis Cluster, a queue's result list must share the queue's
+    /// hash slot, or writing the result and settling the message could
+    /// not be one atomic step (exactly one result per request).
+    #[error(
+        "queue `{queue}`: result_queue_name: with redis.cluster = true, set it to a list in the queue's hash slot, e.g. `{{{tag}}}:results` for the queue `{{{tag}}}`{got}"
+    )]
+    ClusterSlot {
+        /// The queue name.
+        queue: String,
+        /// A hash tag to suggest.
+        tag: String,
+        /// What was configured, for the message.
+        got: String,
+    },
 }
 
 /// Opens one queue per `[[queue]]` on the configured transport. Redis is
@@ -120,14 +134,23 @@ pub fn default_redis_config() -> RedisConfig {
         username: None,
         password: None,
         password_file: None,
+        cluster: false,
     }
 }
 
 async fn open_redis(config: &Config, tasks: &Tasks) -> Result<Transports, OpenError> {
     let redis_config = config.redis.clone().unwrap_or_else(default_redis_config);
-    let client = client(&redis_config)?;
-    let conn = manager(&client)?;
-    let addr = masked_addr(&client);
+    if redis_config.cluster {
+        check_cluster_slots(config)?;
+    }
+    let conn = connection(&redis_config)?;
+    let url = redis_config.url.expose();
+    // host:port, as the client reports it: never the credentials.
+    let addr = format!(
+        "{}:{}",
+        url.host_str().unwrap_or_default(),
+        url.port().unwrap_or(6379)
+    );
     let mut probe = conn.clone();
     let ping = tokio::time::timeout(
         REDIS_PING_TIMEOUT,
@@ -153,8 +176,34 @@ async fn open_redis(config: &Config, tasks: &Tasks) -> Result<Transports, OpenEr
             // names overrides the message's.
             settings.result_list = q.result_queue_name.clone();
             settings.result_ttl_seconds = q.result_ttl_seconds;
+            settings.cluster = redis_config.cluster;
             Arc::new(RedisQueue::start(conn.clone(), settings, tasks))
         })
         .collect();
     Ok(Transports::Redis(queues))
+}
+
+/// Every queue's result list is named on the queue and hashes to the
+/// queue's slot (the queue name's `{tag}`, or the whole name).
+fn check_cluster_slots(config: &Config) -> Result<(), OpenError> {
+    for q in &config.queues {
+        let name = &q.queue_name;
+        let ok = q
+            .result_queue_name
+            .as_deref()
+            .is_some_and(|list| key_slot(list) == key_slot(name));
+        if !ok {
+            let tag = hash_tag(name).unwrap_or(name).to_owned();
+            let got = match q.result_queue_name.as_deref() {
+                Some(list) => format!(" (`{list}` is in another slot)"),
+                None => " (none is set)".to_owned(),
+            };
+            return Err(OpenError::ClusterSlot {
+                queue: name.clone(),
+                tag,
+                got,
+            });
+        }
+    }
+    Ok(())
 }

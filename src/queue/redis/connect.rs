@@ -1,12 +1,19 @@
 //! Redis connections: one client per process built from `[redis]`, a
-//! multiplexed [`ConnectionManager`] (reconnects with backoff) for ordinary
-//! commands, and dedicated connections without a response timeout for
-//! blocking reads (the manager's timeout would cut `BRPOP` short).
+//! [`RedisConnection`] for ordinary commands (a multiplexed
+//! [`ConnectionManager`] that reconnects with backoff, or a slot-routing
+//! cluster connection), and dedicated connections without a response
+//! timeout for blocking reads (the manager's timeout would cut `BRPOP`
+//! short).
 
+use std::fmt;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::{AsyncConnectionConfig, Client, IntoConnectionInfo};
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Value};
 
 use crate::config::RedisConfig;
 
@@ -25,6 +32,104 @@ pub enum ConnectError {
         #[source]
         source: redis::RedisError,
     },
+}
+
+/// The connection every Redis user of the process shares: the transport,
+/// the shared window, the Redis gates and the producer tools.
+///
+/// On a cluster, a pipeline or script must touch one hash slot; the
+/// callers keep each one within a queue's `{queue}` tag (see
+/// docs/transports.md, "Redis Cluster").
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// One Redis server (or a proxy in front of several).
+    Single(ConnectionManager),
+    /// A Redis Cluster: commands are routed by key slot, topology changes
+    /// and failovers are followed by the client.
+    Cluster(ClusterConnection),
+    /// One dedicated connection to one server, without response timeout
+    /// or reconnect: for blocking reads, whose callers reconnect.
+    Direct(MultiplexedConnection),
+}
+
+impl RedisConnection {
+    /// Whether this is a cluster connection (one slot per script or
+    /// pipeline).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+}
+
+impl fmt::Debug for RedisConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Single(_) => "RedisConnection::Single",
+            Self::Cluster(_) => "RedisConnection::Cluster",
+            Self::Direct(_) => "RedisConnection::Direct",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Direct(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Direct(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+            Self::Direct(c) => c.get_db(),
+        }
+    }
+}
+
+/// The Redis Cluster hash slot of `key`: CRC16 (XMODEM) of its
+/// [`hash_tag`] or of the whole key, modulo 16384, as `CLUSTER KEYSLOT`
+/// computes it.
+pub fn key_slot(key: &str) -> u16 {
+    crc16_xmodem(hash_tag(key).unwrap_or(key).as_bytes()) % 16384
+}
+
+/// A key's hash tag: the text between its first `{` and the next `}`,
+/// when not empty. Keys with the same tag share a cluster slot.
+pub fn hash_tag(key: &str) -> Option<&str> {
+    let open = key.find('{')?;
+    let rest = &key[open + 1..];
+    let len = rest.find('}')?;
+    (len > 0).then(|| &rest[..len])
+}
+
+fn crc16_xmodem(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
 }
 
 /// How long a pipelined batch may take before the manager reconnects.
@@ -56,6 +161,49 @@ pub fn client(config: &RedisConfig) -> Result<Client, ConnectError> {
     Client::open(info).map_err(ConnectError::Url)
 }
 
+/// The shared connection for `config`: a manager for one server, a
+/// cluster connection when `cluster` is set. Both connect lazily, so an
+/// unreachable Redis is an error of the first command, not of start-up.
+pub fn connection(config: &RedisConfig) -> Result<RedisConnection, ConnectError> {
+    if config.cluster {
+        cluster(config, Some(RESPONSE_TIMEOUT)).map(RedisConnection::Cluster)
+    } else {
+        manager(&client(config)?).map(RedisConnection::Single)
+    }
+}
+
+/// A lazily connecting cluster connection seeded by `config.url`, with the
+/// configured credentials. `response_timeout: None` is for blocking reads.
+fn cluster(
+    config: &RedisConfig,
+    response_timeout: Option<Duration>,
+) -> Result<ClusterConnection, ConnectError> {
+    let mut builder = ClusterClient::builder([config.url.expose().as_str()]);
+    if let Some(user) = config.username.as_deref().filter(|u| !u.is_empty()) {
+        builder = builder.username(user);
+    }
+    if let Some(password) = &config.password {
+        builder = builder.password(password.expose());
+    }
+    let client = builder.build().map_err(ConnectError::Url)?;
+    // A day stands for "no timeout": the cluster config has no unset value.
+    let timeout = response_timeout.unwrap_or(Duration::from_secs(86_400));
+    let cluster_config = ClusterConfig::new()
+        .set_connection_timeout(CONNECT_TIMEOUT)
+        .set_response_timeout(timeout);
+    Ok(client.get_pending_async_connection_with_config(cluster_config))
+}
+
+/// A connection without response timeout for blocking commands (`BRPOP`),
+/// to one server or to the cluster `config` names.
+pub async fn blocking_connection(config: &RedisConfig) -> Result<RedisConnection, ConnectError> {
+    if config.cluster {
+        return cluster(config, None).map(RedisConnection::Cluster);
+    }
+    let client = client(config)?;
+    blocking(&client).await.map(RedisConnection::Direct)
+}
+
 /// A connection manager that connects lazily and reconnects with
 /// exponential backoff; commands fail fast while Redis is down.
 pub fn manager(client: &Client) -> Result<ConnectionManager, ConnectError> {
@@ -85,4 +233,20 @@ pub async fn blocking(client: &Client) -> Result<MultiplexedConnection, ConnectE
 /// The client's address for messages, without credentials.
 pub fn masked_addr(client: &Client) -> String {
     client.get_connection_info().addr().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis_cluster_keyslot() {
+        // Values from `CLUSTER KEYSLOT` and the cluster specification.
+        assert_eq!(crc16_xmodem(b"123456789"), 0x31C3);
+        assert_eq!(key_slot("foo"), 12182);
+        assert_eq!(key_slot("{user1000}.following"), key_slot("user1000"));
+        assert_eq!(key_slot("{jobs}:results"), key_slot("jobs"));
+        // An empty tag does not count: the whole key is hashed.
+        assert_eq!(key_slot("{}jobs"), crc16_xmodem(b"{}jobs") % 16384);
+    }
 }

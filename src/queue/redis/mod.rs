@@ -24,7 +24,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
-use redis::aio::ConnectionManager;
 use serde::Deserialize;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
@@ -35,7 +34,10 @@ use crate::app::Tasks;
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
-pub use connect::{ConnectError, blocking, client, manager, masked_addr};
+pub use connect::{
+    ConnectError, RedisConnection, blocking, blocking_connection, client, connection, hash_tag,
+    key_slot, manager, masked_addr,
+};
 pub use producer::{CancelOutcome, Submission, cancel, enqueue, queue_score};
 
 /// Upstream's retry set, shared by every queue.
@@ -69,13 +71,17 @@ pub struct Keys {
     pub scores: String,
     /// LIST of dead letters (sluicegate addition).
     pub dead: String,
+    /// ZSET of delayed retries: upstream's shared `retry-sortedset`, or on
+    /// a cluster the queue's own `{queue}:retry-sortedset`, since a script
+    /// moving a retry must find its origin queue in the same slot.
+    pub retry: String,
 }
 
 impl Keys {
     /// The keys of queue `name`. With `cluster`, bookkeeping keys carry the
     /// `{name}` hash tag so they share the pending key's slot.
     pub fn new(name: &str, cluster: bool) -> Self {
-        let base = if cluster && !has_hash_tag(name) {
+        let base = if cluster && hash_tag(name).is_none() {
             format!("{{{name}}}")
         } else {
             name.to_owned()
@@ -87,14 +93,13 @@ impl Keys {
             idx: format!("{base}:claims-idx"),
             scores: format!("{base}:claim-scores"),
             dead: format!("{base}:dead-letters"),
+            retry: if cluster {
+                format!("{base}:{RETRY_SET}")
+            } else {
+                RETRY_SET.to_owned()
+            },
         }
     }
-}
-
-fn has_hash_tag(key: &str) -> bool {
-    key.find('{')
-        .and_then(|start| key[start + 1..].find('}'))
-        .is_some_and(|len| len > 0)
 }
 
 /// Settings of one Redis queue.
@@ -152,7 +157,7 @@ struct Stats {
 struct Inner {
     settings: RedisQueueSettings,
     keys: Keys,
-    conn: ConnectionManager,
+    conn: RedisConnection,
     held: Mutex<HashMap<String, Held>>,
     stats: Stats,
 }
@@ -171,7 +176,7 @@ impl RedisQueue {
     /// when the queue is dropped. Does not wait for Redis: while it is
     /// unreachable, operations fail with [`QueueError::Redis`] and
     /// [`Queue::status`] says so.
-    pub fn start(conn: ConnectionManager, settings: RedisQueueSettings, tasks: &Tasks) -> Self {
+    pub fn start(conn: RedisConnection, settings: RedisQueueSettings, tasks: &Tasks) -> Self {
         let keys = Keys::new(&settings.name, settings.cluster);
         let inner = Arc::new(Inner {
             settings,
@@ -458,6 +463,7 @@ impl Inner {
             .key(&k.idx)
             .key(&k.scores);
         let mut settled = Vec::with_capacity(completions.len());
+        let mut forget = Vec::new();
         let mut args: Vec<Vec<u8>> = Vec::with_capacity(completions.len() * 7);
         {
             let held = self.lock_held();
@@ -475,13 +481,17 @@ impl Inner {
                 args.push(json);
                 args.push(ttl.to_string().into_bytes());
                 args.push(result.id.clone().into_bytes());
-                args.push(
-                    result
-                        .request_token
-                        .clone()
-                        .unwrap_or_default()
-                        .into_bytes(),
-                );
+                let token = result.request_token.clone().unwrap_or_default();
+                if self.settings.cluster {
+                    // The producer's keys live in other slots: cleaned
+                    // after the script, not inside it.
+                    args.push(Vec::new());
+                    if !token.is_empty() {
+                        forget.push((result.id.clone(), token));
+                    }
+                } else {
+                    args.push(token.into_bytes());
+                }
                 settled.push(tag.0.clone());
             }
         }
@@ -497,10 +507,13 @@ impl Inner {
             self.observed("ack", invocation.invoke_async(&mut conn).await)?;
         report.acked += acked;
         report.lease_lost += lost;
-        let mut held = self.lock_held();
-        for tag in settled {
-            held.remove(&tag);
+        {
+            let mut held = self.lock_held();
+            for tag in settled {
+                held.remove(&tag);
+            }
         }
+        self.forget_submissions(forget).await;
         Ok(report)
     }
 
@@ -546,7 +559,7 @@ impl Inner {
                     (self.keys.pending.clone(), h.score, member)
                 } else {
                     (
-                        RETRY_SET.to_owned(),
+                        self.keys.retry.clone(),
                         now_secs() + delay.as_secs_f64(),
                         member,
                     )
@@ -592,6 +605,13 @@ impl Inner {
             "dead_at_ms": (now_secs() * 1000.0) as i64,
         })
         .to_string();
+        let token = result.request_token.clone().unwrap_or_default();
+        // On a cluster the producer's keys are cleaned after the script.
+        let (script_token, forget) = if self.settings.cluster && !token.is_empty() {
+            (String::new(), vec![(result.id.clone(), token)])
+        } else {
+            (token, Vec::new())
+        };
         let k = &self.keys;
         let mut conn = self.conn.clone();
         let done: i64 = self.observed(
@@ -609,15 +629,51 @@ impl Inner {
                 .arg(result_json)
                 .arg(ttl)
                 .arg(&result.id)
-                .arg(result.request_token.as_deref().unwrap_or_default())
+                .arg(script_token)
                 .invoke_async(&mut conn)
                 .await,
         )?;
         if done == 1 {
             self.stats.dead_letters.fetch_add(1, Ordering::Relaxed);
+            self.forget_submissions(forget).await;
         }
         self.lock_held().remove(&tag.0);
         Ok(())
+    }
+
+    /// Deletes `request-active:<id>` and `request-cancel:<id>` where they
+    /// still hold the settled submission's token (cluster mode; standalone
+    /// does it inside the settling script). Best effort: both keys expire,
+    /// and a stale active key only makes `submit` warn about a resubmission.
+    async fn forget_submissions(&self, settled: Vec<(String, String)>) {
+        if settled.is_empty() {
+            return;
+        }
+        let conn = self.conn.clone();
+        let deletes = settled.iter().flat_map(|(id, token)| {
+            ["request-active:", "request-cancel:"].map(|prefix| {
+                let mut conn = conn.clone();
+                let key = format!("{prefix}{id}");
+                async move {
+                    scripts::FORGET
+                        .key(key)
+                        .arg(token)
+                        .invoke_async::<i64>(&mut conn)
+                        .await
+                }
+            })
+        });
+        let failed = futures_util::future::join_all(deletes)
+            .await
+            .into_iter()
+            .filter(Result::is_err)
+            .count();
+        if failed > 0 {
+            tracing::warn!(
+                failed,
+                "redis: producer keys of settled requests not deleted; they expire"
+            );
+        }
     }
 
     async fn extend(&self, tags: Vec<DeliveryTag>, lease: Duration) -> Result<(), QueueError> {
@@ -692,7 +748,7 @@ impl Inner {
         let due: Vec<Vec<u8>> = self.observed(
             "scan retries",
             redis::cmd("ZRANGEBYSCORE")
-                .arg(RETRY_SET)
+                .arg(&self.keys.retry)
                 .arg("-inf")
                 .arg(now_secs())
                 .arg("LIMIT")
@@ -705,14 +761,15 @@ impl Inner {
             return Ok(());
         }
         let mut invocation = scripts::MOVE.prepare_invoke();
-        invocation.key(RETRY_SET);
+        invocation.key(&self.keys.retry);
         for member in due {
             let (origin, score) = match parse_message(&member) {
                 Ok(m) => (
                     m.internal
                         .request_queue_name
                         .clone()
-                        .filter(|q| !q.is_empty())
+                        // On a cluster the retry set is this queue's own.
+                        .filter(|q| !q.is_empty() && !self.settings.cluster)
                         .unwrap_or_else(|| self.settings.name.clone()),
                     queue_score(m.request.deadline, m.internal.enqueued_at_ms.unwrap_or(0)),
                 ),

@@ -4,7 +4,7 @@
 
 use redis::aio::ConnectionLike;
 
-use super::CANCEL_TTL;
+use super::{CANCEL_TTL, RedisConnection};
 use crate::request::Message;
 
 /// Score of a message in its queue: the deadline plus a fraction encoding
@@ -81,12 +81,43 @@ impl Submission {
     }
 }
 
-/// Enqueues `batch` into `queue` in one pipelined round trip.
-pub async fn enqueue<C: ConnectionLike>(
-    conn: &mut C,
+/// Enqueues `batch` into `queue`: in one pipelined round trip on a single
+/// server; on a cluster, where a pipeline must stay in one slot, the
+/// `request-active:<id>` keys first (concurrently, each in its own slot),
+/// then one `ZADD` of the whole batch, so no message is claimable before
+/// its active key exists.
+pub async fn enqueue(
+    conn: &mut RedisConnection,
     queue: &str,
     batch: &[Submission],
 ) -> redis::RedisResult<()> {
+    let active = |s: &Submission| {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(format!("request-active:{}", s.id))
+            .arg(&s.token)
+            .arg("EX")
+            .arg(s.active_ttl);
+        cmd
+    };
+    if conn.is_cluster() {
+        let sets = batch.iter().map(|s| {
+            let mut conn = conn.clone();
+            let cmd = active(s);
+            async move { cmd.query_async::<()>(&mut conn).await }
+        });
+        for set in futures_util::future::join_all(sets).await {
+            set?;
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let mut zadd = redis::cmd("ZADD");
+        zadd.arg(queue);
+        for s in batch {
+            zadd.arg(s.score).arg(&s.member);
+        }
+        return zadd.query_async::<()>(conn).await;
+    }
     let mut pipe = redis::pipe();
     for s in batch {
         pipe.cmd("ZADD")
@@ -94,12 +125,7 @@ pub async fn enqueue<C: ConnectionLike>(
             .arg(s.score)
             .arg(&s.member)
             .ignore();
-        pipe.cmd("SET")
-            .arg(format!("request-active:{}", s.id))
-            .arg(&s.token)
-            .arg("EX")
-            .arg(s.active_ttl)
-            .ignore();
+        pipe.add_command(active(s)).ignore();
     }
     pipe.query_async::<()>(conn).await
 }

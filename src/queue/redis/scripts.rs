@@ -7,8 +7,11 @@
 //! `invalid\0<sha1>` so they still get a result.
 //!
 //! Result lists, `request-active:<id>`, `request-cancel:<id>` and retry
-//! origins are addressed by name inside the scripts: fine on a standalone
-//! Redis, not valid across Redis Cluster slots (see docs/transports.md).
+//! origins are addressed by name inside the scripts. On a Redis Cluster
+//! every key one script touches must share a slot, so the transport keeps
+//! the queue's result list and retry set in the queue's `{queue}` slot,
+//! passes an empty token (no producer keys touched) and cleans the
+//! producer's keys afterwards with [`FORGET`] (docs/transports.md).
 
 use std::sync::LazyLock;
 
@@ -217,6 +220,19 @@ for i = 1, #ARGV, 3 do
   end
 end
 return n
+"#,
+    )
+});
+
+/// FORGET: deletes a producer key (`request-active:<id>` or
+/// `request-cancel:<id>`) only if it still holds the settled token, so a
+/// newer submission of the same id keeps its keys. KEYS: the key. ARGV:
+/// token. Returns 1 when deleted.
+pub(super) static FORGET: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 "#,
     )
 });
