@@ -167,6 +167,27 @@ promtool check rules "$helm_home/rules.yaml" >"$helm_home/promtool.out" 2>&1 || 
 grep -q 'SUCCESS: [1-9][0-9]* rules found' "$helm_home/promtool.out" ||
   die "the chart's PrometheusRule holds no rules: $(cat "$helm_home/promtool.out")"
 
+# Scale-out: a PodDisruptionBudget by default, no ScaledObject; KEDA (in
+# ci/full-values.yaml) owns the replica count and scales on the backlog's
+# max per queue; several replicas without the shared window, or a
+# termination grace shorter than the drain grace, are refused.
+grep -q '^kind: PodDisruptionBudget$' "$rendered" || die "the default values render no PodDisruptionBudget"
+if grep -q '^kind: ScaledObject$' "$rendered"; then
+  die "the default values render a KEDA ScaledObject; it is opt-in"
+fi
+grep -q '^kind: ScaledObject$' "$full" || die "ci/full-values.yaml renders no KEDA ScaledObject"
+grep -q 'max by (queue) (sluicegate_queue_backlog_messages' "$full" ||
+  die "the ScaledObject's query does not take the backlog's max per queue"
+if grep -q '^  replicas:' "$full"; then
+  die "with keda.enabled the Deployment still sets replicas (KEDA owns them)"
+fi
+if "$helm" template lint "$CHART" --set replicaCount=3 >/dev/null 2>&1; then
+  die "helm template accepted replicaCount=3 without the shared window"
+fi
+if "$helm" template lint "$CHART" --set terminationGracePeriodSeconds=35 >/dev/null 2>&1; then
+  die "helm template accepted terminationGracePeriodSeconds=35 with a 30s drain grace"
+fi
+
 # The chart refuses to let `env` override what it manages itself.
 if "$helm" template lint "$CHART" --set env.SLUICEGATE_LISTEN=0.0.0.0:1 >/dev/null 2>&1; then
   die "helm template accepted env.SLUICEGATE_LISTEN, which the chart sets itself"

@@ -54,3 +54,36 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "sluicegate.configDir" -}}
 /etc/sluicegate
 {{- end }}
+
+{{/*
+Several dispatchers on one pool need the shared window (docs/scale-out.md):
+without it each replica opens its own window and R replicas release up to
+R x N. Fails the render when `what` asks for several replicas and the config
+does not turn the shared window on.
+*/}}
+{{- define "sluicegate.requireSharedWindow" -}}
+{{- if not (regexMatch "(?m)^\\s*\\[shared_window\\]" .ctx.Values.config) }}
+{{- fail (printf "%s needs the shared window across replicas: add a [shared_window] section to config (docs/scale-out.md), or keep one replica" .what) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The drain grace from the config (`shutdown_grace = "<n>s"`, default 30 s);
+terminationGracePeriodSeconds must exceed it by a margin for the final
+result writes, or Kubernetes SIGKILLs a draining dispatcher.
+*/}}
+{{- define "sluicegate.checkGrace" -}}
+{{- $grace := 30 }}
+{{- $found := regexFind "(?m)^\\s*shutdown_grace\\s*=\\s*\"[0-9]+s\"" .Values.config }}
+{{- if $found }}
+{{- $grace = regexFind "[0-9]+" $found | int }}
+{{- end }}
+{{- with .Values.env.SLUICEGATE_DISPATCH_SHUTDOWN_GRACE }}
+{{- if regexMatch "^[0-9]+s$" (toString .) }}
+{{- $grace = trimSuffix "s" (toString .) | int }}
+{{- end }}
+{{- end }}
+{{- if lt (int .Values.terminationGracePeriodSeconds) (add $grace 10 | int) }}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must be at least dispatch.shutdown_grace (%ds) + 10s, so a draining dispatcher is not killed" (int .Values.terminationGracePeriodSeconds) $grace) }}
+{{- end }}
+{{- end }}
