@@ -1,6 +1,7 @@
 //! `sluicegate bench drain`: N messages through a real Redis and a gateway
 //! that answers instantly; prints messages/s, CPU seconds per 1 000
-//! messages and peak RSS (docs/benchmarks.md).
+//! messages and peak RSS (docs/benchmarks.md). `bench hold` is in
+//! `bench_hold.rs`.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -18,6 +19,8 @@ use crate::request::parse_message;
 pub(crate) enum BenchCommand {
     /// Drain N messages from Redis through an instant gateway.
     Drain(DrainArgs),
+    /// Hold N concurrent slow requests in one dispatcher process.
+    Hold(super::bench_hold::HoldArgs),
 }
 
 #[derive(Debug, Args)]
@@ -44,12 +47,20 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        BenchCommand::Hold(args) => match super::bench_hold::hold(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench hold: {e}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 
-/// CPU seconds (user + system) of this process so far, from /proc.
-fn cpu_seconds() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+/// CPU seconds (user + system) so far of process `pid` (`self` for this
+/// one), from /proc.
+pub(super) fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may contain spaces).
     let rest = &stat[stat.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
@@ -59,12 +70,16 @@ fn cpu_seconds() -> Option<f64> {
     Some((utime + stime) / 100.0)
 }
 
-/// Peak resident set size in MiB, from /proc.
-fn peak_rss_mib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024.0)
+/// Peak resident set size of process `pid` in MiB, from /proc.
+pub(super) fn peak_rss_mib(pid: &str) -> Option<f64> {
+    status_kib(pid, "VmHWM:").map(|kib| kib / 1024.0)
+}
+
+/// A `kB` line (`VmHWM:`, `VmRSS:`) of /proc/<pid>/status.
+pub(super) fn status_kib(pid: &str, key: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
 async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
@@ -151,7 +166,7 @@ gate_type = "constant"
         ProgressStyle::with_template("{bar:40} {pos}/{len} results {per_sec}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let cpu_before = cpu_seconds().unwrap_or(0.0);
+    let cpu_before = cpu_seconds("self").unwrap_or(0.0);
     let started = Instant::now();
     let running = crate::app::start(
         &config,
@@ -173,7 +188,7 @@ gate_type = "constant"
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let secs = started.elapsed().as_secs_f64();
-    let cpu = cpu_seconds().unwrap_or(0.0) - cpu_before;
+    let cpu = cpu_seconds("self").unwrap_or(0.0) - cpu_before;
     bar.finish_and_clear();
     shutdown.cancel();
     running.wait().await.map_err(|e| e.to_string())?;
@@ -188,6 +203,6 @@ gate_type = "constant"
         "  CPU: {:.3}s per 1000 messages (dispatcher + in-process gateway)",
         cpu / args.messages as f64 * 1000.0
     );
-    println!("  peak RSS: {:.1} MiB", peak_rss_mib().unwrap_or(0.0));
+    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
     Ok(())
 }

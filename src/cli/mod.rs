@@ -5,6 +5,7 @@
 
 mod batch;
 mod bench;
+mod bench_hold;
 mod cancel;
 mod demo;
 mod embedded;
