@@ -58,12 +58,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/*
 Several dispatchers on one pool need the shared window (docs/scale-out.md):
 without it each replica opens its own window and R replicas release up to
-R x N. Fails the render when `what` asks for several replicas and the config
-does not turn the shared window on.
+R x N. Fails the render when `what` asks for several replicas and neither
+the config (`shared_window = "redis"` under [dispatch]) nor
+env.SLUICEGATE_DISPATCH_SHARED_WINDOW turns the shared window on.
 */}}
 {{- define "sluicegate.requireSharedWindow" -}}
-{{- if not (regexMatch "(?m)^\\s*\\[shared_window\\]" .ctx.Values.config) }}
-{{- fail (printf "%s needs the shared window across replicas: add a [shared_window] section to config (docs/scale-out.md), or keep one replica" .what) }}
+{{- $inConfig := regexMatch "(?m)^\\s*shared_window\\s*=\\s*\"redis\"" .ctx.Values.config }}
+{{- $inEnv := eq (toString (index .ctx.Values.env "SLUICEGATE_DISPATCH_SHARED_WINDOW" | default "")) "redis" }}
+{{- if not (or $inConfig $inEnv) }}
+{{- fail (printf "%s needs the shared window across replicas: set shared_window = \"redis\" under [dispatch] in config (docs/scale-out.md), or keep one replica" .what) }}
 {{- end }}
 {{- end }}
 
