@@ -813,3 +813,59 @@ async fn the_gate_hears_each_attempt_sent_and_answered_with_its_status() {
         assert_eq!(at, sent_at);
     }
 }
+
+/// A constant gate that counts how often it is read.
+#[derive(Debug, Default)]
+struct CountingConstant(Arc<AtomicUsize>);
+
+impl DispatchGate for CountingConstant {
+    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Box::pin(std::future::ready(Ok(Observation::open(
+            Budget::saturating(1.0),
+            Instant::now(),
+        ))))
+    }
+
+    fn kind(&self) -> &'static str {
+        "counting-constant"
+    }
+}
+
+/// Found with `sluicegate bench hold`: with every unit of a constant gate's
+/// window in flight, the receiver asked for a reading, the fresh reading
+/// woke the receiver, which found no room and asked again, burning a core
+/// for as long as the requests were held. Now a full window is read on
+/// demand only after its own work moved; otherwise once per poll interval.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_window_is_not_read_again_and_again_while_nothing_moves() {
+    const HOLD: Duration = Duration::from_millis(1500);
+    let server = gateway(ResponseTemplate::new(200).set_delay(HOLD)).await;
+    let reads = Arc::new(AtomicUsize::new(0));
+    let settings = DispatchSettings {
+        max_sys: 4.0,
+        ..fast_settings()
+    };
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(CountingConstant(reads.clone())),
+        settings,
+        no_retry_limit(),
+    );
+    for i in 0..4 {
+        h.queue.push_message(message(&format!("held-{i}"), 3600));
+    }
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while server.received_requests().await.map_or(0, |r| r.len()) < 4 {
+        assert!(Instant::now() < give_up, "the window never filled");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let before = reads.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let during = reads.load(Ordering::Relaxed) - before;
+    // One reading per 50 ms poll is 20 in that second; the spin made
+    // tens of thousands.
+    assert!(during <= 40, "{during} readings in 1 s of a full window");
+    assert_eq!(h.wait_for_results(4).await.len(), 4);
+    h.stop().await;
+}

@@ -35,13 +35,25 @@ pub(super) async fn receive_loop(
 ) {
     let settings = shared.settings().clone();
     let mut receive_errors = 0u32;
+    // Own progress (sent, finished) when a reading was last asked for.
+    let mut asked_at: Option<(u64, u64)> = None;
     while !shutdown.is_cancelled() {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
         let available = shared.room(Instant::now());
         if available == 0 {
-            shared.refresh.notify_one();
+            // A reading on demand only when own work moved since the last
+            // ask: with nothing sent or finished, a new reading of a gate
+            // that is always fresh (constant, local) opens nothing, and
+            // asking again each time it wakes us would spin this loop and
+            // the observer against each other while the window is full.
+            // The poll interval still reads the pool.
+            let progress = shared.window().progress();
+            if asked_at != Some(progress) {
+                asked_at = Some(progress);
+                shared.refresh.notify_one();
+            }
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = &mut changed => {}

@@ -131,6 +131,12 @@ impl Window {
         self.sent - self.done
     }
 
+    /// Units sent and finished so far: differs from an earlier value
+    /// exactly when this dispatcher's own work moved since.
+    pub fn progress(&self) -> (u64, u64) {
+        (self.sent, self.done)
+    }
+
     /// Applies an observation whose data describes `taken_at` and allows `n`
     /// more units (see [`headroom_units`]). `sees_own_load` says whether the
     /// reading already counts our in-flight work: if it does, the window is
