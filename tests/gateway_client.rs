@@ -757,3 +757,56 @@ async fn clones_share_one_connection_pool() {
     }
     assert_eq!(connections.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// `http2_prior_knowledge` speaks HTTP/2 to a gateway that only accepts
+/// HTTP/2 with prior knowledge (h2c), and many requests share one
+/// connection.
+#[tokio::test]
+async fn http2_prior_knowledge_multiplexes_requests_over_one_connection() {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let connections = Arc::new(AtomicUsize::new(0));
+    let accepted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
+            let service = hyper::service::service_fn(|request: hyper::Request<_>| async move {
+                let version = format!("{:?}", request.version());
+                Ok::<_, std::convert::Infallible>(hyper::Response::new(axum::body::Body::from(
+                    version,
+                )))
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(socket), service),
+            );
+        }
+    });
+    let c = GatewayClient::new(GatewaySettings {
+        http2_prior_knowledge: true,
+        ..settings()
+    })
+    .expect("valid settings");
+    let t = Target::new(&format!("http://{addr}"), "/v1/completions", None).expect("target");
+    let prepared = c.prepare(&t, &request_json("")).expect("prepares");
+    let answers = futures_util::future::join_all((0..20).map(|_| c.send(&prepared, soon()))).await;
+    for answer in answers {
+        match answer {
+            AttemptOutcome::Success { status, body } => {
+                assert_eq!(status, 200);
+                assert_eq!(body, "HTTP/2.0");
+            }
+            other => panic!("expected an HTTP/2 answer, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        1,
+        "one shared connection"
+    );
+}

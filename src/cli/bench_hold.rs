@@ -26,6 +26,10 @@ pub(crate) struct HoldArgs {
     /// instead of one body at the end.
     #[arg(long)]
     stream: bool,
+    /// Talk HTTP/2 to the gateway (`gateway.http2_prior_knowledge`):
+    /// streams on shared connections instead of one connection each.
+    #[arg(long)]
+    http2: bool,
 }
 
 /// What the gateway saw.
@@ -39,7 +43,7 @@ struct GatewayCounts {
 pub(super) async fn hold(args: HoldArgs) -> Result<(), String> {
     let delay = parse_duration(&args.delay).map_err(|e| format!("--delay: {e}"))?;
     let counts = Arc::new(GatewayCounts::default());
-    let gateway = slow_gateway(delay, args.stream, counts.clone())
+    let gateway = slow_gateway(delay, args.stream, args.http2, counts.clone())
         .await
         .map_err(|e| format!("gateway: {e}"))?;
     let dir = std::env::temp_dir().join(format!("sluicegate-bench-hold-{}", std::process::id()));
@@ -63,6 +67,10 @@ pub(super) async fn hold(args: HoldArgs) -> Result<(), String> {
         .env("SLUICEGATE_QUEUE_MAX_SYS", args.requests.to_string())
         .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
         .env("SLUICEGATE_LOG_LEVEL", "warn")
+        .env(
+            "SLUICEGATE_GATEWAY_HTTP2_PRIOR_KNOWLEDGE",
+            args.http2.to_string(),
+        )
         .stdout(Stdio::null())
         .spawn()
         .map_err(|e| format!("sluicegate run: {e}"))?;
@@ -101,13 +109,18 @@ pub(super) async fn hold(args: HoldArgs) -> Result<(), String> {
     let missing = args.requests.saturating_sub(ok + errors);
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "hold benchmark: {} concurrent requests, gateway answers after {} ({})",
+        "hold benchmark: {} concurrent requests, gateway answers after {} ({}, {})",
         args.requests,
         args.delay,
         if args.stream {
             "streamed, 10 chunks"
         } else {
             "one body"
+        },
+        if args.http2 {
+            "HTTP/2 prior knowledge"
+        } else {
+            "HTTP/1.1, one connection per request"
         }
     );
     println!(
@@ -149,70 +162,112 @@ fn current_rss_mib(pid: &str) -> Option<f64> {
 }
 
 /// A gateway that holds every request for `delay`, then answers 200 (in
-/// ten server-sent events over the delay when `stream`).
+/// ten server-sent events over the delay when `stream`); HTTP/1.1, or
+/// HTTP/2 with prior knowledge when `http2`.
 async fn slow_gateway(
     delay: Duration,
     stream: bool,
+    http2: bool,
     counts: Arc<GatewayCounts>,
 ) -> std::io::Result<String> {
-    use axum::body::Body;
-    use axum::routing::post;
-
-    /// Decrements the in-flight count when the answer is done or dropped.
-    struct InFlight(Arc<GatewayCounts>);
-    impl InFlight {
-        fn new(counts: Arc<GatewayCounts>) -> Self {
-            let now = counts.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-            counts.peak.fetch_max(now, Ordering::Relaxed);
-            Self(counts)
-        }
-    }
-    impl Drop for InFlight {
-        fn drop(&mut self) {
-            self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
-            self.0.answered.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    let app = axum::Router::new().fallback(post(move || {
-        let counts = counts.clone();
-        async move {
-            let guard = InFlight::new(counts);
-            if !stream {
-                tokio::time::sleep(delay).await;
-                drop(guard);
-                return axum::response::Response::builder()
-                    .header("content-type", "application/json")
-                    .body(Body::from(
-                        r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#,
-                    ))
-                    .unwrap_or_default();
-            }
-            let chunks = futures_util::stream::unfold((0u32, Some(guard)), move |(i, guard)| async move {
-                if i > 10 {
-                    return None;
-                }
-                tokio::time::sleep(delay / 10).await;
-                let data = if i == 10 {
-                    drop(guard);
-                    return Some((Ok::<_, std::io::Error>("data: [DONE]\n\n".to_owned()), (i + 1, None)));
-                } else {
-                    format!(
-                        "data: {{\"id\":\"cmpl\",\"object\":\"text_completion\",\"choices\":[{{\"index\":0,\"text\":\"t{i}\"}}]}}\n\n"
-                    )
-                };
-                Some((Ok(data), (i + 1, guard)))
-            });
-            axum::response::Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(Body::from_stream(chunks))
-                .unwrap_or_default()
-        }
-    }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    if http2 {
+        tokio::spawn(serve_http2(listener, delay, stream, counts));
+    } else {
+        let app = axum::Router::new().fallback(axum::routing::post(move || {
+            slow_answer(delay, stream, counts.clone())
+        }));
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
     Ok(format!("http://{addr}"))
+}
+
+/// Serves [`slow_answer`] as HTTP/2 with prior knowledge and no stream
+/// limit per connection: hyper's default of 200 would queue the rest in the
+/// client, and the benchmark is about holding every request at the gateway.
+async fn serve_http2(
+    listener: tokio::net::TcpListener,
+    delay: Duration,
+    stream: bool,
+    counts: Arc<GatewayCounts>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    loop {
+        let Ok((socket, _)) = listener.accept().await else {
+            continue;
+        };
+        let counts = counts.clone();
+        let service = hyper::service::service_fn(move |_request| {
+            let answer = slow_answer(delay, stream, counts.clone());
+            async move { Ok::<_, std::convert::Infallible>(answer.await) }
+        });
+        tokio::spawn(
+            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .max_concurrent_streams(u32::MAX)
+                .serve_connection(TokioIo::new(socket), service),
+        );
+    }
+}
+
+/// Counts a request in flight from arrival until its answer is done or
+/// dropped.
+struct InFlight(Arc<GatewayCounts>);
+
+impl InFlight {
+    fn new(counts: Arc<GatewayCounts>) -> Self {
+        let now = counts.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        counts.peak.fetch_max(now, Ordering::Relaxed);
+        Self(counts)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.answered.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One completion after `delay`: a JSON body, or ten events spread over it.
+async fn slow_answer(
+    delay: Duration,
+    stream: bool,
+    counts: Arc<GatewayCounts>,
+) -> axum::response::Response {
+    use axum::body::Body;
+    let guard = InFlight::new(counts);
+    if !stream {
+        tokio::time::sleep(delay).await;
+        drop(guard);
+        return axum::response::Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from(
+                r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#,
+            ))
+            .unwrap_or_default();
+    }
+    let chunks = futures_util::stream::unfold((0u32, Some(guard)), move |(i, guard)| async move {
+        if i > 10 {
+            return None;
+        }
+        tokio::time::sleep(delay / 10).await;
+        if i == 10 {
+            drop(guard);
+            return Some((
+                Ok::<_, std::io::Error>("data: [DONE]\n\n".to_owned()),
+                (i + 1, None),
+            ));
+        }
+        let event = format!(
+            "data: {{\"id\":\"cmpl\",\"object\":\"text_completion\",\"choices\":[{{\"index\":0,\"text\":\"t{i}\"}}]}}\n\n"
+        );
+        Some((Ok(event), (i + 1, guard)))
+    });
+    axum::response::Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(chunks))
+        .unwrap_or_default()
 }

@@ -288,6 +288,11 @@ section! {
         /// Idle connections kept per host.
         max_connections_per_host: usize = 256,
             |v| usize::try_from(as_u64_in(v, 1, 1 << 20)?).map_err(|_| "too large".to_owned());
+        /// Speak HTTP/2 to the gateway without negotiation (h2c on
+        /// `http://`): every request multiplexes over a few connections
+        /// instead of one connection each. Only for gateways that accept it
+        /// (Envoy-based inference gateways do; vLLM's own server does not).
+        http2_prior_knowledge: bool = false, as_bool;
         /// Bearer token sent to the gateway (inline, or read from `token_file` at load).
         token: Option<Secret> = None, inline_secret;
         /// File the token was read from, when given that way.

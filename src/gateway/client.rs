@@ -123,12 +123,16 @@ impl GatewayClient {
             })
             .transpose()
             .map_err(|source| GatewayBuildError::InvalidBearerToken { source })?;
-        let http = reqwest::Client::builder()
+        let mut http = reqwest::Client::builder()
             .pool_max_idle_per_host(settings.max_idle_per_host)
             .connect_timeout(settings.connect_timeout)
             .tcp_nodelay(true)
             .redirect(redirect::Policy::none())
-            .user_agent(concat!("sluicegate/", env!("CARGO_PKG_VERSION")))
+            .user_agent(concat!("sluicegate/", env!("CARGO_PKG_VERSION")));
+        if settings.http2_prior_knowledge {
+            http = http.http2_prior_knowledge();
+        }
+        let http = http
             .build()
             .map_err(|source| GatewayBuildError::Client { source })?;
         Ok(Self {

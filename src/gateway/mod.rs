@@ -67,6 +67,10 @@ pub struct GatewaySettings {
     pub max_response_bytes: usize,
     /// Idle connections kept per host in the shared pool.
     pub max_idle_per_host: usize,
+    /// HTTP/2 without negotiation: requests share connections as streams.
+    /// About 25 KiB of HTTP/1 client state per request in flight (one
+    /// connection each) shrinks to the stream's own.
+    pub http2_prior_knowledge: bool,
     /// Sent as `Authorization: Bearer <token>`; never logged or printed.
     pub bearer_token: Option<String>,
     /// Name of the header carrying the queue's inference objective
@@ -85,6 +89,7 @@ impl GatewaySettings {
             connect_timeout: config.connect_timeout,
             max_response_bytes: usize::try_from(config.max_response_bytes).unwrap_or(usize::MAX),
             max_idle_per_host: config.max_connections_per_host,
+            http2_prior_knowledge: config.http2_prior_knowledge,
             bearer_token,
             objective_header: config.objective_header.header_name().to_owned(),
             fairness_attribute: config.fairness_attribute.clone().filter(|a| !a.is_empty()),
@@ -116,6 +121,7 @@ impl fmt::Debug for GatewaySettings {
             .field("connect_timeout", &self.connect_timeout)
             .field("max_response_bytes", &self.max_response_bytes)
             .field("max_idle_per_host", &self.max_idle_per_host)
+            .field("http2_prior_knowledge", &self.http2_prior_knowledge)
             .field(
                 "bearer_token",
                 &self.bearer_token.as_ref().map(|_| "<redacted>"),
