@@ -228,6 +228,22 @@ pub(crate) fn as_string_map(v: &Value) -> Result<BTreeMap<String, String>, Strin
     }
 }
 
+/// Tenant weights: a table of whole numbers >= 1 (`{ alice = 3 }`), a JSON
+/// object in a string, or `alice=3,bob=1` (environment variables).
+pub(crate) fn tenant_weights(v: &Value) -> Result<BTreeMap<String, u32>, String> {
+    (as_string_map(v)?.into_iter())
+        .map(|(tenant, w)| {
+            let weight = (w.trim().parse::<u32>().ok())
+                .filter(|w| *w >= 1)
+                .ok_or_else(|| format!("{tenant}: weight must be a whole number >= 1, got {w:?}"))?;
+            if tenant.is_empty() {
+                return Err("a tenant name must not be empty".to_owned());
+            }
+            Ok((tenant, weight))
+        })
+        .collect()
+}
+
 /// A list of strings: an array, a JSON array in a string, or comma-separated
 /// text.
 pub(crate) fn as_string_list(v: &Value) -> Result<Vec<String>, String> {

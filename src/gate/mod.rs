@@ -69,9 +69,9 @@ pub use prometheus_query::{PrometheusQueryGate, PrometheusQueryParams};
 pub use prometheus_saturation::{PrometheusSaturationGate, PrometheusSaturationParams};
 pub use reading::{Explanation, SourceReport};
 pub use redis_budget::{MissingBudget, RedisBudgetGate, RedisParams};
-pub use redis_quota::{QuotaMode, RedisQuotaParams};
+pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
-pub use tier_priority::TierPriorityAdmissionParams;
+pub use tier_priority::{TierPriorityAdmissionParams, TierPriorityGate};
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};
 
@@ -257,6 +257,59 @@ pub struct AdmissionRequest<'a> {
     pub metadata: &'a BTreeMap<String, String>,
     /// Envelope and queue labels (e.g. `tier`).
     pub labels: &'a BTreeMap<String, String>,
+    /// The quota classification an earlier gate of the same composite gave
+    /// the message (`redis-quota`), read by `tier-priority-admission`;
+    /// `None` when no quota gate ran before it.
+    pub classification: Option<Classification>,
+}
+
+impl<'a> AdmissionRequest<'a> {
+    /// A request as the dispatcher first asks about it: no quota
+    /// classification yet.
+    pub fn new(
+        id: &'a str,
+        metadata: &'a BTreeMap<String, String>,
+        labels: &'a BTreeMap<String, String>,
+    ) -> Self {
+        Self {
+            id,
+            metadata,
+            labels,
+            classification: None,
+        }
+    }
+}
+
+/// Whether a message is within its tenant's quota, in upstream's words:
+/// `reserved` (within quota) or `overflow` (over quota, admitted only to
+/// use spare capacity). Written by `redis-quota`, read by
+/// `tier-priority-admission`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Classification {
+    /// Within the tenant's quota.
+    Reserved,
+    /// Over the tenant's quota.
+    Overflow,
+}
+
+impl Classification {
+    /// Upstream's spelling (also the value of the envelope label
+    /// `classification`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reserved => "reserved",
+            Self::Overflow => "overflow",
+        }
+    }
+
+    /// Reads upstream's spelling; anything else is no classification.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "reserved" => Some(Self::Reserved),
+            "overflow" => Some(Self::Overflow),
+            _ => None,
+        }
+    }
 }
 
 /// Held while an admitted request is in flight; dropping it releases
@@ -278,6 +331,15 @@ impl Ticket {
     /// Merges another ticket's reservations into this one.
     pub fn join(&mut self, other: Ticket) {
         self.0.extend(other.0);
+    }
+
+    /// The quota classification a gate put on this ticket (the latest one
+    /// when several did).
+    pub fn classification(&self) -> Option<Classification> {
+        self.0
+            .iter()
+            .rev()
+            .find_map(|g| g.downcast_ref::<Classification>().copied())
     }
 }
 
