@@ -55,15 +55,17 @@ pub(super) async fn receive_loop(
         // Whether this turn pulled or long-polled: then the queue is asked
         // again at once instead of sleeping.
         let mut pulled = false;
-        if available > 0 {
-            // Permits before pull: never lease more than the window can
-            // send now plus the bounded lookahead.
+        // Permits before pull: never lease more than the window can send
+        // now plus the bounded lookahead (refilled after every release,
+        // also while the window is full, so the buffer keeps seeing past
+        // the head).
+        {
             let room = usize::try_from(available).unwrap_or(usize::MAX);
             let want = match settings.unit {
                 crate::config::Unit::Requests => room,
                 // Costs are known only after parsing: one at a time, and
                 // the lookahead sees past it.
-                crate::config::Unit::Tokens | crate::config::Unit::Bytes => 1,
+                crate::config::Unit::Tokens | crate::config::Unit::Bytes => room.min(1),
             }
             .saturating_add(settings.tenant_lookahead)
             .saturating_sub(fair.len())
@@ -288,8 +290,10 @@ pub(super) async fn release(
                 if let Some(send) = shared.record_send(&mut window, now, ready.cost) {
                     return Release::Go(ticket, send);
                 }
+                drop(window);
                 // The room went while the gate was asked (a 429, say):
                 // give the reservation back and wait again.
+                ticket.refund();
             }
             verdict => return Release::NotAdmitted(verdict),
         }

@@ -145,9 +145,12 @@ impl DispatchGate for CompositeGate {
                         }
                         ticket.join(t);
                     }
-                    // Dropping `ticket` here releases what earlier gates
-                    // reserved: all or nothing.
-                    refused => return refused,
+                    // Refunding `ticket` here releases what earlier gates
+                    // reserved, even a rate-limit admission: all or nothing.
+                    refused => {
+                        ticket.refund();
+                        return refused;
+                    }
                 }
             }
             Admission::Continue(ticket)

@@ -314,8 +314,13 @@ impl Classification {
 
 /// Held while an admitted request is in flight; dropping it releases
 /// whatever the admitting gates reserved (e.g. a local concurrency slot).
+/// [`Ticket::refund`] also takes back what is otherwise kept once taken
+/// (a rate-limit admission), for a ticket whose message was not sent.
 #[derive(Default)]
-pub struct Ticket(Vec<Box<dyn Any + Send + Sync>>);
+pub struct Ticket {
+    guards: Vec<Box<dyn Any + Send + Sync>>,
+    refunds: Vec<Box<dyn FnOnce() + Send + Sync>>,
+}
 
 impl Ticket {
     /// A ticket that reserves nothing.
@@ -325,18 +330,39 @@ impl Ticket {
 
     /// A ticket holding one reservation guard.
     pub fn holding(guard: impl Any + Send + Sync) -> Self {
-        Self(vec![Box::new(guard)])
+        Self {
+            guards: vec![Box::new(guard)],
+            refunds: Vec::new(),
+        }
+    }
+
+    /// This ticket, with `refund` to run if its message is not sent after
+    /// all (a later gate or the window said no).
+    #[must_use]
+    pub fn refundable(mut self, refund: impl FnOnce() + Send + Sync + 'static) -> Self {
+        self.refunds.push(Box::new(refund));
+        self
     }
 
     /// Merges another ticket's reservations into this one.
     pub fn join(&mut self, other: Ticket) {
-        self.0.extend(other.0);
+        self.guards.extend(other.guards);
+        self.refunds.extend(other.refunds);
+    }
+
+    /// Gives everything back: the message was admitted but not sent.
+    pub fn refund(self) {
+        let Self { guards, refunds } = self;
+        for refund in refunds {
+            refund();
+        }
+        drop(guards);
     }
 
     /// The quota classification a gate put on this ticket (the latest one
     /// when several did).
     pub fn classification(&self) -> Option<Classification> {
-        self.0
+        self.guards
             .iter()
             .rev()
             .find_map(|g| g.downcast_ref::<Classification>().copied())
@@ -345,7 +371,12 @@ impl Ticket {
 
 impl fmt::Debug for Ticket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Ticket({} reservations)", self.0.len())
+        write!(
+            f,
+            "Ticket({} reservations, {} refundable)",
+            self.guards.len(),
+            self.refunds.len()
+        )
     }
 }
 

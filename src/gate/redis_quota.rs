@@ -272,7 +272,15 @@ impl RedisQuotaGate {
                         async move { call.invoke_async(&mut conn).await }
                     })
                     .await?;
-                Ok((admitted == 1).then(Ticket::none))
+                // Kept for the window once sent; given back if the
+                // message is not sent after all (a later gate refused it),
+                // so a parked message does not spend its tenant's quota
+                // each time it asks again.
+                Ok((admitted == 1).then(|| {
+                    let (inner, key, member) =
+                        (self.inner.clone(), key.to_owned(), member.clone());
+                    Ticket::none().refundable(move || inner.remove_later(key, member))
+                }))
             }
             QuotaMode::Concurrency => {
                 // Registered before the script runs, so a renewal never
@@ -382,28 +390,32 @@ struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         self.inner.forget(&self.key, &self.member);
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            // No runtime (process ending): the lease expires instead.
-            return;
-        };
-        let (inner, key, member) = (
-            self.inner.clone(),
+        self.inner.clone().remove_later(
             std::mem::take(&mut self.key),
             std::mem::take(&mut self.member),
         );
+    }
+}
+
+impl Inner {
+    /// Removes `member` from `key` in the background (called from drops,
+    /// which cannot wait). Without a runtime (process ending) nothing is
+    /// removed: a lease expires, a rate-limit admission ages out.
+    fn remove_later(self: Arc<Self>, key: String, member: String) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         runtime.spawn(async move {
-            let removed: Result<i64, SourceError> = inner
+            let removed: Result<i64, SourceError> = self
                 .endpoint
-                .run(|mut conn| async move {
-                    redis::cmd("ZREM")
-                        .arg(&key)
-                        .arg(&member)
-                        .query_async(&mut conn)
-                        .await
+                .run(|mut conn| {
+                    let mut zrem = redis::cmd("ZREM");
+                    zrem.arg(&key).arg(&member);
+                    async move { zrem.query_async(&mut conn).await }
                 })
                 .await;
             if let Err(error) = removed {
-                tracing::warn!(%error, "cannot release a quota unit; it expires with its lease");
+                tracing::warn!(%error, key, "cannot give a quota unit back; it expires instead");
             }
         });
     }
