@@ -16,9 +16,9 @@ use sluicegate::config::{
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
-    CompositeParams, ConstantParams, EndpointScrapeParams, LocalMaxConcurrencyParams, MissingAttribute,
-    PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams, RedisParams,
-    RedisQuotaParams, TierPriorityAdmissionParams, VllmParams, WaitOnRefuseParams,
+    CompositeParams, ConstantParams, EndpointScrapeParams, LocalMaxConcurrencyParams,
+    MissingAttribute, PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams,
+    RedisParams, RedisQuotaParams, TierPriorityAdmissionParams, VllmParams, WaitOnRefuseParams,
 };
 use url::Url;
 
@@ -158,7 +158,10 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             duration_ms(1, 10_000_000),
             "[a-z:]{1,8}",
             gating_mode(),
-            prop_oneof![Just(MissingAttribute::Refuse), Just(MissingAttribute::Allow)],
+            prop_oneof![
+                Just(MissingAttribute::Refuse),
+                Just(MissingAttribute::Allow)
+            ],
             any::<bool>(),
             duration_ms(1000, 600_000),
         )

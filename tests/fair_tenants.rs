@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use sluicegate::config::Config;
 use support::redis::RedisServer;
-use support::tenants::{Arrival, recording_gateway, redis_config, seen, submit, tenant_line, unix_now};
+use support::tenants::{
+    Arrival, recording_gateway, redis_config, seen, submit, tenant_line, unix_now,
+};
 
 async fn start(server: &RedisServer, gateway: &str, dispatch: &str, queue: &str) -> support::App {
     let toml = support::redis::fast_app_toml(gateway, dispatch, queue);
@@ -104,7 +106,11 @@ async fn the_window_is_shared_by_weight() {
     let mut lines = Vec::new();
     for i in 0..EACH {
         lines.push(tenant_line(&format!("g-{i}"), "gold", base + 2 * i as i64));
-        lines.push(tenant_line(&format!("b-{i}"), "bronze", base + 2 * i as i64 + 1));
+        lines.push(tenant_line(
+            &format!("b-{i}"),
+            "bronze",
+            base + 2 * i as i64 + 1,
+        ));
     }
     submit(&server, "shareq", &lines).await;
     let app = start(
@@ -123,7 +129,9 @@ gate_type = "constant""#,
     let first: Vec<Arrival> = seen(&arrivals).into_iter().take(FIRST).collect();
     let gold = count(&first, "gold");
     let bronze = count(&first, "bronze");
-    eprintln!("weighted shares: first {FIRST} dispatches gold {gold}, bronze {bronze} (weights 3 : 1)");
+    eprintln!(
+        "weighted shares: first {FIRST} dispatches gold {gold}, bronze {bronze} (weights 3 : 1)"
+    );
     assert_eq!(gold + bronze, FIRST);
     // 45 : 15 exactly when the first pull holds both tenants; one pull
     // landing differently moves it by a few.

@@ -55,7 +55,12 @@ async fn rate_limit_is_a_sliding_window_in_the_upstream_key() {
     }
     let over = admit(g.as_ref(), &alice).await;
     assert!(
-        matches!(over, Admission::Refuse { reason: "over_quota" }),
+        matches!(
+            over,
+            Admission::Refuse {
+                reason: "over_quota"
+            }
+        ),
         "{over:?}"
     );
     // Upstream's key and type: a ZSET of admissions, expiring.
@@ -90,7 +95,12 @@ async fn concurrency_units_are_leases_renewed_while_held_and_removed_when_done()
     // Blocking mode: over the limit waits (parks) rather than refusing.
     let third = admit(g.as_ref(), &alice).await;
     assert!(
-        matches!(third, Admission::Wait { reason: "over_quota" }),
+        matches!(
+            third,
+            Admission::Wait {
+                reason: "over_quota"
+            }
+        ),
         "{third:?}"
     );
     assert_eq!(server.cli(&["TYPE", "q:userid:alice"]).trim(), "zset");

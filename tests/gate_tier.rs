@@ -37,9 +37,14 @@ fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
-async fn verdict(gate: &dyn DispatchGate, user: &str, labels: &BTreeMap<String, String>) -> Admission {
+async fn verdict(
+    gate: &dyn DispatchGate,
+    user: &str,
+    labels: &BTreeMap<String, String>,
+) -> Admission {
     let metadata = BTreeMap::from([("userid".to_owned(), user.to_owned())]);
-    gate.admit(AdmissionRequest::new("r", &metadata, labels)).await
+    gate.admit(AdmissionRequest::new("r", &metadata, labels))
+        .await
 }
 
 /// Sets the budget key and lets the gate see it: the cache serves the
@@ -138,10 +143,7 @@ async fn a_quota_gate_before_it_classifies_the_message() {
     assert_eq!(server.int(&["ZCARD", "quota:userid:dana"]), 1);
     set_budget(&server, gate.as_ref(), "0").await;
     let second = verdict(gate.as_ref(), "dana", &interactive).await;
-    assert_eq!(
-        shape(&second),
-        ("drop", "saturated_interactive_overflow")
-    );
+    assert_eq!(shape(&second), ("drop", "saturated_interactive_overflow"));
     let batch = verdict(gate.as_ref(), "dana", &labels(&[("tier", "batch")])).await;
     assert_eq!(shape(&batch), ("refuse", "saturated_overflow"));
     // Spare capacity: overflow goes too.

@@ -235,7 +235,9 @@ pub(crate) fn tenant_weights(v: &Value) -> Result<BTreeMap<String, u32>, String>
         .map(|(tenant, w)| {
             let weight = (w.trim().parse::<u32>().ok())
                 .filter(|w| *w >= 1)
-                .ok_or_else(|| format!("{tenant}: weight must be a whole number >= 1, got {w:?}"))?;
+                .ok_or_else(|| {
+                    format!("{tenant}: weight must be a whole number >= 1, got {w:?}")
+                })?;
             if tenant.is_empty() {
                 return Err("a tenant name must not be empty".to_owned());
             }

@@ -114,7 +114,8 @@ pub(super) async fn receive_loop(
                     .await;
                 break;
             }
-            if let Some(refused) = handle(shared, ready, shutdown, abandon, tracker, results).await {
+            if let Some(refused) = handle(shared, ready, shutdown, abandon, tracker, results).await
+            {
                 // The gate refused this tenant: the others go first until
                 // its requeue delay ends.
                 let until = refused + settings.wait_requeue_delay;

@@ -205,8 +205,6 @@ pub struct RedisQuotaGate {
     inner: Arc<Inner>,
     /// The renewal task starts on the first admission (inside the runtime).
     renewing: Once,
-    /// A quota gate says nothing about the pool: one fixed, open reading.
-    taken_at: Instant,
 }
 
 #[derive(Debug)]
@@ -233,7 +231,6 @@ impl RedisQuotaGate {
                 held: Mutex::new(HashMap::new()),
             }),
             renewing: Once::new(),
-            taken_at: Instant::now(),
         }
     }
 
@@ -277,8 +274,7 @@ impl RedisQuotaGate {
                 // so a parked message does not spend its tenant's quota
                 // each time it asks again.
                 Ok((admitted == 1).then(|| {
-                    let (inner, key, member) =
-                        (self.inner.clone(), key.to_owned(), member.clone());
+                    let (inner, key, member) = (self.inner.clone(), key.to_owned(), member.clone());
                     Ticket::none().refundable(move || inner.remove_later(key, member))
                 }))
             }
@@ -431,7 +427,10 @@ fn millis(d: Duration) -> u64 {
 
 impl DispatchGate for RedisQuotaGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        let mut reading = Observation::open(Budget::FULL, self.taken_at);
+        // An admission gate says nothing about the pool: like `constant`,
+        // every call is a fresh, open reading, so the window is the other
+        // gates' business (a fixed date would never refill it).
+        let mut reading = Observation::open(Budget::FULL, Instant::now());
         reading.reason = "quota gate: admission only".into();
         Box::pin(std::future::ready(Ok(reading)))
     }
@@ -440,10 +439,7 @@ impl DispatchGate for RedisQuotaGate {
         Box::pin(async move {
             self.start_renewal();
             let p = &self.inner.params;
-            let tenant = request
-                .metadata
-                .get(&p.attribute)
-                .filter(|v| !v.is_empty());
+            let tenant = request.metadata.get(&p.attribute).filter(|v| !v.is_empty());
             let Some(tenant) = tenant else {
                 return match p.missing_attribute {
                     MissingAttribute::Refuse => Admission::Refuse {

@@ -125,9 +125,6 @@ pub struct TierPriorityGate {
     saturation: Box<dyn DispatchGate>,
     tier_label: String,
     max_staleness: Duration,
-    /// An admission gate says nothing about the pool's budget itself: one
-    /// fixed, open reading, so the window is the other gates' business.
-    taken_at: Instant,
 }
 
 impl TierPriorityGate {
@@ -142,16 +139,13 @@ impl TierPriorityGate {
             saturation,
             tier_label: tier_label.into(),
             max_staleness,
-            taken_at: Instant::now(),
         }
     }
 
     /// Whether the pool is saturated now (unknown counts as saturated).
     async fn saturated(&self) -> bool {
         match self.saturation.observe().await {
-            Ok(reading) => {
-                !reading.is_open() || reading.taken_at.elapsed() > self.max_staleness
-            }
+            Ok(reading) => !reading.is_open() || reading.taken_at.elapsed() > self.max_staleness,
             Err(error) => {
                 tracing::debug!(%error, "saturation gate unreadable; counted as saturated");
                 true
@@ -180,7 +174,10 @@ pub(crate) fn saturated_verdict(
 
 impl DispatchGate for TierPriorityGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        let mut reading = Observation::open(Budget::FULL, self.taken_at);
+        // An admission gate says nothing about the pool: like `constant`,
+        // every call is a fresh, open reading, so the window is the other
+        // gates' business (a fixed date would never refill it).
+        let mut reading = Observation::open(Budget::FULL, Instant::now());
         reading.reason = "tier admission: saturation is judged per message".into();
         Box::pin(std::future::ready(Ok(reading)))
     }

@@ -131,7 +131,9 @@ impl RedisEndpoint {
     {
         let attempt = async {
             let conn = self.connection().await?;
-            work(conn).await.map_err(|e| SourceError::Redis(Arc::new(e)))
+            work(conn)
+                .await
+                .map_err(|e| SourceError::Redis(Arc::new(e)))
         };
         tokio::time::timeout(self.timeout, attempt)
             .await

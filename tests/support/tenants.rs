@@ -78,10 +78,10 @@ impl Respond for Recorder {
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default()
             .to_owned();
-        self.arrivals
-            .lock()
-            .expect("arrivals")
-            .push(Arrival { at: Instant::now(), tenant });
+        self.arrivals.lock().expect("arrivals").push(Arrival {
+            at: Instant::now(),
+            tenant,
+        });
         ResponseTemplate::new(200)
             .set_body_string(r#"{"choices":[]}"#)
             .set_delay(self.delay)
