@@ -55,6 +55,9 @@ async fn set_budget(server: &RedisServer, gate: &dyn DispatchGate, value: &str) 
     tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
+/// Message labels and the verdict and reason expected at saturation.
+type Case = (&'static [(&'static str, &'static str)], (&'static str, &'static str));
+
 fn shape(a: &Admission) -> (&'static str, &'static str) {
     (a.verdict_label(), a.reason_label())
 }
@@ -66,7 +69,7 @@ async fn verdicts_by_saturation_tier_and_classification() {
         "tier-priority-admission",
         json!({"saturation_gate": saturation(&server), "tier_label": "tier"}),
     );
-    let cases: [(&[(&str, &str)], (&str, &str)); 6] = [
+    let cases: [Case; 6] = [
         (
             &[("tier", "batch"), ("classification", "reserved")],
             ("wait", "saturated_reserved"),
