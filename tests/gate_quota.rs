@@ -7,7 +7,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::json;
@@ -15,6 +14,7 @@ use sluicegate::config::GateSpec;
 use sluicegate::gate::{
     Admission, AdmissionRequest, Classification, DispatchGate, GateContext, build_gate,
 };
+use support::cli::{Background, sluicegate};
 use support::redis::RedisServer;
 use support::tenants::{recording_gateway, seen, submit, tenant_line, unix_now};
 
@@ -171,16 +171,6 @@ async fn fails_closed_without_attribute_or_redis_and_classifies_overflow_when_as
     );
 }
 
-/// A `sluicegate run` process, SIGKILLed on drop.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The units a SIGKILLed dispatcher held in `concurrency` mode come back
 /// once their leases expire: nothing renews them any more.
 #[tokio::test(flavor = "multi_thread")]
@@ -199,11 +189,8 @@ async fn concurrency_units_of_a_sigkilled_dispatcher_come_back_after_their_lease
         "mode": "concurrency", "limit": LIMIT, "lease": "2s",
     })
     .to_string();
-    let mut run = Process(
-        Command::new(env!("CARGO_BIN_EXE_sluicegate"))
-            .arg("run")
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
+    let mut run = Background::spawn(
+        sluicegate(&["run"])
             .env("SLUICEGATE_TRANSPORT", "redis")
             .env("SLUICEGATE_REDIS_URL", server.url())
             .env("SLUICEGATE_QUEUE", "killq")
@@ -212,11 +199,7 @@ async fn concurrency_units_of_a_sigkilled_dispatcher_come_back_after_their_lease
             .env("SLUICEGATE_GATE_PARAMS", &params)
             .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
             .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
-            .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("sluicegate run starts"),
+            .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms"),
     );
     support::wait_until(Duration::from_secs(30), "the limit is in flight", || {
         seen(&arrivals).len() >= LIMIT
@@ -237,8 +220,7 @@ async fn concurrency_units_of_a_sigkilled_dispatcher_come_back_after_their_lease
         server.int(&["ZCOUNT", "quota:userid:alice", &from, "+inf"])
     };
     assert_eq!(live(&server), LIMIT as i64);
-    run.0.kill().expect("SIGKILL");
-    let _ = run.0.wait();
+    run.kill();
     // Nobody renews: within a lease (plus slack) every unit has expired,
     // and a new admission for the tenant succeeds up to the limit.
     support::wait_until(Duration::from_secs(10), "leases expire", || {

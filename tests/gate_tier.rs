@@ -56,7 +56,10 @@ async fn set_budget(server: &RedisServer, gate: &dyn DispatchGate, value: &str) 
 }
 
 /// Message labels and the verdict and reason expected at saturation.
-type Case = (&'static [(&'static str, &'static str)], (&'static str, &'static str));
+type Case = (
+    &'static [(&'static str, &'static str)],
+    (&'static str, &'static str),
+);
 
 fn shape(a: &Admission) -> (&'static str, &'static str) {
     (a.verdict_label(), a.reason_label())

@@ -5,7 +5,8 @@
 //! The queue hands out messages earliest deadline first, whoever sent them,
 //! so one tenant's backlog at the head would take the whole window, and a
 //! tenant its gate refuses would be asked again for every message before
-//! anyone behind it gets a turn (REFERENCE §9 item 5). The receiver instead
+//! anyone behind it gets a turn (upstream's weakness; `docs/compatibility.md`
+//! item 5). The receiver instead
 //! pulls a bounded lookahead and releases from it by deficit round robin
 //! over the tenant (the `[gateway] fairness_attribute` of each message):
 //! every visit credits a tenant `weight × quantum` of window units and it
