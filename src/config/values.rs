@@ -370,6 +370,24 @@ mod tests {
     }
 
     #[test]
+    fn tenant_weights_from_a_table_or_text_and_never_zero() {
+        let want: BTreeMap<String, u32> = [("alice".to_owned(), 3), ("bob".to_owned(), 1)].into();
+        assert_eq!(
+            tenant_weights(&serde_json::json!({"alice": 3, "bob": "1"})),
+            Ok(want.clone())
+        );
+        assert_eq!(tenant_weights(&Value::from("alice=3, bob=1")), Ok(want));
+        for bad in [
+            serde_json::json!({"alice": 0}),
+            serde_json::json!({"alice": "x"}),
+            serde_json::json!({"alice": -1}),
+            Value::from("alice"),
+        ] {
+            assert!(tenant_weights(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn choice_error_lists_allowed_values() {
         let err = choice(&[("text", 1), ("json", 2)])(&json!("xml")).expect_err("unknown");
         assert!(err.contains("text, json"), "{err}");
