@@ -1,7 +1,7 @@
 //! `redis-quota` against a real `redis-server`: both modes count in
 //! upstream's keys (`quota:userid:<tenant>`, inspected with `redis-cli`),
 //! classify `reserved` / `overflow`, fail closed (no attribute, Redis
-//! down), and a SIGKILLed `sluicegate run`'s concurrency units come back
+//! down), authenticate with `[redis]` credentials, and a SIGKILLed `sluicegate run`'s concurrency units come back
 //! when their leases expire.
 
 mod support;
@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
-use sluicegate::config::GateSpec;
+use sluicegate::config::{GateSpec, Secret};
 use sluicegate::gate::{
     Admission, AdmissionRequest, Classification, DispatchGate, GateContext, build_gate,
 };
@@ -22,6 +22,41 @@ fn gate(params: serde_json::Value) -> Box<dyn DispatchGate> {
     let spec = GateSpec::parse("redis-quota", &params, "q").expect("valid params");
     let ctx = GateContext::new(None, None, Duration::from_secs(1), Duration::from_secs(10));
     build_gate(&spec, &ctx).expect("builds")
+}
+
+/// Credentials from `[redis]` reach the quota gate's connection (AUTH),
+/// as they do the `redis` gate's; without them it refuses.
+#[tokio::test(flavor = "multi_thread")]
+async fn authenticates_with_the_redis_section_credentials() {
+    use support::redis::RedisOptions;
+    let server = RedisServer::start_with(RedisOptions {
+        password: Some("quota-pass".into()),
+        ..RedisOptions::default()
+    });
+    let spec = GateSpec::parse(
+        "redis-quota",
+        &json!({"address": format!("127.0.0.1:{}", server.port), "limit": 1}),
+        "q",
+    )
+    .expect("valid params");
+    let mut redis = support::tenants::redis_config(&server);
+    redis.password = Some(Secret::new("quota-pass"));
+    let with = GateContext::new(
+        None,
+        Some(redis),
+        Duration::from_secs(1),
+        Duration::from_secs(10),
+    );
+    let authed = build_gate(&spec, &with).expect("builds");
+    let v = admit(authed.as_ref(), &tenant("frank")).await;
+    assert_eq!(classification(&v), Some(Classification::Reserved), "{v:?}");
+    let without = gate(json!({"address": format!("127.0.0.1:{}", server.port), "limit": 1}));
+    assert!(matches!(
+        admit(without.as_ref(), &tenant("frank")).await,
+        Admission::Refuse {
+            reason: "quota_unavailable"
+        }
+    ));
 }
 
 fn tenant(name: &str) -> BTreeMap<String, String> {
