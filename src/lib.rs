@@ -23,8 +23,8 @@
 //!   TTL cache.
 //! - [`dispatch`]: window arithmetic and request costs (pure), the
 //!   gateway-wide congestion hold after 429/503 (pure, shared by the queues
-//!   of one gateway), the retry policy (pure), settings from the typed
-//!   config, and the dispatch loop split by task (receive, send, settle,
+//!   of one gateway), the retry policy (pure), fair shares among tenants
+//!   (pure), settings from the typed config, and the dispatch loop split by task (receive, send, settle,
 //!   observe).
 //! - [`gateway`]: the HTTP client, endpoint and header rules, and response
 //!   classification.

@@ -17,8 +17,8 @@ use sluicegate::config::{
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
     CompositeParams, ConstantParams, EndpointScrapeParams, LocalMaxConcurrencyParams,
-    PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams, RedisParams,
-    RedisQuotaParams, TierPriorityAdmissionParams, VllmParams, WaitOnRefuseParams,
+    MissingAttribute, PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams,
+    RedisParams, RedisQuotaParams, TierPriorityAdmissionParams, VllmParams, WaitOnRefuseParams,
 };
 use url::Url;
 
@@ -157,19 +157,41 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
             1u32..100_000,
             duration_ms(1, 10_000_000),
             "[a-z:]{1,8}",
-            gating_mode()
+            gating_mode(),
+            prop_oneof![
+                Just(MissingAttribute::Refuse),
+                Just(MissingAttribute::Allow)
+            ],
+            any::<bool>(),
+            duration_ms(1000, 600_000),
         )
-            .prop_map(|(h, attribute, mode, limit, window, prefix, gating_mode)| {
-                GateSpec::RedisQuota(RedisQuotaParams {
-                    address: format!("{h}:6379"),
+            .prop_map(
+                |(
+                    h,
                     attribute,
                     mode,
                     limit,
                     window,
                     prefix,
                     gating_mode,
-                })
-            }),
+                    missing_attribute,
+                    admit_overflow,
+                    lease,
+                )| {
+                    GateSpec::RedisQuota(RedisQuotaParams {
+                        address: format!("{h}:6379"),
+                        attribute,
+                        mode,
+                        limit,
+                        window,
+                        prefix,
+                        gating_mode,
+                        missing_attribute,
+                        admit_overflow,
+                        lease,
+                    })
+                }
+            ),
         (
             proptest::collection::vec(http_url(), 1..3),
             (0.001..=1.0f64),
@@ -278,6 +300,10 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
             duration_ms(1, 100_000_000),
         ),
         duration_ms(0, 600_000),
+        (
+            0usize..=4096,
+            proptest::collection::btree_map("[a-z][a-z0-9-]{0,6}", 1u32..100, 0..3),
+        ),
     )
         .prop_map(
             |(
@@ -285,7 +311,10 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 (max_attempts, retry_initial_backoff, extra_backoff),
                 (congestion_backoff, wait_requeue_delay, shutdown_grace, default_deadline),
                 extra_congestion,
+                (tenant_lookahead, tenant_weights),
             )| DispatchConfig {
+                tenant_lookahead,
+                tenant_weights,
                 poll_interval,
                 max_staleness: poll_interval + extra_staleness,
                 lease,

@@ -309,3 +309,87 @@ async fn a_result_list_outside_the_queues_slot_stops_start_up() {
         );
     }
 }
+
+fn cluster_context(cluster: &RedisCluster) -> sluicegate::gate::GateContext {
+    let redis = sluicegate::config::RedisConfig {
+        url: sluicegate::config::EndpointUrl::new(url::Url::parse(&cluster.url()).expect("url")),
+        username: None,
+        password: None,
+        password_file: None,
+        cluster: true,
+    };
+    sluicegate::gate::GateContext::new(
+        None,
+        Some(redis),
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+    )
+}
+
+/// `redis-quota` with `[redis] cluster = true` counts in upstream's keys on
+/// the cluster, for tenants whose keys live on different nodes, in both
+/// modes; a concurrency unit is returned when its request ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_quota_counts_on_a_cluster_in_both_modes() {
+    use sluicegate::config::GateSpec;
+    use sluicegate::gate::{Admission, AdmissionRequest, build_gate};
+    use std::collections::BTreeMap;
+    let cluster = RedisCluster::start();
+    let ctx = cluster_context(&cluster);
+    let tenants = ["alice", "bob", "carol", "dave", "erin", "frank"];
+    let keys: Vec<String> = tenants
+        .iter()
+        .map(|t| format!("quota:userid:{t}"))
+        .collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    assert!(
+        cluster.nodes_owning(&key_refs) >= 2,
+        "keys on several nodes"
+    );
+    let labels = BTreeMap::new();
+    let metadata = |t: &str| BTreeMap::from([("userid".to_owned(), t.to_owned())]);
+
+    let rate = GateSpec::parse(
+        "redis-quota",
+        &serde_json::json!({"address": cluster.url(), "limit": 2, "window": "1m"}),
+        "q",
+    )
+    .expect("valid params");
+    let rate = build_gate(&rate, &ctx).expect("builds");
+    for t in tenants {
+        let m = metadata(t);
+        for _ in 0..2 {
+            let v = rate.admit(AdmissionRequest::new("r", &m, &labels)).await;
+            assert!(matches!(v, Admission::Continue(_)), "{t}: {v:?}");
+        }
+        let over = rate.admit(AdmissionRequest::new("r", &m, &labels)).await;
+        assert!(matches!(over, Admission::Refuse { .. }), "{t}: {over:?}");
+        let key = format!("quota:userid:{t}");
+        assert_eq!(cluster.int(&["ZCARD", key.as_str()]), 2, "{key}");
+    }
+
+    let conc = GateSpec::parse(
+        "redis-quota",
+        &serde_json::json!({"address": cluster.url(), "limit": 1, "mode": "concurrency",
+            "prefix": "conc:"}),
+        "q",
+    )
+    .expect("valid params");
+    let conc = build_gate(&conc, &ctx).expect("builds");
+    for t in tenants {
+        let m = metadata(t);
+        let held = conc.admit(AdmissionRequest::new("r", &m, &labels)).await;
+        assert!(matches!(held, Admission::Continue(_)), "{t}: {held:?}");
+        let second = conc.admit(AdmissionRequest::new("r2", &m, &labels)).await;
+        assert!(
+            matches!(second, Admission::Refuse { .. }),
+            "{t}: {second:?}"
+        );
+        drop(held);
+        let key = format!("conc:userid:{t}");
+        wait_until(Duration::from_secs(5), "the unit is returned", || {
+            cluster.int(&["ZCARD", key.as_str()]) == 0
+        })
+        .await;
+    }
+}

@@ -528,6 +528,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
             wait_requeue_delay: Duration::from_millis(500),
             shutdown_grace: Duration::from_secs(10),
             default_deadline: options.deadline,
+            ..DispatchConfig::default()
         },
         telemetry: TelemetryConfig::default(),
         queues: vec![QueueConfig {

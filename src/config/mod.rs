@@ -54,7 +54,7 @@ use serde_json::{Map, Value};
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
     constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_string,
-    path, redis_url, socket_addr, url_path,
+    path, redis_url, socket_addr, tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -391,6 +391,14 @@ section! {
         /// would re-claim a refused message in a loop.
         #[serde(serialize_with = "render::duration")]
         wait_requeue_delay: Duration = Duration::from_secs(1), duration_min(NONZERO);
+        /// Messages the receiver may hold beyond what the window can send
+        /// now, so it sees past one tenant's backlog at the head of the
+        /// queue and shares the window among tenants (0 = no lookahead).
+        tenant_lookahead: usize = 64,
+            |v| usize::try_from(as_u64_in(v, 0, 4096)?).map_err(|_| "too large".to_owned());
+        /// Weight of each tenant (value of `[gateway] fairness_attribute`)
+        /// in the window's round robin; tenants not named weigh 1.
+        tenant_weights: BTreeMap<String, u32> = BTreeMap::new(), tenant_weights;
         /// Time allowed for in-flight work at shutdown.
         #[serde(serialize_with = "render::duration")]
         shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);

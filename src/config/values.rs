@@ -242,6 +242,24 @@ pub(crate) fn as_string_map(v: &Value) -> Result<BTreeMap<String, String>, Strin
     }
 }
 
+/// Tenant weights: a table of whole numbers >= 1 (`{ alice = 3 }`), a JSON
+/// object in a string, or `alice=3,bob=1` (environment variables).
+pub(crate) fn tenant_weights(v: &Value) -> Result<BTreeMap<String, u32>, String> {
+    (as_string_map(v)?.into_iter())
+        .map(|(tenant, w)| {
+            let weight = (w.trim().parse::<u32>().ok())
+                .filter(|w| *w >= 1)
+                .ok_or_else(|| {
+                    format!("{tenant}: weight must be a whole number >= 1, got {w:?}")
+                })?;
+            if tenant.is_empty() {
+                return Err("a tenant name must not be empty".to_owned());
+            }
+            Ok((tenant, weight))
+        })
+        .collect()
+}
+
 /// A list of strings: an array, a JSON array in a string, or comma-separated
 /// text.
 pub(crate) fn as_string_list(v: &Value) -> Result<Vec<String>, String> {
@@ -363,6 +381,24 @@ mod tests {
         assert!(as_u64(&json!(1.5)).is_err());
         assert!(as_f64(&json!("NaN")).is_err());
         assert!(as_f64(&json!([1])).is_err());
+    }
+
+    #[test]
+    fn tenant_weights_from_a_table_or_text_and_never_zero() {
+        let want: BTreeMap<String, u32> = [("alice".to_owned(), 3), ("bob".to_owned(), 1)].into();
+        assert_eq!(
+            tenant_weights(&serde_json::json!({"alice": 3, "bob": "1"})),
+            Ok(want.clone())
+        );
+        assert_eq!(tenant_weights(&Value::from("alice=3, bob=1")), Ok(want));
+        for bad in [
+            serde_json::json!({"alice": 0}),
+            serde_json::json!({"alice": "x"}),
+            serde_json::json!({"alice": -1}),
+            Value::from("alice"),
+        ] {
+            assert!(tenant_weights(&bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

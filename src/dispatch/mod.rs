@@ -1,5 +1,6 @@
 //! The dispatch path: window arithmetic (`window.rs`, pure), request costs
-//! (`cost.rs`, pure), the retry policy (`retry.rs`, pure), tunables
+//! (`cost.rs`, pure), the retry policy (`retry.rs`, pure), fair shares among
+//! tenants (`fair.rs`, pure), tunables
 //! (`settings.rs`, from the typed config) and the loop that pulls, admits,
 //! sends and settles messages, split by task: `dispatcher.rs` (state, start
 //! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
@@ -7,6 +8,7 @@
 pub mod congestion;
 pub mod cost;
 mod dispatcher;
+mod fair;
 mod observe;
 mod receive;
 mod retry;

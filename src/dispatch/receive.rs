@@ -1,5 +1,7 @@
-//! The receiver: takes permits before it pulls, then parses, checks
-//! deadlines, admits and releases each message (or parks it at its gate).
+//! The receiver: takes permits before it pulls (plus a bounded lookahead),
+//! then parses and checks each message, buffers it by tenant, and releases
+//! from the buffer fairly (`fair.rs`): admits and sends, parks it at its
+//! gate, or requeues it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -14,6 +16,7 @@ use tokio_util::task::TaskTracker;
 use super::congestion::Clearance;
 use super::cost::request_cost;
 use super::dispatcher::{Ready, Results, Send, Shared, unix_now};
+use super::fair::FairQueue;
 use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
 use crate::gate::{Admission, AdmissionRequest, Ticket};
@@ -25,7 +28,8 @@ use crate::telemetry::traces as trace_attr;
 /// How often a parked message asks its gate again when nothing else wakes it.
 const PARK_RECHECK: Duration = Duration::from_millis(250);
 
-/// Pulls messages while the window has room.
+/// Pulls messages while the window has room, into a bounded lookahead
+/// buffer that releases them fairly among tenants (`fair.rs`).
 pub(super) async fn receive_loop(
     shared: &Arc<Shared>,
     shutdown: &CancellationToken,
@@ -34,90 +38,166 @@ pub(super) async fn receive_loop(
     results: &Results,
 ) {
     let settings = shared.settings().clone();
+    // Requests are charged one unit each; token and byte costs vary, so
+    // a visit credits a typical request's worth (dearer ones still go).
+    let quantum = match settings.unit {
+        crate::config::Unit::Requests => 1,
+        crate::config::Unit::Tokens | crate::config::Unit::Bytes => 1024,
+    };
+    let mut fair = FairQueue::new(settings.tenant_weights.clone(), quantum);
     let mut receive_errors = 0u32;
-    // Own progress (sent, finished) when a reading was last asked for.
-    let mut asked_at: Option<(u64, u64)> = None;
+    let mut asked_at = None;
     while !shutdown.is_cancelled() {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
-        let available = shared.room(Instant::now());
-        if available == 0 {
-            // A reading on demand only when own work moved since the last
-            // ask: with nothing sent or finished, a new reading of a gate
-            // that is always fresh (constant, local) opens nothing, and
-            // asking again each time it wakes us would spin this loop and
-            // the observer against each other while the window is full.
-            // The poll interval still reads the pool.
-            let progress = shared.window().progress();
-            if asked_at != Some(progress) {
-                asked_at = Some(progress);
-                shared.refresh.notify_one();
+        let now = Instant::now();
+        let available = shared.room(now);
+        // Whether this turn pulled or long-polled: then the queue is asked
+        // again at once instead of sleeping.
+        let mut pulled = false;
+        // Permits before pull: never lease more than the window can send
+        // now plus the bounded lookahead (refilled after every release,
+        // also while the window is full, so the buffer keeps seeing past
+        // the head).
+        {
+            let room = usize::try_from(available).unwrap_or(usize::MAX);
+            let want = match settings.unit {
+                crate::config::Unit::Requests => room,
+                // Costs are known only after parsing: one at a time, and
+                // the lookahead sees past it.
+                crate::config::Unit::Tokens | crate::config::Unit::Bytes => room.min(1),
             }
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                () = &mut changed => {}
-                () = tokio::time::sleep(settings.poll_interval) => {}
+            .saturating_add(settings.tenant_lookahead)
+            .saturating_sub(fair.len())
+            .min(settings.receive_batch);
+            if want > 0 {
+                // Long-poll only when there is nothing to release meanwhile.
+                let wait = if fair.is_empty() {
+                    settings.receive_wait
+                } else {
+                    Duration::ZERO
+                };
+                let received = tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    r = shared.queue().receive(want, settings.lease, wait) => r,
+                };
+                match received {
+                    Ok(deliveries) => {
+                        receive_errors = 0;
+                        pulled = !deliveries.is_empty() || !wait.is_zero();
+                        for delivery in deliveries {
+                            take_in(shared, &mut fair, delivery, results).await;
+                        }
+                    }
+                    Err(error) => {
+                        receive_errors = receive_errors.saturating_add(1);
+                        let pause = Duration::from_millis(100)
+                            .saturating_mul(1 << receive_errors.min(6))
+                            .min(settings.poll_interval.max(Duration::from_secs(5)));
+                        tracing::warn!(%error, queue = shared.queue().name(), "receive failed");
+                        if fair.is_empty() {
+                            tokio::select! {
+                                () = shutdown.cancelled() => break,
+                                () = tokio::time::sleep(pause) => {}
+                            }
+                            continue;
+                        }
+                    }
+                }
+            }
+        }
+        fair.expire_blocks(Instant::now());
+        if let Some((tenant, ready)) = fair.pop(Instant::now()) {
+            if shutdown.is_cancelled() {
+                shared
+                    .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                    .await;
+                break;
+            }
+            if let Some(refused) = handle(shared, ready, shutdown, abandon, tracker, results).await
+            {
+                // The gate refused this tenant: the others go first until
+                // its requeue delay ends.
+                let until = refused + settings.wait_requeue_delay;
+                for ready in fair.block(&tenant, until) {
+                    shared
+                        .nack(
+                            ready.delivery.tag,
+                            settings.wait_requeue_delay,
+                            NackReason::NotAdmitted,
+                        )
+                        .await;
+                }
             }
             continue;
         }
-        // Permits before pull: never lease more than the window can send.
-        let max = match settings.unit {
-            crate::config::Unit::Requests => usize::try_from(available)
-                .unwrap_or(usize::MAX)
-                .min(settings.receive_batch),
-            // Costs are known only after parsing: take one at a time.
-            crate::config::Unit::Tokens | crate::config::Unit::Bytes => 1,
-        };
-        let received = tokio::select! {
-            () = shutdown.cancelled() => break,
-            r = shared.queue().receive(max, settings.lease, settings.receive_wait) => r,
-        };
-        let deliveries = match received {
-            Ok(d) => {
-                receive_errors = 0;
-                d
-            }
-            Err(error) => {
-                receive_errors = receive_errors.saturating_add(1);
-                let pause = Duration::from_millis(100)
-                    .saturating_mul(1 << receive_errors.min(6))
-                    .min(settings.poll_interval.max(Duration::from_secs(5)));
-                tracing::warn!(%error, queue = shared.queue().name(), "receive failed");
-                tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    () = tokio::time::sleep(pause) => {}
-                }
-                continue;
-            }
-        };
-        for delivery in deliveries {
-            shared.metrics().received.inc();
-            shared.held().insert(delivery.tag.clone());
-            if shutdown.is_cancelled() {
-                shared
-                    .nack(delivery.tag, Duration::ZERO, NackReason::Shutdown)
-                    .await;
-                continue;
-            }
-            handle(shared, delivery, shutdown, abandon, tracker, results).await;
+        if pulled {
+            continue;
         }
+        // Nothing to release: no room, or every buffered tenant blocked.
+        ask_for_reading(shared, &mut asked_at);
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            () = &mut changed => {}
+            () = tokio::time::sleep(settings.poll_interval) => {}
+        }
+    }
+    // Buffered leases go back at once rather than expiring.
+    for ready in fair.drain() {
+        shared
+            .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+            .await;
     }
 }
 
-/// Takes one delivery from bytes to a released request (or a settled,
-/// requeued or parked message).
+/// Takes one delivery into the buffer: parsed and checked (anything
+/// unusable is answered here), then buffered under its tenant, or returned
+/// unasked while its tenant is blocked.
+async fn take_in(
+    shared: &Arc<Shared>,
+    fair: &mut FairQueue<Ready>,
+    delivery: Delivery,
+    results: &Results,
+) {
+    shared.metrics().received.inc();
+    shared.held().insert(delivery.tag.clone());
+    let Some(ready) = check(shared, delivery, results).await else {
+        return;
+    };
+    let tenant = tenant_of(shared, &ready).to_owned();
+    if let Some(left) = fair.blocked(&tenant, Instant::now()) {
+        shared
+            .nack(ready.delivery.tag, left, NackReason::NotAdmitted)
+            .await;
+        return;
+    }
+    let (deadline, cost) = (ready.message.request.deadline, ready.cost);
+    fair.push(&tenant, deadline, cost, ready);
+}
+
+/// The tenant of a message: its `[gateway] fairness_attribute` value;
+/// messages without one share the tenant "".
+fn tenant_of<'a>(shared: &Shared, ready: &'a Ready) -> &'a str {
+    shared
+        .config
+        .gateway
+        .fairness_attribute()
+        .and_then(|a| ready.message.request.metadata.get(a))
+        .map_or("", String::as_str)
+}
+
+/// Takes a checked message to a released request (or a settled, requeued
+/// or parked message). Returns when the gate refused it, so the receiver
+/// can let the message's tenant wait.
 pub(super) async fn handle(
     shared: &Arc<Shared>,
-    delivery: Delivery,
+    ready: Ready,
     shutdown: &CancellationToken,
     abandon: &CancellationToken,
     tracker: &TaskTracker,
     results: &Results,
-) {
-    let Some(ready) = check(shared, delivery, results).await else {
-        return;
-    };
+) -> Option<Instant> {
     match release(shared, &ready, shutdown).await {
         Release::Go(ticket, send) => {
             let worker = send_and_settle(
@@ -129,11 +209,18 @@ pub(super) async fn handle(
                 results.clone(),
             );
             tracker.spawn(worker);
+            None
         }
         Release::NotAdmitted(Admission::Wait { .. }) => {
             park(shared, ready, shutdown, abandon, tracker, results);
+            None
         }
-        unreleased => settle_unreleased(shared, ready, unreleased, results).await,
+        unreleased => {
+            let refused = matches!(unreleased, Release::NotAdmitted(Admission::Refuse { .. }))
+                .then(Instant::now);
+            settle_unreleased(shared, ready, unreleased, results).await;
+            refused
+        }
     }
 }
 
@@ -205,8 +292,10 @@ pub(super) async fn release(
                 if let Some(send) = shared.record_send(&mut window, now, ready.cost) {
                     return Release::Go(ticket, send);
                 }
+                drop(window);
                 // The room went while the gate was asked (a 429, say):
                 // give the reservation back and wait again.
+                ticket.refund();
             }
             verdict => return Release::NotAdmitted(verdict),
         }
@@ -301,11 +390,11 @@ pub(super) async fn admit(shared: &Shared, ready: &Ready) -> Admission {
     let verdict = shared
         .config
         .gate
-        .admit(AdmissionRequest {
-            id: &ready.message.request.id,
-            metadata: &ready.message.request.metadata,
-            labels: &labels,
-        })
+        .admit(AdmissionRequest::new(
+            &ready.message.request.id,
+            &ready.message.request.metadata,
+            &labels,
+        ))
         .await;
     shared
         .metrics()
@@ -345,6 +434,7 @@ pub(super) async fn wait_for_room(
     ready: &Ready,
     shutdown: &CancellationToken,
 ) -> Option<Release> {
+    let mut asked_at = None;
     loop {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
@@ -362,12 +452,27 @@ pub(super) async fn wait_for_room(
                 return Some(Release::Congested(hold));
             }
         }
-        shared.refresh.notify_one();
+        ask_for_reading(shared, &mut asked_at);
         tokio::select! {
             () = shutdown.cancelled() => return Some(Release::Shutdown),
             () = &mut changed => {}
             () = tokio::time::sleep(shared.settings().poll_interval) => {}
         }
+    }
+}
+
+/// Asks the observer for a reading on demand, but only when this
+/// dispatcher's own work moved (sent or finished) since the last ask
+/// (`asked_at`). With nothing moved, a new reading of a gate that is always
+/// fresh (constant, local) opens no room, and asking again each time the
+/// reading wakes the caller would spin the caller and the observer against
+/// each other for as long as the window stays full (found with `bench
+/// hold`: 33 000 readings a second). The poll interval still reads the pool.
+fn ask_for_reading(shared: &Shared, asked_at: &mut Option<(u64, u64)>) {
+    let progress = shared.window().progress();
+    if *asked_at != Some(progress) {
+        *asked_at = Some(progress);
+        shared.refresh.notify_one();
     }
 }
 

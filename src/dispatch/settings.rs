@@ -1,5 +1,6 @@
 //! Tunables of one queue's dispatcher, resolved from config.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::config::{DispatchConfig, QueueConfig, Rounding, Unit};
@@ -39,6 +40,10 @@ pub struct DispatchSettings {
     /// Time in-flight requests get to finish at shutdown before they are
     /// abandoned and requeued.
     pub shutdown_grace: Duration,
+    /// Messages held beyond what the window can send, for fair shares.
+    pub tenant_lookahead: usize,
+    /// Tenant weights in the window's round robin (others weigh 1).
+    pub tenant_weights: BTreeMap<String, u32>,
 }
 
 /// Most messages pulled in one receive (not configurable: the window
@@ -68,6 +73,8 @@ impl From<&DispatchConfig> for DispatchSettings {
             max_park: MAX_PARK,
             max_parked: MAX_PARKED,
             shutdown_grace: d.shutdown_grace,
+            tenant_lookahead: d.tenant_lookahead,
+            tenant_weights: d.tenant_weights.clone(),
         }
     }
 }

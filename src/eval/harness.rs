@@ -240,11 +240,7 @@ impl GatePolicy {
         }
         self.admitted.clear();
         for _ in 0..want.min(u64::from(u32::MAX)) {
-            let request = AdmissionRequest {
-                id: "batch",
-                metadata: &NO_LABELS,
-                labels: &NO_LABELS,
-            };
+            let request = AdmissionRequest::new("batch", &NO_LABELS, &NO_LABELS);
             match self.runtime.block_on(self.gate.admit(request)) {
                 Admission::Continue(ticket) => self.admitted.push(ticket),
                 // Wait / refuse / drop: the rest stays in the backlog.

@@ -134,12 +134,23 @@ impl DispatchGate for CompositeGate {
     fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
         Box::pin(async move {
             let mut ticket = Ticket::none();
+            let mut request = request;
             for gate in &self.gates {
                 match gate.admit(request).await {
-                    Admission::Continue(t) => ticket.join(t),
-                    // Dropping `ticket` here releases what earlier gates
-                    // reserved: all or nothing.
-                    refused => return refused,
+                    Admission::Continue(t) => {
+                        // A quota gate's classification reaches the gates
+                        // after it (`tier-priority-admission`).
+                        if let Some(c) = t.classification() {
+                            request.classification = Some(c);
+                        }
+                        ticket.join(t);
+                    }
+                    // Refunding `ticket` here releases what earlier gates
+                    // reserved, even a rate-limit admission: all or nothing.
+                    refused => {
+                        ticket.refund();
+                        return refused;
+                    }
                 }
             }
             Admission::Continue(ticket)
@@ -200,11 +211,7 @@ mod tests {
     use crate::gate::{Budget, Capacity, ConstantGate, LocalMaxConcurrencyGate};
 
     fn request<'a>(empty: &'a BTreeMap<String, String>) -> AdmissionRequest<'a> {
-        AdmissionRequest {
-            id: "r",
-            metadata: empty,
-            labels: empty,
-        }
+        AdmissionRequest::new("r", empty, empty)
     }
 
     #[tokio::test]

@@ -185,11 +185,7 @@ mod tests {
     #[tokio::test]
     async fn blocking_mode_waits_and_budget_tracks_free_slots() {
         let empty = BTreeMap::new();
-        let req = AdmissionRequest {
-            id: "r",
-            metadata: &empty,
-            labels: &empty,
-        };
+        let req = AdmissionRequest::new("r", &empty, &empty);
         let gate = LocalMaxConcurrencyGate::new(2, GatingMode::Blocking);
         let a = gate.admit(req).await;
         assert_eq!(

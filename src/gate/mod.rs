@@ -69,9 +69,9 @@ pub use prometheus_query::{PrometheusQueryGate, PrometheusQueryParams};
 pub use prometheus_saturation::{PrometheusSaturationGate, PrometheusSaturationParams};
 pub use reading::{Explanation, SourceReport};
 pub use redis_budget::{MissingBudget, RedisBudgetGate, RedisParams};
-pub use redis_quota::{QuotaMode, RedisQuotaParams};
+pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
-pub use tier_priority::TierPriorityAdmissionParams;
+pub use tier_priority::{TierPriorityAdmissionParams, TierPriorityGate};
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};
 
@@ -257,12 +257,70 @@ pub struct AdmissionRequest<'a> {
     pub metadata: &'a BTreeMap<String, String>,
     /// Envelope and queue labels (e.g. `tier`).
     pub labels: &'a BTreeMap<String, String>,
+    /// The quota classification an earlier gate of the same composite gave
+    /// the message (`redis-quota`), read by `tier-priority-admission`;
+    /// `None` when no quota gate ran before it.
+    pub classification: Option<Classification>,
+}
+
+impl<'a> AdmissionRequest<'a> {
+    /// A request as the dispatcher first asks about it: no quota
+    /// classification yet.
+    pub fn new(
+        id: &'a str,
+        metadata: &'a BTreeMap<String, String>,
+        labels: &'a BTreeMap<String, String>,
+    ) -> Self {
+        Self {
+            id,
+            metadata,
+            labels,
+            classification: None,
+        }
+    }
+}
+
+/// Whether a message is within its tenant's quota, in upstream's words:
+/// `reserved` (within quota) or `overflow` (over quota, admitted only to
+/// use spare capacity). Written by `redis-quota`, read by
+/// `tier-priority-admission`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Classification {
+    /// Within the tenant's quota.
+    Reserved,
+    /// Over the tenant's quota.
+    Overflow,
+}
+
+impl Classification {
+    /// Upstream's spelling (also the value of the envelope label
+    /// `classification`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reserved => "reserved",
+            Self::Overflow => "overflow",
+        }
+    }
+
+    /// Reads upstream's spelling; anything else is no classification.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "reserved" => Some(Self::Reserved),
+            "overflow" => Some(Self::Overflow),
+            _ => None,
+        }
+    }
 }
 
 /// Held while an admitted request is in flight; dropping it releases
 /// whatever the admitting gates reserved (e.g. a local concurrency slot).
+/// [`Ticket::refund`] also takes back what is otherwise kept once taken
+/// (a rate-limit admission), for a ticket whose message was not sent.
 #[derive(Default)]
-pub struct Ticket(Vec<Box<dyn Any + Send + Sync>>);
+pub struct Ticket {
+    guards: Vec<Box<dyn Any + Send + Sync>>,
+    refunds: Vec<Box<dyn FnOnce() + Send + Sync>>,
+}
 
 impl Ticket {
     /// A ticket that reserves nothing.
@@ -272,18 +330,53 @@ impl Ticket {
 
     /// A ticket holding one reservation guard.
     pub fn holding(guard: impl Any + Send + Sync) -> Self {
-        Self(vec![Box::new(guard)])
+        Self {
+            guards: vec![Box::new(guard)],
+            refunds: Vec::new(),
+        }
+    }
+
+    /// This ticket, with `refund` to run if its message is not sent after
+    /// all (a later gate or the window said no).
+    #[must_use]
+    pub fn refundable(mut self, refund: impl FnOnce() + Send + Sync + 'static) -> Self {
+        self.refunds.push(Box::new(refund));
+        self
     }
 
     /// Merges another ticket's reservations into this one.
     pub fn join(&mut self, other: Ticket) {
-        self.0.extend(other.0);
+        self.guards.extend(other.guards);
+        self.refunds.extend(other.refunds);
+    }
+
+    /// Gives everything back: the message was admitted but not sent.
+    pub fn refund(self) {
+        let Self { guards, refunds } = self;
+        for refund in refunds {
+            refund();
+        }
+        drop(guards);
+    }
+
+    /// The quota classification a gate put on this ticket (the latest one
+    /// when several did).
+    pub fn classification(&self) -> Option<Classification> {
+        self.guards
+            .iter()
+            .rev()
+            .find_map(|g| g.downcast_ref::<Classification>().copied())
     }
 }
 
 impl fmt::Debug for Ticket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Ticket({} reservations)", self.0.len())
+        write!(
+            f,
+            "Ticket({} reservations, {} refundable)",
+            self.guards.len(),
+            self.refunds.len()
+        )
     }
 }
 

@@ -93,11 +93,7 @@ mod tests {
     #[tokio::test]
     async fn refuse_becomes_wait() {
         let empty = BTreeMap::new();
-        let req = AdmissionRequest {
-            id: "r",
-            metadata: &empty,
-            labels: &empty,
-        };
+        let req = AdmissionRequest::new("r", &empty, &empty);
         let gate = WaitOnRefuseGate::new(Box::new(LocalMaxConcurrencyGate::new(
             1,
             GatingMode::Classifying,

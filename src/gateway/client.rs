@@ -93,6 +93,12 @@ pub enum GatewayBuildError {
 }
 
 impl GatewayClient {
+    /// The metadata attribute naming the tenant (`[gateway]
+    /// fairness_attribute`), also what the dispatcher shares the window by.
+    pub fn fairness_attribute(&self) -> Option<&str> {
+        self.inner.rules.fairness_attribute.as_deref()
+    }
+
     /// Builds the client and its connection pool. Redirects are never
     /// followed (a 3xx is a final answer), so no request leaves the host.
     pub fn new(settings: GatewaySettings) -> Result<Self, GatewayBuildError> {

@@ -27,7 +27,9 @@ use tokio::time::Instant;
 pub use cache::Cached;
 pub use local::{MetricsAccess, MetricsEndpoint, PromAnswer};
 pub use prom::{PromAuth, PromClient, PromQuery, PromSample, PromVector};
-pub use redis_key::{APPLIED_SUFFIX, BudgetRecord, RecordError, RedisKey, parse_budget_record};
+pub use redis_key::{
+    APPLIED_SUFFIX, BudgetRecord, RecordError, RedisEndpoint, RedisKey, parse_budget_record,
+};
 pub use scrape::Scrape;
 pub use text::{Exposition, MetricType, ParseError};
 

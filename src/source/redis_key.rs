@@ -27,42 +27,50 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
 use redis::AsyncCommands;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use super::{Source, SourceError, Timestamped};
+use crate::queue::redis::{RedisConnection, cluster_connection};
 
-/// A [`Source`] reading one string key; `None` when the key is missing.
-pub struct RedisKey {
+/// A lazily connected Redis endpoint with credentials and a per-command
+/// timeout: what every Redis-backed gate opens (the `redis` budget key,
+/// `redis-quota`), so auth, TLS and Redis Cluster are handled once.
+pub struct RedisEndpoint {
     client: redis::Client,
     /// Address for messages (no credentials).
     shown: String,
-    key: String,
     timeout: Duration,
+    /// The URL and credentials, kept for a cluster connection.
+    url: String,
+    username: Option<String>,
+    password: Option<String>,
+    /// The address is a seed node of a Redis Cluster.
+    cluster: bool,
     /// Connected on first use, so a Redis that is down at startup only
     /// closes the gate instead of failing the process.
-    connection: OnceCell<ConnectionManager>,
+    connection: OnceCell<RedisConnection>,
 }
 
-impl std::fmt::Debug for RedisKey {
+impl std::fmt::Debug for RedisEndpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisKey")
+        f.debug_struct("RedisEndpoint")
             .field("address", &self.shown)
-            .field("key", &self.key)
             .finish_non_exhaustive()
     }
 }
 
-impl RedisKey {
-    /// Reads `key` at `address` (`host:port` or a `redis://` / `rediss://`
-    /// URL), authenticating with `username` / `password` when given.
+impl RedisEndpoint {
+    /// `address` (`host:port` or a `redis://` / `rediss://` URL; a seed
+    /// node when `cluster`), authenticating with `username` / `password`
+    /// when given; every command is bounded by `timeout`.
     pub fn new(
         address: &str,
         username: Option<&str>,
         password: Option<&str>,
-        key: impl Into<String>,
         timeout: Duration,
+        cluster: bool,
     ) -> Result<Self, SourceError> {
         let url = if address.contains("://") {
             address.to_owned()
@@ -86,41 +94,102 @@ impl RedisKey {
         Ok(Self {
             client,
             shown,
-            key: key.into(),
             timeout,
+            url: url.clone(),
+            username: username.map(str::to_owned),
+            password: password.map(str::to_owned),
+            cluster,
             connection: OnceCell::new(),
         })
     }
 
+    /// The address without credentials.
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
+    /// The bound on one command.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The connection, opened on first use.
+    pub async fn connection(&self) -> Result<RedisConnection, SourceError> {
+        self.connection
+            .get_or_try_init(|| async {
+                if self.cluster {
+                    return cluster_connection(
+                        &self.url,
+                        self.username.as_deref(),
+                        self.password.as_deref(),
+                        self.timeout,
+                        Some(self.timeout),
+                    )
+                    .map(RedisConnection::Cluster);
+                }
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout))
+                    .set_number_of_retries(1);
+                self.client
+                    .get_connection_manager_with_config(config)
+                    .await
+                    .map(RedisConnection::Single)
+            })
+            .await
+            .cloned()
+            .map_err(|e| SourceError::Redis(Arc::new(e)))
+    }
+
+    /// The connection if one was opened already.
+    pub fn connected(&self) -> Option<RedisConnection> {
+        self.connection.get().cloned()
+    }
+
+    /// Runs `work` on the connection within the timeout.
+    pub async fn run<T, F>(&self, work: impl FnOnce(RedisConnection) -> F) -> Result<T, SourceError>
+    where
+        F: std::future::Future<Output = Result<T, redis::RedisError>>,
+    {
+        let attempt = async {
+            let conn = self.connection().await?;
+            work(conn)
+                .await
+                .map_err(|e| SourceError::Redis(Arc::new(e)))
+        };
+        tokio::time::timeout(self.timeout, attempt)
+            .await
+            .map_err(|_| SourceError::Timeout(self.timeout))?
+    }
+}
+
+/// A [`Source`] reading one string key; `None` when the key is missing.
+#[derive(Debug)]
+pub struct RedisKey {
+    endpoint: RedisEndpoint,
+    key: String,
+}
+
+impl RedisKey {
+    /// Reads `key` at `endpoint`.
+    pub fn new(endpoint: RedisEndpoint, key: impl Into<String>) -> Self {
+        Self {
+            endpoint,
+            key: key.into(),
+        }
+    }
+
     /// `GET <key> at <address>`, without credentials.
     pub fn describe_key(&self) -> String {
-        format!("GET {} at {}", self.key, self.shown)
+        format!("GET {} at {}", self.key, self.endpoint.shown())
     }
 
     async fn read(&self) -> Result<Timestamped<Option<String>>, SourceError> {
         let taken_at = Instant::now();
-        let work = async {
-            let manager = self
-                .connection
-                .get_or_try_init(|| {
-                    let config = ConnectionManagerConfig::new()
-                        .set_connection_timeout(Some(self.timeout))
-                        .set_response_timeout(Some(self.timeout))
-                        .set_number_of_retries(1);
-                    self.client.get_connection_manager_with_config(config)
-                })
-                .await
-                .map_err(|e| SourceError::Redis(Arc::new(e)))?;
-            let mut conn = manager.clone();
-            let value: Option<String> = conn
-                .get(&self.key)
-                .await
-                .map_err(|e| SourceError::Redis(Arc::new(e)))?;
-            Ok(value)
-        };
-        let value = tokio::time::timeout(self.timeout, work)
-            .await
-            .map_err(|_| SourceError::Timeout(self.timeout))??;
+        let value = self
+            .endpoint
+            .run(|mut conn| async move { conn.get::<_, Option<String>>(&self.key).await })
+            .await?;
         Ok(Timestamped { value, taken_at })
     }
 }
@@ -230,24 +299,20 @@ impl RedisKey {
     /// <replica> <decision_id>`, kept for an hour after the last write.
     pub async fn acknowledge(&self, replica: &str, decision_id: &str) -> Result<(), SourceError> {
         let applied = format!("{}{APPLIED_SUFFIX}", self.key);
-        let work = async {
-            let manager = self
-                .connection
-                .get()
-                .ok_or_else(|| SourceError::Parse("not connected yet".into()))?;
-            let mut conn = manager.clone();
-            redis::pipe()
-                .hset(&applied, replica, decision_id)
-                .ignore()
-                .expire(&applied, APPLIED_TTL_SECONDS)
-                .ignore()
-                .query_async::<()>(&mut conn)
-                .await
-                .map_err(|e| SourceError::Redis(Arc::new(e)))
-        };
-        tokio::time::timeout(self.timeout, work)
+        if self.endpoint.connected().is_none() {
+            return Err(SourceError::Parse("not connected yet".into()));
+        }
+        self.endpoint
+            .run(|mut conn| async move {
+                redis::pipe()
+                    .hset(&applied, replica, decision_id)
+                    .ignore()
+                    .expire(&applied, APPLIED_TTL_SECONDS)
+                    .ignore()
+                    .query_async::<()>(&mut conn)
+                    .await
+            })
             .await
-            .map_err(|_| SourceError::Timeout(self.timeout))?
     }
 }
 

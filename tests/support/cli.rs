@@ -25,3 +25,32 @@ pub fn output(cmd: &mut Command) -> Output {
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
+
+/// A background `sluicegate` process (e.g. `run`), SIGKILLed on drop so
+/// a failing test leaves nothing running.
+pub struct Background(pub std::process::Child);
+
+impl Background {
+    /// Spawns `cmd` with its output discarded.
+    pub fn spawn(cmd: &mut Command) -> Self {
+        Self(
+            cmd.stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("sluicegate starts"),
+        )
+    }
+
+    /// SIGKILL, as a crash: nothing is handed back.
+    pub fn kill(&mut self) {
+        self.0.kill().expect("SIGKILL");
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -9,6 +9,7 @@ pub mod prometheus;
 pub mod redis;
 pub mod redis_cluster;
 pub mod sim;
+pub mod tenants;
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the server).
 pub fn free_port() -> u16 {

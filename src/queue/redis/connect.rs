@@ -178,18 +178,38 @@ fn cluster(
     config: &RedisConfig,
     response_timeout: Option<Duration>,
 ) -> Result<ClusterConnection, ConnectError> {
-    let mut builder = ClusterClient::builder([config.url.expose().as_str()]);
-    if let Some(user) = config.username.as_deref().filter(|u| !u.is_empty()) {
+    cluster_connection(
+        config.url.expose().as_str(),
+        config.username.as_deref(),
+        config.password.as_ref().map(|p| p.expose()),
+        CONNECT_TIMEOUT,
+        response_timeout,
+    )
+    .map_err(ConnectError::Url)
+}
+
+/// A lazily connecting cluster connection seeded by `seed` (any node's
+/// URL), with credentials when given. `response_timeout: None` is for
+/// blocking reads.
+pub fn cluster_connection(
+    seed: &str,
+    username: Option<&str>,
+    password: Option<&str>,
+    connect_timeout: Duration,
+    response_timeout: Option<Duration>,
+) -> Result<ClusterConnection, redis::RedisError> {
+    let mut builder = ClusterClient::builder([seed]);
+    if let Some(user) = username.filter(|u| !u.is_empty()) {
         builder = builder.username(user);
     }
-    if let Some(password) = &config.password {
-        builder = builder.password(password.expose());
+    if let Some(password) = password {
+        builder = builder.password(password);
     }
-    let client = builder.build().map_err(ConnectError::Url)?;
+    let client = builder.build()?;
     // A day stands for "no timeout": the cluster config has no unset value.
     let timeout = response_timeout.unwrap_or(Duration::from_secs(86_400));
     let cluster_config = ClusterConfig::new()
-        .set_connection_timeout(CONNECT_TIMEOUT)
+        .set_connection_timeout(connect_timeout)
         .set_response_timeout(timeout);
     Ok(client.get_pending_async_connection_with_config(cluster_config))
 }

@@ -35,8 +35,8 @@ use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
 pub use connect::{
-    ConnectError, RedisConnection, blocking, blocking_connection, client, connection, hash_tag,
-    key_slot, manager, masked_addr,
+    ConnectError, RedisConnection, blocking, blocking_connection, client, cluster_connection,
+    connection, hash_tag, key_slot, manager, masked_addr,
 };
 pub use producer::{CancelOutcome, Submission, cancel, enqueue, queue_score};
 
