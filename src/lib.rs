@@ -57,6 +57,7 @@ pub mod gateway;
 pub mod queue;
 pub mod request;
 pub mod result;
+pub mod serve;
 pub mod sim;
 pub mod source;
 pub mod telemetry;

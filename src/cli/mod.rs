@@ -11,6 +11,7 @@ mod embedded;
 mod eval;
 mod probe;
 mod results;
+mod serve;
 mod submit;
 
 use std::io::Write as _;
@@ -66,6 +67,10 @@ enum Command {
     Results(results::ResultsArgs),
     /// Cancel active submissions by id (Redis, or `--embedded PATH`).
     Cancel(cancel::CancelArgs),
+    /// Serve the OpenAI Files and Batches API in front of the queue, with
+    /// the dispatcher in the same process unless `serve.dispatcher =
+    /// "separate"` (`docs/batch-api.md`).
+    Serve(serve::ServeArgs),
     /// Benchmarks against real servers.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -213,6 +218,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Submit(args) => submit::run(args).await,
         Command::Results(args) => results::run(args).await,
         Command::Cancel(args) => cancel::run(args).await,
+        Command::Serve(args) => serve::run(args).await,
         Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         // Virtual time on its own runtimes: off the async workers.

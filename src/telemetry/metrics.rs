@@ -50,6 +50,35 @@ pub struct DecisionLabels {
     pub reason: &'static str,
 }
 
+/// Label set `{status}` (Batch API batch status).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct StatusLabel {
+    /// Bounded status label.
+    pub status: &'static str,
+}
+
+/// Label set `{outcome}` (Batch API request outcome).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct BatchOutcomeLabel {
+    /// Bounded outcome label.
+    pub outcome: &'static str,
+}
+
+/// Outcomes of a Batch API request: a 2xx answer (`completed`), any
+/// other answer or error (`failed`), stopped by the completion window
+/// (`expired`) or by a cancel (`cancelled`).
+pub const BATCH_OUTCOMES: [&str; 4] = ["completed", "failed", "expired", "cancelled"];
+
+/// The Batch API server's metric handles (`sluicegate serve`), cheap to
+/// clone.
+#[derive(Debug, Clone)]
+pub struct BatchApiMetrics {
+    /// Batches per status, all servers of the store.
+    pub batches: Family<StatusLabel, Gauge>,
+    /// Batch requests settled, by outcome, as this server recorded them.
+    pub requests: Family<BatchOutcomeLabel, Counter>,
+}
+
 /// Every metric family of the process.
 #[derive(Debug)]
 pub struct Metrics {
@@ -79,6 +108,7 @@ pub struct Metrics {
     dead_letters: Family<QueueLabel, Counter>,
     attempt_latency: HistogramFamily,
     dispatch_delay: HistogramFamily,
+    batch_api: BatchApiMetrics,
 }
 
 /// Histogram family with fixed buckets per family.
@@ -139,7 +169,21 @@ impl Metrics {
             dead_letters: Family::default(),
             attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
+            batch_api: BatchApiMetrics {
+                batches: Family::default(),
+                requests: Family::default(),
+            },
         };
+        m.registry.register(
+            "sluicegate_batches",
+            "Batch API batches, by status (sluicegate serve)",
+            m.batch_api.batches.clone(),
+        );
+        m.registry.register(
+            "sluicegate_batch_requests",
+            "Batch API requests settled, by outcome (sluicegate serve)",
+            m.batch_api.requests.clone(),
+        );
         let r = &mut m.registry;
         r.register(
             "sluicegate_requests_received",
@@ -330,6 +374,17 @@ impl Metrics {
         }
     }
 
+    /// The Batch API server's handles, every outcome created at zero.
+    pub fn batch_api(&self) -> BatchApiMetrics {
+        for outcome in BATCH_OUTCOMES {
+            let _ = self
+                .batch_api
+                .requests
+                .get_or_create_owned(&BatchOutcomeLabel { outcome });
+        }
+        self.batch_api.clone()
+    }
+
     /// The registry in the Prometheus text format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -490,6 +545,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_queue_dead_letters_total",
     "sluicegate_attempt_duration_seconds",
     "sluicegate_dispatch_delay_seconds",
+    "sluicegate_batches",
+    "sluicegate_batch_requests_total",
 ];
 
 #[cfg(test)]
@@ -504,6 +561,7 @@ mod tests {
         q.attempt("success");
         q.retry("failed");
         q.decision("continue", "admitted");
+        let _ = metrics.batch_api();
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");
