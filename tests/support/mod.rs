@@ -7,6 +7,7 @@ pub mod cli;
 pub mod otlp;
 pub mod prometheus;
 pub mod redis;
+pub mod serve;
 pub mod sim;
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the server).
