@@ -24,7 +24,9 @@ async fn a_batch_runs_to_completion_with_output_and_live_counts() {
     let sim = small_pool().await;
     let served = start(&ServeSpec::new(&sim.base_url()), None).await;
     let api = Api::new(&served.base, None);
-    let batch = api.batch(&completion_lines(12, 8), "/v1/completions", "24h").await;
+    let batch = api
+        .batch(&completion_lines(12, 8), "/v1/completions", "24h")
+        .await;
     assert_eq!(batch["object"], "batch");
     assert_eq!(batch["status"], "validating");
     assert_eq!(batch["metadata"], json!({"run": "test"}));
@@ -41,12 +43,18 @@ async fn a_batch_runs_to_completion_with_output_and_live_counts() {
     assert!(done["error_file_id"].is_null());
     let out = done["output_file_id"].as_str().expect("output file");
     let (status, file) = api.get(&format!("/v1/files/{out}")).await;
-    assert_eq!((status, file["purpose"].as_str()), (200, Some("batch_output")));
+    assert_eq!(
+        (status, file["purpose"].as_str()),
+        (200, Some("batch_output"))
+    );
     let (status, text) = api.text(&format!("/v1/files/{out}/content")).await;
     assert_eq!(status, 200);
     let lines = lines_of(&text);
     assert_eq!(lines.len(), 12);
-    let mut ids: Vec<&str> = lines.iter().filter_map(|l| l["custom_id"].as_str()).collect();
+    let mut ids: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l["custom_id"].as_str())
+        .collect();
     ids.sort_unstable();
     let mut want: Vec<String> = (0..12).map(|i| format!("r{i}")).collect();
     want.sort();
@@ -55,7 +63,11 @@ async fn a_batch_runs_to_completion_with_output_and_live_counts() {
         assert_eq!(line["response"]["status_code"], 200, "{line}");
         assert!(line["response"]["body"]["choices"].is_array(), "{line}");
         assert!(line["error"].is_null());
-        assert!(line["id"].as_str().is_some_and(|i| i.starts_with("batch_req_")));
+        assert!(
+            line["id"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("batch_req_"))
+        );
     }
     // The sweep refreshes the gauge; the counter moved as results came.
     support::wait_until(Duration::from_secs(10), "batches gauge", || {
@@ -98,7 +110,12 @@ async fn bad_lines_fail_the_batch_with_their_line_numbers() {
     let errors = done["errors"]["data"].as_array().expect("errors listed");
     let got: Vec<(i64, &str)> = errors
         .iter()
-        .map(|e| (e["line"].as_i64().unwrap_or(0), e["code"].as_str().unwrap_or("")))
+        .map(|e| {
+            (
+                e["line"].as_i64().unwrap_or(0),
+                e["code"].as_str().unwrap_or(""),
+            )
+        })
         .collect();
     assert_eq!(
         got,
@@ -112,7 +129,11 @@ async fn bad_lines_fail_the_batch_with_their_line_numbers() {
         "{done}"
     );
     assert_eq!(done["errors"]["object"], "list");
-    assert!(errors.iter().all(|e| e["message"].as_str().is_some_and(|m| m.contains("line"))));
+    assert!(
+        errors
+            .iter()
+            .all(|e| e["message"].as_str().is_some_and(|m| m.contains("line")))
+    );
     // Nothing of a refused batch was enqueued.
     assert_eq!(done["request_counts"]["total"], 0);
     served.stop().await;
@@ -132,7 +153,10 @@ async fn limits_refuse_large_files_long_lines_and_long_batches() {
     assert_eq!(body["error"]["code"], "file_too_large");
     assert_eq!(body["error"]["type"], "invalid_request_error");
     let (status, body) = api.upload("fine-tune", b"{}").await;
-    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("purpose")));
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("purpose"))
+    );
     let (_, files) = api.get("/v1/files").await;
     assert_eq!(files["data"], json!([]), "refused uploads leave nothing");
 
@@ -149,7 +173,9 @@ async fn limits_refuse_large_files_long_lines_and_long_batches() {
     assert_eq!(done["errors"]["data"][0]["code"], "line_too_long");
     assert_eq!(done["errors"]["data"][0]["line"], 2);
 
-    let batch = api.batch(&completion_lines(4, 4), "/v1/completions", "24h").await;
+    let batch = api
+        .batch(&completion_lines(4, 4), "/v1/completions", "24h")
+        .await;
     let done = api
         .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
         .await;
@@ -160,7 +186,10 @@ async fn limits_refuse_large_files_long_lines_and_long_batches() {
     let (status, body) = api
         .post("/v1/batches", &json!({"input_file_id": "file-x", "endpoint": "/v1/audio", "completion_window": "24h"}))
         .await;
-    assert_eq!((status, body["error"]["param"].as_str()), (400, Some("endpoint")));
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("endpoint"))
+    );
     served.stop().await;
 }
 
@@ -170,8 +199,15 @@ async fn the_completion_window_expires_unfinished_requests() {
     spec.closed_gate = true;
     let served = start(&spec, None).await;
     let api = Api::new(&served.base, None);
-    let batch = api.batch(&completion_lines(5, 4), "/v1/completions", "2s").await;
-    assert_eq!(batch["expires_at"].as_i64().map(|e| e - batch["created_at"].as_i64().unwrap_or(0)), Some(2));
+    let batch = api
+        .batch(&completion_lines(5, 4), "/v1/completions", "2s")
+        .await;
+    assert_eq!(
+        batch["expires_at"]
+            .as_i64()
+            .map(|e| e - batch["created_at"].as_i64().unwrap_or(0)),
+        Some(2)
+    );
     let id = batch["id"].as_str().expect("id");
     let done = api.wait_for(id, LONG, terminal).await;
     assert_eq!(done["status"], "expired", "{done}");
@@ -199,9 +235,12 @@ async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute
     spec.keys = Some("acme:key-acme".into());
     let served = start(&spec, None).await;
     let api = Api::new(&served.base, Some("key-acme"));
-    let batch = api.batch(&completion_lines(4, 4), "/v1/completions", "24h").await;
+    let batch = api
+        .batch(&completion_lines(4, 4), "/v1/completions", "24h")
+        .await;
     let id = batch["id"].as_str().expect("id");
-    api.wait_for(id, LONG, |b| b["status"] == "in_progress").await;
+    api.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
 
     // Each request waits in the queue with the tenant under `userid`.
     let db = rusqlite::Connection::open(served.dir.0.join("queue.db")).expect("queue file");
@@ -219,7 +258,9 @@ async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute
         assert!(message["id"].as_str().is_some_and(|i| i.starts_with(id)));
     }
 
-    let (status, cancelling) = api.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await;
+    let (status, cancelling) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
     assert_eq!(status, 200, "{cancelling}");
     assert_eq!(cancelling["status"], "cancelling");
     assert!(cancelling["cancelling_at"].as_i64().is_some());
@@ -228,8 +269,14 @@ async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute
     assert_eq!(done["request_counts"]["failed"], 4);
     let errors = done["error_file_id"].as_str().expect("error file");
     let (_, text) = api.text(&format!("/v1/files/{errors}/content")).await;
-    assert!(lines_of(&text).iter().all(|l| l["error"]["code"] == "batch_cancelled"));
-    let (status, again) = api.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await;
+    assert!(
+        lines_of(&text)
+            .iter()
+            .all(|l| l["error"]["code"] == "batch_cancelled")
+    );
+    let (status, again) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
     assert_eq!(status, 409, "{again}");
     served.stop().await;
 }
@@ -242,8 +289,13 @@ async fn tenants_see_only_their_own_objects() {
     let served = start(&spec, None).await;
     let alice = Api::new(&served.base, Some("key-a"));
     let bob = Api::new(&served.base, Some("key-b"));
-    let batch = alice.batch(&completion_lines(1, 4), "/v1/completions", "24h").await;
-    let (id, file) = (batch["id"].as_str().expect("id"), batch["input_file_id"].as_str().expect("file"));
+    let batch = alice
+        .batch(&completion_lines(1, 4), "/v1/completions", "24h")
+        .await;
+    let (id, file) = (
+        batch["id"].as_str().expect("id"),
+        batch["input_file_id"].as_str().expect("file"),
+    );
     for path in [
         format!("/v1/batches/{id}"),
         format!("/v1/files/{file}"),
@@ -253,11 +305,19 @@ async fn tenants_see_only_their_own_objects() {
         assert_eq!(status, 404, "{path}: {body}");
         assert_eq!(alice.get(&path).await.0, 200, "{path}");
     }
-    assert_eq!(bob.post(&format!("/v1/batches/{id}/cancel"), &json!({})).await.0, 404);
+    assert_eq!(
+        bob.post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+            .await
+            .0,
+        404
+    );
     assert_eq!(bob.get("/v1/batches").await.1["data"], json!([]));
     assert_eq!(alice.get("/v1/batches").await.1["data"][0]["id"], id);
     let (status, body) = Api::new(&served.base, None).get("/v1/batches").await;
-    assert_eq!((status, body["error"]["code"].as_str()), (401, Some("invalid_api_key")));
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
     let (status, _) = Api::new(&served.base, Some("nope")).get("/v1/files").await;
     assert_eq!(status, 401);
     served.stop().await;
@@ -277,7 +337,10 @@ async fn without_keys_a_non_loopback_listen_address_is_refused() {
         .await
         .expect_err("refused");
     let text = error.to_string();
-    assert!(text.starts_with("serve.listen: 0.0.0.0:0 is not a loopback address"), "{text}");
+    assert!(
+        text.starts_with("serve.listen: 0.0.0.0:0 is not a loopback address"),
+        "{text}"
+    );
     assert_eq!(error.exit_code(), 2);
     // With a key the same address is allowed.
     let serve = sluicegate::config::ServeConfig {
@@ -305,7 +368,9 @@ async fn redis_replicas_agree_on_batches() {
     let (api_a, api_b) = (Api::new(&a.base, Some("k")), Api::new(&b.base, Some("k")));
 
     // Uploaded and created on B (no dispatcher), run by A's dispatcher.
-    let batch = api_b.batch(&completion_lines(8, 8), "/v1/completions", "24h").await;
+    let batch = api_b
+        .batch(&completion_lines(8, 8), "/v1/completions", "24h")
+        .await;
     let id = batch["id"].as_str().expect("id");
     let on_a = api_a.wait_for(id, LONG, terminal).await;
     assert_eq!(on_a["status"], "completed", "{on_a}");
@@ -317,7 +382,10 @@ async fn redis_replicas_agree_on_batches() {
     let (_, via_b) = api_b.text(&format!("/v1/files/{out}/content")).await;
     assert_eq!(lines_of(&via_a).len(), 8);
     assert_eq!(via_a, via_b);
-    assert_eq!(api_a.get("/v1/batches").await.1, api_b.get("/v1/batches").await.1);
+    assert_eq!(
+        api_a.get("/v1/batches").await.1,
+        api_b.get("/v1/batches").await.1
+    );
     a.stop().await;
     b.stop().await;
     sim.shutdown().await.expect("simulator stops");

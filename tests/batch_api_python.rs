@@ -18,7 +18,9 @@ async fn the_openai_python_client_drives_the_batch_api() {
     let python = root.join("target/py-venv/bin/python");
     if !python.is_file() {
         if std::env::var_os("SLUICEGATE_SKIP_PYTHON_SUITE").is_some() {
-            eprintln!("SKIPPED: the openai Python client suite (SLUICEGATE_SKIP_PYTHON_SUITE is set)");
+            eprintln!(
+                "SKIPPED: the openai Python client suite (SLUICEGATE_SKIP_PYTHON_SUITE is set)"
+            );
             return;
         }
         panic!(
@@ -36,7 +38,14 @@ async fn the_openai_python_client_drives_the_batch_api() {
     let (open_base, closed_base) = (open.base.clone(), closed.base.clone());
     let output = tokio::task::spawn_blocking(move || {
         Command::new(python)
-            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/python"])
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/python",
+            ])
             .current_dir(root)
             .env("SLUICEGATE_API_BASE", open_base)
             .env("SLUICEGATE_API_BASE_CLOSED", closed_base)
@@ -54,8 +63,11 @@ async fn the_openai_python_client_drives_the_batch_api() {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
-    println!("{text}");
-    assert!(output.status.success(), "the Python client suite failed:\n{text}");
+    eprintln!("{text}");
+    assert!(
+        output.status.success(),
+        "the Python client suite failed:\n{text}"
+    );
     assert!(text.contains("6 passed"), "every Python test ran:\n{text}");
     open.stop().await;
     closed.stop().await;

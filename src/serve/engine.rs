@@ -200,9 +200,15 @@ impl Engine {
             ));
         };
         let invalid_json = |why: String| {
-            line_error("invalid_json_line", format!("line {n}: {why}"), None, Some(n))
+            line_error(
+                "invalid_json_line",
+                format!("line {n}: {why}"),
+                None,
+                Some(n),
+            )
         };
-        let text = std::str::from_utf8(bytes).map_err(|e| invalid_json(format!("not UTF-8: {e}")))?;
+        let text =
+            std::str::from_utf8(bytes).map_err(|e| invalid_json(format!("not UTF-8: {e}")))?;
         if text.trim().is_empty() {
             return Ok(None);
         }
@@ -212,7 +218,12 @@ impl Engine {
             Err(e) => return Err(invalid_json(format!("not valid JSON: {e}"))),
         }
         let invalid = |why: String, param: Option<&str>| {
-            line_error("invalid_request", format!("line {n}: {why}"), param, Some(n))
+            line_error(
+                "invalid_request",
+                format!("line {n}: {why}"),
+                param,
+                Some(n),
+            )
         };
         let body = openai_request(text, batch.expires_at).map_err(|(_, why)| invalid(why, None))?;
         let mut message = parse_message(&body).map_err(|f| invalid(f.reason, None))?;
@@ -254,10 +265,7 @@ impl Engine {
         Ok(Some(message))
     }
 
-    async fn open_input(
-        &self,
-        batch: &BatchRecord,
-    ) -> std::io::Result<BufReader<tokio::fs::File>> {
+    async fn open_input(&self, batch: &BatchRecord) -> std::io::Result<BufReader<tokio::fs::File>> {
         let file = tokio::fs::File::open(self.bodies.path(&batch.input_file_id)).await?;
         Ok(BufReader::new(file))
     }
@@ -330,7 +338,12 @@ impl Engine {
         self.enqueue_all(&batch, count).await
     }
 
-    async fn refuse(&self, id: &str, errors: Vec<LineError>, omitted: u64) -> Result<(), EngineError> {
+    async fn refuse(
+        &self,
+        id: &str,
+        errors: Vec<LineError>,
+        omitted: u64,
+    ) -> Result<(), EngineError> {
         tracing::info!(batch = %id, errors = errors.len() as u64 + omitted, "batch input refused");
         self.update(id, |b| {
             if b.status != BatchStatus::Validating {
@@ -432,7 +445,12 @@ impl Engine {
         while let Some(line) = read_line(&mut reader, self.limits.max_line_bytes).await? {
             n += 1;
             if let Ok(Some(m)) = self.check_line(batch, n, &line, &mut seen) {
-                ids.push(m.request.id.split_once(':').map_or(String::new(), |(_, c)| c.to_owned()));
+                ids.push(
+                    m.request
+                        .id
+                        .split_once(':')
+                        .map_or(String::new(), |(_, c)| c.to_owned()),
+                );
             }
         }
         Ok(ids)
@@ -467,13 +485,19 @@ impl Engine {
     /// `code` (expired or cancelled), so it can be finalized.
     async fn fill_missing(&self, batch: &BatchRecord, code: ErrorCode) -> Result<(), EngineError> {
         let message = match code {
-            ErrorCode::DeadlineExceeded => "the batch's completion window ended before this request ran",
+            ErrorCode::DeadlineExceeded => {
+                "the batch's completion window ended before this request ran"
+            }
             _ => "the batch was cancelled before this request ran",
         };
         for custom_id in self.custom_ids(batch).await? {
             let result = ResultRecord::error(&batch.message_id(&custom_id), None, code, message);
             let line = openai_line(&new_id("batch_req_"), &custom_id, &result).to_string();
-            if self.store.record_result(&batch.id, &custom_id, false, &line).await? {
+            if self
+                .store
+                .record_result(&batch.id, &custom_id, false, &line)
+                .await?
+            {
                 self.count_outcome(&result);
             }
         }
@@ -520,7 +544,11 @@ impl Engine {
         }
         let ok = result.status_code.is_some_and(|s| (200..300).contains(&s));
         let line = openai_line(&new_id("batch_req_"), &custom_id, &result).to_string();
-        if self.store.record_result(&batch_id, &custom_id, ok, &line).await? {
+        if self
+            .store
+            .record_result(&batch_id, &custom_id, ok, &line)
+            .await?
+        {
             self.count_outcome(&result);
         }
         Ok(())
@@ -537,7 +565,8 @@ impl Engine {
         let mut after = position.collected_up_to().await.unwrap_or(0);
         while !stop.is_cancelled() {
             let q = queue.clone();
-            let page = tokio::task::spawn_blocking(move || q.results_after(after, COLLECT_PAGE)).await;
+            let page =
+                tokio::task::spawn_blocking(move || q.results_after(after, COLLECT_PAGE)).await;
             let rows = match page {
                 Ok(Ok(rows)) => rows,
                 Ok(Err(error)) => {
@@ -728,7 +757,8 @@ impl Engine {
             return Ok(());
         };
         self.stop_requests(&batch).await?;
-        self.fill_missing(&batch, ErrorCode::DeadlineExceeded).await?;
+        self.fill_missing(&batch, ErrorCode::DeadlineExceeded)
+            .await?;
         self.finalize(id).await
     }
 
@@ -779,8 +809,12 @@ impl Engine {
             file.flush().await?;
             file.get_ref().sync_all().await?;
         }
-        let output = self.keep_file(&batch, &out_tmp, out_id, out_bytes, "output").await?;
-        let errors = self.keep_file(&batch, &err_tmp, err_id, err_bytes, "error").await?;
+        let output = self
+            .keep_file(&batch, &out_tmp, out_id, out_bytes, "output")
+            .await?;
+        let errors = self
+            .keep_file(&batch, &err_tmp, err_id, err_bytes, "error")
+            .await?;
         let at = now();
         let done = self
             .update(id, |b| {

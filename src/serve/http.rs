@@ -129,7 +129,11 @@ impl FromRequestParts<Shared> for Tenant {
 
 /// The router of the Files and Batches API.
 pub fn router(state: Shared) -> Router {
-    let body_limit = state.engine.limits.max_file_bytes.saturating_add(MULTIPART_SLACK);
+    let body_limit = state
+        .engine
+        .limits
+        .max_file_bytes
+        .saturating_add(MULTIPART_SLACK);
     Router::new()
         .route("/v1/files", post(upload).get(list_files))
         .route("/v1/files/{id}", get(get_file).delete(delete_file))
@@ -250,18 +254,33 @@ struct ListQuery {
 
 /// The page of `ids` (newest first) after `after`: its ids and whether
 /// more follow.
-fn page(mut ids: Vec<String>, q: &ListQuery, default_limit: usize) -> Result<(Vec<String>, bool), ApiError> {
+fn page(
+    mut ids: Vec<String>,
+    q: &ListQuery,
+    default_limit: usize,
+) -> Result<(Vec<String>, bool), ApiError> {
     let limit = q.limit.unwrap_or(default_limit);
     if !(1..=10_000).contains(&limit) {
-        return Err(ApiError::invalid("limit must be between 1 and 10000", Some("limit")));
+        return Err(ApiError::invalid(
+            "limit must be between 1 and 10000",
+            Some("limit"),
+        ));
     }
     match q.order.as_deref() {
         None | Some("desc") => {}
         Some("asc") => ids.reverse(),
-        Some(_) => return Err(ApiError::invalid("order must be asc or desc", Some("order"))),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "order must be asc or desc",
+                Some("order"),
+            ));
+        }
     }
     let start = match &q.after {
-        Some(after) => ids.iter().position(|id| id == after).map_or(ids.len(), |i| i + 1),
+        Some(after) => ids
+            .iter()
+            .position(|id| id == after)
+            .map_or(ids.len(), |i| i + 1),
         None => 0,
     };
     let rest = ids.split_off(start.min(ids.len()));
@@ -318,7 +337,9 @@ async fn delete_file(
     let file = own_file(&state, &tenant, &id).await?;
     internal!(state.engine.store.delete_file(&file.id).await);
     internal!(state.engine.bodies.remove(&file.id).await);
-    Ok(axum::Json(json!({"id": file.id, "object": "file", "deleted": true})))
+    Ok(axum::Json(
+        json!({"id": file.id, "object": "file", "deleted": true}),
+    ))
 }
 
 /// `GET /v1/files/{id}/content`: the body, streamed from disk.
@@ -364,7 +385,10 @@ async fn create_batch(
         .ok_or_else(|| ApiError::invalid("endpoint is required", Some("endpoint")))?;
     if !ENDPOINTS.contains(&endpoint.as_str()) {
         return Err(ApiError::invalid(
-            format!("endpoint {endpoint} is not supported; allowed: {}", ENDPOINTS.join(", ")),
+            format!(
+                "endpoint {endpoint} is not supported; allowed: {}",
+                ENDPOINTS.join(", ")
+            ),
             Some("endpoint"),
         ));
     }
@@ -381,7 +405,10 @@ async fn create_batch(
     let mut metadata = BTreeMap::new();
     for (key, value) in req.metadata.unwrap_or_default() {
         let Value::String(value) = value else {
-            return Err(ApiError::invalid("metadata values must be strings", Some("metadata")));
+            return Err(ApiError::invalid(
+                "metadata values must be strings",
+                Some("metadata"),
+            ));
         };
         metadata.insert(key, value);
     }
@@ -391,12 +418,20 @@ async fn create_batch(
             Some("metadata"),
         ));
     }
-    let input = own_file(&state, &tenant, &input_file_id).await.map_err(|_| {
-        ApiError::invalid(format!("No such File object: {input_file_id}"), Some("input_file_id"))
-    })?;
+    let input = own_file(&state, &tenant, &input_file_id)
+        .await
+        .map_err(|_| {
+            ApiError::invalid(
+                format!("No such File object: {input_file_id}"),
+                Some("input_file_id"),
+            )
+        })?;
     if input.purpose != "batch" {
         return Err(ApiError::invalid(
-            format!("file {input_file_id} has purpose {}; a batch needs purpose batch", input.purpose),
+            format!(
+                "file {input_file_id} has purpose {}; a batch needs purpose batch",
+                input.purpose
+            ),
             Some("input_file_id"),
         ));
     }
@@ -464,7 +499,10 @@ async fn list_batches(
         ..q
     };
     if q.limit.is_some_and(|l| l > 100) {
-        return Err(ApiError::invalid("limit must be between 1 and 100", Some("limit")));
+        return Err(ApiError::invalid(
+            "limit must be between 1 and 100",
+            Some("limit"),
+        ));
     }
     let (ids, has_more) = page(ids, &q, 20)?;
     let mut data = Vec::with_capacity(ids.len());
@@ -519,7 +557,10 @@ mod tests {
 
     #[test]
     fn pages_follow_the_after_cursor() {
-        let ids: Vec<String> = ["e", "d", "c", "b", "a"].iter().map(|s| s.to_string()).collect();
+        let ids: Vec<String> = ["e", "d", "c", "b", "a"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let (p, more) = page(ids.clone(), &q(None, Some(2)), 20).expect("page");
         assert_eq!((p, more), (vec!["e".to_owned(), "d".to_owned()], true));
         let (p, more) = page(ids.clone(), &q(Some("d"), Some(2)), 20).expect("page");

@@ -143,7 +143,10 @@ pub async fn start(
     if keys.is_empty() && !http::is_loopback(&serve.listen) {
         return Err(ServeError::Unauthenticated(serve.listen));
     }
-    if !matches!(config.transport, TransportKind::Embedded | TransportKind::Redis) {
+    if !matches!(
+        config.transport,
+        TransportKind::Embedded | TransportKind::Redis
+    ) {
         return Err(ServeError::Transport(config.transport.as_str()));
     }
     let queue_config = match &serve.queue {
@@ -177,9 +180,12 @@ pub async fn start(
     let mut tasks = Vec::new();
     let (app, metrics, telemetry_addr) = match serve.dispatcher {
         ServeDispatcher::InProcess => {
-            let running =
-                crate::app::start(config, RunOptions::default(), stop.clone().cancelled_owned())
-                    .await?;
+            let running = crate::app::start(
+                config,
+                RunOptions::default(),
+                stop.clone().cancelled_owned(),
+            )
+            .await?;
             let (metrics, addr) = (running.metrics.clone(), running.telemetry_addr);
             (Some(running), metrics, addr)
         }

@@ -84,11 +84,7 @@ impl Sink {
     /// dispatcher when it next takes it, with Redis). Requests in flight
     /// finish. `custom_ids` yields the batch's message ids (Redis cancels
     /// by id; the embedded store matches the batch prefix in one pass).
-    pub async fn cancel(
-        &self,
-        batch_id: &str,
-        message_ids: Vec<String>,
-    ) -> Result<(), SinkError> {
+    pub async fn cancel(&self, batch_id: &str, message_ids: Vec<String>) -> Result<(), SinkError> {
         match self {
             Self::Embedded(queue) => {
                 let prefix = format!("{batch_id}:");

@@ -70,7 +70,9 @@ impl Served {
 /// The dispatcher config of `spec` with its directory.
 pub fn config(spec: &ServeSpec, dir: &TempDir) -> Config {
     let transport = match spec.redis_port {
-        Some(port) => format!("transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{port}/0\"\n"),
+        Some(port) => {
+            format!("transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{port}/0\"\n")
+        }
         None => format!(
             "transport = \"embedded\"\n[embedded]\npath = \"{}\"\n",
             dir.0.join("queue.db").display()
@@ -153,7 +155,10 @@ impl Api {
         let response = r.send().await.expect("request answered");
         let status = response.status().as_u16();
         let text = response.text().await.expect("body");
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     /// `POST /v1/files` with `purpose` and a file of `bytes`.
@@ -167,7 +172,10 @@ impl Api {
         body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
         let r = self
             .request(reqwest::Method::POST, "/v1/files")
-            .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+            .header(
+                "content-type",
+                format!("multipart/form-data; boundary={boundary}"),
+            )
             .body(body);
         Self::send(r).await
     }
@@ -215,7 +223,12 @@ impl Api {
     }
 
     /// Polls the batch until `done` holds (at most `within`).
-    pub async fn wait_for(&self, id: &str, within: Duration, done: impl Fn(&Value) -> bool) -> Value {
+    pub async fn wait_for(
+        &self,
+        id: &str,
+        within: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
         let give_up = std::time::Instant::now() + within;
         loop {
             let (status, batch) = self.get(&format!("/v1/batches/{id}")).await;

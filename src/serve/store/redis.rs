@@ -71,7 +71,10 @@ impl RedisStore {
         format!("{}{}", self.prefix, parts.concat())
     }
 
-    async fn get<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StoreError> {
+    async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<T>, StoreError> {
         let text: Option<String> = redis::cmd("GET")
             .arg(key)
             .query_async(&mut self.conn.clone())
@@ -79,7 +82,13 @@ impl RedisStore {
         text.map(|t| decode(key, &t)).transpose()
     }
 
-    async fn put_listed(&self, key: &str, index: &str, id: &str, record: String) -> Result<(), StoreError> {
+    async fn put_listed(
+        &self,
+        key: &str,
+        index: &str,
+        id: &str,
+        record: String,
+    ) -> Result<(), StoreError> {
         let mut conn = self.conn.clone();
         let seq: i64 = redis::cmd("INCR")
             .arg(self.key(&["seq"]))
@@ -145,7 +154,8 @@ impl RedisStore {
     pub(super) async fn insert_batch(&self, batch: &BatchRecord) -> Result<(), StoreError> {
         let key = self.key(&["batch:", &batch.id]);
         let index = self.key(&["batches:", &batch.tenant]);
-        self.put_listed(&key, &index, &batch.id, encode(batch)).await?;
+        self.put_listed(&key, &index, &batch.id, encode(batch))
+            .await?;
         redis::pipe()
             .atomic()
             .cmd("SADD")

@@ -108,8 +108,10 @@ impl SqliteStore {
         let key = id.to_owned();
         let text: Option<String> = self
             .run(move |c| {
-                c.query_row("SELECT record FROM files WHERE id = ?1", [key], |r| r.get(0))
-                    .optional()
+                c.query_row("SELECT record FROM files WHERE id = ?1", [key], |r| {
+                    r.get(0)
+                })
+                .optional()
             })
             .await?;
         text.map(|t| decode(id, &t)).transpose()
