@@ -75,12 +75,14 @@ async fn a_batch_runs_to_completion_with_output_and_live_counts() {
             .server
             .metrics
             .encode()
-            .contains("sluicegate_batches{status=\"completed\"} 1")
+            .contains("sluicegate_batches{queue=\"batch-api\",status=\"completed\"} 1")
     })
     .await;
     let metrics = served.server.metrics.encode();
     assert!(
-        metrics.contains("sluicegate_batch_requests_total{outcome=\"completed\"} 12"),
+        metrics.contains(
+            "sluicegate_batch_requests_total{queue=\"batch-api\",outcome=\"completed\"} 12"
+        ),
         "{metrics}"
     );
     served.stop().await;

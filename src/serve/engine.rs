@@ -34,8 +34,6 @@ use crate::queue::embedded::EmbeddedQueue;
 use crate::request::{MAX_ID_LEN, Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::BatchApiMetrics;
-use crate::telemetry::metrics::BatchOutcomeLabel;
-use crate::telemetry::metrics::StatusLabel;
 
 /// Validation errors listed in a batch; further ones are only counted.
 const MAX_LISTED_ERRORS: usize = 100;
@@ -511,10 +509,7 @@ impl Engine {
             (_, Some(ErrorCode::Cancelled)) => "cancelled",
             _ => "failed",
         };
-        self.metrics
-            .requests
-            .get_or_create(&BatchOutcomeLabel { outcome })
-            .inc();
+        self.metrics.request(outcome);
     }
 
     /// One result from the queue into its batch; other results (not a
@@ -729,12 +724,7 @@ impl Engine {
             }
         }
         for (status, n) in self.store.status_counts().await? {
-            self.metrics
-                .batches
-                .get_or_create(&StatusLabel {
-                    status: status.as_str(),
-                })
-                .set(i64::try_from(n).unwrap_or(i64::MAX));
+            self.metrics.set_batches(status.as_str(), n);
         }
         Ok(())
     }

@@ -247,7 +247,7 @@ pub async fn start(
                 sink,
                 limits,
                 fairness,
-                metrics.batch_api(),
+                metrics.batch_api(&queue_config.queue_name),
             ));
             let collector = engine.clone().collect_redis(conn, list, stop.clone());
             tasks.push(tokio::spawn(collector));
@@ -265,7 +265,7 @@ pub async fn start(
                 Sink::Embedded(queue.clone()),
                 limits,
                 fairness,
-                metrics.batch_api(),
+                metrics.batch_api(&queue_config.queue_name),
             ));
             let collector = engine.clone().collect_embedded(queue, sqlite, stop.clone());
             tasks.push(tokio::spawn(collector));

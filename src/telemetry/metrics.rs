@@ -50,18 +50,13 @@ pub struct DecisionLabels {
     pub reason: &'static str,
 }
 
-/// Label set `{status}` (Batch API batch status).
+/// Label set `{queue, status}` (Batch API batch status).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct StatusLabel {
+pub struct StatusLabels {
+    /// The queue the batches' requests go into.
+    pub queue: String,
     /// Bounded status label.
     pub status: &'static str,
-}
-
-/// Label set `{outcome}` (Batch API request outcome).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct BatchOutcomeLabel {
-    /// Bounded outcome label.
-    pub outcome: &'static str,
 }
 
 /// Outcomes of a Batch API request: a 2xx answer (`completed`), any
@@ -69,14 +64,33 @@ pub struct BatchOutcomeLabel {
 /// (`expired`) or by a cancel (`cancelled`).
 pub const BATCH_OUTCOMES: [&str; 4] = ["completed", "failed", "expired", "cancelled"];
 
-/// The Batch API server's metric handles (`sluicegate serve`), cheap to
-/// clone.
+/// The Batch API server's metric handles for its queue (`sluicegate
+/// serve`), cheap to clone.
 #[derive(Debug, Clone)]
 pub struct BatchApiMetrics {
-    /// Batches per status, all servers of the store.
-    pub batches: Family<StatusLabel, Gauge>,
-    /// Batch requests settled, by outcome, as this server recorded them.
-    pub requests: Family<BatchOutcomeLabel, Counter>,
+    queue: String,
+    batches: Family<StatusLabels, Gauge>,
+    requests: Family<OutcomeLabels, Counter>,
+}
+
+impl BatchApiMetrics {
+    /// Sets how many batches are in `status` (all servers of the store).
+    pub fn set_batches(&self, status: &'static str, n: u64) {
+        let labels = StatusLabels {
+            queue: self.queue.clone(),
+            status,
+        };
+        (self.batches.get_or_create(&labels)).set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one batch request settled with `outcome` (of [`BATCH_OUTCOMES`]).
+    pub fn request(&self, outcome: &'static str) {
+        let labels = OutcomeLabels {
+            queue: self.queue.clone(),
+            outcome,
+        };
+        self.requests.get_or_create(&labels).inc();
+    }
 }
 
 /// Every metric family of the process.
@@ -108,7 +122,8 @@ pub struct Metrics {
     dead_letters: Family<QueueLabel, Counter>,
     attempt_latency: HistogramFamily,
     dispatch_delay: HistogramFamily,
-    batch_api: BatchApiMetrics,
+    batches: Family<StatusLabels, Gauge>,
+    batch_requests: Family<OutcomeLabels, Counter>,
 }
 
 /// Histogram family with fixed buckets per family.
@@ -169,20 +184,18 @@ impl Metrics {
             dead_letters: Family::default(),
             attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
-            batch_api: BatchApiMetrics {
-                batches: Family::default(),
-                requests: Family::default(),
-            },
+            batches: Family::default(),
+            batch_requests: Family::default(),
         };
         m.registry.register(
             "sluicegate_batches",
             "Batch API batches, by status (sluicegate serve)",
-            m.batch_api.batches.clone(),
+            m.batches.clone(),
         );
         m.registry.register(
             "sluicegate_batch_requests",
             "Batch API requests settled, by outcome (sluicegate serve)",
-            m.batch_api.requests.clone(),
+            m.batch_requests.clone(),
         );
         let r = &mut m.registry;
         r.register(
@@ -333,6 +346,8 @@ impl Metrics {
                 outcome,
             });
         }
+        // A queue may take Batch API work (`sluicegate serve`).
+        let _ = self.batch_api(name);
         for reason in RETRY_REASONS {
             let _ = self.retries.get_or_create_owned(&ReasonLabels {
                 queue: queue(),
@@ -374,15 +389,26 @@ impl Metrics {
         }
     }
 
-    /// The Batch API server's handles, every outcome created at zero.
-    pub fn batch_api(&self) -> BatchApiMetrics {
+    /// The Batch API server's handles for `queue`, every status and
+    /// outcome created at zero.
+    pub fn batch_api(&self, queue: &str) -> BatchApiMetrics {
         for outcome in BATCH_OUTCOMES {
-            let _ = self
-                .batch_api
-                .requests
-                .get_or_create_owned(&BatchOutcomeLabel { outcome });
+            let _ = self.batch_requests.get_or_create_owned(&OutcomeLabels {
+                queue: queue.to_owned(),
+                outcome,
+            });
         }
-        self.batch_api.clone()
+        for status in crate::serve::model::BatchStatus::ALL {
+            let _ = self.batches.get_or_create_owned(&StatusLabels {
+                queue: queue.to_owned(),
+                status: status.as_str(),
+            });
+        }
+        BatchApiMetrics {
+            queue: queue.to_owned(),
+            batches: self.batches.clone(),
+            requests: self.batch_requests.clone(),
+        }
     }
 
     /// The registry in the Prometheus text format.
@@ -561,7 +587,6 @@ mod tests {
         q.attempt("success");
         q.retry("failed");
         q.decision("continue", "admitted");
-        let _ = metrics.batch_api();
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");
