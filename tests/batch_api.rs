@@ -392,3 +392,53 @@ async fn redis_replicas_agree_on_batches() {
     b.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_keeps_finished_results_and_counts_move_while_running() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+    // 40 long requests on a 4-sequence pool: minutes of work.
+    let batch = api
+        .batch(&completion_lines(40, 400), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    let running = api
+        .wait_for(id, LONG, |b| {
+            b["request_counts"]["completed"].as_u64() >= Some(1)
+        })
+        .await;
+    assert_eq!(
+        running["status"], "in_progress",
+        "counts move before the end: {running}"
+    );
+    let (status, _) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let counts = &done["request_counts"];
+    let (completed, failed) = (
+        counts["completed"].as_u64().expect("completed"),
+        counts["failed"].as_u64().expect("failed"),
+    );
+    assert_eq!(completed + failed, 40, "{done}");
+    assert!(completed >= 1 && failed >= 1, "{done}");
+    let out = done["output_file_id"]
+        .as_str()
+        .expect("finished results kept");
+    let (_, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    let kept = lines_of(&text);
+    assert_eq!(kept.len() as u64, completed);
+    assert!(kept.iter().all(|l| l["response"]["status_code"] == 200));
+    let errors = done["error_file_id"].as_str().expect("error file");
+    let (_, text) = api.text(&format!("/v1/files/{errors}/content")).await;
+    assert!(
+        lines_of(&text)
+            .iter()
+            .all(|l| l["error"]["code"] == "batch_cancelled")
+    );
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
