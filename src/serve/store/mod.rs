@@ -45,6 +45,20 @@ pub enum StoreError {
     Task(#[from] tokio::task::JoinError),
 }
 
+/// A record as stored (JSON).
+fn encode<T: serde::Serialize>(value: &T) -> String {
+    // Records are strings, numbers and maps of strings: cannot fail.
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// A stored record read back; `key` names it in the error.
+fn decode<T: serde::de::DeserializeOwned>(key: &str, text: &str) -> Result<T, StoreError> {
+    serde_json::from_str(text).map_err(|source| StoreError::Corrupt {
+        key: key.to_owned(),
+        source,
+    })
+}
+
 /// One page of a batch's results: `(ok, output line)` pairs and the
 /// cursor of the next page, `None` after the last.
 pub type ResultPage = (Vec<(bool, String)>, Option<u64>);

@@ -15,7 +15,7 @@
 
 use redis::aio::ConnectionManager;
 
-use super::{ResultPage, StoreError};
+use super::{ResultPage, StoreError, decode, encode};
 use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
 
 /// KEYS: batch, active, status. ARGV: old, new, id, old status, new
@@ -44,18 +44,6 @@ return 1
 pub struct RedisStore {
     conn: ConnectionManager,
     prefix: String,
-}
-
-fn encode<T: serde::Serialize>(value: &T) -> String {
-    // Records are strings, numbers and maps of strings: cannot fail.
-    serde_json::to_string(value).unwrap_or_default()
-}
-
-fn decode<T: serde::de::DeserializeOwned>(key: &str, text: &str) -> Result<T, StoreError> {
-    serde_json::from_str(text).map_err(|source| StoreError::Corrupt {
-        key: key.to_owned(),
-        source,
-    })
 }
 
 impl RedisStore {

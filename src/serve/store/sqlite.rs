@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::{ResultPage, StoreError};
+use super::{ResultPage, StoreError, decode, encode};
 use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
 
 const SCHEMA: &str = "
@@ -48,18 +48,6 @@ CREATE TABLE IF NOT EXISTS counts (
 pub struct SqliteStore {
     path: PathBuf,
     conn: Arc<Mutex<Connection>>,
-}
-
-fn encode<T: serde::Serialize>(value: &T) -> String {
-    // Records are strings, numbers and maps of strings: cannot fail.
-    serde_json::to_string(value).unwrap_or_default()
-}
-
-fn decode<T: serde::de::DeserializeOwned>(key: &str, text: &str) -> Result<T, StoreError> {
-    serde_json::from_str(text).map_err(|source| StoreError::Corrupt {
-        key: key.to_owned(),
-        source,
-    })
 }
 
 impl SqliteStore {
