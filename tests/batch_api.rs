@@ -397,8 +397,28 @@ async fn redis_replicas_agree_on_batches() {
 async fn cancel_keeps_finished_results_and_counts_move_while_running() {
     let sim = small_pool().await;
     let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    cancel_mid_run(&served).await;
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_redis_goes_through_the_upstream_cancel_protocol() {
+    let redis = RedisServer::start();
+    let sim = small_pool().await;
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    let served = start(&spec, None).await;
+    cancel_mid_run(&served).await;
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// 40 long requests on a 4-sequence pool (minutes of work), cancelled
+/// once the first has finished: cancelled, finished results kept, the
+/// rest `batch_cancelled`.
+async fn cancel_mid_run(served: &support::serve::Served) {
     let api = Api::new(&served.base, None);
-    // 40 long requests on a 4-sequence pool: minutes of work.
     let batch = api
         .batch(&completion_lines(40, 400), "/v1/completions", "24h")
         .await;
@@ -439,6 +459,30 @@ async fn cancel_keeps_finished_results_and_counts_move_while_running() {
             .iter()
             .all(|l| l["error"]["code"] == "batch_cancelled")
     );
-    served.stop().await;
-    sim.shutdown().await.expect("simulator stops");
+}
+
+#[test]
+fn bad_serve_keys_stop_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-config");
+    let file = dir.0.join("bad.toml");
+    std::fs::write(
+        &file,
+        "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n[serve]\ndispatcher = \"elsewhere\"\n",
+    )
+    .expect("write config");
+    let path = file.to_str().expect("utf-8 path");
+    for args in [
+        ["check-config", "--config", path],
+        ["serve", "--config", path],
+    ] {
+        let out = support::cli::output(&mut support::cli::sluicegate(&args));
+        let err = support::cli::text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(
+                "serve.dispatcher: unknown value \"elsewhere\"; allowed: in-process, separate"
+            ),
+            "{args:?}: {err}"
+        );
+    }
 }

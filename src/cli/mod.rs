@@ -22,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::{ResultsOutput, RunOptions};
-use crate::config::{Config, ConfigSources, Overrides, TransportKind};
+use crate::config::{Config, ConfigSources, Overrides, ServeConfig, TransportKind};
 
 /// Exit code for configuration errors (as `check-config` documents).
 pub(crate) const EXIT_CONFIG: u8 = crate::app::EXIT_CONFIG;
@@ -154,6 +154,13 @@ struct RunArgs {
 
 impl ConfigArgs {
     fn load(&self) -> Result<Config, ExitCode> {
+        Config::load(&self.sources()).map_err(|errors| {
+            eprintln!("configuration errors:\n{errors}");
+            ExitCode::from(EXIT_CONFIG)
+        })
+    }
+
+    fn sources(&self) -> ConfigSources {
         let overrides = Overrides {
             transport: self.transport.clone(),
             gateway_url: self.gateway_url.clone(),
@@ -163,11 +170,7 @@ impl ConfigArgs {
             log_format: self.log_format.clone(),
             log_level: self.log_level.clone(),
         };
-        let sources = ConfigSources::from_process(self.config.clone(), overrides);
-        Config::load(&sources).map_err(|errors| {
-            eprintln!("configuration errors:\n{errors}");
-            ExitCode::from(EXIT_CONFIG)
-        })
+        ConfigSources::from_process(self.config.clone(), overrides)
     }
 }
 
@@ -191,8 +194,14 @@ async fn run_command(cli: Cli) -> ExitCode {
     match cli.command {
         // Loading alone would approve a transport or gate `run` refuses:
         // the same preflight `run` starts with decides.
-        Command::CheckConfig(args) => match args.load() {
-            Ok(config) => match crate::app::preflight(&config) {
+        // `[serve]` is checked too: `serve` would refuse what it refuses.
+        Command::CheckConfig(args) => match (args.load(), ServeConfig::load(&args.sources())) {
+            (Ok(_), Err(errors)) => {
+                eprintln!("configuration errors:\n{errors}");
+                ExitCode::from(EXIT_CONFIG)
+            }
+            (Err(code), _) => code,
+            (Ok(config), Ok(_)) => match crate::app::preflight(&config) {
                 Ok(()) => {
                     println!("{}", config.summary());
                     ExitCode::SUCCESS
@@ -202,7 +211,6 @@ async fn run_command(cli: Cli) -> ExitCode {
                     ExitCode::from(error.exit_code())
                 }
             },
-            Err(code) => code,
         },
         Command::Config(ConfigCommand::Show(args)) => match args.load() {
             Ok(config) => {

@@ -9,7 +9,7 @@ use clap::Args;
 use tokio_util::sync::CancellationToken;
 
 use super::{ConfigArgs, EXIT_CONFIG, spawn_signal_handler};
-use crate::config::{ConfigSources, ServeConfig};
+use crate::config::ServeConfig;
 
 #[derive(Debug, Args)]
 pub(crate) struct ServeArgs {
@@ -36,7 +36,7 @@ pub(super) async fn run(mut args: ServeArgs) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    let mut sources = ConfigSources::from_process(args.config.config.clone(), Default::default());
+    let mut sources = args.config.sources();
     // The two flags are `[serve]` keys given on the command line.
     for (var, value) in [
         ("SLUICEGATE_SERVE_LISTEN", &args.api_listen),
