@@ -329,7 +329,7 @@ async fn tenants_see_only_their_own_objects() {
 async fn without_keys_a_non_loopback_listen_address_is_refused() {
     let dir = support::TempDir::new("serve-auth");
     let spec = ServeSpec::new("http://127.0.0.1:9");
-    let config = support::serve::config(&spec, &dir);
+    let config = support::serve::config(&spec, &dir.0);
     let serve = sluicegate::config::ServeConfig {
         listen: "0.0.0.0:0".parse().expect("address"),
         data_dir: dir.0.join("data"),
@@ -485,4 +485,42 @@ fn bad_serve_keys_stop_check_config_and_serve_naming_the_key() {
             "{args:?}: {err}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_finishes_the_batches_it_had() {
+    let sim = small_pool().await;
+    let dir = support::TempDir::new("serve-restart");
+    let data = dir.0.join("data");
+    // First life: the gate stays closed, so the requests wait queued.
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.closed_gate = true;
+    let first = support::serve::start_in(&spec, &dir.0, &data).await;
+    let api = Api::new(&format!("http://{}", first.addr), None);
+    let batch = api
+        .batch(&completion_lines(6, 8), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    api.wait_for(&id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    first.shutdown();
+    first.wait().await.expect("first life stops");
+    // Second life on the same files, gate open: the same batch completes.
+    spec.closed_gate = false;
+    let second = support::serve::start_in(&spec, &dir.0, &data).await;
+    let api = Api::new(&format!("http://{}", second.addr), None);
+    let done = api.wait_for(&id, LONG, terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 6, "completed": 6, "failed": 0})
+    );
+    let out = done["output_file_id"].as_str().expect("output");
+    assert_eq!(
+        lines_of(&api.text(&format!("/v1/files/{out}/content")).await.1).len(),
+        6
+    );
+    second.shutdown();
+    second.wait().await.expect("second life stops");
+    sim.shutdown().await.expect("simulator stops");
 }

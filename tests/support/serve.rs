@@ -67,15 +67,15 @@ impl Served {
     }
 }
 
-/// The dispatcher config of `spec` with its directory.
-pub fn config(spec: &ServeSpec, dir: &TempDir) -> Config {
+/// The dispatcher config of `spec`, its embedded queue in `dir`.
+pub fn config(spec: &ServeSpec, dir: &std::path::Path) -> Config {
     let transport = match spec.redis_port {
         Some(port) => {
             format!("transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{port}/0\"\n")
         }
         None => format!(
             "transport = \"embedded\"\n[embedded]\npath = \"{}\"\n",
-            dir.0.join("queue.db").display()
+            dir.join("queue.db").display()
         ),
     };
     let gate = match spec.closed_gate {
@@ -96,10 +96,23 @@ pub fn config(spec: &ServeSpec, dir: &TempDir) -> Config {
 /// servers (Redis replicas), else it lives in the server's directory.
 pub async fn start(spec: &ServeSpec, data_dir: Option<&std::path::Path>) -> Served {
     let dir = TempDir::new("serve");
-    let config = config(spec, &dir);
+    let data_dir = data_dir.map_or_else(|| dir.0.join("data"), std::path::Path::to_path_buf);
+    let server = start_in(spec, &dir.0, &data_dir).await;
+    let base = format!("http://{}", server.addr);
+    Served { server, base, dir }
+}
+
+/// Starts a server for `spec` on the queue in `dir` and the bodies in
+/// `data_dir` (a restart reuses both).
+pub async fn start_in(
+    spec: &ServeSpec,
+    dir: &std::path::Path,
+    data_dir: &std::path::Path,
+) -> Server {
+    let config = config(spec, dir);
     let mut serve = ServeConfig {
         listen: "127.0.0.1:0".parse().expect("address"),
-        data_dir: data_dir.map_or_else(|| dir.0.join("data"), std::path::Path::to_path_buf),
+        data_dir: data_dir.to_path_buf(),
         api_keys: spec.keys.clone().map(sluicegate::config::Secret::new),
         ..ServeConfig::default()
     };
@@ -115,11 +128,9 @@ pub async fn start(spec: &ServeSpec, data_dir: Option<&std::path::Path>) -> Serv
     if let Some(n) = spec.max_lines {
         serve.max_lines_per_batch = n;
     }
-    let server = sluicegate::serve::start(&config, &serve, std::future::pending())
+    sluicegate::serve::start(&config, &serve, std::future::pending())
         .await
-        .expect("the server starts");
-    let base = format!("http://{}", server.addr);
-    Served { server, base, dir }
+        .expect("the server starts")
 }
 
 /// A plain client of the OpenAI endpoints.
