@@ -284,6 +284,39 @@ async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_input_of_a_running_batch_cannot_be_deleted() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(2, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    let file = batch["input_file_id"].as_str().expect("file");
+    api.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    let (status, body) = api.delete(&format!("/v1/files/{file}")).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(id))
+    );
+    api.post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    api.wait_for(id, LONG, terminal).await;
+    let (status, body) = api.delete(&format!("/v1/files/{file}")).await;
+    assert_eq!(
+        (status, body["deleted"].as_bool()),
+        (200, Some(true)),
+        "{body}"
+    );
+    assert_eq!(api.get(&format!("/v1/files/{file}")).await.0, 404);
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_see_only_their_own_objects() {
     let mut spec = ServeSpec::new("http://127.0.0.1:9");
     spec.closed_gate = true;

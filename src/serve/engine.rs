@@ -344,13 +344,21 @@ impl Engine {
     ) -> Result<(), EngineError> {
         tracing::info!(batch = %id, errors = errors.len() as u64 + omitted, "batch input refused");
         self.update(id, |b| {
-            if b.status != BatchStatus::Validating {
-                return false;
+            match b.status {
+                BatchStatus::Validating => {
+                    b.status = BatchStatus::Failed;
+                    b.failed_at = Some(now());
+                    b.errors = errors.clone();
+                    b.errors_omitted = omitted;
+                }
+                // Cancelled meanwhile: nothing was enqueued, so it may end
+                // `cancelled` at once (the sweep finalizes it).
+                BatchStatus::Cancelling => {
+                    b.total = 0;
+                    b.enqueued = true;
+                }
+                _ => return false,
             }
-            b.status = BatchStatus::Failed;
-            b.failed_at = Some(now());
-            b.errors = errors.clone();
-            b.errors_omitted = omitted;
             true
         })
         .await?;
@@ -694,6 +702,13 @@ impl Engine {
                     let (engine, id) = (self.clone(), batch.id.clone());
                     self.spawn_step(&batch.id, "expiry", async move { engine.expire(&id).await });
                 }
+                // Cancelled while its validating server died: take over.
+                BatchStatus::Cancelling if !batch.enqueued && !mine && stale => {
+                    let (engine, b) = (self.clone(), batch.clone());
+                    self.spawn_step(&batch.id, "cancel", async move {
+                        engine.adopt_cancelled(&b).await
+                    });
+                }
                 BatchStatus::Cancelling
                     if batch.enqueued
                         && !mine
@@ -726,6 +741,25 @@ impl Engine {
         for (status, n) in self.store.status_counts().await? {
             self.metrics.set_batches(status.as_str(), n);
         }
+        Ok(())
+    }
+
+    /// A batch cancelled while its validating server died: whatever that
+    /// server enqueued is stopped, and every valid line counts, so the
+    /// cancel grace answers the rest and finalizes it.
+    async fn adopt_cancelled(&self, batch: &BatchRecord) -> Result<(), EngineError> {
+        let total = self.custom_ids(batch).await?.len() as u64;
+        self.stop_requests(batch).await?;
+        self.update(&batch.id, |b| {
+            if b.status != BatchStatus::Cancelling || b.enqueued {
+                return false;
+            }
+            b.total = total;
+            b.enqueued = true;
+            b.touched_at = now();
+            true
+        })
+        .await?;
         Ok(())
     }
 
@@ -862,5 +896,102 @@ impl Engine {
         };
         self.store.put_file(&file).await?;
         Ok(Some(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::store::SqliteStore;
+
+    fn engine(dir: &std::path::Path) -> Engine {
+        let queue = EmbeddedQueue::open(dir.join("queue.db"), "q").expect("queue");
+        Engine::new(
+            Store::Sqlite(SqliteStore::open(&dir.join("batches.db")).expect("store")),
+            Bodies::open(dir).expect("bodies"),
+            Sink::Embedded(queue),
+            Limits {
+                max_file_bytes: 1 << 20,
+                max_line_bytes: 1 << 10,
+                max_lines: 10,
+            },
+            Some("userid".into()),
+            crate::telemetry::Metrics::new().batch_api("q"),
+        )
+    }
+
+    fn record(id: &str, status: BatchStatus) -> BatchRecord {
+        BatchRecord {
+            id: id.into(),
+            tenant: "t".into(),
+            endpoint: "/v1/completions".into(),
+            input_file_id: "file-x".into(),
+            completion_window: "24h".into(),
+            status,
+            stop: None,
+            total: 0,
+            enqueued: false,
+            errors: Vec::new(),
+            errors_omitted: 0,
+            output_file_id: None,
+            error_file_id: None,
+            metadata: Default::default(),
+            created_at: now(),
+            expires_at: now() + 3600,
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            touched_at: now(),
+        }
+    }
+
+    /// A cancel that lands while validation is refusing the file must
+    /// still let the batch end (`cancelled`, nothing enqueued), not leave
+    /// it `cancelling` forever.
+    #[tokio::test]
+    async fn a_cancel_during_a_refused_validation_still_ends() {
+        let dir =
+            std::env::temp_dir().join(format!("sluicegate-engine-{:x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let engine = Arc::new(engine(&dir));
+        let mut batch = record("batch_0a", BatchStatus::Cancelling);
+        batch.stop = Some(Stop::Cancel);
+        batch.cancelling_at = Some(now());
+        engine.store.insert_batch(&batch).await.expect("insert");
+        let error = line_error("invalid_json_line", "line 1: bad".into(), None, Some(1));
+        engine
+            .refuse(&batch.id, vec![error], 0)
+            .await
+            .expect("refuse");
+        let after = engine
+            .store
+            .batch(&batch.id)
+            .await
+            .expect("read")
+            .expect("kept");
+        assert!(after.enqueued, "{after:?}");
+        assert_eq!(after.total, 0);
+        engine.sweep().await.expect("sweep");
+        // The sweep runs the finalizing step in the background.
+        let mut status = after.status;
+        for _ in 0..100 {
+            status = engine
+                .store
+                .batch(&batch.id)
+                .await
+                .expect("read")
+                .expect("kept")
+                .status;
+            if status.is_terminal() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(status, BatchStatus::Cancelled);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

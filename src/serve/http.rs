@@ -335,6 +335,22 @@ async fn delete_file(
     Path(id): Path<String>,
 ) -> Result<axum::Json<Value>, ApiError> {
     let file = own_file(&state, &tenant, &id).await?;
+    // A running batch reads its input again (enqueue, cancel, expiry).
+    let active = internal!(state.engine.store.active_batches().await);
+    if let Some(batch) = active.iter().find(|b| b.input_file_id == file.id) {
+        return Err(ApiError {
+            status: StatusCode::CONFLICT,
+            message: format!(
+                "file {} is the input of batch {}, which is {}; delete it once the batch has ended",
+                file.id,
+                batch.id,
+                batch.status.as_str()
+            ),
+            kind: "invalid_request_error",
+            param: Some("file_id"),
+            code: None,
+        });
+    }
     internal!(state.engine.store.delete_file(&file.id).await);
     internal!(state.engine.bodies.remove(&file.id).await);
     Ok(axum::Json(

@@ -196,6 +196,11 @@ impl Api {
         Self::send(self.request(reqwest::Method::GET, path)).await
     }
 
+    /// `DELETE path`.
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        Self::send(self.request(reqwest::Method::DELETE, path)).await
+    }
+
     /// `GET path` as text (file content).
     pub async fn text(&self, path: &str) -> (u16, String) {
         let response = self
