@@ -171,6 +171,9 @@ async fn upload(
                     purpose = Some(text);
                 }
                 Some("file") => {
+                    if stored.is_some() {
+                        return Err(ApiError::invalid("only one file per upload", Some("file")));
+                    }
                     let name = field.file_name().unwrap_or("upload.jsonl").to_owned();
                     let temp = bodies.temp();
                     let mut out = internal!(tokio::fs::File::create(&temp).await);
