@@ -27,7 +27,7 @@ use super::model::{
     BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
 };
 use super::sink::{Sink, SinkError};
-use super::store::{Store, StoreError};
+use super::store::{Recorded, Store, StoreError};
 use crate::batch::input::openai_request;
 use crate::batch::output::openai_line;
 use crate::queue::embedded::EmbeddedQueue;
@@ -496,63 +496,85 @@ impl Engine {
             }
             _ => "the batch was cancelled before this request ran",
         };
-        for custom_id in self.custom_ids(batch).await? {
-            let result = ResultRecord::error(&batch.message_id(&custom_id), None, code, message);
-            let line = openai_line(&new_id("batch_req_"), &custom_id, &result).to_string();
-            if self
-                .store
-                .record_result(&batch.id, &custom_id, false, &line)
-                .await?
-            {
-                self.count_outcome(&result);
-            }
+        let ids = self.custom_ids(batch).await?;
+        for chunk in ids.chunks(CHUNK) {
+            let items = chunk
+                .iter()
+                .map(|custom_id| {
+                    let id = batch.message_id(custom_id);
+                    let result = ResultRecord::error(&id, None, code, message);
+                    self.output_line(custom_id, result)
+                })
+                .collect();
+            self.record(&batch.id, items).await?;
         }
         Ok(())
     }
 
-    fn count_outcome(&self, result: &ResultRecord) {
+    /// The output line of a result, and its outcome label.
+    fn output_line(&self, custom_id: &str, result: ResultRecord) -> (Recorded, &'static str) {
         let outcome = match (result.status_code, result.error_code) {
             (Some(s), _) if (200..300).contains(&s) => "completed",
             (_, Some(ErrorCode::DeadlineExceeded)) => "expired",
             (_, Some(ErrorCode::Cancelled)) => "cancelled",
             _ => "failed",
         };
-        self.metrics.request(outcome);
+        let line = openai_line(&new_id("batch_req_"), custom_id, &result).to_string();
+        let recorded = Recorded {
+            custom_id: custom_id.to_owned(),
+            ok: outcome == "completed",
+            line,
+        };
+        (recorded, outcome)
     }
 
-    /// One result from the queue into its batch; other results (not a
-    /// batch request, a finished batch) are ignored.
-    async fn apply(
+    /// Records a batch's output lines (first per request wins) and counts
+    /// the new ones by outcome.
+    async fn record(
         &self,
-        mut result: ResultRecord,
-        cache: &mut HashMap<String, Option<BatchRecord>>,
+        batch: &str,
+        items: Vec<(Recorded, &'static str)>,
     ) -> Result<(), EngineError> {
-        let Some((batch_id, custom_id)) = split_message_id(&result.id) else {
-            return Ok(());
-        };
-        let (batch_id, custom_id) = (batch_id.to_owned(), custom_id.to_owned());
-        if !cache.contains_key(&batch_id) {
-            let batch = self.store.batch(&batch_id).await?;
-            cache.insert(batch_id.clone(), batch);
+        let (lines, outcomes): (Vec<Recorded>, Vec<&'static str>) = items.into_iter().unzip();
+        let new = self.store.record_results(batch, &lines).await?;
+        for (added, outcome) in new.into_iter().zip(outcomes) {
+            if added {
+                self.metrics.request(outcome);
+            }
         }
-        let Some(Some(batch)) = cache.get(&batch_id) else {
-            return Ok(());
-        };
-        if batch.status.is_terminal() || batch.status == BatchStatus::Finalizing {
-            return Ok(());
+        Ok(())
+    }
+
+    /// Results from the queue into their batches' output lines; other
+    /// results (not a batch request, a finished batch) are ignored. One
+    /// store write per batch.
+    async fn apply(&self, results: Vec<ResultRecord>) -> Result<(), EngineError> {
+        let mut batches: HashMap<String, Option<BatchRecord>> = HashMap::new();
+        let mut items: HashMap<String, Vec<(Recorded, &'static str)>> = HashMap::new();
+        for mut result in results {
+            let Some((batch_id, custom_id)) = split_message_id(&result.id) else {
+                continue;
+            };
+            let (batch_id, custom_id) = (batch_id.to_owned(), custom_id.to_owned());
+            if !batches.contains_key(&batch_id) {
+                let batch = self.store.batch(&batch_id).await?;
+                batches.insert(batch_id.clone(), batch);
+            }
+            let Some(Some(batch)) = batches.get(&batch_id) else {
+                continue;
+            };
+            if batch.status.is_terminal() || batch.status == BatchStatus::Finalizing {
+                continue;
+            }
+            // A request the expiry stopped reads as expired, not cancelled.
+            if batch.stop == Some(Stop::Expire) && result.error_code == Some(ErrorCode::Cancelled) {
+                result.error_code = Some(ErrorCode::DeadlineExceeded);
+            }
+            let item = self.output_line(&custom_id, result);
+            items.entry(batch_id).or_default().push(item);
         }
-        // A request the expiry stopped reads as expired, not cancelled.
-        if batch.stop == Some(Stop::Expire) && result.error_code == Some(ErrorCode::Cancelled) {
-            result.error_code = Some(ErrorCode::DeadlineExceeded);
-        }
-        let ok = result.status_code.is_some_and(|s| (200..300).contains(&s));
-        let line = openai_line(&new_id("batch_req_"), &custom_id, &result).to_string();
-        if self
-            .store
-            .record_result(&batch_id, &custom_id, ok, &line)
-            .await?
-        {
-            self.count_outcome(&result);
+        for (batch, items) in items {
+            self.record(&batch, items).await?;
         }
         Ok(())
     }
@@ -587,15 +609,14 @@ impl Engine {
                     () = tokio::time::sleep(COLLECT_IDLE) => continue,
                 }
             }
-            let mut cache = HashMap::new();
-            let mut applied = after;
-            for (seq, result) in rows {
-                if let Err(error) = self.apply(result, &mut cache).await {
-                    tracing::warn!(%error, "cannot record a result; retrying");
-                    break;
+            let last = rows.last().map_or(after, |r| r.0);
+            let applied = match self.apply(rows.into_iter().map(|r| r.1).collect()).await {
+                Ok(()) => last,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot record results; retrying");
+                    after
                 }
-                applied = seq;
-            }
+            };
             if applied != after {
                 after = applied;
                 if let Err(error) = position.set_collected_up_to(after).await {
@@ -638,7 +659,6 @@ impl Engine {
                     () = tokio::time::sleep(COLLECT_IDLE) => continue,
                 }
             }
-            let mut cache = HashMap::new();
             // LPUSH puts the newest first: the tail is the oldest.
             for item in items.iter().rev() {
                 let result: Option<ResultRecord> = serde_json::from_str(item).ok();
@@ -647,7 +667,7 @@ impl Engine {
                     .is_some_and(|r| split_message_id(&r.id).is_some());
                 let step = async {
                     match result {
-                        Some(r) if ours => self.apply(r, &mut cache).await?,
+                        Some(r) if ours => self.apply(vec![r]).await?,
                         _ => {
                             redis::cmd("LPUSH")
                                 .arg(&unclaimed)
@@ -709,23 +729,19 @@ impl Engine {
                         engine.adopt_cancelled(&b).await
                     });
                 }
-                BatchStatus::Cancelling
-                    if batch.enqueued
-                        && !mine
-                        && at - batch.cancelling_at.unwrap_or(at) >= CANCEL_GRACE_SECS =>
-                {
-                    let (engine, b) = (self.clone(), batch.clone());
-                    self.spawn_step(&batch.id, "cancel", async move {
-                        engine.fill_missing(&b, ErrorCode::Cancelled).await?;
-                        engine.finalize(&b.id).await
-                    });
-                }
                 BatchStatus::InProgress | BatchStatus::Cancelling if batch.enqueued && !mine => {
                     let (ok, failed) = self.store.counts(&batch.id).await?;
+                    let (engine, b) = (self.clone(), batch.clone());
                     if ok + failed >= batch.total {
-                        let (engine, id) = (self.clone(), batch.id.clone());
                         self.spawn_step(&batch.id, "finalizing", async move {
-                            engine.finalize(&id).await
+                            engine.finalize(&b.id).await
+                        });
+                    } else if batch.status == BatchStatus::Cancelling
+                        && at - batch.cancelling_at.unwrap_or(at) >= CANCEL_GRACE_SECS
+                    {
+                        self.spawn_step(&batch.id, "cancel", async move {
+                            engine.fill_missing(&b, ErrorCode::Cancelled).await?;
+                            engine.finalize(&b.id).await
                         });
                     }
                 }

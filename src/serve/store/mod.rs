@@ -59,6 +59,17 @@ fn decode<T: serde::de::DeserializeOwned>(key: &str, text: &str) -> Result<T, St
     })
 }
 
+/// One request's output line, to record.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// The request's `custom_id`.
+    pub custom_id: String,
+    /// A 2xx answer (output file) or not (error file).
+    pub ok: bool,
+    /// The OpenAI output line.
+    pub line: String,
+}
+
 /// One page of a batch's results: `(ok, output line)` pairs and the
 /// cursor of the next page, `None` after the last.
 pub type ResultPage = (Vec<(bool, String)>, Option<u64>);
@@ -132,16 +143,14 @@ impl Store {
         both!(self, s => s.active_batches().await)
     }
 
-    /// Records a request's output line once; `false` when the request
-    /// already has one (a redelivered or re-read result).
-    pub async fn record_result(
+    /// Records requests' output lines, each once; per item `false` when
+    /// the request already has one (a redelivered or re-read result).
+    pub async fn record_results(
         &self,
         batch: &str,
-        custom_id: &str,
-        ok: bool,
-        line: &str,
-    ) -> Result<bool, StoreError> {
-        both!(self, s => s.record_result(batch, custom_id, ok, line).await)
+        items: &[Recorded],
+    ) -> Result<Vec<bool>, StoreError> {
+        both!(self, s => s.record_results(batch, items).await)
     }
 
     /// `(ok, failed)` results recorded for a batch.

@@ -15,7 +15,7 @@
 
 use redis::aio::ConnectionManager;
 
-use super::{ResultPage, StoreError, decode, encode};
+use super::{Recorded, ResultPage, StoreError, decode, encode};
 use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
 
 /// KEYS: batch, active, status. ARGV: old, new, id, old status, new
@@ -203,24 +203,28 @@ impl RedisStore {
         Ok(out)
     }
 
-    pub(super) async fn record_result(
+    pub(super) async fn record_results(
         &self,
         batch: &str,
-        custom_id: &str,
-        ok: bool,
-        line: &str,
-    ) -> Result<bool, StoreError> {
-        let stored = format!("{}{line}", if ok { '1' } else { '0' });
-        let new: i64 = redis::Script::new(RECORD)
-            .key(self.key(&["seen:", batch]))
-            .key(self.key(&["results:", batch]))
-            .key(self.key(&["counts:", batch]))
-            .arg(custom_id)
-            .arg(if ok { "ok" } else { "failed" })
-            .arg(stored)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(new == 1)
+        items: &[Recorded],
+    ) -> Result<Vec<bool>, StoreError> {
+        let script = redis::Script::new(RECORD);
+        let mut conn = self.conn.clone();
+        let mut new = Vec::with_capacity(items.len());
+        for item in items {
+            let stored = format!("{}{}", if item.ok { '1' } else { '0' }, item.line);
+            let added: i64 = script
+                .key(self.key(&["seen:", batch]))
+                .key(self.key(&["results:", batch]))
+                .key(self.key(&["counts:", batch]))
+                .arg(&item.custom_id)
+                .arg(if item.ok { "ok" } else { "failed" })
+                .arg(stored)
+                .invoke_async(&mut conn)
+                .await?;
+            new.push(added == 1);
+        }
+        Ok(new)
     }
 
     pub(super) async fn counts(&self, batch: &str) -> Result<(u64, u64), StoreError> {
