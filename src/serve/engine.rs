@@ -936,33 +936,17 @@ mod tests {
         )
     }
 
-    fn record(id: &str, status: BatchStatus) -> BatchRecord {
-        BatchRecord {
-            id: id.into(),
+    fn record(status: BatchStatus) -> BatchRecord {
+        let mut batch = BatchRecord::new(crate::serve::model::NewBatch {
             tenant: "t".into(),
             endpoint: "/v1/completions".into(),
             input_file_id: "file-x".into(),
-            completion_window: "24h".into(),
-            status,
-            stop: None,
-            total: 0,
-            enqueued: false,
-            errors: Vec::new(),
-            errors_omitted: 0,
-            output_file_id: None,
-            error_file_id: None,
+            completion_window: "1h".into(),
+            window_secs: 3600,
             metadata: Default::default(),
-            created_at: now(),
-            expires_at: now() + 3600,
-            in_progress_at: None,
-            finalizing_at: None,
-            completed_at: None,
-            failed_at: None,
-            expired_at: None,
-            cancelling_at: None,
-            cancelled_at: None,
-            touched_at: now(),
-        }
+        });
+        batch.status = status;
+        batch
     }
 
     /// A cancel that lands while validation is refusing the file must
@@ -974,7 +958,7 @@ mod tests {
             std::env::temp_dir().join(format!("sluicegate-engine-{:x}", rand::random::<u64>()));
         std::fs::create_dir_all(&dir).expect("dir");
         let engine = Arc::new(engine(&dir));
-        let mut batch = record("batch_0a", BatchStatus::Cancelling);
+        let mut batch = record(BatchStatus::Cancelling);
         batch.stop = Some(Stop::Cancel);
         batch.cancelling_at = Some(now());
         engine.store.insert_batch(&batch).await.expect("insert");

@@ -19,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::auth::Keys;
 use super::engine::Engine;
-use super::model::{BatchRecord, BatchStatus, FileRecord, list, new_id, now};
+use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id, now};
 use crate::config::parse_duration;
 
 /// Endpoints a batch may name (OpenAI's list).
@@ -454,33 +454,14 @@ async fn create_batch(
             Some("input_file_id"),
         ));
     }
-    let created_at = now();
-    let batch = BatchRecord {
-        id: new_id("batch_"),
+    let batch = BatchRecord::new(NewBatch {
         tenant,
         endpoint,
         input_file_id,
         completion_window: window,
-        status: BatchStatus::Validating,
-        stop: None,
-        total: 0,
-        enqueued: false,
-        errors: Vec::new(),
-        errors_omitted: 0,
-        output_file_id: None,
-        error_file_id: None,
+        window_secs: i64::try_from(span.as_secs()).unwrap_or(i64::MAX),
         metadata,
-        created_at,
-        expires_at: created_at.saturating_add(i64::try_from(span.as_secs()).unwrap_or(i64::MAX)),
-        in_progress_at: None,
-        finalizing_at: None,
-        completed_at: None,
-        failed_at: None,
-        expired_at: None,
-        cancelling_at: None,
-        cancelled_at: None,
-        touched_at: created_at,
-    };
+    });
     internal!(state.engine.store.insert_batch(&batch).await);
     state.engine.start_intake(&batch.id);
     Ok(axum::Json(batch.api(0, 0)))

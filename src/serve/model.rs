@@ -179,7 +179,55 @@ pub struct BatchRecord {
     pub touched_at: i64,
 }
 
+/// What a new batch is made of (`POST /v1/batches`).
+#[derive(Debug, Clone)]
+pub struct NewBatch {
+    /// The owning tenant.
+    pub tenant: String,
+    /// The endpoint every line must name.
+    pub endpoint: String,
+    /// The uploaded input file.
+    pub input_file_id: String,
+    /// As given, e.g. `24h`.
+    pub completion_window: String,
+    /// The window in seconds.
+    pub window_secs: i64,
+    /// The tenant's own key/value pairs.
+    pub metadata: BTreeMap<String, String>,
+}
+
 impl BatchRecord {
+    /// A new batch in `validating`, created now, with a fresh id.
+    pub fn new(new: NewBatch) -> Self {
+        let created_at = now();
+        Self {
+            id: new_id("batch_"),
+            tenant: new.tenant,
+            endpoint: new.endpoint,
+            input_file_id: new.input_file_id,
+            completion_window: new.completion_window,
+            status: BatchStatus::Validating,
+            stop: None,
+            total: 0,
+            enqueued: false,
+            errors: Vec::new(),
+            errors_omitted: 0,
+            output_file_id: None,
+            error_file_id: None,
+            metadata: new.metadata,
+            created_at,
+            expires_at: created_at.saturating_add(new.window_secs),
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            touched_at: created_at,
+        }
+    }
+
     /// The OpenAI Batch object, with `completed` / `failed` counts as
     /// read from the results so far.
     pub fn api(&self, completed: u64, failed: u64) -> Value {
