@@ -557,3 +557,42 @@ async fn a_restarted_server_finishes_the_batches_it_had() {
     second.wait().await.expect("second life stops");
     sim.shutdown().await.expect("simulator stops");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serve_command_runs_on_the_embedded_transport_by_default() {
+    let dir = support::TempDir::new("serve-cli");
+    let (api_port, telemetry_port) = (support::free_port(), support::free_port());
+    let mut child = support::cli::sluicegate(&["serve", "--data-dir", "data"])
+        .current_dir(&dir.0)
+        .env("SLUICEGATE_GATEWAY_URL", "http://127.0.0.1:9")
+        .env("SLUICEGATE_GATE_TYPE", "constant")
+        .env("SLUICEGATE_SERVE_LISTEN", format!("127.0.0.1:{api_port}"))
+        .env("SLUICEGATE_LISTEN", format!("127.0.0.1:{telemetry_port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("serve starts");
+    let api = Api::new(&format!("http://127.0.0.1:{api_port}"), None);
+    let give_up = std::time::Instant::now() + LONG;
+    let listed = loop {
+        let answer = reqwest::get(format!("{}/v1/files", api.base)).await;
+        if let Ok(r) = answer {
+            break r.text().await.expect("body");
+        }
+        assert!(std::time::Instant::now() < give_up, "serve never answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        serde_json::from_str::<Value>(&listed).expect("json")["object"],
+        "list"
+    );
+    let (status, file) = api.upload("batch", completion_lines(1, 4).as_bytes()).await;
+    assert_eq!(status, 200, "{file}");
+    // Embedded: the queue in ./sluicegate.db, records and bodies in --data-dir.
+    assert!(dir.0.join("sluicegate.db").is_file());
+    assert!(dir.0.join("data/batches.db").is_file());
+    let id = file["id"].as_str().expect("id");
+    assert!(dir.0.join("data/files").join(id).is_file());
+    child.kill().expect("stop serve");
+    child.wait().expect("reaped");
+}
