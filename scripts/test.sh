@@ -23,6 +23,27 @@ if [ ${#packages[@]} -gt 0 ]; then
   fi
 fi
 
+# The official openai Python client for the Batch API suite
+# (tests/batch_api_python.rs), pinned, in target/py-venv (made once).
+if [ ! -x target/py-venv/bin/python ]; then
+  if ! python3 -m venv target/py-venv; then
+    rm -rf target/py-venv
+    if [ "$(id -u)" = 0 ]; then
+      apt-get update
+      DEBIAN_FRONTEND=noninteractive apt-get install -y python3-venv
+    else
+      echo "python3 -m venv failed; install python3-venv (run as root to install it)" >&2
+      exit 1
+    fi
+    python3 -m venv target/py-venv
+  fi
+  target/py-venv/bin/pip install --quiet openai==1.109.1 pytest==8.4.2 || {
+    rm -rf target/py-venv
+    echo "cannot install the openai Python client into target/py-venv" >&2
+    exit 1
+  }
+fi
+
 # Dockerfile and helm chart, with hadolint and helm (installed on first use).
 bash scripts/lint-deploy.sh
 

@@ -38,6 +38,9 @@
 //!   OpenAI-line converter.
 //! - [`chart`]: SVG line charts (stacked panels over a shared time axis,
 //!   drawn with `plotters`) for the demo and `eval`.
+//! - [`serve`]: the OpenAI Files and Batches API (`sluicegate serve`):
+//!   batches become queue messages, their results output files; records
+//!   in SQLite (embedded) or Redis (replicas).
 //! - [`app`]: wiring ([`app::run`]), the task tree and the shutdown order;
 //!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
@@ -57,6 +60,7 @@ pub mod gateway;
 pub mod queue;
 pub mod request;
 pub mod result;
+pub mod serve;
 pub mod sim;
 pub mod source;
 pub mod telemetry;

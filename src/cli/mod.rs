@@ -12,6 +12,7 @@ mod embedded;
 mod eval;
 mod probe;
 mod results;
+mod serve;
 mod submit;
 
 use std::io::Write as _;
@@ -22,7 +23,7 @@ use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::{ResultsOutput, RunOptions};
-use crate::config::{Config, ConfigSources, Overrides, TransportKind};
+use crate::config::{Config, ConfigSources, Overrides, ServeConfig, TransportKind};
 
 /// Exit code for configuration errors (as `check-config` documents).
 pub(crate) const EXIT_CONFIG: u8 = crate::app::EXIT_CONFIG;
@@ -67,6 +68,10 @@ enum Command {
     Results(results::ResultsArgs),
     /// Cancel active submissions by id (Redis, or `--embedded PATH`).
     Cancel(cancel::CancelArgs),
+    /// Serve the OpenAI Files and Batches API in front of the queue, with
+    /// the dispatcher in the same process unless `serve.dispatcher =
+    /// "separate"` (`docs/batch-api.md`).
+    Serve(serve::ServeArgs),
     /// Benchmarks against real servers.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -150,6 +155,13 @@ struct RunArgs {
 
 impl ConfigArgs {
     fn load(&self) -> Result<Config, ExitCode> {
+        Config::load(&self.sources()).map_err(|errors| {
+            eprintln!("configuration errors:\n{errors}");
+            ExitCode::from(EXIT_CONFIG)
+        })
+    }
+
+    fn sources(&self) -> ConfigSources {
         let overrides = Overrides {
             transport: self.transport.clone(),
             gateway_url: self.gateway_url.clone(),
@@ -159,11 +171,7 @@ impl ConfigArgs {
             log_format: self.log_format.clone(),
             log_level: self.log_level.clone(),
         };
-        let sources = ConfigSources::from_process(self.config.clone(), overrides);
-        Config::load(&sources).map_err(|errors| {
-            eprintln!("configuration errors:\n{errors}");
-            ExitCode::from(EXIT_CONFIG)
-        })
+        ConfigSources::from_process(self.config.clone(), overrides)
     }
 }
 
@@ -187,8 +195,14 @@ async fn run_command(cli: Cli) -> ExitCode {
     match cli.command {
         // Loading alone would approve a transport or gate `run` refuses:
         // the same preflight `run` starts with decides.
-        Command::CheckConfig(args) => match args.load() {
-            Ok(config) => match crate::app::preflight(&config) {
+        // `[serve]` is checked too: `serve` would refuse what it refuses.
+        Command::CheckConfig(args) => match (args.load(), ServeConfig::load(&args.sources())) {
+            (Ok(_), Err(errors)) => {
+                eprintln!("configuration errors:\n{errors}");
+                ExitCode::from(EXIT_CONFIG)
+            }
+            (Err(code), _) => code,
+            (Ok(config), Ok(_)) => match crate::app::preflight(&config) {
                 Ok(()) => {
                     println!("{}", config.summary());
                     ExitCode::SUCCESS
@@ -198,7 +212,6 @@ async fn run_command(cli: Cli) -> ExitCode {
                     ExitCode::from(error.exit_code())
                 }
             },
-            Err(code) => code,
         },
         Command::Config(ConfigCommand::Show(args)) => match args.load() {
             Ok(config) => {
@@ -214,6 +227,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Submit(args) => submit::run(args).await,
         Command::Results(args) => results::run(args).await,
         Command::Cancel(args) => cancel::run(args).await,
+        Command::Serve(args) => serve::run(args).await,
         Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         // Virtual time on its own runtimes: off the async workers.

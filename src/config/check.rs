@@ -100,6 +100,12 @@ fn read<T: Section>(root: &mut Tree, required: bool, ctx: &mut Ctx) -> Option<(T
     Some((t, map))
 }
 
+/// One optional section read on its own, with its defaults when absent
+/// (`[serve]`, which only `sluicegate serve` reads).
+pub(super) fn read_section<T: Section>(root: &mut Tree, ctx: &mut Ctx) -> T {
+    read::<T>(root, true, ctx).map(|t| t.0).unwrap_or_default()
+}
+
 /// The loose tree (file, environment and flags already layered) as a
 /// typed config.
 pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {

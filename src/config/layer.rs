@@ -171,25 +171,58 @@ fn target_key(t: Target) -> String {
     }
 }
 
+impl super::ServeConfig {
+    /// `[serve]` from the same file, environment and flags as
+    /// [`Config::load`] (which accepts the section and leaves it alone).
+    pub fn load(sources: &ConfigSources) -> Result<Self, ConfigErrors> {
+        let mut ctx = Ctx::default();
+        let mut tree = match source_text(sources)? {
+            None => Tree::new(),
+            Some((text, name)) => parse_file(&text, &name, &mut ctx)
+                .ok_or_else(|| ConfigErrors(std::mem::take(&mut ctx.errors)))?,
+        };
+        apply_env(&mut tree, &sources.env, &mut ctx);
+        apply_overrides(&mut tree, &sources.overrides, &mut ctx);
+        let serve = super::check::read_section::<Self>(&mut tree, &mut ctx);
+        // Errors elsewhere in the tree are `Config::load`'s to report.
+        let mine: Vec<ConfigError> = (ctx.errors.into_iter())
+            .filter(|e| e.key.starts_with("serve.") || e.key.starts_with("SLUICEGATE_SERVE_"))
+            .collect();
+        match mine.is_empty() {
+            true => Ok(serve),
+            false => Err(ConfigErrors(mine)),
+        }
+    }
+}
+
+/// The config file's text and name, if one is named (flag, then
+/// `SLUICEGATE_CONFIG`).
+fn source_text(sources: &ConfigSources) -> Result<Option<(String, String)>, ConfigErrors> {
+    let named = sources
+        .env
+        .get("SLUICEGATE_CONFIG")
+        .filter(|p| !p.is_empty());
+    let Some(path) = sources.file.clone().or_else(|| named.map(PathBuf::from)) else {
+        return Ok(None);
+    };
+    let name = path.display().to_string();
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Ok(Some((text, name))),
+        Err(e) => {
+            let e = ConfigError::new(name, format!("cannot read config file: {e}"));
+            Err(ConfigErrors(vec![e]))
+        }
+    }
+}
+
 impl Config {
     /// Loads the configuration from a file (if any), the environment map
     /// and flags, with precedence flag > environment > file > default.
     /// Returns every problem found, not just the first.
     pub fn load(sources: &ConfigSources) -> Result<Config, ConfigErrors> {
-        let named = sources
-            .env
-            .get("SLUICEGATE_CONFIG")
-            .filter(|p| !p.is_empty());
-        let Some(path) = sources.file.clone().or_else(|| named.map(PathBuf::from)) else {
-            return load_text(None, &sources.env, &sources.overrides);
-        };
-        let name = path.display().to_string();
-        match std::fs::read_to_string(&path) {
-            Ok(text) => load_text(Some((&text, &name)), &sources.env, &sources.overrides),
-            Err(e) => {
-                let e = ConfigError::new(name, format!("cannot read config file: {e}"));
-                Err(ConfigErrors(vec![e]))
-            }
+        match source_text(sources)? {
+            Some((text, name)) => load_text(Some((&text, &name)), &sources.env, &sources.overrides),
+            None => load_text(None, &sources.env, &sources.overrides),
         }
     }
 

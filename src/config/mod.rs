@@ -226,6 +226,14 @@ spelled! {
         Json = "json",
     }
 
+    /// Where `sluicegate serve` runs the dispatcher.
+    pub enum ServeDispatcher, as_str {
+        /// In the API server's process (default).
+        InProcess = "in-process",
+        /// Elsewhere (`sluicegate run`): the server only serves the API.
+        Separate = "separate",
+    }
+
     /// Which header carries the queue's inference objective; the config
     /// spelling is the header name.
     pub enum ObjectiveHeader, header_name {
@@ -415,6 +423,38 @@ section! {
         log_format: LogFormat = LogFormat::Text, choice(LogFormat::CHOICES);
         /// An `EnvFilter` directive string, e.g. `info,sluicegate=debug`.
         log_level: String = "info".to_owned(), env_filter;
+    }
+
+    /// `[serve]`: the OpenAI Batch API server (`sluicegate serve`,
+    /// `docs/batch-api.md`). Read by [`ServeConfig::load`] only; the
+    /// dispatcher ignores it.
+    pub struct ServeConfig in "serve" {
+        /// Address of the Files and Batches API.
+        listen: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 8080)), socket_addr;
+        /// Directory of file bodies; with the embedded transport also the
+        /// batch records (`batches.db`). A shared volume for Redis replicas.
+        data_dir: PathBuf = PathBuf::from("sluicegate-data"), path;
+        /// The `[[queue]]` batches go into; empty = the first one.
+        #[serde(serialize_with = "render::or_empty")]
+        queue: Option<String> = None, optional_string;
+        /// Where the dispatcher runs: `in-process` or `separate`.
+        dispatcher: ServeDispatcher = ServeDispatcher::InProcess,
+            choice(ServeDispatcher::CHOICES);
+        /// API keys: `tenant:key` entries separated by commas or newlines.
+        api_keys: Option<Secret> = None, inline_secret;
+        /// File of API keys, one `tenant:key` per line (`#` comments).
+        api_keys_file: Option<PathBuf> = None, |v| path(v).map(Some);
+        /// Largest uploaded file in bytes.
+        max_file_bytes: u64 = 200 * 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
+        /// Largest input line in bytes.
+        max_line_bytes: u64 = 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
+        /// Most requests in one batch.
+        max_lines_per_batch: u64 = 50_000, |v| as_u64_in(v, 1, u64::MAX);
+        /// Redis transport: the list the batch requests' results go to
+        /// (unless the queue sets `result_queue_name`); only serve reads it.
+        result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;
+        /// Redis transport: prefix of the batch-record keys.
+        key_prefix: String = "sluicegate:batchapi:".to_owned(), as_nonempty_string;
     }
 }
 

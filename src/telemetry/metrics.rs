@@ -50,6 +50,49 @@ pub struct DecisionLabels {
     pub reason: &'static str,
 }
 
+/// Label set `{queue, status}` (Batch API batch status).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct StatusLabels {
+    /// The queue the batches' requests go into.
+    pub queue: String,
+    /// Bounded status label.
+    pub status: &'static str,
+}
+
+/// Outcomes of a Batch API request: a 2xx answer (`completed`), any
+/// other answer or error (`failed`), stopped by the completion window
+/// (`expired`) or by a cancel (`cancelled`).
+pub const BATCH_OUTCOMES: [&str; 4] = ["completed", "failed", "expired", "cancelled"];
+
+/// The Batch API server's metric handles for its queue (`sluicegate
+/// serve`), cheap to clone.
+#[derive(Debug, Clone)]
+pub struct BatchApiMetrics {
+    queue: String,
+    batches: Family<StatusLabels, Gauge>,
+    requests: Family<OutcomeLabels, Counter>,
+}
+
+impl BatchApiMetrics {
+    /// Sets how many batches are in `status` (all servers of the store).
+    pub fn set_batches(&self, status: &'static str, n: u64) {
+        let labels = StatusLabels {
+            queue: self.queue.clone(),
+            status,
+        };
+        (self.batches.get_or_create(&labels)).set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one batch request settled with `outcome` (of [`BATCH_OUTCOMES`]).
+    pub fn request(&self, outcome: &'static str) {
+        let labels = OutcomeLabels {
+            queue: self.queue.clone(),
+            outcome,
+        };
+        self.requests.get_or_create(&labels).inc();
+    }
+}
+
 /// Every metric family of the process.
 #[derive(Debug)]
 pub struct Metrics {
@@ -79,6 +122,8 @@ pub struct Metrics {
     dead_letters: Family<QueueLabel, Counter>,
     attempt_latency: HistogramFamily,
     dispatch_delay: HistogramFamily,
+    batches: Family<StatusLabels, Gauge>,
+    batch_requests: Family<OutcomeLabels, Counter>,
 }
 
 /// Histogram family with fixed buckets per family.
@@ -139,7 +184,19 @@ impl Metrics {
             dead_letters: Family::default(),
             attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
+            batches: Family::default(),
+            batch_requests: Family::default(),
         };
+        m.registry.register(
+            "sluicegate_batches",
+            "Batch API batches, by status (sluicegate serve)",
+            m.batches.clone(),
+        );
+        m.registry.register(
+            "sluicegate_batch_requests",
+            "Batch API requests settled, by outcome (sluicegate serve)",
+            m.batch_requests.clone(),
+        );
         let r = &mut m.registry;
         r.register(
             "sluicegate_requests_received",
@@ -289,6 +346,8 @@ impl Metrics {
                 outcome,
             });
         }
+        // A queue may take Batch API work (`sluicegate serve`).
+        let _ = self.batch_api(name);
         for reason in RETRY_REASONS {
             let _ = self.retries.get_or_create_owned(&ReasonLabels {
                 queue: queue(),
@@ -327,6 +386,28 @@ impl Metrics {
             dead_letters: self.dead_letters.get_or_create_owned(&l),
             attempt_latency: self.attempt_latency.get_or_create_owned(&l),
             dispatch_delay: self.dispatch_delay.get_or_create_owned(&l),
+        }
+    }
+
+    /// The Batch API server's handles for `queue`, every status and
+    /// outcome created at zero.
+    pub fn batch_api(&self, queue: &str) -> BatchApiMetrics {
+        for outcome in BATCH_OUTCOMES {
+            let _ = self.batch_requests.get_or_create_owned(&OutcomeLabels {
+                queue: queue.to_owned(),
+                outcome,
+            });
+        }
+        for status in crate::serve::model::BatchStatus::ALL {
+            let _ = self.batches.get_or_create_owned(&StatusLabels {
+                queue: queue.to_owned(),
+                status: status.as_str(),
+            });
+        }
+        BatchApiMetrics {
+            queue: queue.to_owned(),
+            batches: self.batches.clone(),
+            requests: self.batch_requests.clone(),
         }
     }
 
@@ -490,6 +571,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_queue_dead_letters_total",
     "sluicegate_attempt_duration_seconds",
     "sluicegate_dispatch_delay_seconds",
+    "sluicegate_batches",
+    "sluicegate_batch_requests_total",
 ];
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod otlp;
 pub mod prometheus;
 pub mod redis;
 pub mod redis_cluster;
+pub mod serve;
 pub mod sim;
 pub mod tenants;
 

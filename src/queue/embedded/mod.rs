@@ -323,8 +323,22 @@ impl EmbeddedQueue {
     /// under an unexpired lease is in flight and left alone (its worker
     /// answers it).
     pub fn cancel(&self, id: &str) -> Result<EmbeddedCancel, EmbeddedError> {
+        Ok(match self.cancel_where(|candidate| candidate == id)? {
+            (0, 0) => EmbeddedCancel::NotPending,
+            (0, _) => EmbeddedCancel::InFlight,
+            (n, _) => EmbeddedCancel::Cancelled(n),
+        })
+    }
+
+    /// [`EmbeddedQueue::cancel`] for every message whose id `matches`, in
+    /// one pass over the queue (the Batch API cancels a whole batch at
+    /// once); returns `(cancelled, in flight)`.
+    pub fn cancel_where(
+        &self,
+        matches: impl Fn(&str) -> bool,
+    ) -> Result<(u64, u64), EmbeddedError> {
         let now = now_ms();
-        let outcome = self.inner.write(|tx, queue| {
+        self.inner.write(|tx, queue| {
             let rows: Vec<(i64, Vec<u8>, bool)> = {
                 let mut s = tx.prepare(
                     "SELECT seq, body, lease_tag IS NOT NULL AND lease_expires_ms > ?2 FROM messages WHERE queue = ?1",
@@ -337,10 +351,18 @@ impl EmbeddedQueue {
                 let Ok(message) = parse_message(&body) else {
                     continue;
                 };
-                if message.request.id != id {
+                let id = message.request.id.as_str();
+                if !matches(id) {
                     continue;
                 }
                 if leased {
+                    // Leased is not yet sent: a dispatcher may hold it in
+                    // its lookahead or at a gate. The mark makes
+                    // `Queue::cancelled` say so before it is sent.
+                    tx.execute(
+                        "INSERT OR IGNORE INTO cancel_marks (seq) VALUES (?1)",
+                        [seq],
+                    )?;
                     in_flight += 1;
                     continue;
                 }
@@ -359,13 +381,30 @@ impl EmbeddedQueue {
                 tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
                 cancelled += 1;
             }
-            Ok(match (cancelled, in_flight) {
-                (0, 0) => EmbeddedCancel::NotPending,
-                (0, _) => EmbeddedCancel::InFlight,
-                (n, _) => EmbeddedCancel::Cancelled(n),
-            })
+            Ok((cancelled, in_flight))
+        })
+    }
+
+    /// Results written after write position `after`, at most `limit`, each
+    /// with its position: a reader that keeps the last position sees
+    /// every result once, in write order (the Batch API's collector).
+    pub fn results_after(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, ResultRecord)>, EmbeddedError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows: Vec<(i64, String)> = self.inner.read(|c, queue| {
+            let mut s = c.prepare_cached(
+                "SELECT seq, record FROM results WHERE queue = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+            )?;
+            s.query_map(params![queue, after, limit], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect()
         })?;
-        Ok(outcome)
+        Ok(rows
+            .into_iter()
+            .filter_map(|(seq, r)| Some((seq, serde_json::from_str(&r).ok()?)))
+            .collect())
     }
 
     /// Messages currently under an unexpired lease.
@@ -506,6 +545,7 @@ impl Inner {
                 "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
             )?;
             let mut delete = tx.prepare_cached("DELETE FROM messages WHERE seq = ?1")?;
+            let mut unmark = tx.prepare_cached("DELETE FROM cancel_marks WHERE seq = ?1")?;
             for Completion { tag, result } in completions {
                 let seq: Option<i64> = find
                     .query_row(params![tag.0], |r| r.get(0))
@@ -524,6 +564,7 @@ impl Inner {
                     report.duplicates += 1;
                 }
                 delete.execute([seq])?;
+                unmark.execute([seq])?;
             }
             Ok(report)
         })
@@ -660,6 +701,24 @@ impl Queue for EmbeddedQueue {
 
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
         Box::pin(async move { self.blocking(|i| i.backlog()).await.map(Some) })
+    }
+
+    fn cancelled(&self, tag: &DeliveryTag) -> BoxFuture<'_, bool> {
+        let tag = tag.0.clone();
+        Box::pin(async move {
+            self.blocking(move |i| {
+                i.read(|c, _| {
+                    c.query_row(
+                        "SELECT EXISTS (SELECT 1 FROM messages m JOIN cancel_marks k ON k.seq = m.seq WHERE m.lease_tag = ?1)",
+                        [&tag],
+                        |r| r.get::<_, bool>(0),
+                    )
+                })
+            })
+            .await
+            // Unreadable: send it; a cancel is best effort for leased work.
+            .unwrap_or(false)
+        })
     }
 
     // `close` keeps the default: several workers may share one store, and

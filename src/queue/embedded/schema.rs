@@ -45,6 +45,9 @@ CREATE TABLE IF NOT EXISTS results (
     written_at_ms INTEGER NOT NULL,
     UNIQUE (queue, id, token)
 );
+CREATE TABLE IF NOT EXISTS cancel_marks (
+    seq INTEGER PRIMARY KEY
+);
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq        INTEGER PRIMARY KEY AUTOINCREMENT,
     queue      TEXT    NOT NULL,

@@ -1,0 +1,997 @@
+//! The batch lifecycle, run by every server on the same store:
+//!
+//! - intake: check the input file line by line (first pass; any bad
+//!   line fails the batch with its line number, as OpenAI does), then
+//!   enqueue its requests in chunks (second pass), each with the batch's
+//!   deadline and the tenant as its fairness attribute;
+//! - collect: results the dispatcher wrote to the queue become output
+//!   lines of their batch (first result per request wins, so re-reading
+//!   a result is harmless);
+//! - sweep: expiry, cancel, finalizing (output and error files) and the
+//!   take-over of a step whose server died.
+//!
+//! Why two passes: a batch is refused whole when a line is bad, so no
+//! request may be sent before the last line is checked, and holding the
+//! file in memory is not allowed (`serve.max_file_bytes` may be large).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio_util::sync::CancellationToken;
+
+use super::files::{Bodies, Line, read_line};
+use super::model::{
+    BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
+};
+use super::sink::{Sink, SinkError};
+use super::store::{Recorded, Store, StoreError};
+use crate::batch::input::openai_request;
+use crate::batch::output::openai_line;
+use crate::queue::embedded::EmbeddedQueue;
+use crate::request::{MAX_ID_LEN, Message, parse_message};
+use crate::result::{ErrorCode, ResultRecord};
+use crate::telemetry::BatchApiMetrics;
+
+/// Validation errors listed in a batch; further ones are only counted.
+const MAX_LISTED_ERRORS: usize = 100;
+/// Requests per enqueue round trip.
+const CHUNK: usize = 500;
+/// A step (validation, finalizing) untouched this long is taken over by
+/// another server: its server died.
+const STALE_SECS: i64 = 60;
+/// How long a cancelled batch waits for its requests in flight before the
+/// rest are answered `batch_cancelled` by the server itself (a cancelled
+/// message the dispatcher never takes again must not hold it forever).
+const CANCEL_GRACE_SECS: i64 = 30;
+/// How often the sweep runs.
+const SWEEP_EVERY: Duration = Duration::from_millis(500);
+/// How often an idle collector looks for new results.
+const COLLECT_IDLE: Duration = Duration::from_millis(200);
+/// Results per collector read.
+const COLLECT_PAGE: usize = 500;
+/// Output lines per store read while writing the files.
+const FILE_PAGE: usize = 1000;
+
+/// The configured size limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest upload.
+    pub max_file_bytes: u64,
+    /// Largest input line.
+    pub max_line_bytes: u64,
+    /// Most requests per batch.
+    pub max_lines: u64,
+}
+
+/// A lifecycle step that failed (logged; the sweep tries again).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The queue failed.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// A file body could not be read or written.
+    #[error("file body: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The lifecycle runner of one server.
+#[derive(Debug)]
+pub struct Engine {
+    /// Records.
+    pub store: Store,
+    /// File bodies.
+    pub bodies: Bodies,
+    /// The queue.
+    sink: Sink,
+    /// Size limits.
+    pub limits: Limits,
+    /// The request metadata key the tenant is written under.
+    fairness: Option<String>,
+    metrics: BatchApiMetrics,
+    /// Batches with a step running in this process.
+    running: Mutex<HashSet<String>>,
+}
+
+fn line_error(code: &str, message: String, param: Option<&str>, line: Option<u64>) -> LineError {
+    LineError {
+        code: code.to_owned(),
+        message,
+        param: param.map(str::to_owned),
+        line,
+    }
+}
+
+impl Engine {
+    /// An engine on `store`, `bodies` and `sink`.
+    pub fn new(
+        store: Store,
+        bodies: Bodies,
+        sink: Sink,
+        limits: Limits,
+        fairness: Option<String>,
+        metrics: BatchApiMetrics,
+    ) -> Self {
+        Self {
+            store,
+            bodies,
+            sink,
+            limits,
+            fairness,
+            metrics,
+            running: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Applies `change` to the stored batch with compare-and-set, reading
+    /// again when another server changed it first. `change` returns
+    /// `false` to leave it alone; `None` then (or when it is gone).
+    pub async fn update(
+        &self,
+        id: &str,
+        change: impl Fn(&mut BatchRecord) -> bool,
+    ) -> Result<Option<BatchRecord>, StoreError> {
+        loop {
+            let Some(old) = self.store.batch(id).await? else {
+                return Ok(None);
+            };
+            let mut new = old.clone();
+            if !change(&mut new) {
+                return Ok(None);
+            }
+            if self.store.replace_batch(&old, &new).await? {
+                return Ok(Some(new));
+            }
+        }
+    }
+
+    /// Runs `step` for `id` in the background unless this process already
+    /// runs one for it.
+    fn spawn_step<F>(self: &Arc<Self>, id: &str, what: &'static str, step: F)
+    where
+        F: Future<Output = Result<(), EngineError>> + Send + 'static,
+    {
+        if !self.lock_running().insert(id.to_owned()) {
+            return;
+        }
+        let (engine, id) = (self.clone(), id.to_owned());
+        tokio::spawn(async move {
+            if let Err(error) = step.await {
+                tracing::warn!(batch = %id, %error, "{what} failed; the sweep retries it");
+            }
+            engine.lock_running().remove(&id);
+        });
+    }
+
+    fn lock_running(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts checking and enqueuing a new batch.
+    pub fn start_intake(self: &Arc<Self>, id: &str) {
+        let (engine, batch) = (self.clone(), id.to_owned());
+        self.spawn_step(id, "validation", async move { engine.intake(&batch).await });
+    }
+
+    /// Checks one input line and makes it the queue message of its
+    /// request; `Ok(None)` for a blank line. `seen` holds the custom_ids
+    /// of earlier lines.
+    fn check_line(
+        &self,
+        batch: &BatchRecord,
+        n: u64,
+        line: &Line,
+        seen: &mut HashSet<String>,
+    ) -> Result<Option<Message>, LineError> {
+        let Line::Text(bytes) = line else {
+            let max = self.limits.max_line_bytes;
+            return Err(line_error(
+                "line_too_long",
+                format!("line {n} is longer than {max} bytes (serve.max_line_bytes)"),
+                None,
+                Some(n),
+            ));
+        };
+        let invalid_json = |why: String| {
+            line_error(
+                "invalid_json_line",
+                format!("line {n}: {why}"),
+                None,
+                Some(n),
+            )
+        };
+        let text =
+            std::str::from_utf8(bytes).map_err(|e| invalid_json(format!("not UTF-8: {e}")))?;
+        if text.trim().is_empty() {
+            return Ok(None);
+        }
+        match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(_)) => {}
+            Ok(_) => return Err(invalid_json("not a JSON object".into())),
+            Err(e) => return Err(invalid_json(format!("not valid JSON: {e}"))),
+        }
+        let invalid = |why: String, param: Option<&str>| {
+            line_error(
+                "invalid_request",
+                format!("line {n}: {why}"),
+                param,
+                Some(n),
+            )
+        };
+        let body = openai_request(text, batch.expires_at).map_err(|(_, why)| invalid(why, None))?;
+        let mut message = parse_message(&body).map_err(|f| invalid(f.reason, None))?;
+        if message.request.endpoint.as_deref() != Some(batch.endpoint.as_str()) {
+            return Err(line_error(
+                "mismatched_endpoint",
+                format!(
+                    "line {n}: url {} differs from the batch's endpoint {}",
+                    message.request.endpoint.as_deref().unwrap_or_default(),
+                    batch.endpoint
+                ),
+                Some("url"),
+                Some(n),
+            ));
+        }
+        let custom_id = message.request.id.clone();
+        if batch.message_id(&custom_id).len() > MAX_ID_LEN {
+            let max = MAX_ID_LEN - batch.message_id("").len();
+            return Err(invalid(
+                format!("custom_id is longer than {max} bytes"),
+                Some("custom_id"),
+            ));
+        }
+        if !seen.insert(custom_id.clone()) {
+            return Err(line_error(
+                "duplicate_custom_id",
+                format!("line {n}: custom_id `{custom_id}` is used by an earlier line"),
+                Some("custom_id"),
+                Some(n),
+            ));
+        }
+        message.request.id = batch.message_id(&custom_id);
+        if let Some(key) = &self.fairness {
+            message
+                .request
+                .metadata
+                .insert(key.clone(), batch.tenant.clone());
+        }
+        Ok(Some(message))
+    }
+
+    async fn open_input(&self, batch: &BatchRecord) -> std::io::Result<BufReader<tokio::fs::File>> {
+        let file = tokio::fs::File::open(self.bodies.path(&batch.input_file_id)).await?;
+        Ok(BufReader::new(file))
+    }
+
+    /// Validation (pass 1) then enqueuing (pass 2); see the module docs.
+    async fn intake(&self, id: &str) -> Result<(), EngineError> {
+        let Some(batch) = self
+            .update(id, |b| {
+                b.touched_at = now();
+                b.status == BatchStatus::Validating
+            })
+            .await?
+        else {
+            return Ok(());
+        };
+        let (mut errors, mut omitted) = (Vec::new(), 0u64);
+        let mut push = |e: LineError| {
+            if errors.len() < MAX_LISTED_ERRORS {
+                errors.push(e);
+            } else {
+                omitted += 1;
+            }
+        };
+        let mut reader = match self.open_input(&batch).await {
+            Ok(r) => r,
+            Err(e) => {
+                push(line_error(
+                    "invalid_input_file",
+                    format!("the input file cannot be read: {e}"),
+                    Some("input_file_id"),
+                    None,
+                ));
+                return self.refuse(id, errors, omitted).await;
+            }
+        };
+        let (mut n, mut count) = (0u64, 0u64);
+        let mut seen = HashSet::new();
+        while let Some(line) = read_line(&mut reader, self.limits.max_line_bytes).await? {
+            n += 1;
+            match self.check_line(&batch, n, &line, &mut seen) {
+                Ok(None) => continue,
+                Ok(Some(_)) => {}
+                Err(e) => push(e),
+            }
+            count += 1;
+            if count > self.limits.max_lines {
+                push(line_error(
+                    "too_many_lines",
+                    format!(
+                        "line {n}: the batch has more than {} requests (serve.max_lines_per_batch)",
+                        self.limits.max_lines
+                    ),
+                    None,
+                    Some(n),
+                ));
+                break;
+            }
+        }
+        if count == 0 {
+            push(line_error(
+                "empty_file",
+                "the input file has no requests".into(),
+                Some("input_file_id"),
+                None,
+            ));
+        }
+        if !errors.is_empty() {
+            return self.refuse(id, errors, omitted).await;
+        }
+        self.enqueue_all(&batch, count).await
+    }
+
+    async fn refuse(
+        &self,
+        id: &str,
+        errors: Vec<LineError>,
+        omitted: u64,
+    ) -> Result<(), EngineError> {
+        tracing::info!(batch = %id, errors = errors.len() as u64 + omitted, "batch input refused");
+        self.update(id, |b| {
+            match b.status {
+                BatchStatus::Validating => {
+                    b.status = BatchStatus::Failed;
+                    b.failed_at = Some(now());
+                    b.errors = errors.clone();
+                    b.errors_omitted = omitted;
+                }
+                // Cancelled meanwhile: nothing was enqueued, so it may end
+                // `cancelled` at once (the sweep finalizes it).
+                BatchStatus::Cancelling => {
+                    b.total = 0;
+                    b.enqueued = true;
+                }
+                _ => return false,
+            }
+            true
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Pass 2: every line (all valid now) into the queue, a chunk at a
+    /// time; a cancel that arrives meanwhile stops it between chunks.
+    async fn enqueue_all(&self, batch: &BatchRecord, count: u64) -> Result<(), EngineError> {
+        let mut reader = self.open_input(batch).await?;
+        let (mut n, mut enqueued) = (0u64, 0u64);
+        let mut seen = HashSet::new();
+        let mut chunk = Vec::with_capacity(CHUNK);
+        let mut stopped = false;
+        loop {
+            let line = read_line(&mut reader, self.limits.max_line_bytes).await?;
+            let end = line.is_none();
+            if let Some(line) = line {
+                n += 1;
+                if let Ok(Some(message)) = self.check_line(batch, n, &line, &mut seen) {
+                    chunk.push(message);
+                }
+            }
+            if chunk.len() < CHUNK && !end {
+                continue;
+            }
+            let still = self
+                .update(&batch.id, |b| {
+                    b.touched_at = now();
+                    b.status == BatchStatus::Validating
+                })
+                .await?;
+            if still.is_none() {
+                stopped = true;
+                break;
+            }
+            enqueued += chunk.len() as u64;
+            self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+            if end {
+                break;
+            }
+        }
+        let at = now();
+        self.update(&batch.id, |b| {
+            match b.status {
+                BatchStatus::Validating if !stopped => {
+                    b.status = BatchStatus::InProgress;
+                    b.in_progress_at = Some(at);
+                    b.total = count;
+                }
+                // Cancelled while enqueuing: only what went in counts.
+                BatchStatus::Cancelling => b.total = enqueued,
+                _ => return false,
+            }
+            b.enqueued = true;
+            b.touched_at = at;
+            true
+        })
+        .await?;
+        if stopped {
+            self.stop_requests(batch).await?;
+        }
+        tracing::info!(batch = %batch.id, requests = enqueued, "batch enqueued");
+        Ok(())
+    }
+
+    /// Asks the queue to stop the batch's requests not yet sent.
+    async fn stop_requests(&self, batch: &BatchRecord) -> Result<(), EngineError> {
+        let ids = match self.sink.needs_ids() {
+            true => self.message_ids(batch).await?,
+            false => Vec::new(),
+        };
+        self.sink.cancel(&batch.id, ids).await?;
+        Ok(())
+    }
+
+    /// The message ids of the batch's requests (read from its input file).
+    async fn message_ids(&self, batch: &BatchRecord) -> Result<Vec<String>, EngineError> {
+        Ok(self
+            .custom_ids(batch)
+            .await?
+            .iter()
+            .map(|c| batch.message_id(c))
+            .collect())
+    }
+
+    async fn custom_ids(&self, batch: &BatchRecord) -> Result<Vec<String>, EngineError> {
+        let mut reader = self.open_input(batch).await?;
+        let (mut n, mut seen, mut ids) = (0u64, HashSet::new(), Vec::new());
+        while let Some(line) = read_line(&mut reader, self.limits.max_line_bytes).await? {
+            n += 1;
+            if let Ok(Some(m)) = self.check_line(batch, n, &line, &mut seen) {
+                ids.push(
+                    m.request
+                        .id
+                        .split_once(':')
+                        .map_or(String::new(), |(_, c)| c.to_owned()),
+                );
+            }
+        }
+        Ok(ids)
+    }
+
+    /// `POST /v1/batches/{id}/cancel`: `cancelling` at once; requests not
+    /// yet sent are stopped, those in flight finish, and the sweep
+    /// finalizes it `cancelled` with the results so far.
+    pub async fn cancel(&self, id: &str) -> Result<Option<BatchRecord>, EngineError> {
+        let at = now();
+        let Some(batch) = self
+            .update(id, |b| {
+                if !matches!(b.status, BatchStatus::Validating | BatchStatus::InProgress) {
+                    return false;
+                }
+                b.status = BatchStatus::Cancelling;
+                b.stop = Some(Stop::Cancel);
+                b.cancelling_at = Some(at);
+                true
+            })
+            .await?
+        else {
+            return Ok(self.store.batch(id).await?);
+        };
+        if batch.enqueued {
+            self.stop_requests(&batch).await?;
+        }
+        Ok(Some(batch))
+    }
+
+    /// Answers every request of the batch without a result yet with
+    /// `code` (expired or cancelled), so it can be finalized.
+    async fn fill_missing(&self, batch: &BatchRecord, code: ErrorCode) -> Result<(), EngineError> {
+        let message = match code {
+            ErrorCode::DeadlineExceeded => {
+                "the batch's completion window ended before this request ran"
+            }
+            _ => "the batch was cancelled before this request ran",
+        };
+        let ids = self.custom_ids(batch).await?;
+        for chunk in ids.chunks(CHUNK) {
+            let items = chunk
+                .iter()
+                .map(|custom_id| {
+                    let id = batch.message_id(custom_id);
+                    let result = ResultRecord::error(&id, None, code, message);
+                    self.output_line(custom_id, result)
+                })
+                .collect();
+            self.record(&batch.id, items).await?;
+        }
+        Ok(())
+    }
+
+    /// The output line of a result, and its outcome label.
+    fn output_line(&self, custom_id: &str, result: ResultRecord) -> (Recorded, &'static str) {
+        let outcome = match (result.status_code, result.error_code) {
+            (Some(s), _) if (200..300).contains(&s) => "completed",
+            (_, Some(ErrorCode::DeadlineExceeded)) => "expired",
+            (_, Some(ErrorCode::Cancelled)) => "cancelled",
+            _ => "failed",
+        };
+        let line = openai_line(&new_id("batch_req_"), custom_id, &result).to_string();
+        let recorded = Recorded {
+            custom_id: custom_id.to_owned(),
+            ok: outcome == "completed",
+            line,
+        };
+        (recorded, outcome)
+    }
+
+    /// Records a batch's output lines (first per request wins) and counts
+    /// the new ones by outcome.
+    async fn record(
+        &self,
+        batch: &str,
+        items: Vec<(Recorded, &'static str)>,
+    ) -> Result<(), EngineError> {
+        let (lines, outcomes): (Vec<Recorded>, Vec<&'static str>) = items.into_iter().unzip();
+        let new = self.store.record_results(batch, &lines).await?;
+        for (added, outcome) in new.into_iter().zip(outcomes) {
+            if added {
+                self.metrics.request(outcome);
+            }
+        }
+        Ok(())
+    }
+
+    /// Results from the queue into their batches' output lines; other
+    /// results (not a batch request, a finished batch) are ignored. One
+    /// store write per batch.
+    async fn apply(&self, results: Vec<ResultRecord>) -> Result<(), EngineError> {
+        let mut batches: HashMap<String, Option<BatchRecord>> = HashMap::new();
+        let mut items: HashMap<String, Vec<(Recorded, &'static str)>> = HashMap::new();
+        for mut result in results {
+            let Some((batch_id, custom_id)) = split_message_id(&result.id) else {
+                continue;
+            };
+            let (batch_id, custom_id) = (batch_id.to_owned(), custom_id.to_owned());
+            if !batches.contains_key(&batch_id) {
+                let batch = self.store.batch(&batch_id).await?;
+                batches.insert(batch_id.clone(), batch);
+            }
+            let Some(Some(batch)) = batches.get(&batch_id) else {
+                continue;
+            };
+            if batch.status.is_terminal() || batch.status == BatchStatus::Finalizing {
+                continue;
+            }
+            // A request the expiry stopped reads as expired, not cancelled.
+            if batch.stop == Some(Stop::Expire) && result.error_code == Some(ErrorCode::Cancelled) {
+                result.error_code = Some(ErrorCode::DeadlineExceeded);
+            }
+            let item = self.output_line(&custom_id, result);
+            items.entry(batch_id).or_default().push(item);
+        }
+        for (batch, items) in items {
+            self.record(&batch, items).await?;
+        }
+        Ok(())
+    }
+
+    /// Applies results of the embedded queue from the saved position on,
+    /// until `stop`.
+    pub async fn collect_embedded(
+        self: Arc<Self>,
+        queue: EmbeddedQueue,
+        position: super::store::SqliteStore,
+        stop: CancellationToken,
+    ) {
+        let mut after = position.collected_up_to().await.unwrap_or(0);
+        while !stop.is_cancelled() {
+            let q = queue.clone();
+            let page =
+                tokio::task::spawn_blocking(move || q.results_after(after, COLLECT_PAGE)).await;
+            let rows = match page {
+                Ok(Ok(rows)) => rows,
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "cannot read results; retrying");
+                    Vec::new()
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot read results; retrying");
+                    Vec::new()
+                }
+            };
+            if rows.is_empty() {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(COLLECT_IDLE) => continue,
+                }
+            }
+            let last = rows.last().map_or(after, |r| r.0);
+            let applied = match self.apply(rows.into_iter().map(|r| r.1).collect()).await {
+                Ok(()) => last,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot record results; retrying");
+                    after
+                }
+            };
+            if applied != after {
+                after = applied;
+                if let Err(error) = position.set_collected_up_to(after).await {
+                    tracing::warn!(%error, "cannot save the collector position");
+                }
+            } else {
+                tokio::time::sleep(COLLECT_IDLE).await;
+            }
+        }
+    }
+
+    /// Applies results from the Redis result `list`, oldest first, until
+    /// `stop`. An entry is removed only after it is recorded; results of
+    /// other producers are moved to `<list>-unclaimed`, never dropped.
+    pub async fn collect_redis(
+        self: Arc<Self>,
+        conn: crate::queue::redis::RedisConnection,
+        list: String,
+        stop: CancellationToken,
+    ) {
+        let unclaimed = format!("{list}-unclaimed");
+        let mut conn = conn;
+        while !stop.is_cancelled() {
+            let items: Result<Vec<String>, _> = redis::cmd("LRANGE")
+                .arg(&list)
+                .arg(-(COLLECT_PAGE as i64))
+                .arg(-1)
+                .query_async(&mut conn)
+                .await;
+            let items = match items {
+                Ok(items) => items,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot read results from redis; retrying");
+                    Vec::new()
+                }
+            };
+            if items.is_empty() {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(COLLECT_IDLE) => continue,
+                }
+            }
+            // LPUSH puts the newest first: the tail is the oldest.
+            for item in items.iter().rev() {
+                let result: Option<ResultRecord> = serde_json::from_str(item).ok();
+                let ours = result
+                    .as_ref()
+                    .is_some_and(|r| split_message_id(&r.id).is_some());
+                let step = async {
+                    match result {
+                        Some(r) if ours => self.apply(vec![r]).await?,
+                        _ => {
+                            redis::cmd("LPUSH")
+                                .arg(&unclaimed)
+                                .arg(item)
+                                .query_async::<()>(&mut conn)
+                                .await
+                                .map_err(StoreError::from)?;
+                        }
+                    }
+                    redis::cmd("LREM")
+                        .arg(&list)
+                        .arg(-1)
+                        .arg(item)
+                        .query_async::<()>(&mut conn)
+                        .await
+                        .map_err(StoreError::from)?;
+                    Ok::<(), EngineError>(())
+                };
+                if let Err(error) = step.await {
+                    tracing::warn!(%error, "cannot record a result; retrying");
+                    tokio::time::sleep(COLLECT_IDLE).await;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Runs [`Engine::sweep`] until `stop`.
+    pub async fn run_sweeps(self: Arc<Self>, stop: CancellationToken) {
+        while !stop.is_cancelled() {
+            if let Err(error) = self.sweep().await {
+                tracing::warn!(%error, "batch sweep failed; retrying");
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(SWEEP_EVERY) => {}
+            }
+        }
+    }
+
+    /// One pass over the active batches: take-overs, expiry, and
+    /// finalizing those whose every request has a result. Also refreshes
+    /// the `batches` gauge.
+    pub async fn sweep(self: &Arc<Self>) -> Result<(), EngineError> {
+        let at = now();
+        for batch in self.store.active_batches().await? {
+            let mine = self.lock_running().contains(&batch.id);
+            let stale = at - batch.touched_at >= STALE_SECS;
+            match batch.status {
+                BatchStatus::Validating if !mine && stale => self.start_intake(&batch.id),
+                BatchStatus::InProgress if at >= batch.expires_at && !mine => {
+                    let (engine, id) = (self.clone(), batch.id.clone());
+                    self.spawn_step(&batch.id, "expiry", async move { engine.expire(&id).await });
+                }
+                // Cancelled while its validating server died: take over.
+                BatchStatus::Cancelling if !batch.enqueued && !mine && stale => {
+                    let (engine, b) = (self.clone(), batch.clone());
+                    self.spawn_step(&batch.id, "cancel", async move {
+                        engine.adopt_cancelled(&b).await
+                    });
+                }
+                BatchStatus::InProgress | BatchStatus::Cancelling if batch.enqueued && !mine => {
+                    let (ok, failed) = self.store.counts(&batch.id).await?;
+                    let (engine, b) = (self.clone(), batch.clone());
+                    if ok + failed >= batch.total {
+                        self.spawn_step(&batch.id, "finalizing", async move {
+                            engine.finalize(&b.id).await
+                        });
+                    } else if batch.status == BatchStatus::Cancelling
+                        && at - batch.cancelling_at.unwrap_or(at) >= CANCEL_GRACE_SECS
+                    {
+                        self.spawn_step(&batch.id, "cancel", async move {
+                            engine.fill_missing(&b, ErrorCode::Cancelled).await?;
+                            engine.finalize(&b.id).await
+                        });
+                    }
+                }
+                BatchStatus::Finalizing if !mine && stale => {
+                    let (engine, id) = (self.clone(), batch.id.clone());
+                    self.spawn_step(&batch.id, "finalizing", async move {
+                        engine.finalize(&id).await
+                    });
+                }
+                _ => {}
+            }
+        }
+        for (status, n) in self.store.status_counts().await? {
+            self.metrics.set_batches(status.as_str(), n);
+        }
+        Ok(())
+    }
+
+    /// A batch cancelled while its validating server died: whatever that
+    /// server enqueued is stopped, and every valid line counts, so the
+    /// cancel grace answers the rest and finalizes it.
+    async fn adopt_cancelled(&self, batch: &BatchRecord) -> Result<(), EngineError> {
+        let total = self.custom_ids(batch).await?.len() as u64;
+        self.stop_requests(batch).await?;
+        self.update(&batch.id, |b| {
+            if b.status != BatchStatus::Cancelling || b.enqueued {
+                return false;
+            }
+            b.total = total;
+            b.enqueued = true;
+            b.touched_at = now();
+            true
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// The completion window ended: requests not yet sent are stopped,
+    /// every request without a result ends `batch_expired`, and the batch
+    /// is finalized `expired` with the results so far.
+    async fn expire(&self, id: &str) -> Result<(), EngineError> {
+        let Some(batch) = self
+            .update(id, |b| {
+                if b.status != BatchStatus::InProgress {
+                    return false;
+                }
+                b.stop = Some(Stop::Expire);
+                b.touched_at = now();
+                true
+            })
+            .await?
+        else {
+            return Ok(());
+        };
+        self.stop_requests(&batch).await?;
+        self.fill_missing(&batch, ErrorCode::DeadlineExceeded)
+            .await?;
+        self.finalize(id).await
+    }
+
+    /// Writes the output and error files of a batch whose requests all
+    /// have results, then ends it `completed`, `expired` or `cancelled`.
+    /// Re-entrant: a server taking over rewrites the same file ids.
+    async fn finalize(&self, id: &str) -> Result<(), EngineError> {
+        let Some(batch) = self
+            .update(id, |b| {
+                if !matches!(
+                    b.status,
+                    BatchStatus::InProgress | BatchStatus::Cancelling | BatchStatus::Finalizing
+                ) {
+                    return false;
+                }
+                if b.status != BatchStatus::Finalizing {
+                    b.finalizing_at = Some(now());
+                }
+                b.status = BatchStatus::Finalizing;
+                b.touched_at = now();
+                true
+            })
+            .await?
+        else {
+            return Ok(());
+        };
+        let hex = batch.id.trim_start_matches("batch_");
+        let (out_id, err_id) = (format!("file-out-{hex}"), format!("file-err-{hex}"));
+        let (out_tmp, err_tmp) = (self.bodies.temp(), self.bodies.temp());
+        let mut out = BufWriter::new(tokio::fs::File::create(&out_tmp).await?);
+        let mut err = BufWriter::new(tokio::fs::File::create(&err_tmp).await?);
+        let (mut out_bytes, mut err_bytes) = (0u64, 0u64);
+        let mut cursor = Some(0u64);
+        while let Some(from) = cursor {
+            let (page, next) = self.store.result_page(&batch.id, from, FILE_PAGE).await?;
+            for (ok, line) in page {
+                let (file, bytes) = match ok {
+                    true => (&mut out, &mut out_bytes),
+                    false => (&mut err, &mut err_bytes),
+                };
+                file.write_all(line.as_bytes()).await?;
+                file.write_all(b"\n").await?;
+                *bytes += line.len() as u64 + 1;
+            }
+            cursor = next;
+        }
+        for file in [&mut out, &mut err] {
+            file.flush().await?;
+            file.get_ref().sync_all().await?;
+        }
+        let output = self
+            .keep_file(&batch, &out_tmp, out_id, out_bytes, "output")
+            .await?;
+        let errors = self
+            .keep_file(&batch, &err_tmp, err_id, err_bytes, "error")
+            .await?;
+        let at = now();
+        let done = self
+            .update(id, |b| {
+                if b.status != BatchStatus::Finalizing {
+                    return false;
+                }
+                b.output_file_id = output.clone();
+                b.error_file_id = errors.clone();
+                match b.stop {
+                    None => {
+                        b.status = BatchStatus::Completed;
+                        b.completed_at = Some(at);
+                    }
+                    Some(Stop::Cancel) => {
+                        b.status = BatchStatus::Cancelled;
+                        b.cancelled_at = Some(at);
+                    }
+                    Some(Stop::Expire) => {
+                        b.status = BatchStatus::Expired;
+                        b.expired_at = Some(at);
+                    }
+                }
+                true
+            })
+            .await?;
+        if let Some(done) = done {
+            tracing::info!(batch = %id, status = done.status.as_str(), "batch finished");
+            self.store.drop_results(id).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes a written output file a stored file of the batch's tenant;
+    /// an empty one is discarded (its id stays `null`, as OpenAI does).
+    async fn keep_file(
+        &self,
+        batch: &BatchRecord,
+        temp: &std::path::Path,
+        id: String,
+        bytes: u64,
+        name: &str,
+    ) -> Result<Option<String>, EngineError> {
+        if bytes == 0 {
+            let _ = tokio::fs::remove_file(temp).await;
+            return Ok(None);
+        }
+        self.bodies.commit(temp, &id).await?;
+        let file = FileRecord {
+            id: id.clone(),
+            tenant: batch.tenant.clone(),
+            bytes,
+            created_at: now(),
+            filename: format!("{}_{name}.jsonl", batch.id),
+            purpose: "batch_output".into(),
+        };
+        self.store.put_file(&file).await?;
+        Ok(Some(id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::store::SqliteStore;
+
+    fn engine(dir: &std::path::Path) -> Engine {
+        let queue = EmbeddedQueue::open(dir.join("queue.db"), "q").expect("queue");
+        Engine::new(
+            Store::Sqlite(SqliteStore::open(&dir.join("batches.db")).expect("store")),
+            Bodies::open(dir).expect("bodies"),
+            Sink::Embedded(queue),
+            Limits {
+                max_file_bytes: 1 << 20,
+                max_line_bytes: 1 << 10,
+                max_lines: 10,
+            },
+            Some("userid".into()),
+            crate::telemetry::Metrics::new().batch_api("q"),
+        )
+    }
+
+    fn record(status: BatchStatus) -> BatchRecord {
+        let mut batch = BatchRecord::new(crate::serve::model::NewBatch {
+            tenant: "t".into(),
+            endpoint: "/v1/completions".into(),
+            input_file_id: "file-x".into(),
+            completion_window: "1h".into(),
+            window_secs: 3600,
+            metadata: Default::default(),
+        });
+        batch.status = status;
+        batch
+    }
+
+    /// A cancel that lands while validation is refusing the file must
+    /// still let the batch end (`cancelled`, nothing enqueued), not leave
+    /// it `cancelling` forever.
+    #[tokio::test]
+    async fn a_cancel_during_a_refused_validation_still_ends() {
+        let dir =
+            std::env::temp_dir().join(format!("sluicegate-engine-{:x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let engine = Arc::new(engine(&dir));
+        let mut batch = record(BatchStatus::Cancelling);
+        batch.stop = Some(Stop::Cancel);
+        batch.cancelling_at = Some(now());
+        engine.store.insert_batch(&batch).await.expect("insert");
+        let error = line_error("invalid_json_line", "line 1: bad".into(), None, Some(1));
+        engine
+            .refuse(&batch.id, vec![error], 0)
+            .await
+            .expect("refuse");
+        let after = engine
+            .store
+            .batch(&batch.id)
+            .await
+            .expect("read")
+            .expect("kept");
+        assert!(after.enqueued, "{after:?}");
+        assert_eq!(after.total, 0);
+        engine.sweep().await.expect("sweep");
+        // The sweep runs the finalizing step in the background.
+        let mut status = after.status;
+        for _ in 0..100 {
+            status = engine
+                .store
+                .batch(&batch.id)
+                .await
+                .expect("read")
+                .expect("kept")
+                .status;
+            if status.is_terminal() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(status, BatchStatus::Cancelled);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

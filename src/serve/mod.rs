@@ -1,0 +1,330 @@
+//! `sluicegate serve`: the OpenAI Files and Batches API in front of the
+//! queue (`docs/batch-api.md`). A batch's requests become queue messages
+//! like any other, so the gate paces them and interactive users stay
+//! protected; their results come back through the queue and become the
+//! batch's output and error files.
+//!
+//! Files, one role each: `model` (records and the OpenAI shapes), `auth`
+//! (API keys → tenants), `files` (bodies on disk, bounded line reads),
+//! `store` (records and results: SQLite or Redis), `sink` (enqueue and
+//! cancel on the configured queue), `engine` (validation, collection,
+//! expiry, cancel, finalizing), `http` (the endpoints). This file wires
+//! them for [`start`].
+
+pub mod auth;
+pub mod engine;
+pub mod files;
+pub mod http;
+pub mod model;
+pub mod sink;
+pub mod store;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::{AppError, RunOptions, Running};
+use crate::config::{Config, ServeConfig, ServeDispatcher, TransportKind};
+use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
+use crate::queue::redis::ConnectError;
+use crate::telemetry::{Health, Metrics};
+
+use self::auth::{Keys, KeysError};
+use self::engine::{Engine, Limits};
+use self::files::Bodies;
+use self::sink::Sink;
+use self::store::{RedisStore, SqliteStore, Store, StoreError};
+
+/// Store file of the embedded deployment, in `serve.data_dir`.
+const STORE_FILE: &str = "batches.db";
+/// Embedded queue file when `[embedded]` names none (as `run` opens it).
+const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";
+
+/// Why the server could not start or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// No API keys and a listen address other hosts can reach.
+    #[error(
+        "serve.listen: {0} is not a loopback address and no API keys are configured; set serve.api_keys_file or SLUICEGATE_SERVE_API_KEYS (tenant:key entries), or listen on 127.0.0.1"
+    )]
+    Unauthenticated(SocketAddr),
+    /// The key list is unusable.
+    #[error(transparent)]
+    Keys(#[from] KeysError),
+    /// The transport cannot carry batches.
+    #[error(
+        "transport: `{0}` cannot serve the Batch API; allowed: embedded (one node), redis (replicas)"
+    )]
+    Transport(&'static str),
+    /// The batch records' Redis scripts touch keys across hash slots.
+    #[error(
+        "redis.cluster: the Batch API keeps its batch records in one Redis server; run `serve` against a standalone Redis (the dispatcher itself may use the cluster)"
+    )]
+    ClusterStore,
+    /// `serve.queue` names no `[[queue]]`.
+    #[error("serve.queue: no queue named `{name}`; configured: {known}")]
+    Queue {
+        /// The name given.
+        name: String,
+        /// The configured names.
+        known: String,
+    },
+    /// The data directory is unusable.
+    #[error("serve.data_dir: {path}: {source}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The store could not be opened.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The embedded queue could not be opened.
+    #[error("embedded.path: {0}")]
+    Embedded(#[from] EmbeddedError),
+    /// The Redis client could not be built.
+    #[error(transparent)]
+    Redis(#[from] ConnectError),
+    /// An address could not be bound.
+    #[error("{key}: cannot listen on {addr}: {source}")]
+    Listen {
+        /// `serve.listen` or `telemetry.listen`.
+        key: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The bind error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The in-process dispatcher failed to start or while running.
+    #[error(transparent)]
+    App(#[from] AppError),
+}
+
+impl ServeError {
+    /// The process exit code: 2 when it could not start, 1 when it failed
+    /// while running.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::App(e) => e.exit_code(),
+            _ => crate::app::EXIT_CONFIG,
+        }
+    }
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct Server {
+    /// Where the API is served.
+    pub addr: SocketAddr,
+    /// Where `/metrics` is served.
+    pub telemetry_addr: SocketAddr,
+    /// The process metrics (the Batch API's among them).
+    pub metrics: Arc<Metrics>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    app: Option<Running>,
+}
+
+/// Opens the store and the queue, starts the dispatcher (unless
+/// `serve.dispatcher = separate`), the lifecycle loops and the API;
+/// returns once it serves. [`Server::wait`] runs until `shutdown`.
+pub async fn start(
+    config: &Config,
+    serve: &ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<Server, ServeError> {
+    let keys = Keys::load(
+        serve.api_keys.as_ref().map(|s| s.expose()),
+        serve.api_keys_file.as_deref(),
+    )?;
+    if keys.is_empty() && !http::is_loopback(&serve.listen) {
+        return Err(ServeError::Unauthenticated(serve.listen));
+    }
+    if !matches!(
+        config.transport,
+        TransportKind::Embedded | TransportKind::Redis
+    ) {
+        return Err(ServeError::Transport(config.transport.as_str()));
+    }
+    let queue_config = match &serve.queue {
+        None => config.queues.first(),
+        Some(name) => config.queues.iter().find(|q| &q.queue_name == name),
+    }
+    .ok_or_else(|| ServeError::Queue {
+        name: serve.queue.clone().unwrap_or_default(),
+        known: (config.queues.iter())
+            .map(|q| q.queue_name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })?;
+    let data_dir_error = |source| ServeError::DataDir {
+        path: serve.data_dir.clone(),
+        source,
+    };
+    std::fs::create_dir_all(&serve.data_dir).map_err(data_dir_error)?;
+    let bodies = Bodies::open(&serve.data_dir).map_err(data_dir_error)?;
+
+    let stop = CancellationToken::new();
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = shutdown => stop.cancel(),
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+    let mut tasks = Vec::new();
+    let (app, metrics, telemetry_addr) = match serve.dispatcher {
+        ServeDispatcher::InProcess => {
+            let running = crate::app::start(
+                config,
+                RunOptions::default(),
+                stop.clone().cancelled_owned(),
+            )
+            .await?;
+            let (metrics, addr) = (running.metrics.clone(), running.telemetry_addr);
+            (Some(running), metrics, addr)
+        }
+        ServeDispatcher::Separate => {
+            let metrics = Arc::new(Metrics::new());
+            let health = Arc::new(Health::default());
+            health.set_ready(true);
+            let addr = config.telemetry.listen;
+            let listener = TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Listen {
+                    key: "telemetry.listen",
+                    addr,
+                    source,
+                })?;
+            let local = listener.local_addr().unwrap_or(addr);
+            let server = crate::telemetry::serve(
+                listener,
+                metrics.clone(),
+                health,
+                stop.clone().cancelled_owned(),
+            );
+            tasks.push(tokio::spawn(async move {
+                if let Err(error) = server.await {
+                    tracing::error!(%error, "telemetry server failed");
+                }
+            }));
+            (None, metrics, local)
+        }
+    };
+
+    let limits = Limits {
+        max_file_bytes: serve.max_file_bytes,
+        max_line_bytes: serve.max_line_bytes,
+        max_lines: serve.max_lines_per_batch,
+    };
+    let fairness = config.gateway.fairness_attribute.clone();
+    let queue_name = queue_config.queue_name.clone();
+    let engine;
+    match config.transport {
+        TransportKind::Redis => {
+            let redis_config = config
+                .redis
+                .clone()
+                .unwrap_or_else(crate::queue::default_redis_config);
+            if redis_config.cluster {
+                return Err(ServeError::ClusterStore);
+            }
+            let conn = crate::queue::redis::connection(&redis_config)?;
+            let list = (queue_config.result_queue_name.clone())
+                .unwrap_or_else(|| serve.result_list.clone());
+            let sink = Sink::Redis {
+                conn: conn.clone(),
+                queue: queue_name,
+                result_list: list.clone(),
+            };
+            let store = Store::Redis(RedisStore::new(conn.clone(), serve.key_prefix.clone()));
+            engine = Arc::new(Engine::new(
+                store,
+                bodies,
+                sink,
+                limits,
+                fairness,
+                metrics.batch_api(&queue_config.queue_name),
+            ));
+            let collector = engine.clone().collect_redis(conn, list, stop.clone());
+            tasks.push(tokio::spawn(collector));
+        }
+        _ => {
+            let path = config
+                .embedded
+                .as_ref()
+                .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
+            let queue = EmbeddedQueue::open(&path, queue_name)?;
+            let sqlite = SqliteStore::open(&serve.data_dir.join(STORE_FILE))?;
+            engine = Arc::new(Engine::new(
+                Store::Sqlite(sqlite.clone()),
+                bodies,
+                Sink::Embedded(queue.clone()),
+                limits,
+                fairness,
+                metrics.batch_api(&queue_config.queue_name),
+            ));
+            let collector = engine.clone().collect_embedded(queue, sqlite, stop.clone());
+            tasks.push(tokio::spawn(collector));
+        }
+    }
+    tasks.push(tokio::spawn(engine.clone().run_sweeps(stop.clone())));
+
+    let listener = TcpListener::bind(serve.listen)
+        .await
+        .map_err(|source| ServeError::Listen {
+            key: "serve.listen",
+            addr: serve.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().unwrap_or(serve.listen);
+    let router = http::router(Arc::new(http::AppState { engine, keys }));
+    let graceful = stop.clone().cancelled_owned();
+    tasks.push(tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, router)
+            .with_graceful_shutdown(graceful)
+            .await
+        {
+            tracing::error!(%error, "batch api server failed");
+        }
+    }));
+    tracing::info!(%addr, %telemetry_addr, "batch api serving");
+    Ok(Server {
+        addr,
+        telemetry_addr,
+        metrics,
+        stop,
+        tasks,
+        app,
+    })
+}
+
+impl Server {
+    /// Stops the server now (as the shutdown future would).
+    pub fn shutdown(&self) {
+        self.stop.cancel();
+    }
+
+    /// Runs until shutdown, then stops the API and the loops and drains
+    /// the in-process dispatcher.
+    pub async fn wait(self) -> Result<(), ServeError> {
+        self.stop.cancelled().await;
+        for task in self.tasks {
+            let _ = task.await;
+        }
+        if let Some(app) = self.app {
+            app.wait().await?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,325 @@
+//! The stored records (files, batches) and the OpenAI object shapes they
+//! are served as. Records carry their tenant; the API shapes never do.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+/// A batch's lifecycle state, spelled as the OpenAI API spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchStatus {
+    /// The input file is being checked and its requests enqueued.
+    Validating,
+    /// The input file was refused (`errors` says why, line by line).
+    Failed,
+    /// Requests are going through the queue and the gate.
+    InProgress,
+    /// Every request has a result; the output files are being written.
+    Finalizing,
+    /// Done; output and error files are ready.
+    Completed,
+    /// The completion window ended first; finished results are kept.
+    Expired,
+    /// A cancel was asked; requests in flight are finishing.
+    Cancelling,
+    /// Cancelled; finished results are kept.
+    Cancelled,
+}
+
+impl BatchStatus {
+    /// Every status, for the `batches` gauge.
+    pub const ALL: [Self; 8] = [
+        Self::Validating,
+        Self::Failed,
+        Self::InProgress,
+        Self::Finalizing,
+        Self::Completed,
+        Self::Expired,
+        Self::Cancelling,
+        Self::Cancelled,
+    ];
+
+    /// The API spelling (also the metric label).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Validating => "validating",
+            Self::Failed => "failed",
+            Self::InProgress => "in_progress",
+            Self::Finalizing => "finalizing",
+            Self::Completed => "completed",
+            Self::Expired => "expired",
+            Self::Cancelling => "cancelling",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    /// Whether nothing more happens to the batch.
+    pub const fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            Self::Failed | Self::Completed | Self::Expired | Self::Cancelled
+        )
+    }
+}
+
+/// Why a running batch is being stopped before all its requests ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stop {
+    /// The tenant cancelled it.
+    Cancel,
+    /// Its completion window ended.
+    Expire,
+}
+
+/// A stored file: an upload (`purpose = batch`) or a batch's output or
+/// error file (`purpose = batch_output`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileRecord {
+    /// `file-…`.
+    pub id: String,
+    /// The owning tenant.
+    pub tenant: String,
+    /// Size of the body.
+    pub bytes: u64,
+    /// Unix seconds.
+    pub created_at: i64,
+    /// The uploaded name.
+    pub filename: String,
+    /// `batch` or `batch_output`.
+    pub purpose: String,
+}
+
+impl FileRecord {
+    /// The OpenAI File object.
+    pub fn api(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": null,
+            "expires_at": null,
+        })
+    }
+}
+
+/// One entry of a batch's `errors.data`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LineError {
+    /// Machine-readable code, e.g. `invalid_json_line`.
+    pub code: String,
+    /// What is wrong.
+    pub message: String,
+    /// The offending parameter, when one is known.
+    pub param: Option<String>,
+    /// 1-based input line, when the error is about one line.
+    pub line: Option<u64>,
+}
+
+/// A stored batch. Request counts are not in the record: they are read
+/// from the store's results, so they move while the batch runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BatchRecord {
+    /// `batch_…`.
+    pub id: String,
+    /// The owning tenant.
+    pub tenant: String,
+    /// The endpoint every line must name, e.g. `/v1/chat/completions`.
+    pub endpoint: String,
+    /// The uploaded input file.
+    pub input_file_id: String,
+    /// As given, e.g. `24h`.
+    pub completion_window: String,
+    /// Lifecycle state.
+    pub status: BatchStatus,
+    /// Why it is stopping early, once it is.
+    pub stop: Option<Stop>,
+    /// Requests in the batch (known once validated).
+    pub total: u64,
+    /// Whether every request that will be sent has been enqueued (only
+    /// then can the counts reach `total`).
+    #[serde(default)]
+    pub enqueued: bool,
+    /// Input validation errors, first ones only (see `errors_omitted`).
+    pub errors: Vec<LineError>,
+    /// Further errors not listed.
+    pub errors_omitted: u64,
+    /// Written at the end, when it has lines.
+    pub output_file_id: Option<String>,
+    /// Written at the end, when it has lines.
+    pub error_file_id: Option<String>,
+    /// The tenant's own key/value pairs.
+    pub metadata: BTreeMap<String, String>,
+    /// Unix seconds of each step.
+    pub created_at: i64,
+    /// Each request's deadline, and the batch's.
+    pub expires_at: i64,
+    /// When validation ended and dispatch began.
+    pub in_progress_at: Option<i64>,
+    /// When output writing began.
+    pub finalizing_at: Option<i64>,
+    /// When it completed.
+    pub completed_at: Option<i64>,
+    /// When validation refused it.
+    pub failed_at: Option<i64>,
+    /// When it ended expired.
+    pub expired_at: Option<i64>,
+    /// When the cancel was asked.
+    pub cancelling_at: Option<i64>,
+    /// When it ended cancelled.
+    pub cancelled_at: Option<i64>,
+    /// When a server last took a step on it (validation or finalizing),
+    /// so another replica can take over a step whose server died.
+    pub touched_at: i64,
+}
+
+/// What a new batch is made of (`POST /v1/batches`).
+#[derive(Debug, Clone)]
+pub struct NewBatch {
+    /// The owning tenant.
+    pub tenant: String,
+    /// The endpoint every line must name.
+    pub endpoint: String,
+    /// The uploaded input file.
+    pub input_file_id: String,
+    /// As given, e.g. `24h`.
+    pub completion_window: String,
+    /// The window in seconds.
+    pub window_secs: i64,
+    /// The tenant's own key/value pairs.
+    pub metadata: BTreeMap<String, String>,
+}
+
+impl BatchRecord {
+    /// A new batch in `validating`, created now, with a fresh id.
+    pub fn new(new: NewBatch) -> Self {
+        let created_at = now();
+        Self {
+            id: new_id("batch_"),
+            tenant: new.tenant,
+            endpoint: new.endpoint,
+            input_file_id: new.input_file_id,
+            completion_window: new.completion_window,
+            status: BatchStatus::Validating,
+            stop: None,
+            total: 0,
+            enqueued: false,
+            errors: Vec::new(),
+            errors_omitted: 0,
+            output_file_id: None,
+            error_file_id: None,
+            metadata: new.metadata,
+            created_at,
+            expires_at: created_at.saturating_add(new.window_secs),
+            in_progress_at: None,
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            touched_at: created_at,
+        }
+    }
+
+    /// The OpenAI Batch object, with `completed` / `failed` counts as
+    /// read from the results so far.
+    pub fn api(&self, completed: u64, failed: u64) -> Value {
+        let errors = (!self.errors.is_empty()).then(|| {
+            json!({
+                "object": "list",
+                "data": self.errors.iter().map(|e| json!({
+                    "code": e.code, "message": e.message, "param": e.param, "line": e.line,
+                })).collect::<Vec<_>>(),
+            })
+        });
+        json!({
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": errors,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status.as_str(),
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": self.created_at,
+            "in_progress_at": self.in_progress_at,
+            "expires_at": self.expires_at,
+            "finalizing_at": self.finalizing_at,
+            "completed_at": self.completed_at,
+            "failed_at": self.failed_at,
+            "expired_at": self.expired_at,
+            "cancelling_at": self.cancelling_at,
+            "cancelled_at": self.cancelled_at,
+            "request_counts": {"total": self.total, "completed": completed, "failed": failed},
+            "metadata": self.metadata,
+        })
+    }
+
+    /// The queue message id of this batch's request `custom_id`: batch ids
+    /// hold no `:`, so [`split_message_id`] finds both halves again.
+    pub fn message_id(&self, custom_id: &str) -> String {
+        format!("{}:{custom_id}", self.id)
+    }
+}
+
+/// `(batch id, custom_id)` of a queue message id made by
+/// [`BatchRecord::message_id`]; `None` for other messages.
+pub fn split_message_id(id: &str) -> Option<(&str, &str)> {
+    id.strip_prefix("batch_")?;
+    id.split_once(':')
+}
+
+/// A new random id with `prefix` (`file-`, `batch_`): 24 hex digits.
+pub fn new_id(prefix: &str) -> String {
+    format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// Unix seconds now.
+pub fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// The API list object: `data` plus cursor fields.
+pub fn list(data: Vec<Value>, has_more: bool) -> Value {
+    let id = |v: Option<&Value>| v.and_then(|v| v.get("id")).cloned();
+    json!({
+        "object": "list",
+        "first_id": id(data.first()),
+        "last_id": id(data.last()),
+        "has_more": has_more,
+        "data": data,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_ids_split_back_into_batch_and_custom_id() {
+        assert_eq!(
+            split_message_id("batch_00ab:req:1"),
+            Some(("batch_00ab", "req:1"))
+        );
+        assert_eq!(split_message_id("req-1"), None);
+        assert_eq!(split_message_id("batchless:x"), None);
+    }
+
+    #[test]
+    fn statuses_spell_as_openai_does() {
+        for s in BatchStatus::ALL {
+            let json = serde_json::to_value(s).expect("serialises");
+            assert_eq!(json, Value::String(s.as_str().to_owned()));
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! Where a batch's requests go, and how they are stopped: the configured
+//! queue, through the same producer paths `submit` and `cancel` use (the
+//! embedded store's enqueue and cancel; Redis `enqueue` and the upstream
+//! cancel protocol). The dispatcher and its gate are untouched: to them a
+//! batch request is a message like any other.
+
+use crate::queue::redis::RedisConnection;
+use bytes::Bytes;
+
+use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
+use crate::queue::redis::{Submission, cancel, enqueue};
+use crate::request::Message;
+
+/// Why requests could not be enqueued or cancelled.
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    /// The embedded store refused.
+    #[error("queue: {0}")]
+    Embedded(#[from] EmbeddedError),
+    /// A Redis round trip failed.
+    #[error("queue: redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The blocking task of an embedded operation failed.
+    #[error("queue: task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// The queue a server feeds.
+#[derive(Debug, Clone)]
+pub enum Sink {
+    /// A queue in the embedded store.
+    Embedded(EmbeddedQueue),
+    /// A Redis queue; results come back on `result_list`.
+    Redis {
+        /// Connection.
+        conn: RedisConnection,
+        /// The sorted set.
+        queue: String,
+        /// The list the messages name for their results.
+        result_list: String,
+    },
+}
+
+impl Sink {
+    /// Enqueues `messages` (in order) in one round trip.
+    pub async fn enqueue(&self, messages: Vec<Message>) -> Result<(), SinkError> {
+        match self {
+            Self::Embedded(queue) => {
+                let items: Vec<(Bytes, i64)> = messages
+                    .into_iter()
+                    .map(|m| {
+                        // A request is strings, numbers and raw JSON:
+                        // serialising cannot fail.
+                        let body = serde_json::to_vec(&m.request).unwrap_or_default();
+                        (Bytes::from(body), m.request.deadline)
+                    })
+                    .collect();
+                let queue = queue.clone();
+                tokio::task::spawn_blocking(move || queue.enqueue_with_deadlines(&items, &[]))
+                    .await??;
+            }
+            Self::Redis {
+                conn,
+                queue,
+                result_list,
+            } => {
+                let now_ms = chrono_ms();
+                let submissions: Vec<Submission> = messages
+                    .into_iter()
+                    .enumerate()
+                    .map(|(n, mut m)| {
+                        m.request.result_queue_name = Some(result_list.clone());
+                        Submission::new(m, queue, now_ms).in_sequence(n as u64)
+                    })
+                    .collect();
+                enqueue(&mut conn.clone(), queue, &submissions).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the batch's requests that have not been sent: each is
+    /// answered `CANCELLED` (at once in the embedded store; by the
+    /// dispatcher when it next takes it, with Redis). Requests in flight
+    /// finish. `custom_ids` yields the batch's message ids (Redis cancels
+    /// by id; the embedded store matches the batch prefix in one pass).
+    pub async fn cancel(&self, batch_id: &str, message_ids: Vec<String>) -> Result<(), SinkError> {
+        match self {
+            Self::Embedded(queue) => {
+                let prefix = format!("{batch_id}:");
+                let queue = queue.clone();
+                tokio::task::spawn_blocking(move || {
+                    queue.cancel_where(|id| id.starts_with(&prefix))
+                })
+                .await??;
+            }
+            Self::Redis { conn, .. } => {
+                let mut conn = conn.clone();
+                for id in message_ids {
+                    cancel(&mut conn, &id).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether cancelling needs the message ids (Redis) or only the batch
+    /// id (embedded).
+    pub fn needs_ids(&self) -> bool {
+        matches!(self, Self::Redis { .. })
+    }
+}
+
+fn chrono_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}

@@ -1,0 +1,181 @@
+//! Where file and batch records and per-request results live: one SQLite
+//! file in the data directory with the embedded transport (`sqlite.rs`),
+//! Redis with the Redis transport (`redis.rs`), so that every replica
+//! behind a Service reads and writes the same records. File bodies are
+//! never here (`super::files`).
+//!
+//! Every write that two servers may race on is a compare-and-set
+//! ([`Store::replace_batch`]) or first-writer-wins
+//! ([`Store::record_result`]), so replicas may all run the same loops.
+
+mod redis;
+mod sqlite;
+
+pub use self::redis::RedisStore;
+pub use self::sqlite::SqliteStore;
+
+use super::model::{BatchRecord, BatchStatus, FileRecord};
+
+/// A store operation that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// SQLite refused the operation.
+    #[error("batch store {path}: {source}")]
+    Sqlite {
+        /// The database file.
+        path: std::path::PathBuf,
+        /// SQLite's error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A Redis round trip failed.
+    #[error("batch store: redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    /// A stored record could not be read back.
+    #[error("batch store: corrupt record {key}: {source}")]
+    Corrupt {
+        /// The record's key or id.
+        key: String,
+        /// The decode error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The blocking task of a SQLite operation failed.
+    #[error("batch store: task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
+
+/// A record as stored (JSON).
+fn encode<T: serde::Serialize>(value: &T) -> String {
+    // Records are strings, numbers and maps of strings: cannot fail.
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+/// A stored record read back; `key` names it in the error.
+fn decode<T: serde::de::DeserializeOwned>(key: &str, text: &str) -> Result<T, StoreError> {
+    serde_json::from_str(text).map_err(|source| StoreError::Corrupt {
+        key: key.to_owned(),
+        source,
+    })
+}
+
+/// One request's output line, to record.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// The request's `custom_id`.
+    pub custom_id: String,
+    /// A 2xx answer (output file) or not (error file).
+    pub ok: bool,
+    /// The OpenAI output line.
+    pub line: String,
+}
+
+/// One page of a batch's results: `(ok, output line)` pairs and the
+/// cursor of the next page, `None` after the last.
+pub type ResultPage = (Vec<(bool, String)>, Option<u64>);
+
+/// The configured store.
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// The embedded transport's single-node store.
+    Sqlite(SqliteStore),
+    /// Shared by replicas through Redis.
+    Redis(RedisStore),
+}
+
+macro_rules! both {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self {
+            Store::Sqlite($s) => $e,
+            Store::Redis($s) => $e,
+        }
+    };
+}
+
+impl Store {
+    /// Saves a file record (new, or replacing one with the same id).
+    pub async fn put_file(&self, file: &FileRecord) -> Result<(), StoreError> {
+        both!(self, s => s.put_file(file).await)
+    }
+
+    /// A file record by id, any tenant.
+    pub async fn file(&self, id: &str) -> Result<Option<FileRecord>, StoreError> {
+        both!(self, s => s.file(id).await)
+    }
+
+    /// Forgets a file record.
+    pub async fn delete_file(&self, id: &str) -> Result<(), StoreError> {
+        both!(self, s => s.delete_file(id).await)
+    }
+
+    /// A tenant's file ids, newest first.
+    pub async fn file_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
+        both!(self, s => s.file_ids(tenant).await)
+    }
+
+    /// Saves a new batch record.
+    pub async fn insert_batch(&self, batch: &BatchRecord) -> Result<(), StoreError> {
+        both!(self, s => s.insert_batch(batch).await)
+    }
+
+    /// A batch record by id, any tenant.
+    pub async fn batch(&self, id: &str) -> Result<Option<BatchRecord>, StoreError> {
+        both!(self, s => s.batch(id).await)
+    }
+
+    /// A tenant's batch ids, newest first.
+    pub async fn batch_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
+        both!(self, s => s.batch_ids(tenant).await)
+    }
+
+    /// Replaces `old` by `new` only if the stored record is still `old`
+    /// (compare-and-set); `false` when another writer changed it first.
+    pub async fn replace_batch(
+        &self,
+        old: &BatchRecord,
+        new: &BatchRecord,
+    ) -> Result<bool, StoreError> {
+        both!(self, s => s.replace_batch(old, new).await)
+    }
+
+    /// Every batch not in a terminal status.
+    pub async fn active_batches(&self) -> Result<Vec<BatchRecord>, StoreError> {
+        both!(self, s => s.active_batches().await)
+    }
+
+    /// Records requests' output lines, each once; per item `false` when
+    /// the request already has one (a redelivered or re-read result).
+    pub async fn record_results(
+        &self,
+        batch: &str,
+        items: &[Recorded],
+    ) -> Result<Vec<bool>, StoreError> {
+        both!(self, s => s.record_results(batch, items).await)
+    }
+
+    /// `(ok, failed)` results recorded for a batch.
+    pub async fn counts(&self, batch: &str) -> Result<(u64, u64), StoreError> {
+        both!(self, s => s.counts(batch).await)
+    }
+
+    /// Up to `n` results from `cursor` (0 = the start).
+    pub async fn result_page(
+        &self,
+        batch: &str,
+        cursor: u64,
+        n: usize,
+    ) -> Result<ResultPage, StoreError> {
+        both!(self, s => s.result_page(batch, cursor, n).await)
+    }
+
+    /// Forgets a finished batch's results (they are in its files now);
+    /// its counts stay.
+    pub async fn drop_results(&self, batch: &str) -> Result<(), StoreError> {
+        both!(self, s => s.drop_results(batch).await)
+    }
+
+    /// How many batches are in each status.
+    pub async fn status_counts(&self) -> Result<Vec<(BatchStatus, u64)>, StoreError> {
+        both!(self, s => s.status_counts().await)
+    }
+}

@@ -1,0 +1,291 @@
+//! The store in Redis, so that replicas behind a Service agree. Keys,
+//! under `serve.key_prefix` (`P`):
+//!
+//! - `P file:<id>`, `P batch:<id>`: the records as JSON;
+//! - `P files:<tenant>`, `P batches:<tenant>`: sorted sets of ids, scored
+//!   by a creation sequence (`P seq`) for newest-first listing;
+//! - `P active`: ids of batches not yet terminal; `P status`: a hash of
+//!   batches per status (the `batches` gauge);
+//! - `P results:<batch>`: the output lines in arrival order (list),
+//!   `P seen:<batch>`: custom_ids with a result (hash, first wins),
+//!   `P counts:<batch>`: `ok` / `failed` (hash).
+//!
+//! The compare-and-set and first-writer-wins steps are Lua scripts, so no
+//! replica sees half of one.
+
+use crate::queue::redis::RedisConnection;
+
+use super::{Recorded, ResultPage, StoreError, decode, encode};
+use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
+
+/// KEYS: batch, active, status. ARGV: old, new, id, old status, new
+/// status, terminal (1/0).
+const REPLACE: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+if ARGV[4] ~= ARGV[5] then
+  redis.call('HINCRBY', KEYS[3], ARGV[4], -1)
+  redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+end
+if ARGV[6] == '1' then redis.call('SREM', KEYS[2], ARGV[3]) end
+return 1
+";
+
+/// KEYS: seen, results, counts. ARGV: custom_id, ok|failed, stored line.
+const RECORD: &str = r"
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[3])
+redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+return 1
+";
+
+/// The Redis store. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct RedisStore {
+    conn: RedisConnection,
+    prefix: String,
+}
+
+impl RedisStore {
+    /// The store on `conn`, keys under `prefix`.
+    pub fn new(conn: RedisConnection, prefix: impl Into<String>) -> Self {
+        Self {
+            conn,
+            prefix: prefix.into(),
+        }
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        format!("{}{}", self.prefix, parts.concat())
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<T>, StoreError> {
+        let text: Option<String> = redis::cmd("GET")
+            .arg(key)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        text.map(|t| decode(key, &t)).transpose()
+    }
+
+    async fn put_listed(
+        &self,
+        key: &str,
+        index: &str,
+        id: &str,
+        record: String,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let seq: i64 = redis::cmd("INCR")
+            .arg(self.key(&["seq"]))
+            .query_async(&mut conn)
+            .await?;
+        redis::pipe()
+            .atomic()
+            .cmd("SET")
+            .arg(key)
+            .arg(record)
+            .ignore()
+            .cmd("ZADD")
+            .arg(index)
+            .arg(seq)
+            .arg(id)
+            .ignore()
+            .query_async::<()>(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn ids(&self, index: &str) -> Result<Vec<String>, StoreError> {
+        Ok(redis::cmd("ZREVRANGE")
+            .arg(index)
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut self.conn.clone())
+            .await?)
+    }
+
+    pub(super) async fn put_file(&self, file: &FileRecord) -> Result<(), StoreError> {
+        let key = self.key(&["file:", &file.id]);
+        let index = self.key(&["files:", &file.tenant]);
+        self.put_listed(&key, &index, &file.id, encode(file)).await
+    }
+
+    pub(super) async fn file(&self, id: &str) -> Result<Option<FileRecord>, StoreError> {
+        self.get(&self.key(&["file:", id])).await
+    }
+
+    pub(super) async fn delete_file(&self, id: &str) -> Result<(), StoreError> {
+        let Some(file) = self.file(id).await? else {
+            return Ok(());
+        };
+        redis::pipe()
+            .atomic()
+            .cmd("DEL")
+            .arg(self.key(&["file:", id]))
+            .ignore()
+            .cmd("ZREM")
+            .arg(self.key(&["files:", &file.tenant]))
+            .arg(id)
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    pub(super) async fn file_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
+        self.ids(&self.key(&["files:", tenant])).await
+    }
+
+    pub(super) async fn insert_batch(&self, batch: &BatchRecord) -> Result<(), StoreError> {
+        let key = self.key(&["batch:", &batch.id]);
+        let index = self.key(&["batches:", &batch.tenant]);
+        self.put_listed(&key, &index, &batch.id, encode(batch))
+            .await?;
+        redis::pipe()
+            .atomic()
+            .cmd("SADD")
+            .arg(self.key(&["active"]))
+            .arg(&batch.id)
+            .ignore()
+            .cmd("HINCRBY")
+            .arg(self.key(&["status"]))
+            .arg(batch.status.as_str())
+            .arg(1)
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    pub(super) async fn batch(&self, id: &str) -> Result<Option<BatchRecord>, StoreError> {
+        self.get(&self.key(&["batch:", id])).await
+    }
+
+    pub(super) async fn batch_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
+        self.ids(&self.key(&["batches:", tenant])).await
+    }
+
+    pub(super) async fn replace_batch(
+        &self,
+        old: &BatchRecord,
+        new: &BatchRecord,
+    ) -> Result<bool, StoreError> {
+        let done: i64 = redis::Script::new(REPLACE)
+            .key(self.key(&["batch:", &new.id]))
+            .key(self.key(&["active"]))
+            .key(self.key(&["status"]))
+            .arg(encode(old))
+            .arg(encode(new))
+            .arg(&new.id)
+            .arg(old.status.as_str())
+            .arg(new.status.as_str())
+            .arg(if new.status.is_terminal() { "1" } else { "0" })
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(done == 1)
+    }
+
+    pub(super) async fn active_batches(&self) -> Result<Vec<BatchRecord>, StoreError> {
+        let ids: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(self.key(&["active"]))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(batch) = self.batch(&id).await? {
+                out.push(batch);
+            }
+        }
+        out.sort_by_key(|b: &BatchRecord| b.created_at);
+        Ok(out)
+    }
+
+    pub(super) async fn record_results(
+        &self,
+        batch: &str,
+        items: &[Recorded],
+    ) -> Result<Vec<bool>, StoreError> {
+        let script = redis::Script::new(RECORD);
+        let mut conn = self.conn.clone();
+        let mut new = Vec::with_capacity(items.len());
+        for item in items {
+            let stored = format!("{}{}", if item.ok { '1' } else { '0' }, item.line);
+            let added: i64 = script
+                .key(self.key(&["seen:", batch]))
+                .key(self.key(&["results:", batch]))
+                .key(self.key(&["counts:", batch]))
+                .arg(&item.custom_id)
+                .arg(if item.ok { "ok" } else { "failed" })
+                .arg(stored)
+                .invoke_async(&mut conn)
+                .await?;
+            new.push(added == 1);
+        }
+        Ok(new)
+    }
+
+    pub(super) async fn counts(&self, batch: &str) -> Result<(u64, u64), StoreError> {
+        let (ok, failed): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(self.key(&["counts:", batch]))
+            .arg("ok")
+            .arg("failed")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok((ok.unwrap_or(0), failed.unwrap_or(0)))
+    }
+
+    pub(super) async fn result_page(
+        &self,
+        batch: &str,
+        cursor: u64,
+        n: usize,
+    ) -> Result<ResultPage, StoreError> {
+        let n = n.max(1);
+        let stop = cursor + n as u64 - 1;
+        let items: Vec<String> = redis::cmd("LRANGE")
+            .arg(self.key(&["results:", batch]))
+            .arg(cursor)
+            .arg(stop)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let next = (items.len() == n).then_some(stop + 1);
+        let page = items
+            .into_iter()
+            .map(|s| {
+                let ok = s.starts_with('1');
+                (ok, s.get(1..).unwrap_or_default().to_owned())
+            })
+            .collect();
+        Ok((page, next))
+    }
+
+    pub(super) async fn drop_results(&self, batch: &str) -> Result<(), StoreError> {
+        redis::cmd("DEL")
+            .arg(self.key(&["results:", batch]))
+            .arg(self.key(&["seen:", batch]))
+            .query_async::<()>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    pub(super) async fn status_counts(&self) -> Result<Vec<(BatchStatus, u64)>, StoreError> {
+        let mut out = Vec::new();
+        for status in BatchStatus::ALL {
+            let n: Option<i64> = redis::cmd("HGET")
+                .arg(self.key(&["status"]))
+                .arg(status.as_str())
+                .query_async(&mut self.conn.clone())
+                .await?;
+            out.push((status, u64::try_from(n.unwrap_or(0)).unwrap_or(0)));
+        }
+        Ok(out)
+    }
+
+    /// A connection for the collector (the result list) and the sink.
+    pub fn connection(&self) -> RedisConnection {
+        self.conn.clone()
+    }
+}

@@ -1,0 +1,598 @@
+//! The OpenAI Batch API served by `sluicegate serve`: a real server in
+//! process, the simulator as the pool, a real `redis-server` for the
+//! replicated store.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::redis::RedisServer;
+use support::serve::{Api, ServeSpec, completion_lines, start, terminal};
+use support::sim::small_pool;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn lines_of(text: &str) -> Vec<Value> {
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("output line is JSON"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_runs_to_completion_with_output_and_live_counts() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(12, 8), "/v1/completions", "24h")
+        .await;
+    assert_eq!(batch["object"], "batch");
+    assert_eq!(batch["status"], "validating");
+    assert_eq!(batch["metadata"], json!({"run": "test"}));
+    let id = batch["id"].as_str().expect("id").to_owned();
+    let done = api.wait_for(&id, LONG, terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 12, "completed": 12, "failed": 0})
+    );
+    for key in ["in_progress_at", "finalizing_at", "completed_at"] {
+        assert!(done[key].as_i64().is_some(), "{key} set: {done}");
+    }
+    assert!(done["error_file_id"].is_null());
+    let out = done["output_file_id"].as_str().expect("output file");
+    let (status, file) = api.get(&format!("/v1/files/{out}")).await;
+    assert_eq!(
+        (status, file["purpose"].as_str()),
+        (200, Some("batch_output"))
+    );
+    let (status, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    assert_eq!(status, 200);
+    let lines = lines_of(&text);
+    assert_eq!(lines.len(), 12);
+    let mut ids: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l["custom_id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    let mut want: Vec<String> = (0..12).map(|i| format!("r{i}")).collect();
+    want.sort();
+    assert_eq!(ids, want);
+    for line in &lines {
+        assert_eq!(line["response"]["status_code"], 200, "{line}");
+        assert!(line["response"]["body"]["choices"].is_array(), "{line}");
+        assert!(line["error"].is_null());
+        assert!(
+            line["id"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("batch_req_"))
+        );
+    }
+    // The sweep refreshes the gauge; the counter moved as results came.
+    support::wait_until(Duration::from_secs(10), "batches gauge", || {
+        served
+            .server
+            .metrics
+            .encode()
+            .contains("sluicegate_batches{queue=\"batch-api\",status=\"completed\"} 1")
+    })
+    .await;
+    let metrics = served.server.metrics.encode();
+    assert!(
+        metrics.contains(
+            "sluicegate_batch_requests_total{queue=\"batch-api\",outcome=\"completed\"} 12"
+        ),
+        "{metrics}"
+    );
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_lines_fail_the_batch_with_their_line_numbers() {
+    let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
+    let api = Api::new(&served.base, None);
+    let good = completion_lines(1, 4);
+    let lines = [
+        good.trim_end(),
+        "{not json",
+        r#"{"custom_id":"b","method":"POST","url":"/v1/chat/completions","body":{}}"#,
+        r#"{"custom_id":"r0","method":"POST","url":"/v1/completions","body":{}}"#,
+        r#"{"custom_id":"c","method":"GET","url":"/v1/completions","body":{}}"#,
+        "",
+        r#"{"method":"POST","url":"/v1/completions","body":{}}"#,
+    ]
+    .join("\n");
+    let batch = api.batch(&lines, "/v1/completions", "24h").await;
+    let id = batch["id"].as_str().expect("id");
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "failed", "{done}");
+    assert!(done["failed_at"].as_i64().is_some());
+    let errors = done["errors"]["data"].as_array().expect("errors listed");
+    let got: Vec<(i64, &str)> = errors
+        .iter()
+        .map(|e| {
+            (
+                e["line"].as_i64().unwrap_or(0),
+                e["code"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (2, "invalid_json_line"),
+            (3, "mismatched_endpoint"),
+            (4, "duplicate_custom_id"),
+            (5, "invalid_request"),
+            (7, "invalid_request"),
+        ],
+        "{done}"
+    );
+    assert_eq!(done["errors"]["object"], "list");
+    assert!(
+        errors
+            .iter()
+            .all(|e| e["message"].as_str().is_some_and(|m| m.contains("line")))
+    );
+    // Nothing of a refused batch was enqueued.
+    assert_eq!(done["request_counts"]["total"], 0);
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_refuse_large_files_long_lines_and_long_batches() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.max_file_bytes = Some(4096);
+    spec.max_line_bytes = Some(200);
+    spec.max_lines = Some(3);
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+
+    let (status, body) = api.upload("batch", &vec![b'x'; 5000]).await;
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(body["error"]["code"], "file_too_large");
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    let (status, body) = api.upload("fine-tune", b"{}").await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("purpose"))
+    );
+    let (_, files) = api.get("/v1/files").await;
+    assert_eq!(files["data"], json!([]), "refused uploads leave nothing");
+
+    let long = format!(
+        "{}{{\"custom_id\":\"long\",\"method\":\"POST\",\"url\":\"/v1/completions\",\"body\":{{\"prompt\":\"{}\"}}}}\n",
+        completion_lines(1, 4),
+        "y".repeat(300)
+    );
+    let batch = api.batch(&long, "/v1/completions", "24h").await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "failed");
+    assert_eq!(done["errors"]["data"][0]["code"], "line_too_long");
+    assert_eq!(done["errors"]["data"][0]["line"], 2);
+
+    let batch = api
+        .batch(&completion_lines(4, 4), "/v1/completions", "24h")
+        .await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "failed");
+    assert_eq!(done["errors"]["data"][0]["code"], "too_many_lines");
+    assert_eq!(done["errors"]["data"][0]["line"], 4);
+
+    let (status, body) = api
+        .post("/v1/batches", &json!({"input_file_id": "file-x", "endpoint": "/v1/audio", "completion_window": "24h"}))
+        .await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("endpoint"))
+    );
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completion_window_expires_unfinished_requests() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(5, 4), "/v1/completions", "2s")
+        .await;
+    assert_eq!(
+        batch["expires_at"]
+            .as_i64()
+            .map(|e| e - batch["created_at"].as_i64().unwrap_or(0)),
+        Some(2)
+    );
+    let id = batch["id"].as_str().expect("id");
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "expired", "{done}");
+    assert!(done["expired_at"].as_i64().is_some());
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 5, "completed": 0, "failed": 5})
+    );
+    assert!(done["output_file_id"].is_null());
+    let errors = done["error_file_id"].as_str().expect("error file");
+    let (_, text) = api.text(&format!("/v1/files/{errors}/content")).await;
+    let lines = lines_of(&text);
+    assert_eq!(lines.len(), 5);
+    for line in lines {
+        assert_eq!(line["error"]["code"], "batch_expired", "{line}");
+        assert!(line["response"].is_null());
+    }
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    spec.keys = Some("acme:key-acme".into());
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, Some("key-acme"));
+    let batch = api
+        .batch(&completion_lines(4, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    api.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
+
+    // Each request waits in the queue with the tenant under `userid`.
+    let db = rusqlite::Connection::open(served.dir.0.join("queue.db")).expect("queue file");
+    let bodies: Vec<Vec<u8>> = db
+        .prepare("SELECT body FROM messages")
+        .expect("query")
+        .query_map([], |r| r.get(0))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("bodies");
+    assert_eq!(bodies.len(), 4);
+    for body in &bodies {
+        let message: Value = serde_json::from_slice(body).expect("message JSON");
+        assert_eq!(message["metadata"]["userid"], "acme", "{message}");
+        assert!(message["id"].as_str().is_some_and(|i| i.starts_with(id)));
+    }
+
+    let (status, cancelling) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{cancelling}");
+    assert_eq!(cancelling["status"], "cancelling");
+    assert!(cancelling["cancelling_at"].as_i64().is_some());
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    assert_eq!(done["request_counts"]["failed"], 4);
+    let errors = done["error_file_id"].as_str().expect("error file");
+    let (_, text) = api.text(&format!("/v1/files/{errors}/content")).await;
+    assert!(
+        lines_of(&text)
+            .iter()
+            .all(|l| l["error"]["code"] == "batch_cancelled")
+    );
+    let (status, again) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 409, "{again}");
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_input_of_a_running_batch_cannot_be_deleted() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(2, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    let file = batch["input_file_id"].as_str().expect("file");
+    api.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    let (status, body) = api.delete(&format!("/v1/files/{file}")).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(id))
+    );
+    api.post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    api.wait_for(id, LONG, terminal).await;
+    let (status, body) = api.delete(&format!("/v1/files/{file}")).await;
+    assert_eq!(
+        (status, body["deleted"].as_bool()),
+        (200, Some(true)),
+        "{body}"
+    );
+    assert_eq!(api.get(&format!("/v1/files/{file}")).await.0, 404);
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_see_only_their_own_objects() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    spec.keys = Some("alice:key-a,bob:key-b".into());
+    let served = start(&spec, None).await;
+    let alice = Api::new(&served.base, Some("key-a"));
+    let bob = Api::new(&served.base, Some("key-b"));
+    let batch = alice
+        .batch(&completion_lines(1, 4), "/v1/completions", "24h")
+        .await;
+    let (id, file) = (
+        batch["id"].as_str().expect("id"),
+        batch["input_file_id"].as_str().expect("file"),
+    );
+    for path in [
+        format!("/v1/batches/{id}"),
+        format!("/v1/files/{file}"),
+        format!("/v1/files/{file}/content"),
+    ] {
+        let (status, body) = bob.get(&path).await;
+        assert_eq!(status, 404, "{path}: {body}");
+        assert_eq!(alice.get(&path).await.0, 200, "{path}");
+    }
+    assert_eq!(
+        bob.post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+            .await
+            .0,
+        404
+    );
+    assert_eq!(bob.get("/v1/batches").await.1["data"], json!([]));
+    assert_eq!(alice.get("/v1/batches").await.1["data"][0]["id"], id);
+    let (status, body) = Api::new(&served.base, None).get("/v1/batches").await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+    let (status, _) = Api::new(&served.base, Some("nope")).get("/v1/files").await;
+    assert_eq!(status, 401);
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn without_keys_a_non_loopback_listen_address_is_refused() {
+    let dir = support::TempDir::new("serve-auth");
+    let spec = ServeSpec::new("http://127.0.0.1:9");
+    let config = support::serve::config(&spec, &dir.0);
+    let serve = sluicegate::config::ServeConfig {
+        listen: "0.0.0.0:0".parse().expect("address"),
+        data_dir: dir.0.join("data"),
+        ..Default::default()
+    };
+    let error = sluicegate::serve::start(&config, &serve, std::future::pending())
+        .await
+        .expect_err("refused");
+    let text = error.to_string();
+    assert!(
+        text.starts_with("serve.listen: 0.0.0.0:0 is not a loopback address"),
+        "{text}"
+    );
+    assert_eq!(error.exit_code(), 2);
+    // With a key the same address is allowed.
+    let serve = sluicegate::config::ServeConfig {
+        api_keys: Some(sluicegate::config::Secret::new("t:k")),
+        ..serve
+    };
+    let server = sluicegate::serve::start(&config, &serve, std::future::pending())
+        .await
+        .expect("starts with keys");
+    server.shutdown();
+    server.wait().await.expect("stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_replicas_agree_on_batches() {
+    let redis = RedisServer::start();
+    let sim = small_pool().await;
+    let shared = support::TempDir::new("serve-shared");
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    spec.keys = Some("acme:k".into());
+    let a = start(&spec, Some(&shared.0)).await;
+    spec.in_process = false;
+    let b = start(&spec, Some(&shared.0)).await;
+    let (api_a, api_b) = (Api::new(&a.base, Some("k")), Api::new(&b.base, Some("k")));
+
+    // Uploaded and created on B (no dispatcher), run by A's dispatcher.
+    let batch = api_b
+        .batch(&completion_lines(8, 8), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    let on_a = api_a.wait_for(id, LONG, terminal).await;
+    assert_eq!(on_a["status"], "completed", "{on_a}");
+    let on_b = api_b.get(&format!("/v1/batches/{id}")).await.1;
+    assert_eq!(on_a, on_b, "both replicas serve the same record");
+    assert_eq!(on_b["request_counts"]["completed"], 8);
+    let out = on_b["output_file_id"].as_str().expect("output");
+    let (_, via_a) = api_a.text(&format!("/v1/files/{out}/content")).await;
+    let (_, via_b) = api_b.text(&format!("/v1/files/{out}/content")).await;
+    assert_eq!(lines_of(&via_a).len(), 8);
+    assert_eq!(via_a, via_b);
+    assert_eq!(
+        api_a.get("/v1/batches").await.1,
+        api_b.get("/v1/batches").await.1
+    );
+    a.stop().await;
+    b.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_keeps_finished_results_and_counts_move_while_running() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    cancel_mid_run(&served).await;
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_on_redis_goes_through_the_upstream_cancel_protocol() {
+    let redis = RedisServer::start();
+    let sim = small_pool().await;
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    let served = start(&spec, None).await;
+    cancel_mid_run(&served).await;
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// 40 long requests on a 4-sequence pool (minutes of work), cancelled
+/// once the first has finished: cancelled, finished results kept, the
+/// rest `batch_cancelled`.
+async fn cancel_mid_run(served: &support::serve::Served) {
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(40, 400), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    let running = api
+        .wait_for(id, LONG, |b| {
+            b["request_counts"]["completed"].as_u64() >= Some(1)
+        })
+        .await;
+    assert_eq!(
+        running["status"], "in_progress",
+        "counts move before the end: {running}"
+    );
+    let (status, _) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let counts = &done["request_counts"];
+    let (completed, failed) = (
+        counts["completed"].as_u64().expect("completed"),
+        counts["failed"].as_u64().expect("failed"),
+    );
+    assert_eq!(completed + failed, 40, "{done}");
+    assert!(completed >= 1 && failed >= 1, "{done}");
+    let out = done["output_file_id"]
+        .as_str()
+        .expect("finished results kept");
+    let (_, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    let kept = lines_of(&text);
+    assert_eq!(kept.len() as u64, completed);
+    assert!(kept.iter().all(|l| l["response"]["status_code"] == 200));
+    let errors = done["error_file_id"].as_str().expect("error file");
+    let (_, text) = api.text(&format!("/v1/files/{errors}/content")).await;
+    assert!(
+        lines_of(&text)
+            .iter()
+            .all(|l| l["error"]["code"] == "batch_cancelled")
+    );
+}
+
+#[test]
+fn bad_serve_keys_stop_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-config");
+    let file = dir.0.join("bad.toml");
+    std::fs::write(
+        &file,
+        "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n[serve]\ndispatcher = \"elsewhere\"\n",
+    )
+    .expect("write config");
+    let path = file.to_str().expect("utf-8 path");
+    for args in [
+        ["check-config", "--config", path],
+        ["serve", "--config", path],
+    ] {
+        let out = support::cli::output(&mut support::cli::sluicegate(&args));
+        let err = support::cli::text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(
+                "serve.dispatcher: unknown value \"elsewhere\"; allowed: in-process, separate"
+            ),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_finishes_the_batches_it_had() {
+    let sim = small_pool().await;
+    let dir = support::TempDir::new("serve-restart");
+    let data = dir.0.join("data");
+    // First life: the gate stays closed, so the requests wait queued.
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.closed_gate = true;
+    let first = support::serve::start_in(&spec, &dir.0, &data).await;
+    let api = Api::new(&format!("http://{}", first.addr), None);
+    let batch = api
+        .batch(&completion_lines(6, 8), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    api.wait_for(&id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    first.shutdown();
+    first.wait().await.expect("first life stops");
+    // Second life on the same files, gate open: the same batch completes.
+    spec.closed_gate = false;
+    let second = support::serve::start_in(&spec, &dir.0, &data).await;
+    let api = Api::new(&format!("http://{}", second.addr), None);
+    let done = api.wait_for(&id, LONG, terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 6, "completed": 6, "failed": 0})
+    );
+    let out = done["output_file_id"].as_str().expect("output");
+    assert_eq!(
+        lines_of(&api.text(&format!("/v1/files/{out}/content")).await.1).len(),
+        6
+    );
+    second.shutdown();
+    second.wait().await.expect("second life stops");
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serve_command_runs_on_the_embedded_transport_by_default() {
+    let dir = support::TempDir::new("serve-cli");
+    let (api_port, telemetry_port) = (support::free_port(), support::free_port());
+    let mut child = support::cli::sluicegate(&["serve", "--data-dir", "data"])
+        .current_dir(&dir.0)
+        .env("SLUICEGATE_GATEWAY_URL", "http://127.0.0.1:9")
+        .env("SLUICEGATE_GATE_TYPE", "constant")
+        .env("SLUICEGATE_SERVE_LISTEN", format!("127.0.0.1:{api_port}"))
+        .env("SLUICEGATE_LISTEN", format!("127.0.0.1:{telemetry_port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("serve starts");
+    let api = Api::new(&format!("http://127.0.0.1:{api_port}"), None);
+    let give_up = std::time::Instant::now() + LONG;
+    let listed = loop {
+        let answer = reqwest::get(format!("{}/v1/files", api.base)).await;
+        if let Ok(r) = answer {
+            break r.text().await.expect("body");
+        }
+        assert!(std::time::Instant::now() < give_up, "serve never answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        serde_json::from_str::<Value>(&listed).expect("json")["object"],
+        "list"
+    );
+    let (status, file) = api.upload("batch", completion_lines(1, 4).as_bytes()).await;
+    assert_eq!(status, 200, "{file}");
+    // Embedded: the queue in ./sluicegate.db, records and bodies in --data-dir.
+    assert!(dir.0.join("sluicegate.db").is_file());
+    assert!(dir.0.join("data/batches.db").is_file());
+    let id = file["id"].as_str().expect("id");
+    assert!(dir.0.join("data/files").join(id).is_file());
+    child.kill().expect("stop serve");
+    child.wait().expect("reaped");
+}

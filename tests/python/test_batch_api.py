@@ -1,0 +1,163 @@
+"""The OpenAI Batch API of `sluicegate serve`, driven by the official
+`openai` Python client. Run by tests/batch_api_python.rs, which starts the
+servers (our simulator as the pool) and sets:
+
+- SLUICEGATE_API_BASE: a server whose gate is open (alice and bob's keys);
+- SLUICEGATE_API_BASE_CLOSED: a server whose gate stays closed, so its
+  batches wait (for cancel);
+- SLUICEGATE_KEY_A / SLUICEGATE_KEY_B: alice's and bob's API keys.
+"""
+
+import io
+import json
+import os
+import time
+
+import openai
+import pytest
+
+BASE = os.environ["SLUICEGATE_API_BASE"] + "/v1"
+CLOSED = os.environ["SLUICEGATE_API_BASE_CLOSED"] + "/v1"
+KEY_A = os.environ["SLUICEGATE_KEY_A"]
+KEY_B = os.environ["SLUICEGATE_KEY_B"]
+TERMINAL = {"completed", "failed", "expired", "cancelled"}
+
+
+def client(base=BASE, key=KEY_A):
+    return openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
+
+
+def line(custom_id, model="sim-model", max_tokens=8):
+    return json.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": "hello", "max_tokens": max_tokens},
+        }
+    )
+
+
+def upload(c, lines):
+    data = ("\n".join(lines) + "\n").encode()
+    return c.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
+
+
+def create(c, lines, **extra):
+    f = upload(c, lines)
+    assert f.object == "file" and f.purpose == "batch" and f.bytes > 0
+    return c.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        **extra,
+    )
+
+
+def poll(c, batch_id, until=TERMINAL, within=60.0):
+    give_up = time.monotonic() + within
+    seen = []
+    while True:
+        b = c.batches.retrieve(batch_id)
+        seen.append((b.status, b.request_counts.completed if b.request_counts else 0))
+        if b.status in until:
+            return b, seen
+        assert time.monotonic() < give_up, f"batch stuck: {b}"
+        time.sleep(0.1)
+
+
+def jsonl(c, file_id):
+    return [json.loads(l) for l in c.files.content(file_id).text.splitlines() if l]
+
+
+def test_upload_create_poll_and_download_output_and_errors():
+    c = client()
+    # r-bad is refused by the pool (model must be a string): the error file.
+    lines = [line(f"r{i}") for i in range(6)] + [line("r-bad", model=5)]
+    b = create(c, lines, metadata={"team": "search"})
+    assert b.object == "batch" and b.status == "validating"
+    assert b.metadata == {"team": "search"}
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    assert done.request_counts.total == 7
+    assert done.request_counts.completed == 6
+    assert done.request_counts.failed == 1
+    assert done.completed_at and done.in_progress_at and done.finalizing_at
+    out = jsonl(c, done.output_file_id)
+    assert sorted(o["custom_id"] for o in out) == [f"r{i}" for i in range(6)]
+    for o in out:
+        assert o["response"]["status_code"] == 200
+        assert o["response"]["body"]["choices"][0]["text"]
+        assert o["error"] is None
+    errors = jsonl(c, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["r-bad"]
+    assert errors[0]["response"]["status_code"] == 400
+    meta = c.files.retrieve(done.output_file_id)
+    assert meta.purpose == "batch_output"
+
+
+def test_invalid_lines_fail_the_batch_with_line_numbers():
+    c = client()
+    b = create(c, [line("ok"), "{not json", line("ok")])
+    done, _ = poll(c, b.id)
+    assert done.status == "failed"
+    assert [(e.line, e.code) for e in done.errors.data] == [
+        (2, "invalid_json_line"),
+        (3, "duplicate_custom_id"),
+    ]
+
+
+def test_cancel_keeps_the_batch_and_answers_waiting_requests():
+    c = client(CLOSED)
+    b = create(c, [line(f"c{i}") for i in range(3)])
+    poll(c, b.id, until={"in_progress"})
+    cancelling = c.batches.cancel(b.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done, _ = poll(c, b.id)
+    assert done.status == "cancelled"
+    assert done.cancelled_at and done.cancelling_at
+    assert done.request_counts.failed == 3
+    errors = jsonl(c, done.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    with pytest.raises(openai.ConflictError):
+        c.batches.cancel(b.id)
+
+
+def test_list_batches_with_after_and_limit():
+    c = client(key=KEY_B)
+    made = [create(c, [line("p")]).id for _ in range(3)]
+    first = c.batches.list(limit=2)
+    assert [b.id for b in first.data] == made[::-1][:2]
+    assert first.has_more
+    rest = c.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in rest.data] == made[::-1][2:]
+    assert not rest.has_more
+    # The client's auto-pagination follows `after` through every page.
+    assert [b.id for b in c.batches.list(limit=1)] == made[::-1]
+    files = c.files.list()
+    assert {f.id for f in files.data} >= {c.batches.retrieve(i).input_file_id for i in made}
+
+
+def test_another_tenant_gets_404():
+    alice, bob = client(), client(key=KEY_B)
+    b = create(alice, [line("mine")])
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.retrieve(b.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.files.retrieve(b.input_file_id)
+    with pytest.raises(openai.NotFoundError):
+        bob.files.content(b.input_file_id)
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.cancel(b.id)
+    assert b.id not in {x.id for x in bob.batches.list()}
+    with pytest.raises(openai.AuthenticationError):
+        client(key="wrong").batches.list()
+
+
+def test_files_can_be_deleted():
+    c = client()
+    f = upload(c, [line("d")])
+    deleted = c.files.delete(f.id)
+    assert deleted.deleted and deleted.id == f.id
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id)

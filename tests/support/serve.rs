@@ -1,0 +1,281 @@
+//! `sluicegate serve` in process for the Batch API suites: the config
+//! for a gateway (our simulator) and a transport, a plain HTTP client for
+//! the OpenAI endpoints (multipart built by hand: no second HTTP stack).
+
+use std::time::Duration;
+
+use serde_json::Value;
+use sluicegate::config::{Config, ServeConfig};
+use sluicegate::serve::Server;
+
+use super::{TempDir, free_port};
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct ServeSpec {
+    /// Gateway base URL (the simulator).
+    pub gateway_url: String,
+    /// A gate that stays closed (an endpoint-scrape gate on a dead port:
+    /// unreadable metrics mean zero budget), so requests wait.
+    pub closed_gate: bool,
+    /// `serve.api_keys`, `tenant:key` entries.
+    pub keys: Option<String>,
+    /// Redis transport on this port; embedded when `None`.
+    pub redis_port: Option<u16>,
+    /// `serve.dispatcher = separate` when false.
+    pub in_process: bool,
+    /// Size limits (`serve.max_*`), defaults when `None`.
+    pub max_file_bytes: Option<u64>,
+    /// `serve.max_line_bytes`.
+    pub max_line_bytes: Option<u64>,
+    /// `serve.max_lines_per_batch`.
+    pub max_lines: Option<u64>,
+}
+
+impl ServeSpec {
+    /// Embedded, open gate, no keys, dispatcher in process.
+    pub fn new(gateway_url: &str) -> Self {
+        Self {
+            gateway_url: gateway_url.to_owned(),
+            closed_gate: false,
+            keys: None,
+            redis_port: None,
+            in_process: true,
+            max_file_bytes: None,
+            max_line_bytes: None,
+            max_lines: None,
+        }
+    }
+}
+
+/// A running server and the directories it owns.
+#[derive(Debug)]
+pub struct Served {
+    /// The server.
+    pub server: Server,
+    /// `http://addr`.
+    pub base: String,
+    /// Holds the embedded queue file (and, unless shared, the data dir).
+    pub dir: TempDir,
+}
+
+impl Served {
+    /// Stops and waits.
+    pub async fn stop(self) {
+        self.server.shutdown();
+        self.server.wait().await.expect("the server stops cleanly");
+    }
+}
+
+/// The dispatcher config of `spec`, its embedded queue in `dir`.
+pub fn config(spec: &ServeSpec, dir: &std::path::Path) -> Config {
+    let transport = match spec.redis_port {
+        Some(port) => {
+            format!("transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{port}/0\"\n")
+        }
+        None => format!(
+            "transport = \"embedded\"\n[embedded]\npath = \"{}\"\n",
+            dir.join("queue.db").display()
+        ),
+    };
+    let gate = match spec.closed_gate {
+        true => format!(
+            "gate_type = \"endpoint-scrape\"\n[queue.gate_params]\nurl = \"http://127.0.0.1:{}/metrics\"\nmetric = \"m\"\nmax_count_per_pod = 4\n",
+            free_port()
+        ),
+        false => "gate_type = \"constant\"\n".to_owned(),
+    };
+    let text = format!(
+        "{transport}[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 8\n{gate}",
+        spec.gateway_url
+    );
+    Config::from_toml_str(&text, &Default::default()).expect("test config loads")
+}
+
+/// Starts a server for `spec`; `data_dir` shares file bodies between
+/// servers (Redis replicas), else it lives in the server's directory.
+pub async fn start(spec: &ServeSpec, data_dir: Option<&std::path::Path>) -> Served {
+    let dir = TempDir::new("serve");
+    let data_dir = data_dir.map_or_else(|| dir.0.join("data"), std::path::Path::to_path_buf);
+    let server = start_in(spec, &dir.0, &data_dir).await;
+    let base = format!("http://{}", server.addr);
+    Served { server, base, dir }
+}
+
+/// Starts a server for `spec` on the queue in `dir` and the bodies in
+/// `data_dir` (a restart reuses both).
+pub async fn start_in(
+    spec: &ServeSpec,
+    dir: &std::path::Path,
+    data_dir: &std::path::Path,
+) -> Server {
+    let config = config(spec, dir);
+    let mut serve = ServeConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: data_dir.to_path_buf(),
+        api_keys: spec.keys.clone().map(sluicegate::config::Secret::new),
+        ..ServeConfig::default()
+    };
+    if !spec.in_process {
+        serve.dispatcher = sluicegate::config::ServeDispatcher::Separate;
+    }
+    if let Some(n) = spec.max_file_bytes {
+        serve.max_file_bytes = n;
+    }
+    if let Some(n) = spec.max_line_bytes {
+        serve.max_line_bytes = n;
+    }
+    if let Some(n) = spec.max_lines {
+        serve.max_lines_per_batch = n;
+    }
+    sluicegate::serve::start(&config, &serve, std::future::pending())
+        .await
+        .expect("the server starts")
+}
+
+/// A plain client of the OpenAI endpoints.
+#[derive(Debug, Clone)]
+pub struct Api {
+    /// `http://addr`.
+    pub base: String,
+    /// Bearer key, if any.
+    pub key: Option<String>,
+    client: reqwest::Client,
+}
+
+impl Api {
+    /// A client of `base` with `key`.
+    pub fn new(base: &str, key: Option<&str>) -> Self {
+        Self {
+            base: base.to_owned(),
+            key: key.map(str::to_owned),
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = self.client.request(method, format!("{}{path}", self.base));
+        match &self.key {
+            Some(k) => r.header("authorization", format!("Bearer {k}")),
+            None => r,
+        }
+    }
+
+    /// Status and JSON body of a request.
+    async fn send(r: reqwest::RequestBuilder) -> (u16, Value) {
+        let response = r.send().await.expect("request answered");
+        let status = response.status().as_u16();
+        let text = response.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    /// `POST /v1/files` with `purpose` and a file of `bytes`.
+    pub async fn upload(&self, purpose: &str, bytes: &[u8]) -> (u16, Value) {
+        let boundary = "sluicegate-test-boundary";
+        let mut body = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"input.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
+        )
+        .into_bytes();
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let r = self
+            .request(reqwest::Method::POST, "/v1/files")
+            .header(
+                "content-type",
+                format!("multipart/form-data; boundary={boundary}"),
+            )
+            .body(body);
+        Self::send(r).await
+    }
+
+    /// `GET path`.
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        Self::send(self.request(reqwest::Method::GET, path)).await
+    }
+
+    /// `DELETE path`.
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        Self::send(self.request(reqwest::Method::DELETE, path)).await
+    }
+
+    /// `GET path` as text (file content).
+    pub async fn text(&self, path: &str) -> (u16, String) {
+        let response = self
+            .request(reqwest::Method::GET, path)
+            .send()
+            .await
+            .expect("request answered");
+        let status = response.status().as_u16();
+        (status, response.text().await.expect("body"))
+    }
+
+    /// `POST path` with a JSON body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .request(reqwest::Method::POST, path)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        Self::send(r).await
+    }
+
+    /// Uploads `lines` and creates a batch on `endpoint` with `window`.
+    pub async fn batch(&self, lines: &str, endpoint: &str, window: &str) -> Value {
+        let (status, file) = self.upload("batch", lines.as_bytes()).await;
+        assert_eq!(status, 200, "upload: {file}");
+        let (status, batch) = self
+            .post(
+                "/v1/batches",
+                &serde_json::json!({
+                    "input_file_id": file["id"], "endpoint": endpoint,
+                    "completion_window": window, "metadata": {"run": "test"},
+                }),
+            )
+            .await;
+        assert_eq!(status, 200, "create: {batch}");
+        batch
+    }
+
+    /// Polls the batch until `done` holds (at most `within`).
+    pub async fn wait_for(
+        &self,
+        id: &str,
+        within: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let give_up = std::time::Instant::now() + within;
+        loop {
+            let (status, batch) = self.get(&format!("/v1/batches/{id}")).await;
+            assert_eq!(status, 200, "{batch}");
+            if done(&batch) {
+                return batch;
+            }
+            assert!(
+                std::time::Instant::now() < give_up,
+                "batch never reached the state: {batch}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// `n` completion lines with ids `r0…`, `max_tokens` each.
+pub fn completion_lines(n: usize, max_tokens: u32) -> String {
+    (0..n)
+        .map(|i| {
+            format!(
+                "{{\"custom_id\":\"r{i}\",\"method\":\"POST\",\"url\":\"/v1/completions\",\"body\":{{\"model\":\"sim-model\",\"prompt\":\"hello {i}\",\"max_tokens\":{max_tokens}}}}}\n"
+            )
+        })
+        .collect()
+}
+
+/// Whether the batch is in a terminal status.
+pub fn terminal(batch: &Value) -> bool {
+    matches!(
+        batch["status"].as_str(),
+        Some("completed" | "failed" | "expired" | "cancelled")
+    )
+}
