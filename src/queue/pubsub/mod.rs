@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use gcloud_gax::grpc::{Code, Status};
-use gcloud_googleapis::pubsub::v1::{ModifyAckDeadlineRequest, PubsubMessage};
+use gcloud_gax::retry::RetrySetting;
+use gcloud_googleapis::pubsub::v1::{ModifyAckDeadlineRequest, PubsubMessage, PullRequest};
 use gcloud_pubsub::client::Client;
 use gcloud_pubsub::publisher::{Publisher, PublisherConfig};
 use gcloud_pubsub::subscription::Subscription;
@@ -70,9 +71,10 @@ pub enum PubSubError {
     },
 }
 
-/// A Pull waits at least this long, so `receive_wait = 0` still gives the
-/// server time to answer.
-const MIN_PULL_WAIT: Duration = Duration::from_millis(200);
+/// Polling an empty subscription within `receive_wait`: the first pause,
+/// doubling up to the last.
+const POLL_MIN: Duration = Duration::from_millis(10);
+const POLL_MAX: Duration = Duration::from_millis(100);
 /// Ack ids per Acknowledge / ModifyAckDeadline request (the request limit
 /// is 512 KiB; ack ids are a few hundred bytes).
 const IDS_PER_REQUEST: usize = 1000;
@@ -113,6 +115,15 @@ pub struct PubSubQueue {
     pull_failed: AtomicBool,
     dead_letters_total: AtomicU64,
     metrics: PubSubMetrics,
+}
+
+/// Pull failures go straight to the receiver, which backs off and counts
+/// them; the client's own retries would hide an outage.
+fn no_retry() -> RetrySetting {
+    RetrySetting {
+        take: 0,
+        ..RetrySetting::default()
+    }
 }
 
 fn queue_error(op: &'static str) -> impl FnOnce(Status) -> QueueError {
@@ -252,32 +263,45 @@ impl PubSubQueue {
     }
 
     async fn pull(&self, max: usize, lease: Duration, wait: Duration) -> Result<Vec<Delivery>, QueueError> {
-        let n = i32::try_from(max.min(MAX_PULL)).unwrap_or(1);
-        let give_up = Instant::now() + wait.max(MIN_PULL_WAIT);
+        let request = PullRequest {
+            subscription: self.subscription.fully_qualified_name().to_owned(),
+            // A Pull that waits for messages cannot be abandoned safely: the
+            // server may hand messages to a call the client already dropped
+            // (found in testing: the emulator then counted a delivery attempt
+            // and kept the message for its whole ack deadline). Pulls that
+            // answer at once are never abandoned; `wait` is spent polling.
+            #[allow(deprecated)]
+            return_immediately: true,
+            max_messages: i32::try_from(max.min(MAX_PULL)).unwrap_or(1),
+        };
+        let give_up = Instant::now() + wait;
+        let mut pause = POLL_MIN;
         loop {
-            let left = give_up.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(Vec::new());
-            }
-            // Dropping a Pull on timeout can, rarely, lose messages the
-            // server sent as it was cancelled: they come back after the
-            // subscription's ack deadline. Nothing is lost.
-            let pulled = match tokio::time::timeout(left, self.subscription.pull(n, None)).await {
-                Err(_) => return Ok(Vec::new()),
-                Ok(Err(source)) => {
+            let pulled = self
+                .subscription
+                .get_client()
+                .pull(request.clone(), Some(no_retry()))
+                .await
+                .map(|r| r.into_inner().received_messages);
+            let pulled = match pulled {
+                Ok(pulled) => pulled,
+                Err(source) => {
                     self.reachable.store(false, Ordering::Relaxed);
                     self.pull_failed.store(true, Ordering::Relaxed);
                     return Err(QueueError::PubSub { op: "pull", source });
                 }
-                Ok(Ok(pulled)) => pulled,
             };
             self.reachable.store(true, Ordering::Relaxed);
             if self.pull_failed.swap(false, Ordering::Relaxed) {
                 self.metrics.pull_restarts.inc();
             }
             if pulled.is_empty() {
-                // Some servers (the emulator) answer an empty Pull at once.
-                tokio::time::sleep(Duration::from_millis(20).min(left)).await;
+                let left = give_up.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Ok(Vec::new());
+                }
+                tokio::time::sleep(pause.min(left)).await;
+                pause = (pause * 2).min(POLL_MAX);
                 continue;
             }
             let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
@@ -293,7 +317,11 @@ impl PubSubQueue {
             let deliveries = pulled
                 .into_iter()
                 .map(|m| {
-                    let info = message::received(&m.message.data, &m.message.attributes);
+                    let (data, attributes) = m
+                        .message
+                        .map(|p| (p.data, p.attributes))
+                        .unwrap_or_default();
+                    let info = message::received(&data, &attributes);
                     let body = Bytes::from(info.body.clone());
                     held.insert(
                         m.ack_id.clone(),
@@ -302,10 +330,11 @@ impl PubSubQueue {
                             published: false,
                         },
                     );
+                    let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
                     Delivery {
                         tag: DeliveryTag(m.ack_id),
                         body,
-                        retry_count: message::retry_count(m.delivery_attempt),
+                        retry_count: message::retry_count(attempt),
                     }
                 })
                 .collect();
