@@ -371,3 +371,64 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
     assert!(raw_duplicates <= 3 * 8, "{raw_duplicates} duplicate results for 3 kills");
     eprintln!("raw duplicate results after 3 kills: {raw_duplicates}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_sets_up_submits_and_collects_results_once_each() {
+    let emulator = Emulator::start();
+    let names = Names::new("cli");
+    let dir = support::TempDir::new("pubsub-cli");
+    let bin = env!("CARGO_BIN_EXE_sluicegate");
+    let run = |args: &[&str]| {
+        std::process::Command::new(bin)
+            .args(args)
+            .env("SLUICEGATE_PUBSUB_PROJECT_ID", support::pubsub::PROJECT)
+            .env("PUBSUB_EMULATOR_HOST", emulator.host())
+            .output()
+            .expect("sluicegate runs")
+    };
+    let dead_sub = format!("{}-sub", names.dead);
+    let setup_args = [
+        "pubsub", "setup", "--topic", &names.topic, "--subscription", &names.subscription,
+        "--result-topic", &names.results, "--result-subscription", &names.result_sub,
+        "--dead-letter-topic", &names.dead, "--max-delivery-attempts", "5", "--ack-deadline", "10s",
+    ];
+    let first = run(&setup_args);
+    assert!(first.status.success(), "{first:?}");
+    let text = String::from_utf8_lossy(&first.stdout);
+    assert_eq!(text.matches(": created").count(), 6, "{text}");
+    assert!(text.contains(&format!("dead letters to {} after 5 deliveries", names.dead)), "{text}");
+    // Re-running changes nothing.
+    let again = run(&setup_args);
+    assert_eq!(String::from_utf8_lossy(&again.stdout).matches("exists, left as is").count(), 6);
+    assert!(text.contains(&dead_sub), "{text}");
+
+    let input = dir.0.join("requests.jsonl");
+    let lines: Vec<String> = (0..30)
+        .map(|i| {
+            json!({"custom_id": format!("c-{i}"), "method": "POST", "url": "/v1/completions",
+                   "body": {"model": "sim-model", "prompt": "x", "max_tokens": 4}})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let submitted = run(&["submit", "--pubsub-topic", &names.topic, input.to_str().expect("utf8")]);
+    assert!(submitted.status.success(), "{submitted:?}");
+    assert!(String::from_utf8_lossy(&submitted.stdout).contains("submitted 30 requests"));
+
+    let sim = fast_sim().await;
+    let app = start(&config_toml(&emulator, &names, &sim.base_url(), "", r#"gate_type = "constant""#)).await;
+    let output = dir.0.join("results.jsonl");
+    let results = run(&[
+        "results", "--pubsub-subscription", &names.result_sub, "--expect", "30", "--timeout", "60s",
+        "--output", output.to_str().expect("utf8"),
+    ]);
+    assert!(results.status.success(), "{results:?}");
+    let written = std::fs::read_to_string(&output).expect("results file");
+    let ids: BTreeSet<String> = written
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["id"].as_str().expect("id").to_owned())
+        .collect();
+    assert_eq!(ids.len(), 30);
+    assert_eq!(written.lines().count(), 30);
+    app.stop().await;
+}

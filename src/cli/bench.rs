@@ -1,6 +1,7 @@
 //! `sluicegate bench drain`: N messages through a real Redis and a gateway
 //! that answers instantly; prints messages/s, CPU seconds per 1 000
-//! messages and peak RSS (docs/benchmarks.md).
+//! messages and peak RSS (docs/benchmarks.md). `bench drain-pubsub` does
+//! the same through Pub/Sub (`src/cli/pubsub.rs`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -18,6 +19,9 @@ use crate::request::parse_message;
 pub(crate) enum BenchCommand {
     /// Drain N messages from Redis through an instant gateway.
     Drain(DrainArgs),
+    /// Drain N messages from a Pub/Sub subscription (the emulator or a
+    /// real project) through an instant gateway.
+    DrainPubsub(super::pubsub::DrainArgs),
 }
 
 #[derive(Debug, Args)]
@@ -44,11 +48,18 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        BenchCommand::DrainPubsub(args) => match super::pubsub::drain(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench drain-pubsub: {e}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 
 /// CPU seconds (user + system) of this process so far, from /proc.
-fn cpu_seconds() -> Option<f64> {
+pub(super) fn cpu_seconds() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // Fields after the command name (which may contain spaces).
     let rest = &stat[stat.rfind(')')? + 2..];
@@ -60,14 +71,14 @@ fn cpu_seconds() -> Option<f64> {
 }
 
 /// Peak resident set size in MiB, from /proc.
-fn peak_rss_mib() -> Option<f64> {
+pub(super) fn peak_rss_mib() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)
 }
 
-async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
+pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
     use axum::routing::post;
     let app = axum::Router::new().fallback(post(|| async {
         (
