@@ -46,7 +46,13 @@ async fn fast_sim() -> SimHandle {
 }
 
 /// A dispatcher config on `names.subscription`, gated by `gate`.
-fn config_toml(emulator: &Emulator, names: &Names, gateway: &str, extra_dispatch: &str, gate: &str) -> String {
+fn config_toml(
+    emulator: &Emulator,
+    names: &Names,
+    gateway: &str,
+    extra_dispatch: &str,
+    gate: &str,
+) -> String {
     format!(
         r#"
 transport = "pubsub"
@@ -111,7 +117,14 @@ async fn round_trip_through_the_simulator_publishes_one_result_per_request() {
     let names = Names::new("rt");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let app = start(&config_toml(&emulator, &names, &sim.base_url(), "", r#"gate_type = "constant""#)).await;
+    let app = start(&config_toml(
+        &emulator,
+        &names,
+        &sim.base_url(),
+        "",
+        r#"gate_type = "constant""#,
+    ))
+    .await;
 
     let mut bodies = requests("rt", 20);
     // Routed: the result carries `result_route` from the metadata, and a
@@ -122,8 +135,14 @@ async fn round_trip_through_the_simulator_publishes_one_result_per_request() {
         .to_string(),
     );
     publish(&client, &names.topic, &bodies).await;
-    let ids: BTreeSet<String> = (0..20).map(|i| format!("rt-{i}")).chain(["routed".to_owned()]).collect();
-    let messages = collect(&client, &names.result_sub, Duration::from_secs(60), |got| got.len() >= ids.len()).await;
+    let ids: BTreeSet<String> = (0..20)
+        .map(|i| format!("rt-{i}"))
+        .chain(["routed".to_owned()])
+        .collect();
+    let messages = collect(&client, &names.result_sub, Duration::from_secs(60), |got| {
+        got.len() >= ids.len()
+    })
+    .await;
     let by_id = results_by_id(&messages);
     assert_eq!(by_id.keys().cloned().collect::<BTreeSet<_>>(), ids);
     for (id, results) in &by_id {
@@ -134,9 +153,22 @@ async fn round_trip_through_the_simulator_publishes_one_result_per_request() {
         .iter()
         .find(|(_, a)| a.get("id").map(String::as_str) == Some("routed"))
         .expect("routed result");
-    assert_eq!(routed.1.get("result_route").map(String::as_str), Some("blue"));
-    assert_eq!(metric(&app, "sluicegate_pubsub_acks_total", &names.subscription), 21.0);
-    assert_eq!(metric(&app, "sluicegate_pubsub_in_flight_messages", &names.subscription), 0.0);
+    assert_eq!(
+        routed.1.get("result_route").map(String::as_str),
+        Some("blue")
+    );
+    assert_eq!(
+        metric(&app, "sluicegate_pubsub_acks_total", &names.subscription),
+        21.0
+    );
+    assert_eq!(
+        metric(
+            &app,
+            "sluicegate_pubsub_in_flight_messages",
+            &names.subscription
+        ),
+        0.0
+    );
     app.stop().await;
 }
 
@@ -147,24 +179,47 @@ async fn unparsable_messages_get_invalid_request_then_the_ack() {
     let names = Names::new("bad");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let app = start(&config_toml(&emulator, &names, &sim.base_url(), "", r#"gate_type = "constant""#)).await;
+    let app = start(&config_toml(
+        &emulator,
+        &names,
+        &sim.base_url(),
+        "",
+        r#"gate_type = "constant""#,
+    ))
+    .await;
     publish(
         &client,
         &names.topic,
-        &["not json at all".to_owned(), json!({"id": "no-deadline", "payload": {}}).to_string()],
+        &[
+            "not json at all".to_owned(),
+            json!({"id": "no-deadline", "payload": {}}).to_string(),
+        ],
     )
     .await;
-    let messages = collect(&client, &names.result_sub, Duration::from_secs(60), |got| got.len() >= 2).await;
+    let messages = collect(&client, &names.result_sub, Duration::from_secs(60), |got| {
+        got.len() >= 2
+    })
+    .await;
     let by_id = results_by_id(&messages);
     assert_eq!(by_id.len(), 2, "{by_id:?}");
     for results in by_id.values() {
         assert_eq!(results.len(), 1);
-        assert_eq!(results[0].error_code, Some(ErrorCode::InvalidRequest), "{results:?}");
+        assert_eq!(
+            results[0].error_code,
+            Some(ErrorCode::InvalidRequest),
+            "{results:?}"
+        );
     }
     assert!(by_id.contains_key("no-deadline"), "{by_id:?}");
     app.stop().await;
     // Acked, not dropped or nacked: nothing comes back on the subscription.
-    let left = collect(&client, &names.subscription, Duration::from_secs(3), |got| !got.is_empty()).await;
+    let left = collect(
+        &client,
+        &names.subscription,
+        Duration::from_secs(3),
+        |got| !got.is_empty(),
+    )
+    .await;
     assert!(left.is_empty(), "still on the subscription: {left:?}");
 }
 
@@ -177,21 +232,44 @@ async fn a_gate_closing_and_reopening_mid_drain_never_restarts_the_pull() {
     let names = Names::new("gate");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let gate = format!("gate_type = \"redis\"\ngate_params = {{address = \"127.0.0.1:{}\"}}", redis.port);
+    let gate = format!(
+        "gate_type = \"redis\"\ngate_params = {{address = \"127.0.0.1:{}\"}}",
+        redis.port
+    );
     let app = start(&config_toml(&emulator, &names, &sim.base_url(), "", &gate)).await;
     let n = 1000;
     publish(&client, &names.topic, &requests("g", n)).await;
     let ids: BTreeSet<String> = (0..n).map(|i| format!("g-{i}")).collect();
 
     // Let about a third through, then close the gate.
-    let mut messages = collect(&client, &names.result_sub, Duration::from_secs(120), |got| got.len() >= n / 3).await;
+    let mut messages = collect(
+        &client,
+        &names.result_sub,
+        Duration::from_secs(120),
+        |got| got.len() >= n / 3,
+    )
+    .await;
     redis.cli(&["SET", "dispatch-gate-budget", "0"]);
     // Closed: what was in flight finishes, then nothing more is sent.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    messages.extend(collect(&client, &names.result_sub, Duration::from_secs(1), |_| false).await);
+    messages.extend(
+        collect(&client, &names.result_sub, Duration::from_secs(1), |_| {
+            false
+        })
+        .await,
+    );
     let at_close = messages.len();
-    messages.extend(collect(&client, &names.result_sub, Duration::from_secs(2), |_| false).await);
-    assert_eq!(messages.len(), at_close, "results kept coming with the gate closed");
+    messages.extend(
+        collect(&client, &names.result_sub, Duration::from_secs(2), |_| {
+            false
+        })
+        .await,
+    );
+    assert_eq!(
+        messages.len(),
+        at_close,
+        "results kept coming with the gate closed"
+    );
     assert!(at_close < n, "the drain ended before the gate closed");
     // Reopen through several budget changes.
     for budget in ["0.2", "0.6", "1"] {
@@ -199,16 +277,23 @@ async fn a_gate_closing_and_reopening_mid_drain_never_restarts_the_pull() {
         tokio::time::sleep(Duration::from_millis(700)).await;
     }
     messages.extend(
-        collect(&client, &names.result_sub, Duration::from_secs(180), |got| {
-            got.len() + at_close >= n
-        })
+        collect(
+            &client,
+            &names.result_sub,
+            Duration::from_secs(180),
+            |got| got.len() + at_close >= n,
+        )
         .await,
     );
     let by_id = results_by_id(&messages);
     assert_eq!(by_id.keys().cloned().collect::<BTreeSet<_>>(), ids);
     assert!(by_id.values().all(|r| r.len() == 1), "a duplicate result");
     assert_eq!(
-        metric(&app, "sluicegate_pubsub_pull_stream_restarts_total", &names.subscription),
+        metric(
+            &app,
+            "sluicegate_pubsub_pull_stream_restarts_total",
+            &names.subscription
+        ),
         0.0
     );
     app.stop().await;
@@ -223,9 +308,22 @@ async fn a_message_past_max_delivery_attempts_lands_in_the_dead_letter_topic() {
     // Nothing listens there: every attempt is a retryable transport error,
     // nacked with the backoff, and the broker counts the deliveries.
     let closed = format!("http://127.0.0.1:{}", support::free_port());
-    let app = start(&config_toml(&emulator, &names, &closed, "", r#"gate_type = "constant""#)).await;
+    let app = start(&config_toml(
+        &emulator,
+        &names,
+        &closed,
+        "",
+        r#"gate_type = "constant""#,
+    ))
+    .await;
     publish(&client, &names.topic, &[request("doomed")]).await;
-    let dead = collect(&client, &format!("{}-sub", names.dead), Duration::from_secs(90), |got| !got.is_empty()).await;
+    let dead = collect(
+        &client,
+        &format!("{}-sub", names.dead),
+        Duration::from_secs(90),
+        |got| !got.is_empty(),
+    )
+    .await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     let body: serde_json::Value = serde_json::from_slice(&dead[0].0).expect("the request");
     assert_eq!(body["id"], "doomed");
@@ -243,14 +341,31 @@ async fn the_dispatchers_own_dead_letter_publishes_a_result_and_the_message() {
     // The broker's limit is out of reach: the dispatcher's comes first.
     create(&client, &names, 100).await;
     let closed = format!("http://127.0.0.1:{}", support::free_port());
-    let app = start(&config_toml(&emulator, &names, &closed, "max_attempts = 2", r#"gate_type = "constant""#)).await;
+    let app = start(&config_toml(
+        &emulator,
+        &names,
+        &closed,
+        "max_attempts = 2",
+        r#"gate_type = "constant""#,
+    ))
+    .await;
     publish(&client, &names.topic, &[request("given-up")]).await;
     let ids = BTreeSet::from(["given-up".to_owned()]);
     let by_id = results_for(&client, &names, &ids, Duration::from_secs(60)).await;
     let result = &by_id["given-up"];
     assert_eq!(result.len(), 1);
-    assert_eq!(result[0].error_code, Some(ErrorCode::InferenceError), "{result:?}");
-    let dead = collect(&client, &format!("{}-sub", names.dead), Duration::from_secs(30), |got| !got.is_empty()).await;
+    assert_eq!(
+        result[0].error_code,
+        Some(ErrorCode::InferenceError),
+        "{result:?}"
+    );
+    let dead = collect(
+        &client,
+        &format!("{}-sub", names.dead),
+        Duration::from_secs(30),
+        |got| !got.is_empty(),
+    )
+    .await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].1.get("id").map(String::as_str), Some("given-up"));
     app.stop().await;
@@ -263,12 +378,22 @@ async fn the_emulator_restarted_mid_drain_loses_nothing_the_dispatcher_held() {
     let names = Names::new("er");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let app = start(&config_toml(&emulator, &names, &sim.base_url(), "", r#"gate_type = "constant""#)).await;
+    let app = start(&config_toml(
+        &emulator,
+        &names,
+        &sim.base_url(),
+        "",
+        r#"gate_type = "constant""#,
+    ))
+    .await;
     let n = 300;
     let bodies = requests("er", n);
     publish(&client, &names.topic, &bodies).await;
     let ids: BTreeSet<String> = (0..n).map(|i| format!("er-{i}")).collect();
-    let mut messages = collect(&client, &names.result_sub, Duration::from_secs(60), |got| got.len() >= n / 4).await;
+    let mut messages = collect(&client, &names.result_sub, Duration::from_secs(60), |got| {
+        got.len() >= n / 4
+    })
+    .await;
 
     // The emulator keeps everything in memory: a restart comes back empty.
     // The dispatcher must survive the outage and resume pulling; the
@@ -286,17 +411,30 @@ async fn the_emulator_restarted_mid_drain_loses_nothing_the_dispatcher_held() {
         .collect();
     publish(&client, &names.topic, &again).await;
     messages.extend(
-        collect(&client, &names.result_sub, Duration::from_secs(120), |got| {
-            let mut seen = answered.clone();
-            seen.extend(results_by_id(got).into_keys());
-            ids.is_subset(&seen)
-        })
+        collect(
+            &client,
+            &names.result_sub,
+            Duration::from_secs(120),
+            |got| {
+                let mut seen = answered.clone();
+                seen.extend(results_by_id(got).into_keys());
+                ids.is_subset(&seen)
+            },
+        )
         .await,
     );
     let by_id = results_by_id(&messages);
-    assert_eq!(by_id.keys().cloned().collect::<BTreeSet<_>>(), ids, "an id without a result");
+    assert_eq!(
+        by_id.keys().cloned().collect::<BTreeSet<_>>(),
+        ids,
+        "an id without a result"
+    );
     assert!(
-        metric(&app, "sluicegate_pubsub_pull_stream_restarts_total", &names.subscription) >= 1.0,
+        metric(
+            &app,
+            "sluicegate_pubsub_pull_stream_restarts_total",
+            &names.subscription
+        ) >= 1.0,
         "the outage was seen and pulling resumed"
     );
     app.stop().await;
@@ -315,8 +453,14 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
     .await
     .expect("simulator");
     let dir = support::TempDir::new("pubsub-kill");
-    let toml = config_toml(&emulator, &names, &sim.base_url(), "", r#"gate_type = "constant""#)
-        .replace("max_sys = 32", "max_sys = 8");
+    let toml = config_toml(
+        &emulator,
+        &names,
+        &sim.base_url(),
+        "",
+        r#"gate_type = "constant""#,
+    )
+    .replace("max_sys = 32", "max_sys = 8");
     let config = dir.0.join("sluicegate.toml");
     std::fs::write(&config, toml).expect("config file");
     let spawn = || {
@@ -336,9 +480,12 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
     for kill_at in [60, 160, 260] {
         let mut child = spawn();
         messages.extend(
-            collect(&client, &names.result_sub, Duration::from_secs(120), |got| {
-                messages.len() + got.len() >= kill_at
-            })
+            collect(
+                &client,
+                &names.result_sub,
+                Duration::from_secs(120),
+                |got| messages.len() + got.len() >= kill_at,
+            )
             .await,
         );
         child.kill().expect("SIGKILL");
@@ -351,24 +498,46 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
         seen.extend(results_by_id(got).into_keys());
         ids.is_subset(&seen)
     };
-    let rest = collect(&client, &names.result_sub, Duration::from_secs(180), answered).await;
+    let rest = collect(
+        &client,
+        &names.result_sub,
+        Duration::from_secs(180),
+        answered,
+    )
+    .await;
     messages.extend(rest);
     // Stragglers of the last run (duplicates, if any) arrive within a second.
-    messages.extend(collect(&client, &names.result_sub, Duration::from_secs(2), |_| false).await);
+    messages.extend(
+        collect(&client, &names.result_sub, Duration::from_secs(2), |_| {
+            false
+        })
+        .await,
+    );
     child.kill().expect("SIGKILL");
     child.wait().expect("reaped");
 
     let by_id = results_by_id(&messages);
-    assert_eq!(by_id.keys().cloned().collect::<BTreeSet<_>>(), ids, "an id without a result");
+    assert_eq!(
+        by_id.keys().cloned().collect::<BTreeSet<_>>(),
+        ids,
+        "an id without a result"
+    );
     // Readers dedupe by (id, request_token): one result each. The raw topic
     // may repeat an id only for a message whose result was confirmed and
     // whose ack the kill cut off: at most what one process held, per kill.
     let raw_duplicates: usize = by_id.values().map(|r| r.len() - 1).sum();
     for (id, results) in &by_id {
         let tokens: BTreeSet<_> = results.iter().map(|r| r.request_token.clone()).collect();
-        assert_eq!(tokens.len(), 1, "{id}: different submissions answered: {results:?}");
+        assert_eq!(
+            tokens.len(),
+            1,
+            "{id}: different submissions answered: {results:?}"
+        );
     }
-    assert!(raw_duplicates <= 3 * 8, "{raw_duplicates} duplicate results for 3 kills");
+    assert!(
+        raw_duplicates <= 3 * 8,
+        "{raw_duplicates} duplicate results for 3 kills"
+    );
     eprintln!("raw duplicate results after 3 kills: {raw_duplicates}");
 }
 
@@ -388,18 +557,42 @@ async fn the_cli_sets_up_submits_and_collects_results_once_each() {
     };
     let dead_sub = format!("{}-sub", names.dead);
     let setup_args = [
-        "pubsub", "setup", "--topic", &names.topic, "--subscription", &names.subscription,
-        "--result-topic", &names.results, "--result-subscription", &names.result_sub,
-        "--dead-letter-topic", &names.dead, "--max-delivery-attempts", "5", "--ack-deadline", "10s",
+        "pubsub",
+        "setup",
+        "--topic",
+        &names.topic,
+        "--subscription",
+        &names.subscription,
+        "--result-topic",
+        &names.results,
+        "--result-subscription",
+        &names.result_sub,
+        "--dead-letter-topic",
+        &names.dead,
+        "--max-delivery-attempts",
+        "5",
+        "--ack-deadline",
+        "10s",
     ];
     let first = run(&setup_args);
     assert!(first.status.success(), "{first:?}");
     let text = String::from_utf8_lossy(&first.stdout);
     assert_eq!(text.matches(": created").count(), 6, "{text}");
-    assert!(text.contains(&format!("dead letters to {} after 5 deliveries", names.dead)), "{text}");
+    assert!(
+        text.contains(&format!(
+            "dead letters to {} after 5 deliveries",
+            names.dead
+        )),
+        "{text}"
+    );
     // Re-running changes nothing.
     let again = run(&setup_args);
-    assert_eq!(String::from_utf8_lossy(&again.stdout).matches("exists, left as is").count(), 6);
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout)
+            .matches("exists, left as is")
+            .count(),
+        6
+    );
     assert!(text.contains(&dead_sub), "{text}");
 
     let input = dir.0.join("requests.jsonl");
@@ -411,22 +604,46 @@ async fn the_cli_sets_up_submits_and_collects_results_once_each() {
         })
         .collect();
     std::fs::write(&input, lines.join("\n")).expect("input");
-    let submitted = run(&["submit", "--pubsub-topic", &names.topic, input.to_str().expect("utf8")]);
+    let submitted = run(&[
+        "submit",
+        "--pubsub-topic",
+        &names.topic,
+        input.to_str().expect("utf8"),
+    ]);
     assert!(submitted.status.success(), "{submitted:?}");
     assert!(String::from_utf8_lossy(&submitted.stdout).contains("submitted 30 requests"));
 
     let sim = fast_sim().await;
-    let app = start(&config_toml(&emulator, &names, &sim.base_url(), "", r#"gate_type = "constant""#)).await;
+    let app = start(&config_toml(
+        &emulator,
+        &names,
+        &sim.base_url(),
+        "",
+        r#"gate_type = "constant""#,
+    ))
+    .await;
     let output = dir.0.join("results.jsonl");
     let results = run(&[
-        "results", "--pubsub-subscription", &names.result_sub, "--expect", "30", "--timeout", "60s",
-        "--output", output.to_str().expect("utf8"),
+        "results",
+        "--pubsub-subscription",
+        &names.result_sub,
+        "--expect",
+        "30",
+        "--timeout",
+        "60s",
+        "--output",
+        output.to_str().expect("utf8"),
     ]);
     assert!(results.status.success(), "{results:?}");
     let written = std::fs::read_to_string(&output).expect("results file");
     let ids: BTreeSet<String> = written
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["id"].as_str().expect("id").to_owned())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).expect("json")["id"]
+                .as_str()
+                .expect("id")
+                .to_owned()
+        })
         .collect();
     assert_eq!(ids.len(), 30);
     assert_eq!(written.lines().count(), 30);

@@ -11,9 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::results::{Format, Sink, openai_line};
 use crate::batch::input::ParsedInput;
 use crate::config::{PubSubConfig, parse_duration};
-use crate::queue::pubsub::{
-    SetupPlan, connect, publish_confirmed, pubsub_message, setup,
-};
+use crate::queue::pubsub::{SetupPlan, connect, publish_confirmed, pubsub_message, setup};
 use crate::result::ResultRecord;
 
 /// Messages per publish batch (Pub/Sub allows 1000 per request).
@@ -54,8 +52,10 @@ impl PubSubArgs {
 fn bar(len: Option<u64>, what: &str) -> ProgressBar {
     let bar = len.map_or_else(ProgressBar::new_spinner, ProgressBar::new);
     bar.set_style(
-        ProgressStyle::with_template(&format!("{{bar:40}} {{pos}}/{{len}} {what} {{per_sec}} {{msg}}"))
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(&format!(
+            "{{bar:40}} {{pos}}/{{len}} {what} {{per_sec}} {{msg}}"
+        ))
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar
 }
@@ -80,7 +80,10 @@ pub(super) async fn submit(args: &PubSubArgs, topic: &str, parsed: &ParsedInput)
             .iter()
             .map(|l| pubsub_message(l.body.to_vec(), HashMap::new()))
             .collect();
-        for (line, outcome) in chunk.iter().zip(publish_confirmed(&publisher, messages).await) {
+        for (line, outcome) in chunk
+            .iter()
+            .zip(publish_confirmed(&publisher, messages).await)
+        {
             if let Err(status) = outcome {
                 bar.abandon();
                 eprintln!(
@@ -135,7 +138,9 @@ pub(super) async fn results(args: &PubSubArgs, read: ResultsRead<'_>, mut out: S
     let mut seen: HashSet<(String, Option<String>)> = HashSet::new();
     let (mut got, mut errors, mut unparsable, mut duplicates) = (0u64, 0u64, 0u64, 0u64);
     loop {
-        if read.expect.is_some_and(|n| got >= n) || read.timeout.is_some_and(|t| started.elapsed() >= t) {
+        if read.expect.is_some_and(|n| got >= n)
+            || read.timeout.is_some_and(|t| started.elapsed() >= t)
+        {
             break;
         }
         let pulled = match sub.pull(PULL, None).await {
@@ -255,9 +260,19 @@ fn duration_in(flag: &str, text: &str, min: Duration, max: Duration) -> Result<D
 
 fn plan(args: &SetupArgs) -> Result<SetupPlan, String> {
     let ten_minutes = Duration::from_secs(600);
-    let min_backoff = duration_in("min-backoff", &args.min_backoff, Duration::ZERO, ten_minutes)?;
+    let min_backoff = duration_in(
+        "min-backoff",
+        &args.min_backoff,
+        Duration::ZERO,
+        ten_minutes,
+    )?;
     let max_backoff = duration_in("max-backoff", &args.max_backoff, min_backoff, ten_minutes)?;
-    let ack = duration_in("ack-deadline", &args.ack_deadline, Duration::from_secs(10), ten_minutes)?;
+    let ack = duration_in(
+        "ack-deadline",
+        &args.ack_deadline,
+        Duration::from_secs(10),
+        ten_minutes,
+    )?;
     Ok(SetupPlan {
         request_topic: args.topic.clone(),
         subscription: args.subscription.clone(),
@@ -414,7 +429,10 @@ gate_type = "constant"
     let reader = client.subscription(plan.result_subscription.as_deref().unwrap_or_default());
     let mut seen = HashSet::new();
     while seen.len() < args.messages {
-        let pulled = reader.pull(PULL, None).await.map_err(|e| format!("pull results: {e}"))?;
+        let pulled = reader
+            .pull(PULL, None)
+            .await
+            .map_err(|e| format!("pull results: {e}"))?;
         let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
         for m in pulled {
             if let Some(id) = m.message.attributes.get("id") {
@@ -422,7 +440,10 @@ gate_type = "constant"
             }
         }
         if !ids.is_empty() {
-            reader.ack(ids).await.map_err(|e| format!("ack results: {e}"))?;
+            reader
+                .ack(ids)
+                .await
+                .map_err(|e| format!("ack results: {e}"))?;
         }
         bar.set_position(seen.len() as u64);
     }

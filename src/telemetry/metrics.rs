@@ -127,7 +127,10 @@ impl PubSubMetrics {
 
 /// Buckets for a result publish round trip (milliseconds to seconds).
 fn publish_buckets() -> impl Iterator<Item = f64> {
-    [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0].into_iter()
+    [
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ]
+    .into_iter()
 }
 
 /// Histogram family with fixed buckets per family.
@@ -194,9 +197,7 @@ impl Metrics {
                 nacks: Family::default(),
                 deadline_extensions: Family::default(),
                 pull_restarts: Family::default(),
-                publish_latency: Family::new_with_constructor(|| {
-                    Histogram::new(publish_buckets())
-                }),
+                publish_latency: Family::new_with_constructor(|| Histogram::new(publish_buckets())),
             },
         };
         let r = &mut m.registry;

@@ -80,8 +80,7 @@ impl Emulator {
             return false;
         };
         let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        if s
-            .write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        if s.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             .is_err()
         {
             return false;
@@ -220,7 +219,8 @@ pub async fn collect(
     let give_up = Instant::now() + within;
     let mut out = Vec::new();
     while !done(&out) && Instant::now() < give_up {
-        let pulled = match tokio::time::timeout(Duration::from_secs(2), sub.pull(1000, None)).await {
+        let pulled = match tokio::time::timeout(Duration::from_secs(2), sub.pull(1000, None)).await
+        {
             Ok(Ok(p)) => p,
             _ => continue,
         };
@@ -245,7 +245,11 @@ pub fn results_by_id(
     for (data, attributes) in messages {
         let r: sluicegate::result::ResultRecord =
             serde_json::from_slice(data).expect("a result record");
-        assert_eq!(attributes.get("id"), Some(&r.id), "attribute id = record id");
+        assert_eq!(
+            attributes.get("id"),
+            Some(&r.id),
+            "attribute id = record id"
+        );
         by_id.entry(r.id.clone()).or_default().push(r);
     }
     by_id

@@ -32,7 +32,10 @@ pub enum Target {
 /// `[pubsub] emulator_host` wins over `PUBSUB_EMULATOR_HOST`; either wins
 /// over credentials (an emulator takes none).
 pub fn target(config: &PubSubConfig, env_emulator: Option<String>) -> Target {
-    match (config.emulator_host.clone(), env_emulator.filter(|h| !h.is_empty())) {
+    match (
+        config.emulator_host.clone(),
+        env_emulator.filter(|h| !h.is_empty()),
+    ) {
         (Some(host), _) | (None, Some(host)) => Target::Emulator(host),
         (None, None) => match &config.credentials_file {
             Some(path) => Target::KeyFile(path.display().to_string()),
@@ -43,7 +46,11 @@ pub fn target(config: &PubSubConfig, env_emulator: Option<String>) -> Target {
 
 /// Connects a client for `project_id` per `config` and the environment.
 pub async fn connect(config: &PubSubConfig) -> Result<Client, PubSubError> {
-    connect_to(&config.project_id, target(config, std::env::var(EMULATOR_ENV).ok())).await
+    connect_to(
+        &config.project_id,
+        target(config, std::env::var(EMULATOR_ENV).ok()),
+    )
+    .await
 }
 
 /// Connects a client for `project_id` to `target`.
@@ -103,6 +110,9 @@ mod tests {
             target(&config(None, Some("k.json")), Some(String::new())),
             Target::KeyFile("k.json".into())
         );
-        assert_eq!(target(&config(None, None), None), Target::DefaultCredentials);
+        assert_eq!(
+            target(&config(None, None), None),
+            Target::DefaultCredentials
+        );
     }
 }

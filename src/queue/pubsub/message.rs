@@ -54,9 +54,7 @@ pub(super) fn received(data: &[u8], attributes: &HashMap<String, String>) -> Rec
     };
     let before = metadata.len();
     for (key, value) in attributes {
-        metadata
-            .entry(key.clone())
-            .or_insert_with(|| value.clone());
+        metadata.entry(key.clone()).or_insert_with(|| value.clone());
     }
     let result_route = metadata.get(RESULT_ROUTE).cloned();
     if metadata.len() == before {
@@ -180,7 +178,10 @@ mod tests {
         assert_eq!(attributes["result_route"], "blue");
         let back: ResultRecord = serde_json::from_slice(&data).expect("record");
         assert_eq!(back, r);
-        let (_, plain) = result_message(&ResultRecord::error("r2", None, ErrorCode::InvalidRequest, "x"), None);
+        let (_, plain) = result_message(
+            &ResultRecord::error("r2", None, ErrorCode::InvalidRequest, "x"),
+            None,
+        );
         assert_eq!(plain.len(), 1);
     }
 }

@@ -29,7 +29,9 @@ use gcloud_pubsub::client::Client;
 use gcloud_pubsub::publisher::{Publisher, PublisherConfig};
 use gcloud_pubsub::subscription::Subscription;
 
-use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus};
+use super::{
+    AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
+};
 use crate::result::ResultRecord;
 use crate::telemetry::metrics::PubSubMetrics;
 
@@ -58,7 +60,9 @@ pub enum PubSubError {
         source: Status,
     },
     /// A topic or subscription the configuration names does not exist.
-    #[error("{key}: {what} `{name}` does not exist in project `{project}`; create it with `sluicegate pubsub setup`")]
+    #[error(
+        "{key}: {what} `{name}` does not exist in project `{project}`; create it with `sluicegate pubsub setup`"
+    )]
     Missing {
         /// The config key naming it.
         key: &'static str,
@@ -134,7 +138,10 @@ fn queue_error(op: &'static str) -> impl FnOnce(Status) -> QueueError {
 /// lease expired: exactly-once subscriptions answer so), rather than for
 /// now.
 fn ids_expired(status: &Status) -> bool {
-    matches!(status.code(), Code::InvalidArgument | Code::FailedPrecondition)
+    matches!(
+        status.code(),
+        Code::InvalidArgument | Code::FailedPrecondition
+    )
 }
 
 /// The result topic's publisher, batching for throughput.
@@ -225,7 +232,9 @@ impl PubSubQueue {
     fn held(&self) -> MutexGuard<'_, HashMap<String, Held>> {
         // A panic while holding the map cannot leave it half-updated:
         // every update is a single insert or remove.
-        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn settled(&self) -> MutexGuard<'_, HashSet<String>> {
@@ -262,7 +271,12 @@ impl PubSubQueue {
         Ok(())
     }
 
-    async fn pull(&self, max: usize, lease: Duration, wait: Duration) -> Result<Vec<Delivery>, QueueError> {
+    async fn pull(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> Result<Vec<Delivery>, QueueError> {
         let request = PullRequest {
             subscription: self.subscription.fully_qualified_name().to_owned(),
             // A Pull that waits for messages cannot be abandoned safely: the
@@ -417,7 +431,11 @@ impl PubSubQueue {
         Ok(report)
     }
 
-    async fn dead_letter_one(&self, tag: &DeliveryTag, last_error: ResultRecord) -> Result<(), QueueError> {
+    async fn dead_letter_one(
+        &self,
+        tag: &DeliveryTag,
+        last_error: ResultRecord,
+    ) -> Result<(), QueueError> {
         let Some((info, published)) = self
             .held()
             .get(&tag.0)
@@ -441,7 +459,9 @@ impl PubSubQueue {
                 }
             }
             let (data, attributes) = result_message(&result, info.result_route.as_deref());
-            for outcome in publish_confirmed(&self.results, vec![pubsub_message(data, attributes)]).await {
+            for outcome in
+                publish_confirmed(&self.results, vec![pubsub_message(data, attributes)]).await
+            {
                 outcome.map_err(queue_error("publish result"))?;
             }
             if let Some(h) = self.held().get_mut(&tag.0) {
@@ -496,7 +516,9 @@ impl Queue for PubSubQueue {
                 return Ok(());
             }
             let ids = vec![tag.0];
-            let outcome = self.modack(ids.clone(), message::deadline_secs(delay)).await;
+            let outcome = self
+                .modack(ids.clone(), message::deadline_secs(delay))
+                .await;
             match outcome {
                 Ok(()) => {
                     self.metrics.nacks.inc();

@@ -81,7 +81,11 @@ async fn subscription(
     done: &mut Vec<String>,
 ) -> Result<(), PubSubError> {
     let sub = client.subscription(id);
-    if sub.exists(None).await.map_err(rpc("get subscription", id))? {
+    if sub
+        .exists(None)
+        .await
+        .map_err(rpc("get subscription", id))?
+    {
         done.push(format!("subscription {id}: exists, left as is"));
         return Ok(());
     }
@@ -101,7 +105,15 @@ pub async fn setup(client: &Client, plan: &SetupPlan) -> Result<Vec<String>, Pub
     topic(client, &plan.result_topic, &mut done).await?;
     if let (Some(dlt), Some(dls)) = (&plan.dead_letter_topic, plan.dead_letter_subscription()) {
         topic(client, dlt, &mut done).await?;
-        subscription(client, &dls, dlt, SubscriptionConfig::default(), "", &mut done).await?;
+        subscription(
+            client,
+            &dls,
+            dlt,
+            SubscriptionConfig::default(),
+            "",
+            &mut done,
+        )
+        .await?;
     }
     let config = SubscriptionConfig {
         ack_deadline_seconds: plan.ack_deadline_secs,
@@ -123,9 +135,16 @@ pub async fn setup(client: &Client, plan: &SetupPlan) -> Result<Vec<String>, Pub
         plan.max_backoff,
         plan.dead_letter_topic
             .as_ref()
-            .map(|t| format!(", dead letters to {t} after {} deliveries", plan.max_delivery_attempts))
+            .map(|t| format!(
+                ", dead letters to {t} after {} deliveries",
+                plan.max_delivery_attempts
+            ))
             .unwrap_or_default(),
-        if plan.exactly_once { ", exactly-once delivery" } else { "" },
+        if plan.exactly_once {
+            ", exactly-once delivery"
+        } else {
+            ""
+        },
     );
     subscription(
         client,
