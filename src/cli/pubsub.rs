@@ -61,7 +61,7 @@ fn bar(len: Option<u64>, what: &str) -> ProgressBar {
 }
 
 /// Publishes the valid lines of `parsed` to `topic`, each as the plain
-/// request JSON (REFERENCE §1: Pub/Sub messages carry the bare request),
+/// request JSON (upstream's Pub/Sub format: messages carry the bare request),
 /// every publish confirmed before the count moves.
 pub(super) async fn submit(args: &PubSubArgs, topic: &str, parsed: &ParsedInput) -> ExitCode {
     let client = match args.client().await {

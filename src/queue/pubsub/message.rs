@@ -13,7 +13,7 @@ pub(super) const MAX_ACK_DEADLINE_SECS: i32 = 600;
 /// Most messages one Pull may return.
 pub const MAX_PULL: usize = 1000;
 /// Metadata key (and result attribute) that routes results to filtered
-/// subscriptions (REFERENCE §5).
+/// subscriptions (upstream's format).
 pub(super) const RESULT_ROUTE: &str = "result_route";
 
 /// What the transport keeps from a delivered message until it is settled.
@@ -25,7 +25,7 @@ pub(super) struct Received {
     pub(super) result_route: Option<String>,
 }
 
-/// Message attributes merge into the request's `metadata` (REFERENCE §1);
+/// Message attributes merge into the request's `metadata` (upstream's Pub/Sub format, docs/compatibility.md);
 /// a key the body's metadata already has keeps the body's value, since the
 /// producer wrote it on purpose. Only the top level is re-written: the
 /// `payload` and every other field keep their exact text, so the request
@@ -75,7 +75,7 @@ pub(super) fn received(data: &[u8], attributes: &HashMap<String, String>) -> Rec
 }
 
 /// The retry count of a delivery: Pub/Sub's delivery attempt minus one
-/// (REFERENCE §1). The broker fills the attempt only on subscriptions with
+/// (upstream's Pub/Sub format, docs/compatibility.md). The broker fills the attempt only on subscriptions with
 /// a dead-letter policy; without one it is unknown, counted as 0.
 pub(super) fn retry_count(delivery_attempt: Option<usize>) -> u32 {
     delivery_attempt
