@@ -78,6 +78,35 @@ max_sys = 32
     )
 }
 
+/// A dispatcher with the constant gate (always open).
+async fn start_constant(
+    emulator: &Emulator,
+    names: &Names,
+    gateway: &str,
+    extra_dispatch: &str,
+) -> support::App {
+    start(&config_toml(
+        emulator,
+        names,
+        gateway,
+        extra_dispatch,
+        r#"gate_type = "constant""#,
+    ))
+    .await
+}
+
+/// What reached the dead-letter topic's subscription, once something did.
+async fn dead_letters(
+    client: &gcloud_pubsub::client::Client,
+    names: &Names,
+    within: Duration,
+) -> Vec<(Vec<u8>, HashMap<String, String>)> {
+    collect(client, &format!("{}-sub", names.dead), within, |got| {
+        !got.is_empty()
+    })
+    .await
+}
+
 async fn start(toml: &str) -> support::App {
     let config = Config::from_toml_str(toml, &Default::default()).expect("valid config");
     support::start_app(&config).await
@@ -117,14 +146,7 @@ async fn round_trip_through_the_simulator_publishes_one_result_per_request() {
     let names = Names::new("rt");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let app = start(&config_toml(
-        &emulator,
-        &names,
-        &sim.base_url(),
-        "",
-        r#"gate_type = "constant""#,
-    ))
-    .await;
+    let app = start_constant(&emulator, &names, &sim.base_url(), "").await;
 
     let mut bodies = requests("rt", 20);
     // Routed: the result carries `result_route` from the metadata, and a
@@ -179,14 +201,7 @@ async fn unparsable_messages_get_invalid_request_then_the_ack() {
     let names = Names::new("bad");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let app = start(&config_toml(
-        &emulator,
-        &names,
-        &sim.base_url(),
-        "",
-        r#"gate_type = "constant""#,
-    ))
-    .await;
+    let app = start_constant(&emulator, &names, &sim.base_url(), "").await;
     publish(
         &client,
         &names.topic,
@@ -308,22 +323,9 @@ async fn a_message_past_max_delivery_attempts_lands_in_the_dead_letter_topic() {
     // Nothing listens there: every attempt is a retryable transport error,
     // nacked with the backoff, and the broker counts the deliveries.
     let closed = format!("http://127.0.0.1:{}", support::free_port());
-    let app = start(&config_toml(
-        &emulator,
-        &names,
-        &closed,
-        "",
-        r#"gate_type = "constant""#,
-    ))
-    .await;
+    let app = start_constant(&emulator, &names, &closed, "").await;
     publish(&client, &names.topic, &[request("doomed")]).await;
-    let dead = collect(
-        &client,
-        &format!("{}-sub", names.dead),
-        Duration::from_secs(90),
-        |got| !got.is_empty(),
-    )
-    .await;
+    let dead = dead_letters(&client, &names, Duration::from_secs(90)).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     let body: serde_json::Value = serde_json::from_slice(&dead[0].0).expect("the request");
     assert_eq!(body["id"], "doomed");
@@ -341,14 +343,7 @@ async fn the_dispatchers_own_dead_letter_publishes_a_result_and_the_message() {
     // The broker's limit is out of reach: the dispatcher's comes first.
     create(&client, &names, 100).await;
     let closed = format!("http://127.0.0.1:{}", support::free_port());
-    let app = start(&config_toml(
-        &emulator,
-        &names,
-        &closed,
-        "max_attempts = 2",
-        r#"gate_type = "constant""#,
-    ))
-    .await;
+    let app = start_constant(&emulator, &names, &closed, "max_attempts = 2").await;
     publish(&client, &names.topic, &[request("given-up")]).await;
     let ids = BTreeSet::from(["given-up".to_owned()]);
     let by_id = results_for(&client, &names, &ids, Duration::from_secs(60)).await;
@@ -359,13 +354,7 @@ async fn the_dispatchers_own_dead_letter_publishes_a_result_and_the_message() {
         Some(ErrorCode::InferenceError),
         "{result:?}"
     );
-    let dead = collect(
-        &client,
-        &format!("{}-sub", names.dead),
-        Duration::from_secs(30),
-        |got| !got.is_empty(),
-    )
-    .await;
+    let dead = dead_letters(&client, &names, Duration::from_secs(30)).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].1.get("id").map(String::as_str), Some("given-up"));
     app.stop().await;
@@ -378,14 +367,7 @@ async fn the_emulator_restarted_mid_drain_loses_nothing_the_dispatcher_held() {
     let names = Names::new("er");
     create(&client, &names, 5).await;
     let sim = fast_sim().await;
-    let app = start(&config_toml(
-        &emulator,
-        &names,
-        &sim.base_url(),
-        "",
-        r#"gate_type = "constant""#,
-    ))
-    .await;
+    let app = start_constant(&emulator, &names, &sim.base_url(), "").await;
     let n = 300;
     let bodies = requests("er", n);
     publish(&client, &names.topic, &bodies).await;
@@ -614,14 +596,7 @@ async fn the_cli_sets_up_submits_and_collects_results_once_each() {
     assert!(String::from_utf8_lossy(&submitted.stdout).contains("submitted 30 requests"));
 
     let sim = fast_sim().await;
-    let app = start(&config_toml(
-        &emulator,
-        &names,
-        &sim.base_url(),
-        "",
-        r#"gate_type = "constant""#,
-    ))
-    .await;
+    let app = start_constant(&emulator, &names, &sim.base_url(), "").await;
     let output = dir.0.join("results.jsonl");
     let results = run(&[
         "results",
