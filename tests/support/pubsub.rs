@@ -216,21 +216,31 @@ pub async fn collect(
     mut done: impl FnMut(&[(Vec<u8>, HashMap<String, String>)]) -> bool,
 ) -> Vec<(Vec<u8>, HashMap<String, String>)> {
     let sub = client.subscription(subscription);
+    // Pulls that answer at once: a waiting Pull abandoned on a timeout can
+    // swallow messages until their ack deadline (docs/transports.md).
+    #[allow(deprecated)]
+    let request = gcloud_googleapis::pubsub::v1::PullRequest {
+        subscription: sub.fully_qualified_name().to_owned(),
+        return_immediately: true,
+        max_messages: 1000,
+    };
     let give_up = Instant::now() + within;
     let mut out = Vec::new();
     while !done(&out) && Instant::now() < give_up {
-        let pulled = match tokio::time::timeout(Duration::from_secs(2), sub.pull(1000, None)).await
-        {
-            Ok(Ok(p)) => p,
-            _ => continue,
+        let pulled = match sub.get_client().pull(request.clone(), None).await {
+            Ok(p) => p.into_inner().received_messages,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
         };
         if pulled.is_empty() {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
         let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
-        for m in pulled {
-            out.push((m.message.data, m.message.attributes));
+        for m in pulled.into_iter().filter_map(|m| m.message) {
+            out.push((m.data, m.attributes));
         }
         sub.ack(ids).await.expect("ack collected messages");
     }
