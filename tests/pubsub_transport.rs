@@ -624,3 +624,46 @@ async fn the_cli_sets_up_submits_and_collects_results_once_each() {
     assert_eq!(written.lines().count(), 30);
     app.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_refuses_a_missing_result_topic_or_subscription_naming_the_key() {
+    let emulator = Emulator::start();
+    let client = emulator.client().await;
+    let names = Names::new("miss");
+    let toml = config_toml(
+        &emulator,
+        &names,
+        "http://127.0.0.1:9",
+        "",
+        r#"gate_type = "constant""#,
+    );
+    let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let run = || {
+        sluicegate::app::start(
+            &config,
+            sluicegate::app::RunOptions::default(),
+            std::future::ready(()),
+        )
+    };
+    let error = run().await.expect_err("no result topic").to_string();
+    assert!(
+        error.contains("pubsub.result_topic_id") && error.contains(&names.results),
+        "{error}"
+    );
+    client
+        .topic(&names.results)
+        .create(None, None)
+        .await
+        .expect("topic");
+    let error = run().await.expect_err("no subscription").to_string();
+    assert!(
+        error.contains("queue.subscriber_id") && error.contains(&names.subscription),
+        "{error}"
+    );
+    // And without [pubsub] result_topic_id the config itself is refused.
+    let without = toml.replace(&format!("result_topic_id = \"{}\"\n", names.results), "");
+    let errors = Config::from_toml_str(&without, &Default::default())
+        .expect_err("refused")
+        .to_string();
+    assert!(errors.contains("pubsub.result_topic_id"), "{errors}");
+}

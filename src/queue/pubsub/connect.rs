@@ -66,6 +66,11 @@ pub async fn connect_to(project_id: &str, target: Target) -> Result<Client, PubS
         },
         ..ClientConfig::default()
     };
+    let described = match &target {
+        Target::Emulator(host) => format!("the emulator at {host}"),
+        Target::KeyFile(path) => format!("Google Cloud (key file {path})"),
+        Target::DefaultCredentials => "Google Cloud (application default credentials)".to_owned(),
+    };
     cc = match target {
         Target::Emulator(host) => {
             cc.environment = Environment::Emulator(host);
@@ -79,7 +84,10 @@ pub async fn connect_to(project_id: &str, target: Target) -> Result<Client, PubS
         }
         Target::DefaultCredentials => cc.with_auth().await.map_err(PubSubError::Auth)?,
     };
-    Client::new(cc).await.map_err(PubSubError::Client)
+    Client::new(cc).await.map_err(|source| PubSubError::Client {
+        target: described,
+        source,
+    })
 }
 
 #[cfg(test)]

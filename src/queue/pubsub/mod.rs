@@ -45,9 +45,16 @@ pub enum PubSubError {
     /// Credentials could not be found or read.
     #[error("pubsub credentials: {0}")]
     Auth(#[source] gcloud_pubsub::client::google_cloud_auth::error::Error),
-    /// The gRPC client could not be built (bad emulator address, TLS).
-    #[error("pubsub client: {0}")]
-    Client(#[source] gcloud_pubsub::client::Error),
+    /// The gRPC client could not be built or connect (emulator not
+    /// running, bad address, TLS).
+    #[error("pubsub client for {target}: {source}")]
+    Client {
+        /// Where it tried to connect.
+        target: String,
+        /// The client's error.
+        #[source]
+        source: gcloud_pubsub::client::Error,
+    },
     /// An RPC failed.
     #[error("pubsub {op} {name}: {source}")]
     Rpc {
