@@ -667,3 +667,44 @@ async fn startup_refuses_a_missing_result_topic_or_subscription_naming_the_key()
         .to_string();
     assert!(errors.contains("pubsub.result_topic_id"), "{errors}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exactly_once_subscription_drains_with_one_result_each_and_nothing_left() {
+    let emulator = Emulator::start();
+    let client = emulator.client().await;
+    let names = Names::new("eod");
+    let mut plan = names.plan(5);
+    plan.exactly_once = true;
+    sluicegate::queue::pubsub::setup(&client, &plan)
+        .await
+        .expect("setup");
+    let (_, sub) = client
+        .subscription(&names.subscription)
+        .config(None)
+        .await
+        .expect("subscription");
+    assert!(
+        sub.enable_exactly_once_delivery,
+        "the emulator kept the flag"
+    );
+    let sim = fast_sim().await;
+    let app = start_constant(&emulator, &names, &sim.base_url(), "").await;
+    publish(&client, &names.topic, &requests("e", 50)).await;
+    let ids: BTreeSet<String> = (0..50).map(|i| format!("e-{i}")).collect();
+    let by_id = results_for(&client, &names, &ids, Duration::from_secs(60)).await;
+    assert_eq!(by_id.keys().cloned().collect::<BTreeSet<_>>(), ids);
+    assert!(by_id.values().all(|r| r.len() == 1), "a duplicate result");
+    assert_eq!(
+        metric(&app, "sluicegate_pubsub_acks_total", &names.subscription),
+        50.0
+    );
+    app.stop().await;
+    let left = collect(
+        &client,
+        &names.subscription,
+        Duration::from_secs(3),
+        |got| !got.is_empty(),
+    )
+    .await;
+    assert!(left.is_empty(), "still on the subscription: {left:?}");
+}
