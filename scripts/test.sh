@@ -13,6 +13,8 @@ command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
 # The rediss:// test makes a private CA and a server certificate.
 command -v openssl >/dev/null 2>&1 || packages+=(openssl)
+# The Pub/Sub emulator (tests/pubsub_transport.rs) runs on Java 17.
+command -v java >/dev/null 2>&1 || packages+=(openjdk-17-jre-headless)
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update
@@ -42,6 +44,15 @@ if [ ! -x target/py-venv/bin/python ]; then
     echo "cannot install the openai Python client into target/py-venv" >&2
     exit 1
   }
+fi
+
+# The Pub/Sub emulator itself is not a Debian package: it comes from
+# Google's apt repository (packages.cloud.google.com), which this script
+# does not add. Fail early and say so rather than in the middle of the run.
+if ! command -v gcloud >/dev/null 2>&1 ||
+  [ ! -d "$(gcloud info --format='value(installation.sdk_root)' 2>/dev/null)/platform/pubsub-emulator" ]; then
+  echo "the Pub/Sub emulator is missing: install google-cloud-cli and google-cloud-cli-pubsub-emulator from Google's apt repository (https://cloud.google.com/sdk/docs/install#deb), then re-run" >&2
+  exit 1
 fi
 
 # Dockerfile and helm chart, with hadolint and helm (installed on first use).

@@ -13,7 +13,8 @@
 //!   nack with delay, extend lease, dead letter, close) and its transports:
 //!   in-memory (`src/queue/memory.rs`), [`queue::redis`] (Redis sorted
 //!   sets, `src/queue/redis/`), [`queue::embedded`] (the durable SQLite
-//!   store, `src/queue/embedded/`); [`queue::open`] builds the configured
+//!   store, `src/queue/embedded/`), [`queue::pubsub`] (Google Cloud
+//!   Pub/Sub, `src/queue/pubsub/`); [`queue::open`] builds the configured
 //!   one.
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission

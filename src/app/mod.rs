@@ -200,11 +200,6 @@ pub async fn run(
 /// never disagree. Opens no connection (Redis and gateways are only
 /// reached once running).
 pub fn preflight(config: &Config) -> Result<(), AppError> {
-    if matches!(config.transport, TransportKind::PubSub) {
-        return Err(AppError::Open(crate::queue::OpenError::NotBuilt(
-            TransportKind::PubSub,
-        )));
-    }
     GatewayClient::new(GatewaySettings::from(&config.gateway))?;
     let context = GateContext::from_config(config);
     for queue_config in &config.queues {
@@ -274,14 +269,14 @@ pub async fn start(
     // The task tree exists before the transports: their housekeeping runs
     // on it.
     let tasks = Tasks::new();
-    let transports = crate::queue::open(config, &tasks).await?;
+    let metrics = Arc::new(Metrics::new());
+    let transports = crate::queue::open(config, &tasks, &metrics).await?;
     if let (Some(text), Some(queue)) = (&input, transports.memory().first()) {
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             queue.push_message(line.to_owned());
         }
     }
     let queues = transports.queues();
-    let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::default());
     let gateway = GatewayClient::new(GatewaySettings::from(&config.gateway))?;
     let context = GateContext::from_config(config);

@@ -1,7 +1,8 @@
 //! `sluicegate bench drain`: N messages through a real Redis and a gateway
 //! that answers instantly; prints messages/s, CPU seconds per 1 000
 //! messages and peak RSS (docs/benchmarks.md). `bench hold` is in
-//! `bench_hold.rs`.
+//! `bench_hold.rs`; `bench drain-pubsub` drains through Pub/Sub
+//! (`src/cli/pubsub.rs`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -21,6 +22,9 @@ pub(crate) enum BenchCommand {
     Drain(DrainArgs),
     /// Hold N concurrent slow requests in one dispatcher process.
     Hold(super::bench_hold::HoldArgs),
+    /// Drain N messages from a Pub/Sub subscription (the emulator or a
+    /// real project) through an instant gateway.
+    DrainPubsub(super::pubsub::DrainArgs),
 }
 
 #[derive(Debug, Args)]
@@ -54,6 +58,13 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        BenchCommand::DrainPubsub(args) => match super::pubsub::drain(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench drain-pubsub: {e}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 
@@ -82,7 +93,7 @@ pub(super) fn status_kib(pid: &str, key: &str) -> Option<f64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
-async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
+pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
     use axum::routing::post;
     let app = axum::Router::new().fallback(post(|| async {
         (

@@ -11,6 +11,7 @@ mod demo;
 mod embedded;
 mod eval;
 mod probe;
+mod pubsub;
 mod results;
 mod serve;
 mod submit;
@@ -78,6 +79,9 @@ enum Command {
     /// Dispatch gate commands.
     #[command(subcommand)]
     Gate(GateCommand),
+    /// Google Cloud Pub/Sub tools.
+    #[command(subcommand)]
+    Pubsub(PubsubCommand),
     /// Gate quality in virtual time: every scenario without batch and with
     /// each gate and baseline, scored by harvest, excess SLO violations
     /// and tail inflation (`docs/gate-quality.md`).
@@ -90,6 +94,14 @@ enum GateCommand {
     /// the budget (each source, raw values, D, B, max_SYS, N, open or
     /// closed and why). `--queue NAME` picks the queue.
     Probe(probe::ProbeArgs),
+}
+
+#[derive(Debug, Subcommand)]
+enum PubsubCommand {
+    /// Creates the request topic and subscription (retry policy, dead-letter
+    /// topic, optionally exactly-once delivery) and the result topic and
+    /// subscription; existing ones are left as they are.
+    Setup(pubsub::SetupArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -230,6 +242,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Serve(args) => serve::run(args).await,
         Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
+        Command::Pubsub(PubsubCommand::Setup(args)) => pubsub::run_setup(args).await,
         // Virtual time on its own runtimes: off the async workers.
         Command::Eval(args) => tokio::task::spawn_blocking(move || eval::run(args))
             .await

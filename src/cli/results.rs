@@ -19,7 +19,7 @@ use crate::result::ResultRecord;
 
 /// Output shape.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-pub(super) enum Format {
+pub(crate) enum Format {
     /// Result records as written to the list.
     Native,
     /// OpenAI Batch API output lines.
@@ -33,6 +33,13 @@ pub(crate) struct ResultsArgs {
     /// Redis: result list to read (popped: each result is read once).
     #[arg(long, default_value = "result-list")]
     list: String,
+    #[command(flatten)]
+    pubsub: super::pubsub::PubSubArgs,
+    /// Read this Pub/Sub subscription (on the result topic) instead of
+    /// Redis; results are acknowledged once written, and a result whose
+    /// `(id, request_token)` was already written in this run is skipped.
+    #[arg(long, conflicts_with = "embedded")]
+    pubsub_subscription: Option<String>,
     /// Read this embedded store file instead of Redis (it must exist);
     /// its results stay in the store, so reading twice gives them twice.
     #[arg(long, conflicts_with_all = ["expect", "timeout"])]
@@ -60,7 +67,7 @@ pub(crate) struct ResultsArgs {
 }
 
 /// Where result lines go: a file opened for appending, or standard output.
-struct Sink {
+pub(super) struct Sink {
     out: Box<dyn Write>,
     /// The file's name, or "standard output", for messages.
     name: String,
@@ -70,7 +77,7 @@ struct Sink {
 }
 
 impl Sink {
-    fn open(path: Option<&Path>) -> Result<Self, String> {
+    pub(super) fn open(path: Option<&Path>) -> Result<Self, String> {
         match path {
             None => Ok(Self {
                 out: Box::new(std::io::BufWriter::new(std::io::stdout())),
@@ -90,17 +97,22 @@ impl Sink {
         }
     }
 
-    fn line(&mut self, line: &str) -> Result<(), String> {
+    pub(super) fn line(&mut self, line: &str) -> Result<(), String> {
         writeln!(self.out, "{line}").map_err(|e| format!("cannot write {}: {e}", self.name))
     }
 
-    fn flush(&mut self) -> Result<(), String> {
+    pub(super) fn flush(&mut self) -> Result<(), String> {
         self.out
             .flush()
             .map_err(|e| format!("cannot write {}: {e}", self.name))
     }
 
-    fn summary(&self, text: &str) {
+    /// The file's name, or "standard output".
+    pub(super) fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub(super) fn summary(&self, text: &str) {
         if self.stdout {
             eprintln!("{text}");
         } else {
@@ -179,7 +191,7 @@ pub(super) fn embedded_results(
 /// One OpenAI Batch API output line for `record`, in the same shape as
 /// `sluicegate batch` writes (`request_id`, error codes, string
 /// `custom_id`: see `docs/batch.md`).
-fn openai_line(record: &ResultRecord, n: u64) -> serde_json::Value {
+pub(super) fn openai_line(record: &ResultRecord, n: u64) -> serde_json::Value {
     crate::batch::output::openai_line(&format!("batch_req_{n}"), &record.id, record)
 }
 
@@ -195,6 +207,22 @@ pub(super) async fn run(args: ResultsArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(subscription) = &args.pubsub_subscription {
+        let out = match Sink::open(args.output.as_deref()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let read = super::pubsub::ResultsRead {
+            subscription,
+            expect: args.expect,
+            timeout,
+            format: args.format,
+        };
+        return super::pubsub::results(&args.pubsub, read, out).await;
+    }
     let redis_config = match args.redis.config() {
         Ok(c) => c,
         Err(e) => {

@@ -84,6 +84,12 @@ pub(crate) struct SubmitArgs {
     /// instead of Redis.
     #[arg(long, conflicts_with = "result_list")]
     embedded: Option<PathBuf>,
+    #[command(flatten)]
+    pubsub: super::pubsub::PubSubArgs,
+    /// Publish to this Pub/Sub topic instead of Redis (each line as the
+    /// plain request JSON).
+    #[arg(long, conflicts_with_all = ["embedded", "result_list"])]
+    pubsub_topic: Option<String>,
     /// Submit lines whose id an earlier line of the file already has
     /// (without it such a file is refused and nothing is submitted).
     #[arg(long)]
@@ -209,6 +215,9 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
     let parsed = parse_input_with(&text, default_deadline, policy);
     if let Some(code) = report_lines(&parsed, args.allow_duplicates) {
         return code;
+    }
+    if let Some(topic) = &args.pubsub_topic {
+        return super::pubsub::submit(&args.pubsub, topic, &parsed).await;
     }
     let mut conn = match args.redis.connect() {
         Ok(c) => c,

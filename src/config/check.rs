@@ -176,6 +176,13 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
                 "required for the pubsub transport (the GCP project id); set [pubsub] project_id or SLUICEGATE_PUBSUB_PROJECT_ID",
             );
         }
+        // Results must go somewhere: no topic would ack work unanswered.
+        if is(PubSub) && p.result_topic_id.is_none() {
+            ctx.err(
+                "pubsub.result_topic_id",
+                "required for the pubsub transport (the topic results are published to); set [pubsub] result_topic_id or SLUICEGATE_PUBSUB_RESULT_TOPIC_ID",
+            );
+        }
         p
     });
     let embedded = read::<EmbeddedConfig>(&mut root, is(Embedded), ctx).map(|e| e.0);

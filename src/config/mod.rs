@@ -352,8 +352,11 @@ section! {
         project_id: String = String::new(), as_nonempty_string;
         /// Topic results are published to.
         result_topic_id: Option<String> = None, optional_string;
-        /// `host:port` of the emulator, when testing.
+        /// `host:port` of the emulator, when testing (anonymous credentials;
+        /// the standard `PUBSUB_EMULATOR_HOST` variable does the same).
         emulator_host: Option<String> = None, host_port;
+        /// Service-account key file; unset = application default credentials.
+        credentials_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 
     /// `[embedded]`: the single-node durable store (SQLite file) of the

@@ -3,11 +3,13 @@
 //! [`Queue`] is the contract every transport implements: `memory.rs` (in
 //! process, tests and `run --input`), [`redis`] (sorted sets, wire
 //! compatible with upstream), [`embedded`] (the single-machine durable
-//! SQLite store). [`open`] builds the configured transport's queues.
+//! SQLite store), [`pubsub`] (Google Cloud Pub/Sub subscriptions). [`open`]
+//! builds the configured transport's queues.
 
 pub mod embedded;
 mod memory;
 mod open;
+pub mod pubsub;
 pub mod redis;
 
 use std::fmt;
@@ -101,6 +103,16 @@ pub enum QueueError {
         #[source]
         source: ::redis::RedisError,
     },
+    /// A Pub/Sub RPC failed (unreachable, timed out, or refused); the next
+    /// attempt may work.
+    #[error("queue backend unavailable: pubsub {op}: {source}")]
+    PubSub {
+        /// The operation that failed (`pull`, `ack`, ...).
+        op: &'static str,
+        /// The gRPC status.
+        #[source]
+        source: gcloud_gax::grpc::Status,
+    },
     /// The embedded store is busy or locked by another writer; retrying
     /// later may work.
     #[error("queue backend unavailable: {0}")]
@@ -117,7 +129,10 @@ pub enum QueueError {
 impl QueueError {
     /// Whether retrying the operation later may succeed.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Redis { .. } | Self::EmbeddedBusy(_))
+        matches!(
+            self,
+            Self::Redis { .. } | Self::PubSub { .. } | Self::EmbeddedBusy(_)
+        )
     }
 }
 

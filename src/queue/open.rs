@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use crate::app::Tasks;
 use crate::config::{Config, EndpointUrl, RedisConfig, TransportKind};
+use crate::telemetry::Metrics;
 
 use super::embedded::{EmbeddedError, EmbeddedQueue};
+use super::pubsub::{PubSubError, PubSubQueue};
 use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, connection, hash_tag, key_slot};
 use super::{MemoryQueue, Queue};
 
@@ -28,6 +30,8 @@ pub enum Transports {
     Redis(Vec<Arc<RedisQueue>>),
     /// Queues in one embedded store file.
     Embedded(Vec<Arc<EmbeddedQueue>>),
+    /// Pub/Sub subscriptions sharing one client and result publisher.
+    PubSub(Vec<Arc<PubSubQueue>>),
 }
 
 impl Transports {
@@ -37,6 +41,7 @@ impl Transports {
             Self::Memory(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
             Self::Redis(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
             Self::Embedded(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
+            Self::PubSub(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
         }
     }
 
@@ -46,6 +51,7 @@ impl Transports {
             Self::Memory(_) => TransportKind::Memory,
             Self::Redis(_) => TransportKind::Redis,
             Self::Embedded(_) => TransportKind::Embedded,
+            Self::PubSub(_) => TransportKind::PubSub,
         }
     }
 
@@ -53,7 +59,7 @@ impl Transports {
     pub fn memory(&self) -> &[Arc<MemoryQueue>] {
         match self {
             Self::Memory(q) => q,
-            Self::Redis(_) | Self::Embedded(_) => &[],
+            Self::Redis(_) | Self::Embedded(_) | Self::PubSub(_) => &[],
         }
     }
 
@@ -61,7 +67,7 @@ impl Transports {
     pub fn redis(&self) -> &[Arc<RedisQueue>] {
         match self {
             Self::Redis(q) => q,
-            Self::Memory(_) | Self::Embedded(_) => &[],
+            Self::Memory(_) | Self::Embedded(_) | Self::PubSub(_) => &[],
         }
     }
 }
@@ -70,7 +76,7 @@ impl Transports {
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// The transport is accepted by the config but not implemented yet.
-    #[error("transport: `{}` is not built yet; available: memory, redis, embedded", .0.as_str())]
+    #[error("transport: `{}` is not built yet; available: memory, redis, embedded, pubsub", .0.as_str())]
     NotBuilt(TransportKind),
     /// The Redis client could not be built from `[redis]`.
     #[error(transparent)]
@@ -92,12 +98,22 @@ pub enum OpenError {
         /// What was configured, for the message.
         got: String,
     },
+    /// The Pub/Sub client, result topic or a subscription could not be
+    /// opened.
+    #[error(transparent)]
+    PubSub(#[from] PubSubError),
 }
 
 /// Opens one queue per `[[queue]]` on the configured transport. Redis is
 /// not waited for: an unreachable server is logged, and the transport
-/// retries in the background (readiness follows it).
-pub async fn open(config: &Config, tasks: &Tasks) -> Result<Transports, OpenError> {
+/// retries in the background (readiness follows it). Pub/Sub checks that
+/// the result topic and every subscription exist: a missing one stops
+/// startup naming its key. `metrics` receives transport metrics.
+pub async fn open(
+    config: &Config,
+    tasks: &Tasks,
+    metrics: &Metrics,
+) -> Result<Transports, OpenError> {
     match config.transport {
         TransportKind::Memory => Ok(Transports::Memory(
             config
@@ -120,8 +136,49 @@ pub async fn open(config: &Config, tasks: &Tasks) -> Result<Transports, OpenErro
             }
             Ok(Transports::Embedded(queues))
         }
-        TransportKind::PubSub => Err(OpenError::NotBuilt(TransportKind::PubSub)),
+        TransportKind::PubSub => open_pubsub(config, metrics).await,
     }
+}
+
+async fn open_pubsub(config: &Config, metrics: &Metrics) -> Result<Transports, OpenError> {
+    // Config loading requires [pubsub] with project_id and result_topic_id
+    // for this transport; the defaults only keep this total.
+    let pubsub = config.pubsub.clone().unwrap_or_default();
+    let result_topic = pubsub.result_topic_id.clone().unwrap_or_default();
+    let client = super::pubsub::connect(&pubsub).await?;
+    let exists = client
+        .topic(&result_topic)
+        .exists(None)
+        .await
+        .map_err(|source| PubSubError::Rpc {
+            op: "get topic",
+            name: result_topic.clone(),
+            source,
+        })?;
+    if !exists {
+        return Err(PubSubError::Missing {
+            key: "pubsub.result_topic_id",
+            what: "topic",
+            name: result_topic,
+            project: pubsub.project_id,
+        }
+        .into());
+    }
+    let results = super::pubsub::result_publisher(&client, &result_topic);
+    let mut queues = Vec::with_capacity(config.queues.len());
+    for q in &config.queues {
+        let queue = PubSubQueue::open(
+            &client,
+            &q.queue_name,
+            results.clone(),
+            &pubsub.project_id,
+            metrics.pubsub(&q.queue_name),
+        )
+        .await?;
+        tracing::info!(subscription = %q.queue_name, topic = %result_topic, "pubsub subscription opened");
+        queues.push(Arc::new(queue));
+    }
+    Ok(Transports::PubSub(queues))
 }
 
 /// `[redis]` when the config names none: local Redis, database 0.

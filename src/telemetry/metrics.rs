@@ -124,6 +124,58 @@ pub struct Metrics {
     dispatch_delay: HistogramFamily,
     batches: Family<StatusLabels, Gauge>,
     batch_requests: Family<OutcomeLabels, Counter>,
+    pubsub: PubSubFamilies,
+}
+
+/// The Pub/Sub transport's families (`src/queue/pubsub/`), per queue.
+#[derive(Debug)]
+struct PubSubFamilies {
+    in_flight: Family<QueueLabel, Gauge>,
+    acks: Family<QueueLabel, Counter>,
+    nacks: Family<QueueLabel, Counter>,
+    deadline_extensions: Family<QueueLabel, Counter>,
+    pull_restarts: Family<QueueLabel, Counter>,
+    publish_latency: HistogramFamily,
+}
+
+/// Metric handles of one Pub/Sub queue, cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PubSubMetrics {
+    /// Deliveries held by this process (pulled, not yet acked or nacked).
+    pub in_flight: Gauge,
+    /// Messages acknowledged (after their result was confirmed).
+    pub acks: Counter,
+    /// Messages handed back (nack or ack-deadline change to a delay).
+    pub nacks: Counter,
+    /// Ack-deadline extensions of held deliveries, one per message.
+    pub deadline_extensions: Counter,
+    /// Times pulling resumed after a failed Pull (never on a budget change).
+    pub pull_restarts: Counter,
+    /// Time from publishing a result batch to its confirmation.
+    pub publish_latency: Histogram,
+}
+
+impl PubSubMetrics {
+    /// Handles registered nowhere, for tools that open a queue without a
+    /// metrics endpoint.
+    pub fn unregistered() -> Self {
+        Self {
+            in_flight: Gauge::default(),
+            acks: Counter::default(),
+            nacks: Counter::default(),
+            deadline_extensions: Counter::default(),
+            pull_restarts: Counter::default(),
+            publish_latency: Histogram::new(publish_buckets()),
+        }
+    }
+}
+
+/// Buckets for a result publish round trip (milliseconds to seconds).
+fn publish_buckets() -> impl Iterator<Item = f64> {
+    [
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ]
+    .into_iter()
 }
 
 /// Histogram family with fixed buckets per family.
@@ -186,6 +238,14 @@ impl Metrics {
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
             batches: Family::default(),
             batch_requests: Family::default(),
+            pubsub: PubSubFamilies {
+                in_flight: Family::default(),
+                acks: Family::default(),
+                nacks: Family::default(),
+                deadline_extensions: Family::default(),
+                pull_restarts: Family::default(),
+                publish_latency: Family::new_with_constructor(|| Histogram::new(publish_buckets())),
+            },
         };
         m.registry.register(
             "sluicegate_batches",
@@ -323,7 +383,54 @@ impl Metrics {
             "Time from receiving a message to sending it",
             m.dispatch_delay.clone(),
         );
+        let p = &m.pubsub;
+        r.register(
+            "sluicegate_pubsub_in_flight_messages",
+            "Pub/Sub deliveries held by this process (pulled, not yet acked or nacked)",
+            p.in_flight.clone(),
+        );
+        r.register(
+            "sluicegate_pubsub_acks",
+            "Pub/Sub messages acknowledged after their result was confirmed",
+            p.acks.clone(),
+        );
+        r.register(
+            "sluicegate_pubsub_nacks",
+            "Pub/Sub messages handed back (nack or ack deadline set to the retry delay)",
+            p.nacks.clone(),
+        );
+        r.register(
+            "sluicegate_pubsub_deadline_extensions",
+            "Ack deadline extensions of held Pub/Sub messages, one per message",
+            p.deadline_extensions.clone(),
+        );
+        r.register(
+            "sluicegate_pubsub_pull_stream_restarts",
+            "Times pulling resumed after a failed Pull; a budget change never counts",
+            p.pull_restarts.clone(),
+        );
+        r.register(
+            "sluicegate_pubsub_publish_duration_seconds",
+            "Result publish round trip, from publish to confirmation",
+            p.publish_latency.clone(),
+        );
         m
+    }
+
+    /// Handles for one Pub/Sub queue's transport metrics.
+    pub fn pubsub(&self, name: &str) -> PubSubMetrics {
+        let l = QueueLabel {
+            queue: name.to_owned(),
+        };
+        let p = &self.pubsub;
+        PubSubMetrics {
+            in_flight: p.in_flight.get_or_create_owned(&l),
+            acks: p.acks.get_or_create_owned(&l),
+            nacks: p.nacks.get_or_create_owned(&l),
+            deadline_extensions: p.deadline_extensions.get_or_create_owned(&l),
+            pull_restarts: p.pull_restarts.get_or_create_owned(&l),
+            publish_latency: p.publish_latency.get_or_create_owned(&l),
+        }
     }
 
     /// Handles for one queue's metrics. Every bounded label value is
@@ -573,6 +680,12 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_dispatch_delay_seconds",
     "sluicegate_batches",
     "sluicegate_batch_requests_total",
+    "sluicegate_pubsub_in_flight_messages",
+    "sluicegate_pubsub_acks_total",
+    "sluicegate_pubsub_nacks_total",
+    "sluicegate_pubsub_deadline_extensions_total",
+    "sluicegate_pubsub_pull_stream_restarts_total",
+    "sluicegate_pubsub_publish_duration_seconds",
 ];
 
 #[cfg(test)]
@@ -587,6 +700,7 @@ mod tests {
         q.attempt("success");
         q.retry("failed");
         q.decision("continue", "admitted");
+        let _ = metrics.pubsub("q");
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");

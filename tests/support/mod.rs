@@ -6,6 +6,7 @@
 pub mod cli;
 pub mod otlp;
 pub mod prometheus;
+pub mod pubsub;
 pub mod redis;
 pub mod redis_cluster;
 pub mod serve;
