@@ -31,7 +31,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::{Config, QueueConfig, TransportKind};
 use crate::dispatch::congestion::CongestionHold;
-use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
+use crate::dispatch::{DispatchSettings, Pool, QueueDispatcher, RetryPolicy};
 use crate::gate::{BuildError, DispatchGate, FailClosed, GateContext, build_gate};
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings, Target, TargetError};
 use crate::queue::{MemoryQueue, OpenError, Queue, Transports};
@@ -288,32 +288,33 @@ pub async fn start(
     // Off (no exporter, no provider) unless an OTLP endpoint is set.
     let trace_export = config.traces.as_ref().map(TraceExport::start).transpose()?;
     let mut built = Vec::with_capacity(queues.len());
-    // One congestion hold per gateway: a 429 seen by one queue holds every
-    // queue that sends to the same place.
-    let mut holds: BTreeMap<String, Arc<CongestionHold>> = BTreeMap::new();
+    // One pool per name: queues on one pool share one window, one
+    // congestion hold (a 429 seen by one queue holds them all) and one
+    // `local-max-concurrency` slot counter.
+    let mut pools: BTreeMap<String, PoolParts> = BTreeMap::new();
     // `open` made one queue per `[[queue]]`, in order.
     for (queue_config, queue) in config.queues.iter().zip(&queues) {
-        let gateway_origin = queue_config
-            .igw_base_url
-            .expose()
-            .origin()
-            .ascii_serialization();
-        let congestion = holds
-            .entry(gateway_origin)
-            .or_insert_with(|| Arc::new(CongestionHold::new((&config.dispatch).into())))
-            .clone();
-        let gate = build_gate(&queue_config.gate, &context.clone().for_queue(queue_config))
-            .map_err(|source| AppError::Gate {
+        let name = pool_name(queue_config);
+        let parts = pools.entry(name.clone()).or_insert_with(|| PoolParts {
+            pool: Pool::new(name),
+            congestion: Arc::new(CongestionHold::new((&config.dispatch).into())),
+            slots: Arc::default(),
+        });
+        let mut gate_context = context.clone().for_queue(queue_config);
+        gate_context.pool_slots = parts.slots.clone();
+        let gate = build_gate(&queue_config.gate, &gate_context).map_err(|source| {
+            AppError::Gate {
                 queue: queue_config.queue_name.clone(),
                 source,
-            })?;
+            }
+        })?;
         let mut dispatcher = build_dispatcher(
             config,
             queue_config,
             queue.clone(),
             gate,
             gateway.clone(),
-            congestion,
+            (parts.pool.clone(), parts.congestion.clone()),
             &metrics,
         )?;
         dispatcher.traces = trace_export.as_ref().map(TraceExport::traces);
@@ -436,17 +437,40 @@ impl Running {
     }
 }
 
+/// What the queues of one pool share in this process.
+#[derive(Debug)]
+struct PoolParts {
+    pool: Arc<Pool>,
+    congestion: Arc<CongestionHold>,
+    slots: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// The pool a queue sends to: its `pool`, else its gateway URL's origin
+/// and path (no credentials, query or trailing slash), so queues on one
+/// gateway URL share a pool unless told otherwise.
+pub fn pool_name(queue: &QueueConfig) -> String {
+    if let Some(pool) = &queue.pool {
+        return pool.clone();
+    }
+    let url = queue.igw_base_url.expose();
+    format!(
+        "{}{}",
+        url.origin().ascii_serialization(),
+        url.path().trim_end_matches('/')
+    )
+}
+
 /// Builds the dispatcher of `queue_config` on `queue`, paced by `gate`
 /// (behind the fail-closed wrapper), with settings and retry policy from
-/// the config. The one construction `run`, the batch runner and the demo
-/// share.
+/// the config, on `pool` with its congestion hold. The one construction
+/// `run`, the batch runner and the demo share.
 pub fn build_dispatcher(
     config: &Config,
     queue_config: &QueueConfig,
     queue: Arc<dyn Queue>,
     gate: Box<dyn DispatchGate>,
     gateway: GatewayClient,
-    congestion: Arc<CongestionHold>,
+    (pool, congestion): (Arc<Pool>, Arc<CongestionHold>),
     metrics: &Metrics,
 ) -> Result<QueueDispatcher, AppError> {
     let name = queue_config.queue_name.clone();
@@ -467,6 +491,7 @@ pub fn build_dispatcher(
         target,
         retry: RetryPolicy::from(&config.dispatch),
         congestion,
+        pool,
         settings,
         metrics: metrics.queue(&name),
         labels: queue_config.labels.clone(),

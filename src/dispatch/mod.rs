@@ -8,6 +8,7 @@ pub mod congestion;
 pub mod cost;
 mod dispatcher;
 mod observe;
+pub mod pool;
 mod receive;
 mod retry;
 mod send;
@@ -19,5 +20,6 @@ pub mod window;
 mod tests;
 
 pub use dispatcher::QueueDispatcher;
+pub use pool::Pool;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use settings::{DispatchSettings, MAX_PARK, MAX_PARKED, RECEIVE_BATCH};

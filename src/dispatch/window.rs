@@ -254,6 +254,12 @@ impl Window {
         self.grant.map(|g| (g.n, g.limit))
     }
 
+    /// The grant's `N` while its observation is younger than
+    /// `max_staleness` (spent or not); `None` without a live grant.
+    pub fn live_n(&self, now: Instant) -> Option<u64> {
+        self.live_grant(now).map(|g| g.n)
+    }
+
     /// When the latest applied observation was taken.
     pub fn taken_at(&self) -> Option<Instant> {
         self.grant.map(|g| g.taken_at)
