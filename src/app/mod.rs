@@ -29,8 +29,9 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, QueueConfig, TransportKind};
+use crate::config::{Config, QueueConfig, SharedWindowKind, TransportKind};
 use crate::dispatch::congestion::CongestionHold;
+use crate::dispatch::shared_window::{SharedWindow, SharedWindowSettings};
 use crate::dispatch::{DispatchSettings, Pool, QueueDispatcher, RetryPolicy};
 use crate::gate::{BuildError, DispatchGate, FailClosed, GateContext, build_gate};
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings, Target, TargetError};
@@ -112,6 +113,9 @@ pub enum AppError {
     /// The OTLP trace exporter could not be built.
     #[error(transparent)]
     Traces(#[from] TraceStartError),
+    /// The shared window's Redis client could not be built.
+    #[error("dispatch.shared_window: {0}")]
+    SharedWindow(#[source] crate::queue::redis::ConnectError),
 }
 
 impl AppError {
@@ -127,7 +131,8 @@ impl AppError {
             | Self::Gateway(_)
             | Self::Target { .. }
             | Self::Gate { .. }
-            | Self::Traces(_) => EXIT_CONFIG,
+            | Self::Traces(_)
+            | Self::SharedWindow(_) => EXIT_CONFIG,
         }
     }
 }
@@ -320,6 +325,7 @@ pub async fn start(
         dispatcher.traces = trace_export.as_ref().map(TraceExport::traces);
         built.push(dispatcher);
     }
+    start_shared_windows(config, &pools, &context.replica, &metrics, &health, &tasks)?;
     let addr = config.telemetry.listen;
     let listener = TcpListener::bind(addr)
         .await
@@ -497,6 +503,51 @@ pub fn build_dispatcher(
         labels: queue_config.labels.clone(),
         traces: None,
     })
+}
+
+/// Creates every pool's shared-window metrics (at zero when the shared
+/// window is off) and, with `dispatch.shared_window = "redis"`, spawns one
+/// keeper per pool. The keepers stop with the task tree's root, after the
+/// dispatchers drained, and give their units back then.
+fn start_shared_windows(
+    config: &Config,
+    pools: &BTreeMap<String, PoolParts>,
+    replica: &str,
+    metrics: &Metrics,
+    health: &Arc<Health>,
+    tasks: &Tasks,
+) -> Result<(), AppError> {
+    let pool_metrics: Vec<_> = pools.keys().map(|name| metrics.pool(name)).collect();
+    if config.dispatch.shared_window == SharedWindowKind::Off {
+        return Ok(());
+    }
+    let redis = config
+        .redis
+        .clone()
+        .unwrap_or_else(crate::queue::default_redis_config);
+    let client = crate::queue::redis::client(&redis).map_err(AppError::SharedWindow)?;
+    let conn = crate::queue::redis::manager(&client).map_err(AppError::SharedWindow)?;
+    let settings = SharedWindowSettings {
+        lease: config.dispatch.shared_window_lease,
+        chunk: config.dispatch.shared_window_chunk,
+        max_staleness: config.dispatch.max_staleness,
+    };
+    for (parts, pool_metrics) in pools.values().zip(pool_metrics) {
+        let keeper = SharedWindow::new(
+            conn.clone(),
+            parts.pool.clone(),
+            parts.congestion.clone(),
+            replica,
+            settings,
+            pool_metrics,
+            health.clone(),
+        );
+        tasks.spawn(
+            format!("pool `{}`: shared window", parts.pool.name),
+            keeper.run(tasks.root_token().child_token()),
+        );
+    }
+    Ok(())
 }
 
 /// Starts the drain once no queue has anything left to settle (memory and

@@ -163,11 +163,16 @@ impl Shared {
     /// Units that may be pulled now: the window's room, none while the
     /// gateway's congestion hold lasts, one while it waits for a probe.
     pub(super) fn room(&self, now: Instant) -> u64 {
-        let available = self.window().available(now);
-        if available == 0 {
-            // The shared window's keeper takes more units when asked.
-            self.config.pool.wants_units.notify_one();
-        }
+        let available = {
+            let window = self.window();
+            let available = window.available(now);
+            if available == 0 && window.pool.blocked_by_cap(now) {
+                // Budget the shared window's units withhold: its keeper
+                // takes more at once instead of at the next renewal.
+                self.config.pool.wants_units.notify_one();
+            }
+            available
+        };
         match self.config.congestion.clearance(now) {
             Clearance::Open => available,
             Clearance::Probe => available.min(1),

@@ -14,6 +14,7 @@ mod retry;
 mod send;
 mod settings;
 mod settle;
+pub mod shared_window;
 pub mod window;
 
 #[cfg(test)]

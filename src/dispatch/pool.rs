@@ -142,10 +142,28 @@ impl PoolWindow {
         self.cap(now).map(|units| units.saturating_sub(self.in_flight))
     }
 
-    /// The largest `N` among lanes whose grant is live: the headroom the
-    /// pool's gates see now (what the shared window's total is built on).
-    pub fn headroom(&self, now: Instant) -> Option<u64> {
-        self.lanes.iter().filter_map(|w| w.live_n(now)).max()
+    /// The fresh reading the pool's total across replicas is built on:
+    /// `(N, base)` of the lane with the largest live `N`, where `base` is
+    /// what that reading already counted as in flight (its window less
+    /// `N`; zero for a blind gate). `None` without a live grant.
+    pub fn reading(&self, now: Instant) -> Option<(u64, u64)> {
+        self.lanes
+            .iter()
+            .filter_map(|w| {
+                let n = w.live_n(now)?;
+                let (_, limit) = w.grant()?;
+                Some((n, limit.saturating_sub(n)))
+            })
+            .max_by_key(|&(n, _)| n)
+    }
+
+    /// Whether some lane has budget that only the cap withholds (the
+    /// shared window should take more units).
+    pub fn blocked_by_cap(&self, now: Instant) -> bool {
+        let Some(room) = self.cap_room(now) else {
+            return false;
+        };
+        self.lanes.iter().any(|w| w.available(now) > room)
     }
 }
 
@@ -159,8 +177,12 @@ pub struct Pool {
     /// Fired when the pool's window may have room again, for every queue.
     changed: Arc<Notify>,
     /// Asks the shared-window keeper to sync now (the cap is what stops
-    /// sends); never fired without a shared window.
+    /// sends, or a hold is to be published); nobody listens without a
+    /// shared window.
     pub(super) wants_units: Notify,
+    /// The longest congestion hold seen here since the keeper last
+    /// published one to the other replicas.
+    hold_to_publish: Mutex<Option<Duration>>,
 }
 
 impl Pool {
@@ -182,6 +204,29 @@ impl Pool {
     /// The notifier fired when the window may have room again.
     pub(super) fn changed(&self) -> Arc<Notify> {
         self.changed.clone()
+    }
+
+    /// Wakes every queue of the pool (the window may have room again).
+    pub(super) fn notify_changed(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// A new 429/503 signal here held the pool for `hold`: tell the other
+    /// replicas (with a shared window; otherwise it is never read).
+    pub(super) fn publish_hold(&self, hold: Duration) {
+        {
+            let mut pending = self.hold_to_publish.lock().unwrap_or_else(|p| p.into_inner());
+            *pending = Some(pending.map_or(hold, |h| h.max(hold)));
+        }
+        self.wants_units.notify_one();
+    }
+
+    /// The hold to publish, if any, now taken.
+    pub(super) fn take_hold(&self) -> Option<Duration> {
+        self.hold_to_publish
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 }
 

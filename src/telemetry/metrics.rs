@@ -21,6 +21,13 @@ pub struct QueueLabel {
     pub queue: String,
 }
 
+/// Label set `{pool}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PoolLabel {
+    /// Pool name (`[[queue]] pool`, or the gateway URL).
+    pub pool: String,
+}
+
 /// Label set `{queue, outcome}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct OutcomeLabels {
@@ -79,6 +86,13 @@ pub struct Metrics {
     dead_letters: Family<QueueLabel, Counter>,
     attempt_latency: HistogramFamily,
     dispatch_delay: HistogramFamily,
+    shared_held: Family<PoolLabel, Gauge>,
+    shared_total: Family<PoolLabel, Gauge>,
+    shared_all_held: Family<PoolLabel, Gauge>,
+    shared_all_in_flight: Family<PoolLabel, Gauge>,
+    shared_renewals: Family<PoolLabel, Counter>,
+    shared_failures: Family<PoolLabel, Counter>,
+    shared_holds: Family<PoolLabel, Counter>,
 }
 
 /// Histogram family with fixed buckets per family.
@@ -139,6 +153,13 @@ impl Metrics {
             dead_letters: Family::default(),
             attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
+            shared_held: Family::default(),
+            shared_total: Family::default(),
+            shared_all_held: Family::default(),
+            shared_all_in_flight: Family::default(),
+            shared_renewals: Family::default(),
+            shared_failures: Family::default(),
+            shared_holds: Family::default(),
         };
         let r = &mut m.registry;
         r.register(
@@ -266,7 +287,58 @@ impl Metrics {
             "Time from receiving a message to sending it",
             m.dispatch_delay.clone(),
         );
+        r.register(
+            "sluicegate_shared_window_held_units",
+            "Units this replica holds in the pool's shared window",
+            m.shared_held.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_total_units",
+            "The pool's window across replicas (the semaphore's total)",
+            m.shared_total.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_all_held_units",
+            "Units held by every replica of the pool",
+            m.shared_all_held.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_all_in_flight_units",
+            "In flight reported by every replica of the pool",
+            m.shared_all_in_flight.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_renewals",
+            "Successful shared-window syncs (lease renewals)",
+            m.shared_renewals.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_failures",
+            "Failed shared-window syncs or lost leases (window closed)",
+            m.shared_failures.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_holds_applied",
+            "429/503 holds published by another replica and applied here",
+            m.shared_holds.clone(),
+        );
         m
+    }
+
+    /// Handles for one pool's shared-window metrics, created at zero.
+    pub fn pool(&self, name: &str) -> PoolMetrics {
+        let l = PoolLabel {
+            pool: name.to_owned(),
+        };
+        PoolMetrics {
+            held: self.shared_held.get_or_create_owned(&l),
+            total: self.shared_total.get_or_create_owned(&l),
+            all_held: self.shared_all_held.get_or_create_owned(&l),
+            all_in_flight: self.shared_all_in_flight.get_or_create_owned(&l),
+            renewals: self.shared_renewals.get_or_create_owned(&l),
+            failures: self.shared_failures.get_or_create_owned(&l),
+            holds_applied: self.shared_holds.get_or_create_owned(&l),
+        }
     }
 
     /// Handles for one queue's metrics. Every bounded label value is
@@ -337,6 +409,25 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+/// Shared-window metric handles of one pool, cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PoolMetrics {
+    /// Units this replica holds.
+    pub held: Gauge,
+    /// The pool's total across replicas.
+    pub total: Gauge,
+    /// Units held by every replica.
+    pub all_held: Gauge,
+    /// In flight reported by every replica.
+    pub all_in_flight: Gauge,
+    /// Successful syncs.
+    pub renewals: Counter,
+    /// Failed syncs and lost leases.
+    pub failures: Counter,
+    /// Holds from other replicas applied here.
+    pub holds_applied: Counter,
 }
 
 /// Metric handles of one queue, cheap to clone.
@@ -490,6 +581,13 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_queue_dead_letters_total",
     "sluicegate_attempt_duration_seconds",
     "sluicegate_dispatch_delay_seconds",
+    "sluicegate_shared_window_held_units",
+    "sluicegate_shared_window_total_units",
+    "sluicegate_shared_window_all_held_units",
+    "sluicegate_shared_window_all_in_flight_units",
+    "sluicegate_shared_window_renewals_total",
+    "sluicegate_shared_window_failures_total",
+    "sluicegate_shared_window_holds_applied_total",
 ];
 
 #[cfg(test)]
@@ -504,6 +602,7 @@ mod tests {
         q.attempt("success");
         q.retry("failed");
         q.decision("continue", "admitted");
+        let _ = metrics.pool("p");
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");
