@@ -39,6 +39,20 @@ struct Cap {
     valid_until: Instant,
 }
 
+/// A lane's live reading, as the shared window uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    /// `N` in units.
+    pub n: u64,
+    /// What the reading already counted as in flight: its window less `N`
+    /// (zero for a blind gate, whose window is `N`).
+    pub base: u64,
+    /// When its data was taken.
+    pub taken_at: Instant,
+    /// `max_SYS × (1 − B)`: the most the reading allows in flight at all.
+    pub ceiling: u64,
+}
+
 /// The window of one pool: one [`Window`] per lane, all fed the pool's
 /// sends and finishes, and an optional cap on the pool's in flight.
 #[derive(Debug, Clone, Default)]
@@ -142,19 +156,22 @@ impl PoolWindow {
         self.cap(now).map(|units| units.saturating_sub(self.in_flight))
     }
 
-    /// The fresh reading the pool's total across replicas is built on:
-    /// `(N, base)` of the lane with the largest live `N`, where `base` is
-    /// what that reading already counted as in flight (its window less
-    /// `N`; zero for a blind gate). `None` without a live grant.
-    pub fn reading(&self, now: Instant) -> Option<(u64, u64)> {
+    /// The reading the pool's total across replicas is built on: that of
+    /// the lane with the largest live `N`. `None` without a live grant.
+    pub fn reading(&self, now: Instant) -> Option<Reading> {
         self.lanes
             .iter()
             .filter_map(|w| {
                 let n = w.live_n(now)?;
                 let (_, limit) = w.grant()?;
-                Some((n, limit.saturating_sub(n)))
+                Some(Reading {
+                    n,
+                    base: limit.saturating_sub(n),
+                    taken_at: w.taken_at()?,
+                    ceiling: w.ceiling()?,
+                })
             })
-            .max_by_key(|&(n, _)| n)
+            .max_by_key(|r| r.n)
     }
 
     /// Whether some lane has budget that only the cap withholds (the

@@ -12,10 +12,16 @@
 //!   a holder that was expired gets `fenced`, holds nothing and must join
 //!   again, so a replica that stalled past its lease cannot keep sending
 //!   on units that were handed to others meanwhile;
-//! - the pool's total `C` is written from the caller's fresh gate reading:
-//!   `C = Σ base + N`, where each holder's `base` is what its own reading
-//!   already counted as in flight (its window minus its `N`; zero for a
-//!   blind gate, whose window is `N` itself). `C` expires after
+//! - the pool's total `C` is written from the caller's fresh gate reading
+//!   (each reading once): `C = Σ min(base, in flight) + N`, where each
+//!   holder's `base` is what its own latest reading counted as in flight
+//!   (its window minus its `N`; zero for a blind gate, whose window is `N`
+//!   itself), or what it has in flight now if less; never more than the
+//!   reading's `max_SYS × (1 − B)`, the window if all the pool's load
+//!   were ours (readings race with answers: a request the pool finished
+//!   but whose answer is still on its way counts in a base and in `N`
+//!   both; a single process is kept safe there by its release budget,
+//!   which the replicas do not share). `C` expires after
 //!   `max_staleness`: no fresh reading anywhere, no units;
 //! - units are taken in chunks (`shared_window_chunk` beyond what is in
 //!   flight) and given back past twice that, never below what is in
@@ -32,7 +38,7 @@
 //! Keys of one pool, all in one Redis Cluster slot through the `{pool}`
 //! hash tag (docs/scale-out.md): `sluicegate:window:{<pool>}:holders`
 //! (sorted set holder → lease expiry, ms), `:held`, `:base`, `:used`,
-//! `:tokens` (hashes by holder), `:total` (the window `C`), `:epoch` (the
+//! `:tokens`, `:want` (hashes by holder), `:total` (the window `C`), `:epoch` (the
 //! counter behind tokens and hold ids), `:hold` (the shared hold, its value
 //! the hold id).
 
@@ -51,11 +57,14 @@ use crate::telemetry::{Health, PoolMetrics};
 /// SYNC: expire dead holders, check the fencing token, renew the lease,
 /// record in flight and base, write the total from a fresh reading, take
 /// or give back units, publish and read the shared hold.
-/// KEYS: holders, held, base, used, tokens, total, epoch, hold.
+/// KEYS: holders, held, base, used, tokens, total, epoch, hold, want.
 /// ARGV: holder, token (empty = join), lease ms, used, want, base, N (−1 =
-/// no fresh reading), total ttl ms, hold ms (0 = none), leave (0/1).
+/// no fresh reading), total ttl ms, hold ms (0 = none), leave (0/1),
+/// ceiling of the total.
 /// Returns `{-1}` when fenced, else `{1, token, held, total, Σ held, Σ
-/// used, hold ttl ms, hold id}`.
+/// used, hold ttl ms, hold id, allowed}`: `held` never drops below what
+/// the caller has in flight, `allowed` (what it may have in flight) does
+/// when it must shrink to its fair share or to a smaller total.
 static SYNC: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -64,6 +73,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function forget(h)
   redis.call('ZREM', KEYS[1], h)
   for i = 2, 5 do redis.call('HDEL', KEYS[i], h) end
+  redis.call('HDEL', KEYS[9], h)
 end
 for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do forget(h) end
 local holder, token = ARGV[1], ARGV[2]
@@ -71,7 +81,7 @@ local current = redis.call('HGET', KEYS[5], holder)
 if token ~= '' and current ~= token then return {-1} end
 if ARGV[10] == '1' then
   forget(holder)
-  return {1, token, 0, 0, 0, 0, 0, ''}
+  return {1, token, 0, 0, 0, 0, 0, '', 0}
 end
 if token == '' then
   token = tostring(redis.call('INCR', KEYS[7]))
@@ -90,23 +100,43 @@ local function sum(key)
 end
 local n = tonumber(ARGV[7])
 if n >= 0 then
-  redis.call('SET', KEYS[6], sum(KEYS[3]) + n, 'PX', ARGV[8])
+  -- Each holder's share of what the readings saw: its base, or what it
+  -- has in flight now if less (requests that finished since its reading
+  -- are headroom in ours).
+  local seen = 0
+  local used_by = redis.call('HGETALL', KEYS[4])
+  for i = 1, #used_by, 2 do
+    local b = tonumber(redis.call('HGET', KEYS[3], used_by[i]) or '0')
+    seen = seen + math.min(b, tonumber(used_by[i + 1]))
+  end
+  redis.call('SET', KEYS[6], math.min(seen + n, tonumber(ARGV[11])), 'PX', ARGV[8])
 end
 local total = tonumber(redis.call('GET', KEYS[6]) or '0')
 local mine = tonumber(redis.call('HGET', KEYS[2], holder) or '0')
 local held = sum(KEYS[2])
 local want = tonumber(ARGV[5])
-if want > mine then
-  local free = total - held
-  if free > 0 then mine = mine + math.min(want - mine, free) end
-elseif want < mine then
-  mine = math.max(want, used)
+redis.call('HSET', KEYS[9], holder, want)
+-- When the replicas want more than the total, nobody keeps more than a
+-- fair share: a replica that joins late is not starved by one that
+-- holds everything and keeps reusing it.
+local target = want
+if sum(KEYS[9]) > total then
+  local fair = math.ceil(total / math.max(redis.call('ZCARD', KEYS[1]), 1))
+  target = math.min(target, fair)
 end
-local others = held - tonumber(redis.call('HGET', KEYS[2], holder) or '0')
-if others + mine > total and mine > used then
-  mine = math.max(used, total - others)
+local others = held - mine
+if target > mine then
+  local free = total - held
+  if free > 0 then mine = mine + math.min(target - mine, free) end
+elseif target < mine then
+  mine = math.max(target, used)
+end
+if others + mine > total then
+  target = math.min(target, math.max(total - others, 0))
+  if mine > used then mine = math.max(used, total - others) end
 end
 redis.call('HSET', KEYS[2], holder, mine)
+local allowed = math.min(mine, target)
 local hold_ms = tonumber(ARGV[9])
 if hold_ms > 0 then
   local id = redis.call('INCR', KEYS[7])
@@ -115,9 +145,10 @@ if hold_ms > 0 then
 end
 local keep = lease * 10
 for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], keep) end
+redis.call('PEXPIRE', KEYS[9], keep)
 local hold_ttl = math.max(redis.call('PTTL', KEYS[8]), 0)
 local hold_id = redis.call('GET', KEYS[8]) or ''
-return {1, token, mine, total, others + mine, sum(KEYS[4]), hold_ttl, hold_id}
+return {1, token, mine, total, others + mine, sum(KEYS[4]), hold_ttl, hold_id, allowed}
 "#,
     )
 });
@@ -125,7 +156,7 @@ return {1, token, mine, total, others + mine, sum(KEYS[4]), hold_ttl, hold_id}
 /// The keys of one pool's semaphore, all hash-tagged with the pool.
 #[derive(Debug, Clone)]
 pub struct Keys {
-    names: [String; 8],
+    names: [String; 9],
 }
 
 impl Keys {
@@ -142,6 +173,7 @@ impl Keys {
                 key("total"),
                 key("epoch"),
                 key("hold"),
+                key("want"),
             ],
         }
     }
@@ -217,6 +249,7 @@ enum Synced {
         all_used: u64,
         hold_ttl: Duration,
         hold_id: String,
+        allowed: u64,
     },
 }
 
@@ -234,6 +267,8 @@ pub struct SharedWindow<C> {
     token: Option<String>,
     held: u64,
     hold_seen: String,
+    /// When the data of the last reading written to the total was taken.
+    last_reading: Option<Instant>,
 }
 
 impl<C> SharedWindow<C>
@@ -266,6 +301,7 @@ where
             token: None,
             held: 0,
             hold_seen: String::new(),
+            last_reading: None,
         }
     }
 
@@ -297,19 +333,29 @@ where
     /// One sync: renew, take or give back units, set the cap, apply holds.
     async fn tick(&mut self) {
         let started = Instant::now();
-        let (in_flight, demand, n, base) = {
+        let (in_flight, demand, reading) = {
             let window = self.pool.window();
-            let (n, base) = window.reading(started).unwrap_or((u64::MAX, window.in_flight()));
-            (window.in_flight(), window.blocked_by_cap(started), n, base)
+            let reading = window.reading(started);
+            (window.in_flight(), window.blocked_by_cap(started), reading)
         };
-        let granted = n != u64::MAX;
+        let granted = reading.is_some();
         let want = want_units(self.held, in_flight, self.settings.chunk, demand, granted);
         let hold = self.pool.take_hold();
         let token = self.token.clone().unwrap_or_default();
-        let fresh = granted.then_some(n);
+        // A reading is used for the total once: passed again, its `N`
+        // would be added to bases that already grew from its headroom.
+        let fresh = reading.filter(|r| self.last_reading.is_none_or(|at| r.taken_at > at));
+        let base = reading.map_or(in_flight, |r| r.base);
         let result = tokio::time::timeout(
             self.settings.renew_every(),
-            self.sync_call(&token, in_flight, want, Some((base, fresh)), hold, false),
+            self.sync_call(
+                &token,
+                in_flight,
+                want,
+                Some((base, fresh.map(|r| (r.n, r.ceiling)))),
+                hold,
+                false,
+            ),
         )
         .await
         .unwrap_or_else(|_| Err("timed out".to_owned()));
@@ -322,12 +368,16 @@ where
                 all_used,
                 hold_ttl,
                 hold_id,
+                allowed,
             }) => {
                 self.token = Some(token);
                 self.held = held;
+                if let Some(r) = fresh {
+                    self.last_reading = Some(r.taken_at);
+                }
                 self.pool
                     .window()
-                    .set_cap(held, started + self.settings.valid_for());
+                    .set_cap(allowed, started + self.settings.valid_for());
                 self.metrics.renewals.inc();
                 self.metrics.held.set(saturating_i64(held));
                 self.metrics.total.set(saturating_i64(total));
@@ -384,12 +434,18 @@ where
         token: &str,
         used: u64,
         want: u64,
-        reading: Option<(u64, Option<u64>)>,
+        reading: Option<(u64, Option<(u64, u64)>)>,
         hold: Option<Duration>,
         leave: bool,
     ) -> Result<Synced, String> {
-        let (base, n) = reading.unwrap_or((0, None));
-        let n = n.map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        let (base, fresh) = reading.unwrap_or((0, None));
+        let (n, ceiling) = fresh.map_or((-1, 0), |(n, ceiling)| {
+            (
+                i64::try_from(n).unwrap_or(i64::MAX),
+                // Lua numbers are doubles: keep the ceiling exact.
+                ceiling.min(1 << 52),
+            )
+        });
         let mut invocation = SYNC.prepare_invoke();
         for key in &self.keys.names {
             invocation.key(key);
@@ -404,7 +460,8 @@ where
             .arg(n)
             .arg(millis(self.settings.max_staleness))
             .arg(hold.map_or(0, millis))
-            .arg(u8::from(leave));
+            .arg(u8::from(leave))
+            .arg(ceiling);
         let mut conn = self.conn.clone();
         let reply: redis::Value = invocation
             .invoke_async(&mut conn)
@@ -453,6 +510,7 @@ fn parse_reply(reply: redis::Value) -> Result<Synced, String> {
         all_used: unsigned(5)?,
         hold_ttl: Duration::from_millis(unsigned(6)?),
         hold_id: text(7)?,
+        allowed: unsigned(8)?,
     })
 }
 
@@ -499,6 +557,7 @@ mod tests {
             V::Int(2),
             V::Int(1500),
             V::BulkString(b"12".to_vec()),
+            V::Int(2),
         ]);
         assert_eq!(
             parse_reply(reply),
@@ -510,6 +569,7 @@ mod tests {
                 all_used: 2,
                 hold_ttl: Duration::from_millis(1500),
                 hold_id: "12".into(),
+                allowed: 2,
             })
         );
     }
