@@ -127,6 +127,16 @@ fn replica(redis: &RedisServer, sim: &SimHandle, log: &Path) -> Replica {
         .unwrap()
 }
 
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill")
+        .arg(sig)
+        .arg(child.id().to_string())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig}");
+}
+
 /// Units held per holder in the pool's semaphore.
 fn held(redis: &RedisServer, pool: &str) -> HashMap<String, i64> {
     let text = redis.cli(&["HGETALL", &format!("sluicegate:window:{{{pool}}}:held")]);
@@ -151,7 +161,7 @@ fn assert_exactly_once(redis: &RedisServer, n: usize) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_never_exceed_the_shared_window_and_a_killed_ones_units_return() {
+async fn three_replicas_never_exceed_the_shared_window_and_a_killed_or_stalled_ones_units_return() {
     let redis = RedisServer::start();
     let sim = roomy_pool().await;
     let pool = sim.base_url().trim_end_matches('/').to_owned();
@@ -170,6 +180,8 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_ones_units_r
     let mut killed_at: Option<Instant> = None;
     let mut holders_before_kill = 0;
     let mut returned_after: Option<Duration> = None;
+    let mut stalled: Option<Instant> = None;
+    let mut resumed = false;
     // Bounded: the batch takes ~15 s; give it a minute.
     while start.elapsed() < Duration::from_secs(60) {
         max_pool = max_pool.max(pool_in_flight(&client, &sim).await);
@@ -197,7 +209,19 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_ones_units_r
                 returned_after = Some(at.elapsed());
             }
         }
-        if results >= n as i64 && returned_after.is_some() {
+        // Then one replica stalls (SIGSTOP) past its lease: the other takes
+        // its units, and when it runs again its old token is refused.
+        if returned_after.is_some() && stalled.is_none() {
+            signal(&replicas[0].0, "-STOP");
+            stalled = Some(Instant::now());
+        }
+        if let Some(at) = stalled {
+            if !resumed && (holders.len() == 1 || at.elapsed() > Duration::from_secs(10)) {
+                signal(&replicas[0].0, "-CONT");
+                resumed = true;
+            }
+        }
+        if results >= n as i64 && resumed {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
@@ -222,6 +246,11 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_ones_units_r
     assert_eq!(redis.int(&["LLEN", "result-list"]), n as i64, "results");
     drop(replicas);
     assert_exactly_once(&redis, n);
+    let log = std::fs::read_to_string(tmp.0.join("r1.log")).unwrap();
+    assert!(
+        log.contains("shared-window lease lost"),
+        "the stalled replica was fenced: {log}"
+    );
 }
 
 /// A gateway that answers 200 after `delay` and counts what it received.
