@@ -18,6 +18,9 @@ use crate::request::parse_message;
 pub(crate) enum BenchCommand {
     /// Drain N messages from Redis through an instant gateway.
     Drain(DrainArgs),
+    /// 1, 2, 4 replicas on one Redis queue with the shared window, against
+    /// the simulator: global in flight against the window, throughput.
+    Replicas(super::bench_replicas::ReplicasArgs),
 }
 
 #[derive(Debug, Args)]
@@ -41,6 +44,13 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("bench drain: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        BenchCommand::Replicas(args) => match super::bench_replicas::replicas(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench replicas: {e}");
                 ExitCode::FAILURE
             }
         },

@@ -5,6 +5,7 @@
 
 mod batch;
 mod bench;
+mod bench_replicas;
 mod cancel;
 mod demo;
 mod embedded;

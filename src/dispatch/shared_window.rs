@@ -178,6 +178,11 @@ impl Keys {
         }
     }
 
+    /// Every key, in [`SYNC`]'s order.
+    pub fn all(&self) -> &[String] {
+        &self.names
+    }
+
     /// The key of the pool's total `C` (the window across replicas).
     pub fn total(&self) -> &str {
         &self.names[5]
