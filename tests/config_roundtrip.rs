@@ -12,7 +12,8 @@ use serde_json::{Map, Value};
 use sluicegate::config::{
     Config, DispatchConfig, EmbeddedConfig, EndpointUrl, GATE_TYPES, GateSpec, GatewayConfig,
     GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PrometheusConfig, PubSubConfig,
-    QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig, TransportKind, Unit, allowed_params,
+    QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig, TransportKind, Unit,
+    allowed_params,
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{

@@ -94,7 +94,7 @@ impl Harness {
             retry,
             congestion: Default::default(),
             pool: Default::default(),
-        settings,
+            settings,
             metrics: metrics.queue("q"),
             labels: BTreeMap::new(),
             traces: None,

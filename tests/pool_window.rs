@@ -84,9 +84,11 @@ async fn drain_both(config: &Config, n: usize) {
         }
     }
     let qs = queues.clone();
-    support::wait_until(Duration::from_secs(60), "every message answered", move || {
-        qs.iter().all(|q| q.results().len() == n)
-    })
+    support::wait_until(
+        Duration::from_secs(60),
+        "every message answered",
+        move || qs.iter().all(|q| q.results().len() == n),
+    )
     .await;
     for q in &queues {
         assert!(q.results().iter().all(|r| r.status_code == Some(200)));
@@ -104,7 +106,10 @@ async fn two_queues_on_one_pool_never_exceed_one_window_together() {
     drain_both(&two_queues(&url, gate, gate), 40).await;
     let peak = peak.load(Ordering::SeqCst);
     assert_eq!(total.load(Ordering::SeqCst), 80);
-    assert!(peak <= 4, "peak in flight {peak} over the pool's window of 4");
+    assert!(
+        peak <= 4,
+        "peak in flight {peak} over the pool's window of 4"
+    );
     assert!(peak >= 3, "the window is used (peak {peak})");
 }
 
@@ -114,11 +119,16 @@ async fn queues_naming_the_same_pool_share_it_across_gateway_urls() {
     // default; `pool` names them one.
     let (url, peak, _) = counting_gateway(Duration::from_millis(100)).await;
     let other = url.replace("127.0.0.1", "localhost");
-    let a = format!("igw_base_url = \"{other}\"\npool = \"shared\"\ngate_type = \"constant\"\nmax_sys = 3");
+    let a = format!(
+        "igw_base_url = \"{other}\"\npool = \"shared\"\ngate_type = \"constant\"\nmax_sys = 3"
+    );
     let b = "pool = \"shared\"\ngate_type = \"constant\"\nmax_sys = 3";
     drain_both(&two_queues(&url, &a, b), 30).await;
     let peak = peak.load(Ordering::SeqCst);
-    assert!(peak <= 3, "peak in flight {peak} over the pool's window of 3");
+    assert!(
+        peak <= 3,
+        "peak in flight {peak} over the pool's window of 3"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -57,7 +57,8 @@ async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
         .unwrap();
     text.lines()
         .filter(|l| {
-            l.starts_with("vllm:num_requests_running{") || l.starts_with("vllm:num_requests_waiting{")
+            l.starts_with("vllm:num_requests_running{")
+                || l.starts_with("vllm:num_requests_waiting{")
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
@@ -79,7 +80,11 @@ fn submit(server: &RedisServer, dir: &Path, n: usize, max_tokens: u32) {
         .arg(&file)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A `sluicegate run` replica, SIGKILLed on drop.
@@ -153,7 +158,9 @@ fn assert_exactly_once(redis: &RedisServer, n: usize) {
     for line in redis.cli(&["LRANGE", "result-list", "0", "-1"]).lines() {
         let r: serde_json::Value = serde_json::from_str(line).unwrap();
         assert_eq!(r["status_code"], 200, "{r}");
-        *seen.entry(r["id"].as_str().unwrap().to_owned()).or_default() += 1;
+        *seen
+            .entry(r["id"].as_str().unwrap().to_owned())
+            .or_default() += 1;
     }
     let duplicated: Vec<_> = seen.iter().filter(|(_, c)| **c > 1).collect();
     assert!(duplicated.is_empty(), "duplicate results: {duplicated:?}");
@@ -194,7 +201,11 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_or_stalled_o
             .unwrap_or(0);
         max_total = max_total.max(total);
         if std::env::var_os("SHARED_WINDOW_TRACE").is_some() {
-            println!("{:?} pool {} total {total} held {holders:?}", start.elapsed(), pool_in_flight(&client, &sim).await);
+            println!(
+                "{:?} pool {} total {total} held {holders:?}",
+                start.elapsed(),
+                pool_in_flight(&client, &sim).await
+            );
         }
         let results = redis.int(&["LLEN", "result-list"]);
         if killed_at.is_none() && results >= 40 {
@@ -242,7 +253,10 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_or_stalled_o
         max_pool <= WINDOW,
         "max batch in flight at the pool {max_pool} > window {WINDOW}"
     );
-    assert!(max_held as f64 <= WINDOW, "units held {max_held} > window {WINDOW}");
+    assert!(
+        max_held as f64 <= WINDOW,
+        "units held {max_held} > window {WINDOW}"
+    );
     assert_eq!(redis.int(&["LLEN", "result-list"]), n as i64, "results");
     drop(replicas);
     assert_exactly_once(&redis, n);
@@ -345,7 +359,12 @@ async fn a_429_seen_by_one_replica_holds_the_others() {
     let a = memory_app(&rejecting.uri(), &redis.url()).await;
     push(&a, "a", 1);
     let give_up = Instant::now() + Duration::from_secs(20);
-    while rejecting.received_requests().await.unwrap_or_default().is_empty() {
+    while rejecting
+        .received_requests()
+        .await
+        .unwrap_or_default()
+        .is_empty()
+    {
         assert!(Instant::now() < give_up, "A never sent");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -377,7 +396,11 @@ async fn redis_unreachable_closes_the_window_and_readiness_says_why() {
     let app = memory_app(&url, &redis.url()).await;
     push(&app, "m", 20);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(count.load(Ordering::SeqCst), 0, "sent without the shared window");
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        0,
+        "sent without the shared window"
+    );
     let (status, body) = scrape(&app, "/readyz").await;
     assert_eq!(status, 503, "{body}");
     assert!(
@@ -392,9 +415,11 @@ async fn redis_unreachable_closes_the_window_and_readiness_says_why() {
     // Redis comes up: units, sends, ready.
     redis.restart();
     let q = app.running.transports().memory()[0].clone();
-    support::wait_until(Duration::from_secs(20), "every message answered", move || {
-        q.results().len() == 20
-    })
+    support::wait_until(
+        Duration::from_secs(20),
+        "every message answered",
+        move || q.results().len() == 20,
+    )
     .await;
     let (status, body) = scrape(&app, "/readyz").await;
     assert_eq!(status, 200, "{body}");

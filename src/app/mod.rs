@@ -307,12 +307,11 @@ pub async fn start(
         });
         let mut gate_context = context.clone().for_queue(queue_config);
         gate_context.pool_slots = parts.slots.clone();
-        let gate = build_gate(&queue_config.gate, &gate_context).map_err(|source| {
-            AppError::Gate {
+        let gate =
+            build_gate(&queue_config.gate, &gate_context).map_err(|source| AppError::Gate {
                 queue: queue_config.queue_name.clone(),
                 source,
-            }
-        })?;
+            })?;
         let mut dispatcher = build_dispatcher(
             config,
             queue_config,

@@ -238,7 +238,8 @@ async fn pool_in_flight(http: &reqwest::Client, sim: &SimHandle) -> Result<f64, 
     Ok(text
         .lines()
         .filter(|l| {
-            l.starts_with("vllm:num_requests_running{") || l.starts_with("vllm:num_requests_waiting{")
+            l.starts_with("vllm:num_requests_running{")
+                || l.starts_with("vllm:num_requests_waiting{")
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum())

@@ -16,8 +16,7 @@ use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
     PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, SharedWindowKind,
-    TelemetryConfig,
-    TransportKind, format_duration,
+    TelemetryConfig, TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.

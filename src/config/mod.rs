@@ -53,8 +53,8 @@ use serde_json::{Map, Value};
 
 use values::{
     Ctx, NONZERO, as_nonempty_string, as_positive_f64, as_u64, attempts, choice, constant_url,
-    duration_min, env_filter, host_port, http_url, inline_secret, optional_string, path, pool_name, redis_url,
-    socket_addr, url_path,
+    duration_min, env_filter, host_port, http_url, inline_secret, optional_string, path, pool_name,
+    redis_url, socket_addr, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};

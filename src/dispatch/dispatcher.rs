@@ -34,11 +34,11 @@ use tokio_util::task::TaskTracker;
 
 use super::congestion::{Clearance, CongestionHold};
 use super::observe::observe_loop;
+use super::pool::{Lane, LaneWindow, Pool};
 use super::receive::receive_loop;
 use super::retry::RetryPolicy;
 use super::settings::DispatchSettings;
 use super::settle::{lease_keeper, result_writer};
-use super::pool::{Lane, LaneWindow, Pool};
 use crate::app::Tasks;
 use crate::gate::FailClosed;
 use crate::gateway::{GatewayClient, PreparedRequest, Target};
@@ -182,7 +182,12 @@ impl Shared {
 
     /// Whether a request of `cost` units may go now, and if so whether it is
     /// the probe after a congestion hold.
-    pub(super) fn may_send(&self, window: &LaneWindow<'_>, now: Instant, cost: u64) -> Option<Send> {
+    pub(super) fn may_send(
+        &self,
+        window: &LaneWindow<'_>,
+        now: Instant,
+        cost: u64,
+    ) -> Option<Send> {
         if !window.allows(now, cost) {
             return None;
         }
@@ -197,7 +202,12 @@ impl Shared {
     /// clearance changed meanwhile (another queue took the probe). The
     /// window lock is held by the caller, so the check and the record are
     /// one step.
-    pub(super) fn record_send(&self, window: &mut LaneWindow<'_>, now: Instant, cost: u64) -> Option<Send> {
+    pub(super) fn record_send(
+        &self,
+        window: &mut LaneWindow<'_>,
+        now: Instant,
+        cost: u64,
+    ) -> Option<Send> {
         if !window.allows(now, cost) {
             return None;
         }

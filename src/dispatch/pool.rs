@@ -153,7 +153,8 @@ impl PoolWindow {
 
     /// What the cap leaves for new sends at `now`.
     fn cap_room(&self, now: Instant) -> Option<u64> {
-        self.cap(now).map(|units| units.saturating_sub(self.in_flight))
+        self.cap(now)
+            .map(|units| units.saturating_sub(self.in_flight))
     }
 
     /// The reading the pool's total across replicas is built on: that of
@@ -232,7 +233,10 @@ impl Pool {
     /// replicas (with a shared window; otherwise it is never read).
     pub(super) fn publish_hold(&self, hold: Duration) {
         {
-            let mut pending = self.hold_to_publish.lock().unwrap_or_else(|p| p.into_inner());
+            let mut pending = self
+                .hold_to_publish
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             *pending = Some(pending.map_or(hold, |h| h.max(hold)));
         }
         self.wants_units.notify_one();
@@ -366,7 +370,10 @@ mod tests {
         assert!(!pool.allows(a, now, 1));
         pool.finished(now, 1);
         assert!(pool.allows(a, now, 1));
-        assert!(!pool.allows(a, now, 2), "at-least-one does not pass the cap");
+        assert!(
+            !pool.allows(a, now, 2),
+            "at-least-one does not pass the cap"
+        );
         assert_eq!(pool.cap(until), Some(0));
         assert!(!pool.allows(a, until, 1), "an expired lease sends nothing");
     }
@@ -400,8 +407,11 @@ mod tests {
             (1u64..200).prop_map(Step::Advance),
             (0usize..3, 1u64..4).prop_map(|(lane, cost)| Step::Send { lane, cost }),
             Just(Step::Finish),
-            (0usize..3, 0u64..2000, 0u64..15)
-                .prop_map(|(lane, lag_ms, n)| Step::Observe { lane, lag_ms, n }),
+            (0usize..3, 0u64..2000, 0u64..15).prop_map(|(lane, lag_ms, n)| Step::Observe {
+                lane,
+                lag_ms,
+                n
+            }),
             (0u64..20).prop_map(Step::Cap),
         ]
     }

@@ -549,10 +549,7 @@ mod tests {
     #[test]
     fn a_fenced_reply_and_a_held_reply_parse() {
         use redis::Value as V;
-        assert_eq!(
-            parse_reply(V::Array(vec![V::Int(-1)])),
-            Ok(Synced::Fenced)
-        );
+        assert_eq!(parse_reply(V::Array(vec![V::Int(-1)])), Ok(Synced::Fenced));
         let reply = V::Array(vec![
             V::Int(1),
             V::BulkString(b"7".to_vec()),

@@ -1,10 +1,10 @@
 //! The telemetry HTTP server: `/metrics` (Prometheus text), `/healthz`
 //! (the process is alive) and `/readyz` (it can do its job).
 
-use std::future::Future;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::Router;
 use axum::extract::State;
@@ -100,6 +100,9 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
         (StatusCode::OK, "ready\n".to_owned())
     } else {
         let reasons = state.health.reasons();
-        (StatusCode::SERVICE_UNAVAILABLE, format!("not ready\n{reasons}"))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready\n{reasons}"),
+        )
     }
 }
