@@ -153,16 +153,14 @@ fn pools_default_to_the_gateway_url_and_can_be_named() {
         "http://gw.example:8080/base"
     );
     assert_eq!(sluicegate::app::pool_name(&config.queues[1]), "p1");
-    let bad = format!(
-        r#"
+    let bad = r#"
 transport = "memory"
 [gateway]
 url = "http://gw"
 [[queue]]
 gate_type = "constant"
-pool = "a{{b}}"
-"#
-    );
-    let error = Config::from_toml_str(&bad, &BTreeMap::new()).unwrap_err();
+pool = "a{b}"
+"#;
+    let error = Config::from_toml_str(bad, &BTreeMap::new()).unwrap_err();
     assert!(error.to_string().contains("queue[0].pool"), "{error}");
 }

@@ -215,10 +215,11 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_or_stalled_o
             let _ = victim.0.wait();
             killed_at = Some(Instant::now());
         }
-        if let Some(at) = killed_at {
-            if returned_after.is_none() && holders.len() == 2 {
-                returned_after = Some(at.elapsed());
-            }
+        if let Some(at) = killed_at
+            && returned_after.is_none()
+            && holders.len() == 2
+        {
+            returned_after = Some(at.elapsed());
         }
         // Then one replica stalls (SIGSTOP) past its lease: the other takes
         // its units, and when it runs again its old token is refused.
@@ -226,11 +227,12 @@ async fn three_replicas_never_exceed_the_shared_window_and_a_killed_or_stalled_o
             signal(&replicas[0].0, "-STOP");
             stalled = Some(Instant::now());
         }
-        if let Some(at) = stalled {
-            if !resumed && (holders.len() == 1 || at.elapsed() > Duration::from_secs(10)) {
-                signal(&replicas[0].0, "-CONT");
-                resumed = true;
-            }
+        if let Some(at) = stalled
+            && !resumed
+            && (holders.len() == 1 || at.elapsed() > Duration::from_secs(10))
+        {
+            signal(&replicas[0].0, "-CONT");
+            resumed = true;
         }
         if results >= n as i64 && resumed {
             break;
