@@ -90,6 +90,7 @@ async fn main() {
         target: Target::new(&format!("http://{gateway_addr}"), "/v1/completions", None).unwrap(),
         retry: RetryPolicy::default(),
         congestion: Default::default(),
+        pool: Default::default(),
         settings,
         metrics: metrics.queue("bench"),
         labels: BTreeMap::new(),

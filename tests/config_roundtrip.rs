@@ -12,7 +12,8 @@ use serde_json::{Map, Value};
 use sluicegate::config::{
     Config, DispatchConfig, EmbeddedConfig, EndpointUrl, GATE_TYPES, GateSpec, GatewayConfig,
     GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PrometheusConfig, PubSubConfig,
-    QueueConfig, QuotaMode, Rounding, TelemetryConfig, TransportKind, Unit, allowed_params,
+    QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig, TransportKind, Unit,
+    allowed_params,
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
@@ -266,6 +267,8 @@ fn queue() -> impl Strategy<Value = QueueConfig> {
                 igw_base_url: endpoint(&url),
                 request_path_url,
                 inference_objective,
+                // A pool named like the result list: any valid name.
+                pool: Some(result_queue_name.clone()),
                 worker_pool_id,
                 labels,
                 result_queue_name: Some(result_queue_name),
@@ -327,6 +330,11 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 wait_requeue_delay,
                 shutdown_grace,
                 default_deadline,
+                // `redis` needs a [redis] section, which these transports
+                // do not have: the lease and chunk still round-trip.
+                shared_window: SharedWindowKind::Off,
+                shared_window_lease: lease.max(std::time::Duration::from_secs(1)),
+                shared_window_chunk: 1 + lease.as_secs() % 64,
             },
         )
 }

@@ -93,6 +93,7 @@ impl Harness {
             target: Target::new(gateway_url, "/v1/completions", None).expect("target"),
             retry,
             congestion: Default::default(),
+            pool: Default::default(),
             settings,
             metrics: metrics.queue("q"),
             labels: BTreeMap::new(),

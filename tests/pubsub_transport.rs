@@ -450,7 +450,6 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
             .args(["run", "--config"])
             .arg(&config)
             .env_remove("PUBSUB_EMULATOR_HOST")
-            .env("SLUICEGATE_DISPATCH_TENANT_LOOKAHEAD", "0")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()

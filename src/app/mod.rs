@@ -29,9 +29,10 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, QueueConfig, TransportKind};
+use crate::config::{Config, QueueConfig, SharedWindowKind, TransportKind};
 use crate::dispatch::congestion::CongestionHold;
-use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
+use crate::dispatch::shared_window::{SharedWindow, SharedWindowSettings};
+use crate::dispatch::{DispatchSettings, Pool, QueueDispatcher, RetryPolicy};
 use crate::gate::{BuildError, DispatchGate, FailClosed, GateContext, build_gate};
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings, Target, TargetError};
 use crate::queue::{MemoryQueue, OpenError, Queue, Transports};
@@ -112,6 +113,9 @@ pub enum AppError {
     /// The OTLP trace exporter could not be built.
     #[error(transparent)]
     Traces(#[from] TraceStartError),
+    /// The shared window's Redis client could not be built.
+    #[error("dispatch.shared_window: {0}")]
+    SharedWindow(#[source] crate::queue::redis::ConnectError),
 }
 
 impl AppError {
@@ -127,7 +131,8 @@ impl AppError {
             | Self::Gateway(_)
             | Self::Target { .. }
             | Self::Gate { .. }
-            | Self::Traces(_) => EXIT_CONFIG,
+            | Self::Traces(_)
+            | Self::SharedWindow(_) => EXIT_CONFIG,
         }
     }
 }
@@ -283,22 +288,22 @@ pub async fn start(
     // Off (no exporter, no provider) unless an OTLP endpoint is set.
     let trace_export = config.traces.as_ref().map(TraceExport::start).transpose()?;
     let mut built = Vec::with_capacity(queues.len());
-    // One congestion hold per gateway: a 429 seen by one queue holds every
-    // queue that sends to the same place.
-    let mut holds: BTreeMap<String, Arc<CongestionHold>> = BTreeMap::new();
+    // One pool per name: queues on one pool share one window, one
+    // congestion hold (a 429 seen by one queue holds them all) and one
+    // `local-max-concurrency` slot counter.
+    let mut pools: BTreeMap<String, PoolParts> = BTreeMap::new();
     // `open` made one queue per `[[queue]]`, in order.
     for (queue_config, queue) in config.queues.iter().zip(&queues) {
-        let gateway_origin = queue_config
-            .igw_base_url
-            .expose()
-            .origin()
-            .ascii_serialization();
-        let congestion = holds
-            .entry(gateway_origin)
-            .or_insert_with(|| Arc::new(CongestionHold::new((&config.dispatch).into())))
-            .clone();
-        let gate = build_gate(&queue_config.gate, &context.clone().for_queue(queue_config))
-            .map_err(|source| AppError::Gate {
+        let name = pool_name(queue_config);
+        let parts = pools.entry(name.clone()).or_insert_with(|| PoolParts {
+            pool: Pool::new(name),
+            congestion: Arc::new(CongestionHold::new((&config.dispatch).into())),
+            slots: Arc::default(),
+        });
+        let mut gate_context = context.clone().for_queue(queue_config);
+        gate_context.pool_slots = parts.slots.clone();
+        let gate =
+            build_gate(&queue_config.gate, &gate_context).map_err(|source| AppError::Gate {
                 queue: queue_config.queue_name.clone(),
                 source,
             })?;
@@ -308,12 +313,13 @@ pub async fn start(
             queue.clone(),
             gate,
             gateway.clone(),
-            congestion,
+            (parts.pool.clone(), parts.congestion.clone()),
             &metrics,
         )?;
         dispatcher.traces = trace_export.as_ref().map(TraceExport::traces);
         built.push(dispatcher);
     }
+    start_shared_windows(config, &pools, &context.replica, &metrics, &health, &tasks)?;
     let addr = config.telemetry.listen;
     let listener = TcpListener::bind(addr)
         .await
@@ -431,17 +437,40 @@ impl Running {
     }
 }
 
+/// What the queues of one pool share in this process.
+#[derive(Debug)]
+struct PoolParts {
+    pool: Arc<Pool>,
+    congestion: Arc<CongestionHold>,
+    slots: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// The pool a queue sends to: its `pool`, else its gateway URL's origin
+/// and path (no credentials, query or trailing slash), so queues on one
+/// gateway URL share a pool unless told otherwise.
+pub fn pool_name(queue: &QueueConfig) -> String {
+    if let Some(pool) = &queue.pool {
+        return pool.clone();
+    }
+    let url = queue.igw_base_url.expose();
+    format!(
+        "{}{}",
+        url.origin().ascii_serialization(),
+        url.path().trim_end_matches('/')
+    )
+}
+
 /// Builds the dispatcher of `queue_config` on `queue`, paced by `gate`
 /// (behind the fail-closed wrapper), with settings and retry policy from
-/// the config. The one construction `run`, the batch runner and the demo
-/// share.
+/// the config, on `pool` with its congestion hold. The one construction
+/// `run`, the batch runner and the demo share.
 pub fn build_dispatcher(
     config: &Config,
     queue_config: &QueueConfig,
     queue: Arc<dyn Queue>,
     gate: Box<dyn DispatchGate>,
     gateway: GatewayClient,
-    congestion: Arc<CongestionHold>,
+    (pool, congestion): (Arc<Pool>, Arc<CongestionHold>),
     metrics: &Metrics,
 ) -> Result<QueueDispatcher, AppError> {
     let name = queue_config.queue_name.clone();
@@ -454,7 +483,15 @@ pub fn build_dispatcher(
         queue: name.clone(),
         source,
     })?;
-    let settings = DispatchSettings::from(&config.dispatch).for_queue(queue_config);
+    let mut settings = DispatchSettings::from(&config.dispatch).for_queue(queue_config);
+    if config.transport == TransportKind::PubSub {
+        // Every Pub/Sub delivery counts toward the subscription's
+        // max_delivery_attempts, and with a lookahead held across
+        // SIGKILLs a message was seen to stay unanswered for minutes in
+        // `tests/pubsub_transport.rs`; until that is understood, Pub/Sub
+        // queues pull only what the window can send (docs/transports.md).
+        settings.tenant_lookahead = 0;
+    }
     Ok(QueueDispatcher {
         queue,
         gate: Arc::new(FailClosed::new(gate, settings.max_staleness)),
@@ -462,11 +499,58 @@ pub fn build_dispatcher(
         target,
         retry: RetryPolicy::from(&config.dispatch),
         congestion,
+        pool,
         settings,
         metrics: metrics.queue(&name),
         labels: queue_config.labels.clone(),
         traces: None,
     })
+}
+
+/// Creates every pool's shared-window metrics (at zero when the shared
+/// window is off) and, with `dispatch.shared_window = "redis"`, spawns one
+/// keeper per pool. The keepers stop with the task tree's root, after the
+/// dispatchers drained, and give their units back then.
+fn start_shared_windows(
+    config: &Config,
+    pools: &BTreeMap<String, PoolParts>,
+    replica: &str,
+    metrics: &Metrics,
+    health: &Arc<Health>,
+    tasks: &Tasks,
+) -> Result<(), AppError> {
+    let pool_metrics: Vec<_> = pools.keys().map(|name| metrics.pool(name)).collect();
+    if config.dispatch.shared_window == SharedWindowKind::Off {
+        return Ok(());
+    }
+    let redis = config
+        .redis
+        .clone()
+        .unwrap_or_else(crate::queue::default_redis_config);
+    // The shared connection type: one server or a cluster (`{pool}`-tagged
+    // keys keep each script in one slot).
+    let conn = crate::queue::redis::connection(&redis).map_err(AppError::SharedWindow)?;
+    let settings = SharedWindowSettings {
+        lease: config.dispatch.shared_window_lease,
+        chunk: config.dispatch.shared_window_chunk,
+        max_staleness: config.dispatch.max_staleness,
+    };
+    for (parts, pool_metrics) in pools.values().zip(pool_metrics) {
+        let keeper = SharedWindow::new(
+            conn.clone(),
+            parts.pool.clone(),
+            parts.congestion.clone(),
+            replica,
+            settings,
+            pool_metrics,
+            health.clone(),
+        );
+        tasks.spawn(
+            format!("pool `{}`: shared window", parts.pool.name),
+            keeper.run(tasks.root_token().child_token()),
+        );
+    }
+    Ok(())
 }
 
 /// Starts the drain once no queue has anything left to settle (memory and

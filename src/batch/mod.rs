@@ -343,7 +343,7 @@ pub async fn run_batch(
             Arc::new(queue.clone()),
             watch,
             &metrics,
-            congestion.clone(),
+            (crate::dispatch::Pool::new(QUEUE), congestion.clone()),
         )?;
         // The dispatcher's own gauges: the window and own in-flight.
         let gauges = metrics.queue(QUEUE);
@@ -536,6 +536,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
             igw_base_url: url,
             request_path_url: options.request_path.clone(),
             inference_objective: None,
+            pool: None,
             worker_pool_id: String::new(),
             labels: BTreeMap::new(),
             result_queue_name: None,
@@ -553,7 +554,7 @@ fn build_dispatcher(
     queue: Arc<EmbeddedQueue>,
     watch: GateWatch,
     metrics: &Metrics,
-    congestion: Arc<CongestionHold>,
+    pool: (Arc<crate::dispatch::Pool>, Arc<CongestionHold>),
 ) -> Result<QueueDispatcher, BatchError> {
     let config = batch_config(options)?;
     let settings = GatewaySettings::from(&config.gateway);
@@ -564,7 +565,7 @@ fn build_dispatcher(
         queue,
         Box::new(watch),
         gateway,
-        congestion,
+        pool,
         metrics,
     )
     .map_err(|e| BatchError::Dispatcher(Box::new(e)))

@@ -25,6 +25,9 @@ pub(crate) enum BenchCommand {
     /// Drain N messages from a Pub/Sub subscription (the emulator or a
     /// real project) through an instant gateway.
     DrainPubsub(super::pubsub::DrainArgs),
+    /// 1, 2, 4 replicas on one Redis queue with the shared window, against
+    /// the simulator: global in flight against the window, throughput.
+    Replicas(super::bench_replicas::ReplicasArgs),
 }
 
 #[derive(Debug, Args)]
@@ -62,6 +65,13 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("bench drain-pubsub: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        BenchCommand::Replicas(args) => match super::bench_replicas::replicas(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench replicas: {e}");
                 ExitCode::FAILURE
             }
         },

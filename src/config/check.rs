@@ -15,8 +15,8 @@ use super::secret::{Secret, read_secret_file};
 use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, TelemetryConfig,
-    TransportKind, format_duration,
+    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, SharedWindowKind,
+    TelemetryConfig, TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.
@@ -212,6 +212,12 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
     );
     at_least!(retry_max_backoff, retry_initial_backoff, "");
     at_least!(congestion_max_backoff, congestion_backoff, "");
+    if dispatch.shared_window == SharedWindowKind::Redis && redis.is_none() {
+        ctx.err(
+            "redis.url",
+            "required by dispatch.shared_window = \"redis\" (the semaphore lives there); set [redis] url or SLUICEGATE_REDIS_URL",
+        );
+    }
     let (telemetry, _) = read::<TelemetryConfig>(&mut root, true, ctx).unwrap_or_default();
 
     let raw_queues = match root.remove("queue") {

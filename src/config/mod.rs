@@ -54,7 +54,7 @@ use serde_json::{Map, Value};
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
     constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_string,
-    path, redis_url, socket_addr, tenant_weights, url_path,
+    path, pool_name, redis_url, socket_addr, tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -216,6 +216,14 @@ spelled! {
         Ceil = "ceil",
         /// Round down, but at least one while the gate is open.
         AtLeastOne = "at-least-one",
+    }
+
+    /// Where a pool's window is shared across replicas.
+    pub enum SharedWindowKind, as_str {
+        /// Each process has its own window (default).
+        Off = "off",
+        /// A lease semaphore per pool in Redis (`[redis]`).
+        Redis = "redis",
     }
 
     /// Log output format.
@@ -413,6 +421,21 @@ section! {
         /// Time allowed for in-flight work at shutdown.
         #[serde(serialize_with = "render::duration")]
         shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);
+        /// Where the pools' windows are shared across replicas: `off`
+        /// (each process has its own window) or `redis` (a lease semaphore
+        /// per pool in `[redis]`).
+        shared_window: SharedWindowKind = SharedWindowKind::Off,
+            choice(SharedWindowKind::CHOICES);
+        /// Lease on the units a replica holds in the shared window; it is
+        /// renewed every third of it, and a replica whose lease lapses
+        /// sends nothing new.
+        #[serde(serialize_with = "render::duration")]
+        shared_window_lease: Duration = Duration::from_secs(6),
+            duration_min(Duration::from_secs(1));
+        /// Units a replica takes from the shared window beyond its in
+        /// flight, and gives back past twice that (batches, not one round
+        /// trip per request).
+        shared_window_chunk: u64 = 4, |v| as_u64_in(v, 1, 1 << 20);
         /// Deadline given to submissions that carry none (submit tools).
         #[serde(serialize_with = "render::duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);
@@ -479,6 +502,10 @@ section! {
         request_path_url: String = gateway.request_path.clone(), url_path;
         /// Inference objective sent in the objective header, if any.
         inference_objective: Option<String> = None, optional_string;
+        /// Inference pool this queue sends to: queues naming the same pool
+        /// share one window, congestion hold and shared-window semaphore.
+        /// Default: the pool of `igw_base_url` (its origin and path).
+        pool: Option<String> = None, pool_name;
         /// Worker pool id (upstream label).
         worker_pool_id: String = "default".to_owned(), as_nonempty_string;
         /// Labels copied onto messages (e.g. `tier`).

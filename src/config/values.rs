@@ -104,6 +104,18 @@ pub(crate) fn as_nonempty_string(v: &Value) -> Result<String, String> {
         .ok_or_else(|| "must not be empty".to_owned())
 }
 
+/// A pool name: non-empty, without `{`, `}` (it becomes a Redis hash tag)
+/// or whitespace.
+pub(crate) fn pool_name(v: &Value) -> Result<Option<String>, String> {
+    let name = as_nonempty_string(v)?;
+    if name.contains(['{', '}']) || name.chars().any(char::is_whitespace) {
+        return Err(format!(
+            "a pool name without braces or spaces; got {name:?}"
+        ));
+    }
+    Ok(Some(name))
+}
+
 /// A string where empty means "none".
 pub(crate) fn optional_string(v: &Value) -> Result<Option<String>, String> {
     as_string(v).map(|s| (!s.is_empty()).then_some(s))

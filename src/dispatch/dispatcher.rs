@@ -34,11 +34,11 @@ use tokio_util::task::TaskTracker;
 
 use super::congestion::{Clearance, CongestionHold};
 use super::observe::observe_loop;
+use super::pool::{Lane, LaneWindow, Pool};
 use super::receive::receive_loop;
 use super::retry::RetryPolicy;
 use super::settings::DispatchSettings;
 use super::settle::{lease_keeper, result_writer};
-use super::window::Window;
 use crate::app::Tasks;
 use crate::gate::FailClosed;
 use crate::gateway::{GatewayClient, PreparedRequest, Target};
@@ -64,9 +64,12 @@ pub struct QueueDispatcher {
     pub target: Target,
     /// Backoff and attempt limits for failed attempts.
     pub retry: RetryPolicy,
-    /// The congestion hold of this queue's gateway, shared with every other
+    /// The congestion hold of this queue's pool, shared with every other
     /// queue that sends there.
     pub congestion: Arc<CongestionHold>,
+    /// The pool this queue sends to: its window is shared with the pool's
+    /// other queues (a pool of its own by default).
+    pub pool: Arc<Pool>,
     /// Tunables.
     pub settings: DispatchSettings,
     /// Metric handles of this queue.
@@ -83,10 +86,11 @@ pub struct QueueDispatcher {
 #[derive(Debug)]
 pub(super) struct Shared {
     pub(super) config: QueueDispatcher,
-    pub(super) window: Mutex<Window>,
-    /// Fired when the window may have room again (fresh observation,
-    /// finished request).
-    pub(super) changed: Notify,
+    /// This queue's lane in its pool's window.
+    pub(super) lane: Lane,
+    /// Fired when the pool's window may have room again (fresh
+    /// observation, finished request), for every queue of the pool.
+    pub(super) changed: Arc<Notify>,
     /// Asks the observer for a fresh reading now.
     pub(super) refresh: Notify,
     /// Fired when a sent request ends, so parked messages ask their gate
@@ -103,11 +107,15 @@ pub(super) struct Shared {
 impl Shared {
     /// The state of a dispatcher that has sent nothing yet.
     pub(super) fn new(config: QueueDispatcher) -> Self {
-        let window = Window::new(Instant::now(), config.settings.max_staleness);
+        let lane = config
+            .pool
+            .window()
+            .add_lane(Instant::now(), config.settings.max_staleness);
+        let changed = config.pool.changed();
         Self {
             config,
-            window: Mutex::new(window),
-            changed: Notify::new(),
+            lane,
+            changed,
             refresh: Notify::new(),
             finished: Notify::new(),
             held: Mutex::new(HashSet::new()),
@@ -116,10 +124,12 @@ impl Shared {
         }
     }
 
-    pub(super) fn window(&self) -> MutexGuard<'_, Window> {
-        // Window methods do not panic; a poisoned lock still holds a
-        // consistent window.
-        self.window.lock().unwrap_or_else(|p| p.into_inner())
+    /// This queue's lane of the pool's window, locked.
+    pub(super) fn window(&self) -> LaneWindow<'_> {
+        LaneWindow {
+            pool: self.config.pool.window(),
+            lane: self.lane,
+        }
     }
 
     pub(super) fn held(&self) -> MutexGuard<'_, HashSet<DeliveryTag>> {
@@ -153,7 +163,16 @@ impl Shared {
     /// Units that may be pulled now: the window's room, none while the
     /// gateway's congestion hold lasts, one while it waits for a probe.
     pub(super) fn room(&self, now: Instant) -> u64 {
-        let available = self.window().available(now);
+        let available = {
+            let window = self.window();
+            let available = window.available(now);
+            if available == 0 && window.pool.blocked_by_cap(now) {
+                // Budget the shared window's units withhold: its keeper
+                // takes more at once instead of at the next renewal.
+                self.config.pool.wants_units.notify_one();
+            }
+            available
+        };
         match self.config.congestion.clearance(now) {
             Clearance::Open => available,
             Clearance::Probe => available.min(1),
@@ -163,7 +182,12 @@ impl Shared {
 
     /// Whether a request of `cost` units may go now, and if so whether it is
     /// the probe after a congestion hold.
-    pub(super) fn may_send(&self, window: &Window, now: Instant, cost: u64) -> Option<Send> {
+    pub(super) fn may_send(
+        &self,
+        window: &LaneWindow<'_>,
+        now: Instant,
+        cost: u64,
+    ) -> Option<Send> {
         if !window.allows(now, cost) {
             return None;
         }
@@ -178,7 +202,12 @@ impl Shared {
     /// clearance changed meanwhile (another queue took the probe). The
     /// window lock is held by the caller, so the check and the record are
     /// one step.
-    pub(super) fn record_send(&self, window: &mut Window, now: Instant, cost: u64) -> Option<Send> {
+    pub(super) fn record_send(
+        &self,
+        window: &mut LaneWindow<'_>,
+        now: Instant,
+        cost: u64,
+    ) -> Option<Send> {
         if !window.allows(now, cost) {
             return None;
         }
@@ -199,7 +228,7 @@ impl Shared {
     }
 
     /// Publishes the window's numbers to metrics.
-    pub(super) fn export_window(&self, window: &Window, now: Instant) {
+    pub(super) fn export_window(&self, window: &LaneWindow<'_>, now: Instant) {
         let m = self.metrics();
         let (n, limit) = window.grant().unwrap_or((0, 0));
         m.headroom.set(saturating_i64(n));

@@ -10,16 +10,19 @@ pub mod cost;
 mod dispatcher;
 mod fair;
 mod observe;
+pub mod pool;
 mod receive;
 mod retry;
 mod send;
 mod settings;
 mod settle;
+pub mod shared_window;
 pub mod window;
 
 #[cfg(test)]
 mod tests;
 
 pub use dispatcher::QueueDispatcher;
+pub use pool::Pool;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use settings::{DispatchSettings, MAX_PARK, MAX_PARKED, RECEIVE_BATCH};

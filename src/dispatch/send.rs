@@ -132,7 +132,14 @@ pub(super) async fn send_and_settle(
         let hold = match &outcome {
             Some(AttemptOutcome::Congested { retry_after, .. }) => {
                 window.congested(now);
-                Some(congestion.signal(now, started, *retry_after, rand::random::<f64>()))
+                let before = congestion.consecutive();
+                let hold = congestion.signal(now, started, *retry_after, rand::random::<f64>());
+                if congestion.consecutive() != before {
+                    // A new signal, not an answer to a request that was
+                    // already out: the other replicas hold too.
+                    shared.config.pool.publish_hold(hold);
+                }
+                Some(hold)
             }
             _ if answered_by_pool => {
                 congestion.answered(started);

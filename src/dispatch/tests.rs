@@ -68,6 +68,7 @@ fn shared(gate: Arc<Mutex<Observation>>) -> Arc<Shared> {
             initial_backoff: Duration::from_secs(2),
             max_backoff: Duration::from_secs(60),
         })),
+        pool: Default::default(),
         settings,
         metrics: Metrics::new().queue("q"),
         labels: BTreeMap::new(),

@@ -70,6 +70,10 @@ struct Grant {
     /// Let one whole request through even when it is larger than `n`
     /// (rounding `at-least-one` in token or byte units).
     at_least_one: bool,
+    /// The most the reading could ever allow: `max_SYS × (1 − B)`, the
+    /// window if everything in flight were ours (`u64::MAX` when the
+    /// reading was applied without its baseline).
+    ceiling: u64,
 }
 
 /// What happened to an observation offered to the window.
@@ -169,6 +173,7 @@ impl Window {
             limit,
             sent_at_taken: sent_at,
             at_least_one: at_least_one && n > 0,
+            ceiling: u64::MAX,
         });
         Applied::Fresh
     }
@@ -192,6 +197,11 @@ impl Window {
             rounding == Rounding::AtLeastOne,
             observation.sees_own_load,
         );
+        if applied == Applied::Fresh
+            && let Some(grant) = &mut self.grant
+        {
+            grant.ceiling = headroom_units(max_sys, 1.0 - observation.baseline.get(), rounding);
+        }
         (n, applied)
     }
 
@@ -258,6 +268,17 @@ impl Window {
     /// The grant's `N` and window limit, for metrics: `(n, window)`.
     pub fn grant(&self) -> Option<(u64, u64)> {
         self.grant.map(|g| (g.n, g.limit))
+    }
+
+    /// The grant's `N` while its observation is younger than
+    /// `max_staleness` (spent or not); `None` without a live grant.
+    pub fn live_n(&self, now: Instant) -> Option<u64> {
+        self.live_grant(now).map(|g| g.n)
+    }
+
+    /// The grant's ceiling `max_SYS × (1 − B)` (`u64::MAX` when unknown).
+    pub fn ceiling(&self) -> Option<u64> {
+        self.grant.map(|g| g.ceiling)
     }
 
     /// When the latest applied observation was taken.

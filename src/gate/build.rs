@@ -99,6 +99,11 @@ pub struct GateContext {
     /// move in step): random per process in production, the scenario's
     /// seed in `sluicegate eval` so runs repeat exactly.
     pub seed: u64,
+    /// Requests in flight in the queue's pool holding a
+    /// `local-max-concurrency` slot: one counter per pool, so the gate caps
+    /// the pool (every queue of it), not each queue alone. A fresh counter
+    /// by default; `run` gives the queues of one pool the same one.
+    pub pool_slots: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A queue's static `max_SYS` and the unit it counts.
@@ -165,6 +170,7 @@ impl GateContext {
                 .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| format!("sluicegate-{}", std::process::id())),
             seed: rand::random(),
+            pool_slots: std::sync::Arc::default(),
         }
     }
 

@@ -1,5 +1,6 @@
-//! `local-max-concurrency`: at most `limit` requests of this dispatcher in
-//! flight, whatever the pool says.
+//! `local-max-concurrency`: at most `limit` requests of this process's pool
+//! in flight (summed over the queues that send to it), whatever the pool
+//! says.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -71,16 +72,19 @@ impl GateParams for LocalMaxConcurrencyParams {
         }
     }
 
-    fn build(&self, _: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
-        Ok(Box::new(LocalMaxConcurrencyGate::new(
+    fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
+        Ok(Box::new(LocalMaxConcurrencyGate::sharing(
             usize::try_from(self.limit).unwrap_or(usize::MAX),
             self.gating_mode,
+            ctx.pool_slots.clone(),
         )))
     }
 }
 
-/// Caps this process's in-flight requests. Budget = free fraction of the
-/// limit; when full, `blocking` mode waits and `classifying` refuses.
+/// Caps the in-flight requests of this process's pool (every queue that
+/// sends to it shares the slot counter; `limit` bounds the pool's total for
+/// this queue's sends). Budget = free fraction of the limit; when full,
+/// `blocking` mode waits and `classifying` refuses.
 #[derive(Debug)]
 pub struct LocalMaxConcurrencyGate {
     limit: usize,
@@ -101,10 +105,16 @@ impl Drop for Slot {
 impl LocalMaxConcurrencyGate {
     /// A gate allowing `limit` (at least 1) concurrent requests.
     pub fn new(limit: usize, mode: GatingMode) -> Self {
+        Self::sharing(limit, mode, Arc::default())
+    }
+
+    /// A gate counting its slots in `in_flight`, shared with the other
+    /// queues of its pool.
+    pub fn sharing(limit: usize, mode: GatingMode, in_flight: Arc<AtomicUsize>) -> Self {
         Self {
             limit: limit.max(1),
             mode,
-            in_flight: Arc::new(AtomicUsize::new(0)),
+            in_flight,
         }
     }
 

@@ -21,6 +21,13 @@ pub struct QueueLabel {
     pub queue: String,
 }
 
+/// Label set `{pool}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PoolLabel {
+    /// Pool name (`[[queue]] pool`, or the gateway URL).
+    pub pool: String,
+}
+
 /// Label set `{queue, outcome}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct OutcomeLabels {
@@ -124,6 +131,13 @@ pub struct Metrics {
     dispatch_delay: HistogramFamily,
     batches: Family<StatusLabels, Gauge>,
     batch_requests: Family<OutcomeLabels, Counter>,
+    shared_held: Family<PoolLabel, Gauge>,
+    shared_total: Family<PoolLabel, Gauge>,
+    shared_all_held: Family<PoolLabel, Gauge>,
+    shared_all_in_flight: Family<PoolLabel, Gauge>,
+    shared_renewals: Family<PoolLabel, Counter>,
+    shared_failures: Family<PoolLabel, Counter>,
+    shared_holds: Family<PoolLabel, Counter>,
     pubsub: PubSubFamilies,
 }
 
@@ -246,6 +260,13 @@ impl Metrics {
                 pull_restarts: Family::default(),
                 publish_latency: Family::new_with_constructor(|| Histogram::new(publish_buckets())),
             },
+            shared_held: Family::default(),
+            shared_total: Family::default(),
+            shared_all_held: Family::default(),
+            shared_all_in_flight: Family::default(),
+            shared_renewals: Family::default(),
+            shared_failures: Family::default(),
+            shared_holds: Family::default(),
         };
         m.registry.register(
             "sluicegate_batches",
@@ -414,6 +435,41 @@ impl Metrics {
             "Result publish round trip, from publish to confirmation",
             p.publish_latency.clone(),
         );
+        r.register(
+            "sluicegate_shared_window_held_units",
+            "Units this replica holds in the pool's shared window",
+            m.shared_held.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_total_units",
+            "The pool's window across replicas (the semaphore's total)",
+            m.shared_total.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_all_held_units",
+            "Units held by every replica of the pool",
+            m.shared_all_held.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_all_in_flight_units",
+            "In flight reported by every replica of the pool",
+            m.shared_all_in_flight.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_renewals",
+            "Successful shared-window syncs (lease renewals)",
+            m.shared_renewals.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_failures",
+            "Failed shared-window syncs or lost leases (window closed)",
+            m.shared_failures.clone(),
+        );
+        r.register(
+            "sluicegate_shared_window_holds_applied",
+            "429/503 holds published by another replica and applied here",
+            m.shared_holds.clone(),
+        );
         m
     }
 
@@ -430,6 +486,22 @@ impl Metrics {
             deadline_extensions: p.deadline_extensions.get_or_create_owned(&l),
             pull_restarts: p.pull_restarts.get_or_create_owned(&l),
             publish_latency: p.publish_latency.get_or_create_owned(&l),
+        }
+    }
+
+    /// Handles for one pool's shared-window metrics, created at zero.
+    pub fn pool(&self, name: &str) -> PoolMetrics {
+        let l = PoolLabel {
+            pool: name.to_owned(),
+        };
+        PoolMetrics {
+            held: self.shared_held.get_or_create_owned(&l),
+            total: self.shared_total.get_or_create_owned(&l),
+            all_held: self.shared_all_held.get_or_create_owned(&l),
+            all_in_flight: self.shared_all_in_flight.get_or_create_owned(&l),
+            renewals: self.shared_renewals.get_or_create_owned(&l),
+            failures: self.shared_failures.get_or_create_owned(&l),
+            holds_applied: self.shared_holds.get_or_create_owned(&l),
         }
     }
 
@@ -525,6 +597,25 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+/// Shared-window metric handles of one pool, cheap to clone.
+#[derive(Debug, Clone)]
+pub struct PoolMetrics {
+    /// Units this replica holds.
+    pub held: Gauge,
+    /// The pool's total across replicas.
+    pub total: Gauge,
+    /// Units held by every replica.
+    pub all_held: Gauge,
+    /// In flight reported by every replica.
+    pub all_in_flight: Gauge,
+    /// Successful syncs.
+    pub renewals: Counter,
+    /// Failed syncs and lost leases.
+    pub failures: Counter,
+    /// Holds from other replicas applied here.
+    pub holds_applied: Counter,
 }
 
 /// Metric handles of one queue, cheap to clone.
@@ -686,6 +777,13 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_pubsub_deadline_extensions_total",
     "sluicegate_pubsub_pull_stream_restarts_total",
     "sluicegate_pubsub_publish_duration_seconds",
+    "sluicegate_shared_window_held_units",
+    "sluicegate_shared_window_total_units",
+    "sluicegate_shared_window_all_held_units",
+    "sluicegate_shared_window_all_in_flight_units",
+    "sluicegate_shared_window_renewals_total",
+    "sluicegate_shared_window_failures_total",
+    "sluicegate_shared_window_holds_applied_total",
 ];
 
 #[cfg(test)]
@@ -701,6 +799,7 @@ mod tests {
         q.retry("failed");
         q.decision("continue", "admitted");
         let _ = metrics.pubsub("q");
+        let _ = metrics.pool("p");
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");

@@ -1,9 +1,10 @@
 //! The telemetry HTTP server: `/metrics` (Prometheus text), `/healthz`
 //! (the process is alive) and `/readyz` (it can do its job).
 
+use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::Router;
 use axum::extract::State;
@@ -16,9 +17,14 @@ use super::Metrics;
 
 /// Readiness shared between components and the server. Not ready until the
 /// dispatcher says so, and again not ready while it drains at shutdown.
+///
+/// Besides the dispatcher's flag, components can hold readiness down with a
+/// named *blocker* (the shared window while Redis is unreachable); `/readyz`
+/// lists them, so it says why.
 #[derive(Debug, Default)]
 pub struct Health {
     ready: AtomicBool,
+    blockers: Mutex<BTreeMap<String, String>>,
 }
 
 impl Health {
@@ -27,9 +33,32 @@ impl Health {
         self.ready.store(ready, Ordering::Release);
     }
 
-    /// Whether the process is ready.
+    /// Whether the process is ready: marked ready and nothing blocks it.
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.ready.load(Ordering::Acquire) && self.blockers().is_empty()
+    }
+
+    /// Holds readiness down under `key` (one reason per key) with `why`.
+    pub fn set_blocker(&self, key: &str, why: String) {
+        self.blockers().insert(key.to_owned(), why);
+    }
+
+    /// Lifts the blocker under `key`, if any.
+    pub fn clear_blocker(&self, key: &str) {
+        self.blockers().remove(key);
+    }
+
+    /// Why the process is not ready, one line per blocker.
+    pub fn reasons(&self) -> String {
+        self.blockers()
+            .iter()
+            .map(|(key, why)| format!("{key}: {why}\n"))
+            .collect()
+    }
+
+    fn blockers(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, String>> {
+        // Plain map operations do not panic; a poisoned map is consistent.
+        self.blockers.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -68,8 +97,12 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
 
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     if state.health.is_ready() {
-        (StatusCode::OK, "ready\n")
+        (StatusCode::OK, "ready\n".to_owned())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        let reasons = state.health.reasons();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready\n{reasons}"),
+        )
     }
 }

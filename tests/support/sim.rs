@@ -37,3 +37,23 @@ pub async fn flood(sim: &SimHandle, n: usize, max_tokens: u32) -> Vec<tokio::tas
         })
         .collect()
 }
+
+/// Requests running or waiting at the pool, summed over its replicas, from
+/// its own `/metrics` (the truth a gate must respect).
+pub async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
+    let text = client
+        .get(format!("{}/metrics", sim.base_url()))
+        .send()
+        .await
+        .expect("simulator metrics")
+        .text()
+        .await
+        .expect("simulator metrics body");
+    text.lines()
+        .filter(|l| {
+            l.starts_with("vllm:num_requests_running{")
+                || l.starts_with("vllm:num_requests_waiting{")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

@@ -1,0 +1,250 @@
+//! `sluicegate bench replicas`: 1, 2, 4, … `sluicegate run` processes on
+//! one Redis queue with the shared window on, against the simulator with a
+//! metric gate (`endpoint-scrape` of its running requests). For each
+//! replica count it prints the global batch in flight, sampled at the
+//! simulator and from the semaphore, against the window, and the
+//! throughput (docs/benchmarks.md).
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::queue::redis::RedisConnection;
+use clap::Args;
+
+use super::submit::RedisArgs;
+use crate::dispatch::shared_window::Keys as WindowKeys;
+use crate::queue::redis::{Keys, Submission, enqueue};
+use crate::request::parse_message;
+use crate::sim::{SimConfig, SimHandle, spawn_http};
+
+#[derive(Debug, Args)]
+pub(crate) struct ReplicasArgs {
+    #[command(flatten)]
+    redis: RedisArgs,
+    /// Replica counts to run, one after the other.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    replicas: Vec<usize>,
+    /// Messages per run.
+    #[arg(long, default_value_t = 600)]
+    messages: usize,
+    /// `max_tokens` of each request (the simulator takes ~10 ms a token).
+    #[arg(long, default_value_t = 50)]
+    max_tokens: u32,
+    /// Running requests per pod the gate counts as full (`max_count_per_pod`).
+    #[arg(long, default_value_t = 24.0)]
+    max_count: f64,
+    /// Baseline B: the window is `max_count × (1 − B)`.
+    #[arg(long, default_value_t = 0.25)]
+    baseline: f64,
+    /// `shared_window`: `redis` (default) or `off`, to see what it prevents.
+    #[arg(long, default_value = "redis")]
+    shared_window: String,
+    /// Queue name (its keys are deleted before each run).
+    #[arg(long, default_value = "bench-replicas")]
+    queue: String,
+}
+
+/// One `sluicegate run` child, killed (by PID) on drop.
+struct Replica(Child);
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// What one run measured.
+struct RunStats {
+    secs: f64,
+    max_pool: f64,
+    max_held: i64,
+    max_total: i64,
+    samples: usize,
+}
+
+pub(super) async fn replicas(args: ReplicasArgs) -> Result<(), String> {
+    let mut conn = args.redis.connect()?;
+    let mut cfg = SimConfig {
+        pool_name: "p".into(),
+        replicas: 2,
+        ..SimConfig::default()
+    };
+    // Every request runs at once: what runs there is what was sent.
+    cfg.engine.max_num_seqs = 1024;
+    let sim = spawn_http(cfg).await.map_err(|e| e.to_string())?;
+    let window = (args.max_count * (1.0 - args.baseline)).floor();
+    println!(
+        "replicas benchmark: {} messages of {} tokens per run, endpoint-scrape gate, window {window} (max_count {} × (1 − {})), shared_window {}",
+        args.messages, args.max_tokens, args.max_count, args.baseline, args.shared_window
+    );
+    println!(
+        "| replicas | max in flight at the simulator | max units held (semaphore) | max semaphore total | window | drain time | messages/s |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for &count in &args.replicas {
+        let stats = run_once(&args, &sim, &mut conn, count.max(1)).await?;
+        println!(
+            "| {count} | {} | {} | {} | {window} | {:.1} s | {:.1} |",
+            stats.max_pool,
+            stats.max_held,
+            stats.max_total,
+            stats.secs,
+            args.messages as f64 / stats.secs
+        );
+        tracing::debug!(samples = stats.samples, "run sampled");
+    }
+    Ok(())
+}
+
+async fn run_once(
+    args: &ReplicasArgs,
+    sim: &SimHandle,
+    conn: &mut RedisConnection,
+    count: usize,
+) -> Result<RunStats, String> {
+    let pool = sim.base_url().trim_end_matches('/').to_owned();
+    let window_keys = WindowKeys::new(&pool);
+    let keys = Keys::new(&args.queue, false);
+    let results = format!("{}-results", args.queue);
+    let mut del = redis::cmd("DEL");
+    del.arg(&args.queue)
+        .arg(&results)
+        .arg(&keys.claimed)
+        .arg(&keys.owners)
+        .arg(&keys.idx)
+        .arg(&keys.scores)
+        .arg(&keys.dead);
+    for key in window_keys.all() {
+        del.arg(key);
+    }
+    del.query_async::<()>(conn).await.map_err(redis_error)?;
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(0));
+    let deadline = now_ms / 1000 + 3600;
+    let batch: Vec<Submission> = (0..args.messages)
+        .map(|i| {
+            let line = format!(
+                r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":{}}}}}"#,
+                args.max_tokens
+            );
+            let message = parse_message(line.as_bytes()).map_err(|e| e.reason)?;
+            Ok(Submission::new(message, &args.queue, now_ms + i as i64))
+        })
+        .collect::<Result<_, String>>()?;
+    enqueue(conn, &args.queue, &batch)
+        .await
+        .map_err(redis_error)?;
+
+    let started = Instant::now();
+    let children: Vec<Replica> = (0..count)
+        .map(|_| spawn_replica(args, sim, &results))
+        .collect::<Result<_, _>>()?;
+    let http = reqwest::Client::new();
+    let mut stats = RunStats {
+        secs: 0.0,
+        max_pool: 0.0,
+        max_held: 0,
+        max_total: 0,
+        samples: 0,
+    };
+    // Bounded: a run that makes no progress for a minute is an error.
+    let mut last_progress = (0u64, Instant::now());
+    loop {
+        stats.max_pool = stats.max_pool.max(pool_in_flight(&http, sim).await?);
+        let held: Vec<i64> = redis::cmd("HVALS")
+            .arg(window_keys.held())
+            .query_async(conn)
+            .await
+            .map_err(redis_error)?;
+        stats.max_held = stats.max_held.max(held.iter().sum());
+        let total: Option<i64> = redis::cmd("GET")
+            .arg(window_keys.total())
+            .query_async(conn)
+            .await
+            .map_err(redis_error)?;
+        stats.max_total = stats.max_total.max(total.unwrap_or(0));
+        stats.samples += 1;
+        let done: u64 = redis::cmd("LLEN")
+            .arg(&results)
+            .query_async(conn)
+            .await
+            .map_err(redis_error)?;
+        if done >= args.messages as u64 {
+            break;
+        }
+        if done > last_progress.0 {
+            last_progress = (done, Instant::now());
+        } else if last_progress.1.elapsed() > Duration::from_secs(60) {
+            return Err(format!(
+                "no progress for a minute at {done}/{} results",
+                args.messages
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stats.secs = started.elapsed().as_secs_f64();
+    drop(children);
+    Ok(stats)
+}
+
+fn spawn_replica(args: &ReplicasArgs, sim: &SimHandle, results: &str) -> Result<Replica, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
+    let params = serde_json::json!({
+        "url": format!("{}/metrics", sim.base_url()),
+        "metric": "vllm:num_requests_running",
+        "max_count_per_pod": args.max_count,
+        "baseline": args.baseline,
+        "sees_own_load": true,
+    });
+    let redis = args.redis.config()?;
+    Command::new(exe)
+        .arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("SLUICEGATE_TRANSPORT", "redis")
+        .env("SLUICEGATE_REDIS_URL", redis.url.expose().as_str())
+        .env("SLUICEGATE_QUEUE", &args.queue)
+        .env("SLUICEGATE_QUEUE_RESULT_QUEUE_NAME", results)
+        .env("SLUICEGATE_GATEWAY_URL", sim.base_url())
+        .env("SLUICEGATE_GATE_TYPE", "endpoint-scrape")
+        .env("SLUICEGATE_GATE_PARAMS", params.to_string())
+        .env("SLUICEGATE_QUEUE_MAX_SYS", args.max_count.to_string())
+        .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
+        .env("SLUICEGATE_LOG_LEVEL", "warn")
+        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
+        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
+        .env("SLUICEGATE_DISPATCH_SHARED_WINDOW", &args.shared_window)
+        .env("SLUICEGATE_DISPATCH_SHARED_WINDOW_LEASE", "3s")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map(Replica)
+        .map_err(|e| format!("spawn a replica: {e}"))
+}
+
+/// Requests running or waiting at the simulator, from its `/metrics`.
+async fn pool_in_flight(http: &reqwest::Client, sim: &SimHandle) -> Result<f64, String> {
+    let text = http
+        .get(format!("{}/metrics", sim.base_url()))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?
+        .text()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(text
+        .lines()
+        .filter(|l| {
+            l.starts_with("vllm:num_requests_running{")
+                || l.starts_with("vllm:num_requests_waiting{")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+fn redis_error(e: redis::RedisError) -> String {
+    format!("redis: {e}")
+}

@@ -1,0 +1,469 @@
+//! Pools: queues that send to the same inference pool share one window.
+//!
+//! The arithmetic ([`PoolWindow`]) is pure, like `window.rs`: no I/O, no
+//! clock. The rule (docs/architecture.md, "Pools"):
+//! - every queue of a pool is a *lane* with its own gate, so its own grant
+//!   (`N` and the limit of its latest fresh reading);
+//! - every lane counts the **pool's** sends and finishes, not only its own:
+//!   a queue's window is `pool_in_flight_at(taken_at) + N`, and whatever
+//!   any queue of the pool sent after `taken_at` counts against that `N`.
+//!   So each queue's gate bounds the pool's total in flight for that
+//!   queue's sends, and two queues reading the same gate release one
+//!   window between them, not two;
+//! - a 429/503 on any queue closes every lane until each lane's own gate
+//!   gives a reading newer than the rejection (the gateway-wide hold,
+//!   `congestion.rs`, is shared by the pool's queues too);
+//! - an optional *cap* bounds the pool's in-flight total from outside: the
+//!   units this replica holds in the shared window (`shared_window.rs`),
+//!   valid until its lease would expire. Past that instant the cap is zero:
+//!   a replica that cannot prove its lease sends nothing new.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::window::{Applied, Window};
+use crate::config::Rounding;
+use crate::gate::{Capacity, Observation};
+
+/// One queue's place in a [`PoolWindow`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lane(usize);
+
+/// Units held from outside (the shared window) and until when they count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Cap {
+    units: u64,
+    valid_until: Instant,
+}
+
+/// A lane's live reading, as the shared window uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    /// `N` in units.
+    pub n: u64,
+    /// What the reading already counted as in flight: its window less `N`
+    /// (zero for a blind gate, whose window is `N`).
+    pub base: u64,
+    /// When its data was taken.
+    pub taken_at: Instant,
+    /// `max_SYS × (1 − B)`: the most the reading allows in flight at all.
+    pub ceiling: u64,
+}
+
+/// The window of one pool: one [`Window`] per lane, all fed the pool's
+/// sends and finishes, and an optional cap on the pool's in flight.
+#[derive(Debug, Clone, Default)]
+pub struct PoolWindow {
+    lanes: Vec<Window>,
+    /// `None`: no outside bound (no shared window).
+    cap: Option<Cap>,
+    /// The pool's in flight (every lane holds the same count).
+    in_flight: u64,
+}
+
+impl PoolWindow {
+    /// Adds a lane for a queue whose gate's data is no data once older
+    /// than `max_staleness`. It starts closed, and counts the pool's work
+    /// in flight now as sent before any reading it will get.
+    pub fn add_lane(&mut self, now: Instant, max_staleness: Duration) -> Lane {
+        let mut window = Window::new(now, max_staleness);
+        if self.in_flight > 0 {
+            window.sent(now, self.in_flight);
+        }
+        self.lanes.push(window);
+        Lane(self.lanes.len() - 1)
+    }
+
+    /// The window of `lane` (its grant, whether it is held).
+    ///
+    /// # Panics
+    /// Never for a lane this pool returned from [`Self::add_lane`].
+    pub fn lane(&self, lane: Lane) -> &Window {
+        &self.lanes[lane.0]
+    }
+
+    /// The pool's work in flight, in units.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight
+    }
+
+    /// Applies a reading of `lane`'s gate (see [`Window::apply`]).
+    pub fn apply(
+        &mut self,
+        lane: Lane,
+        observation: &Observation,
+        capacity: Capacity,
+        rounding: Rounding,
+    ) -> (u64, Applied) {
+        self.lanes[lane.0].apply(observation, capacity, rounding)
+    }
+
+    /// Units `lane` may still release now: its own window's room, within
+    /// the cap.
+    pub fn available(&self, lane: Lane, now: Instant) -> u64 {
+        self.lanes[lane.0]
+            .available(now)
+            .min(self.cap_room(now).unwrap_or(u64::MAX))
+    }
+
+    /// Whether a request of `cost` units may go on `lane` now. The cap has
+    /// no "at least one": what it bounds is held elsewhere.
+    pub fn allows(&self, lane: Lane, now: Instant, cost: u64) -> bool {
+        self.lanes[lane.0].allows(now, cost) && self.cap_room(now).is_none_or(|room| cost <= room)
+    }
+
+    /// Records `cost` units sent on any lane at `now`.
+    pub fn sent(&mut self, now: Instant, cost: u64) {
+        self.in_flight += cost;
+        for window in &mut self.lanes {
+            window.sent(now, cost);
+        }
+    }
+
+    /// Records `cost` units of the pool finished at `now`.
+    pub fn finished(&mut self, now: Instant, cost: u64) {
+        self.in_flight = self.in_flight.saturating_sub(cost);
+        for window in &mut self.lanes {
+            window.finished(now, cost);
+        }
+    }
+
+    /// A 429/503 at `at` closes every lane until its next fresher reading.
+    pub fn congested(&mut self, at: Instant) {
+        for window in &mut self.lanes {
+            window.congested(at);
+        }
+    }
+
+    /// Bounds the pool's in flight to `units` until `valid_until`; zero
+    /// after it.
+    pub fn set_cap(&mut self, units: u64, valid_until: Instant) {
+        self.cap = Some(Cap { units, valid_until });
+    }
+
+    /// The cap's units while valid at `now` (zero once expired), `None`
+    /// without a cap.
+    pub fn cap(&self, now: Instant) -> Option<u64> {
+        self.cap
+            .map(|c| if now < c.valid_until { c.units } else { 0 })
+    }
+
+    /// What the cap leaves for new sends at `now`.
+    fn cap_room(&self, now: Instant) -> Option<u64> {
+        self.cap(now)
+            .map(|units| units.saturating_sub(self.in_flight))
+    }
+
+    /// The reading the pool's total across replicas is built on: that of
+    /// the lane with the largest live `N`. `None` without a live grant.
+    pub fn reading(&self, now: Instant) -> Option<Reading> {
+        self.lanes
+            .iter()
+            .filter_map(|w| {
+                let n = w.live_n(now)?;
+                let (_, limit) = w.grant()?;
+                Some(Reading {
+                    n,
+                    base: limit.saturating_sub(n),
+                    taken_at: w.taken_at()?,
+                    ceiling: w.ceiling()?,
+                })
+            })
+            .max_by_key(|r| r.n)
+    }
+
+    /// Whether some lane has budget that only the cap withholds (the
+    /// shared window should take more units).
+    pub fn blocked_by_cap(&self, now: Instant) -> bool {
+        let Some(room) = self.cap_room(now) else {
+            return false;
+        };
+        self.lanes.iter().any(|w| w.available(now) > room)
+    }
+}
+
+/// The window and wake-ups shared by every queue of one pool in this
+/// process.
+#[derive(Debug, Default)]
+pub struct Pool {
+    /// The pool's name (config `pool`, or the gateway URL's origin).
+    pub name: String,
+    window: Mutex<PoolWindow>,
+    /// Fired when the pool's window may have room again, for every queue.
+    changed: Arc<Notify>,
+    /// Asks the shared-window keeper to sync now (the cap is what stops
+    /// sends, or a hold is to be published); nobody listens without a
+    /// shared window.
+    pub(super) wants_units: Notify,
+    /// The longest congestion hold seen here since the keeper last
+    /// published one to the other replicas.
+    hold_to_publish: Mutex<Option<Duration>>,
+}
+
+impl Pool {
+    /// A pool with no queue yet.
+    pub fn new(name: impl Into<String>) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.into(),
+            ..Self::default()
+        })
+    }
+
+    /// The pool's window, for a check-and-update that must be atomic.
+    pub fn window(&self) -> MutexGuard<'_, PoolWindow> {
+        // PoolWindow methods do not panic on lanes it handed out; a
+        // poisoned lock still holds a consistent window.
+        self.window.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The notifier fired when the window may have room again.
+    pub(super) fn changed(&self) -> Arc<Notify> {
+        self.changed.clone()
+    }
+
+    /// Wakes every queue of the pool (the window may have room again).
+    pub(super) fn notify_changed(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// A new 429/503 signal here held the pool for `hold`: tell the other
+    /// replicas (with a shared window; otherwise it is never read).
+    pub(super) fn publish_hold(&self, hold: Duration) {
+        {
+            let mut pending = self
+                .hold_to_publish
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            *pending = Some(pending.map_or(hold, |h| h.max(hold)));
+        }
+        self.wants_units.notify_one();
+    }
+
+    /// The hold to publish, if any, now taken.
+    pub(super) fn take_hold(&self) -> Option<Duration> {
+        self.hold_to_publish
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+}
+
+/// One queue's lane in a pool, as its dispatcher's tasks use it: every
+/// method reads or updates the pool's window for this lane.
+#[derive(Debug)]
+pub(super) struct LaneWindow<'a> {
+    pub(super) pool: MutexGuard<'a, PoolWindow>,
+    pub(super) lane: Lane,
+}
+
+impl LaneWindow<'_> {
+    /// See [`PoolWindow::available`].
+    pub(super) fn available(&self, now: Instant) -> u64 {
+        self.pool.available(self.lane, now)
+    }
+
+    /// The pool's in flight.
+    pub(super) fn in_flight(&self) -> u64 {
+        self.pool.in_flight()
+    }
+
+    /// See [`PoolWindow::allows`].
+    pub(super) fn allows(&self, now: Instant, cost: u64) -> bool {
+        self.pool.allows(self.lane, now, cost)
+    }
+
+    /// See [`PoolWindow::sent`].
+    pub(super) fn sent(&mut self, now: Instant, cost: u64) {
+        self.pool.sent(now, cost);
+    }
+
+    /// See [`PoolWindow::finished`].
+    pub(super) fn finished(&mut self, now: Instant, cost: u64) {
+        self.pool.finished(now, cost);
+    }
+
+    /// See [`PoolWindow::congested`].
+    pub(super) fn congested(&mut self, at: Instant) {
+        self.pool.congested(at);
+    }
+
+    /// See [`PoolWindow::apply`].
+    pub(super) fn apply(
+        &mut self,
+        observation: &Observation,
+        capacity: Capacity,
+        rounding: Rounding,
+    ) -> (u64, Applied) {
+        self.pool.apply(self.lane, observation, capacity, rounding)
+    }
+
+    /// Whether a 429/503 holds this lane shut.
+    pub(super) fn is_held(&self) -> bool {
+        self.pool.lane(self.lane).is_held()
+    }
+
+    /// This lane's `(N, window)`.
+    pub(super) fn grant(&self) -> Option<(u64, u64)> {
+        self.pool.lane(self.lane).grant()
+    }
+
+    /// See [`super::window::Window::progress`]: the pool's sends and
+    /// finishes as this lane counts them.
+    pub(super) fn progress(&self) -> (u64, u64) {
+        self.pool.lane(self.lane).progress()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const STALE: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn two_lanes_reading_the_same_headroom_share_one_window() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        let a = pool.add_lane(now, STALE);
+        let b = pool.add_lane(now, STALE);
+        // Both gates see the same pool: N = 5 each.
+        pool.lanes[a.0].observe(now, 5, false, true);
+        pool.lanes[b.0].observe(now, 5, false, true);
+        for _ in 0..3 {
+            assert!(pool.allows(a, now, 1));
+            pool.sent(now, 1);
+        }
+        // b's window counts a's three: two left, not five.
+        assert_eq!(pool.available(b, now), 2);
+        pool.sent(now, 2);
+        assert_eq!(pool.available(a, now), 0);
+        assert_eq!(pool.available(b, now), 0);
+        assert_eq!(pool.in_flight(), 5);
+    }
+
+    #[test]
+    fn a_429_on_one_lane_closes_the_other_until_its_own_fresher_reading() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        let a = pool.add_lane(now, STALE);
+        let b = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 5, false, true);
+        pool.lanes[b.0].observe(now, 5, false, true);
+        let rejected = now + Duration::from_secs(1);
+        pool.congested(rejected);
+        assert_eq!(pool.available(a, rejected), 0);
+        assert_eq!(pool.available(b, rejected), 0);
+        let later = rejected + Duration::from_millis(1);
+        pool.lanes[a.0].observe(later, 5, false, true);
+        assert_eq!(pool.available(a, later), 5);
+        assert_eq!(pool.available(b, later), 0, "b's gate has not spoken since");
+    }
+
+    #[test]
+    fn the_cap_bounds_the_pool_and_is_zero_once_expired() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        let a = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 10, true, true);
+        let until = now + Duration::from_secs(5);
+        pool.set_cap(3, until);
+        assert_eq!(pool.available(a, now), 3);
+        pool.sent(now, 3);
+        assert!(!pool.allows(a, now, 1));
+        pool.finished(now, 1);
+        assert!(pool.allows(a, now, 1));
+        assert!(
+            !pool.allows(a, now, 2),
+            "at-least-one does not pass the cap"
+        );
+        assert_eq!(pool.cap(until), Some(0));
+        assert!(!pool.allows(a, until, 1), "an expired lease sends nothing");
+    }
+
+    #[test]
+    fn a_lane_added_late_counts_what_is_already_in_flight() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        let a = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 4, false, true);
+        pool.sent(now, 4);
+        let later = now + Duration::from_secs(1);
+        let b = pool.add_lane(later, STALE);
+        pool.lanes[b.0].observe(later, 4, false, true);
+        assert_eq!(pool.lane(b).in_flight(), 4);
+        pool.finished(later, 4);
+        assert_eq!(pool.lane(b).in_flight(), 0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Advance(u64),
+        Send { lane: usize, cost: u64 },
+        Finish,
+        Observe { lane: usize, lag_ms: u64, n: u64 },
+        Cap(u64),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (1u64..200).prop_map(Step::Advance),
+            (0usize..3, 1u64..4).prop_map(|(lane, cost)| Step::Send { lane, cost }),
+            Just(Step::Finish),
+            (0usize..3, 0u64..2000, 0u64..15).prop_map(|(lane, lag_ms, n)| Step::Observe {
+                lane,
+                lag_ms,
+                n
+            }),
+            (0u64..20).prop_map(Step::Cap),
+        ]
+    }
+
+    proptest! {
+        /// Three lanes on one pool whose gates all see the pool's load:
+        /// the pool's in flight never exceeds the largest window any lane
+        /// was granted, nor the cap.
+        #[test]
+        fn lanes_never_exceed_one_window_together(steps in proptest::collection::vec(step(), 1..300)) {
+            let start = Instant::now();
+            let mut now = start;
+            let mut pool = PoolWindow::default();
+            let lanes: Vec<Lane> = (0..3).map(|_| pool.add_lane(start, STALE)).collect();
+            let mut in_flight: Vec<u64> = Vec::new();
+            let mut cap: Option<u64> = None;
+            for s in steps {
+                match s {
+                    Step::Advance(ms) => now += Duration::from_millis(ms),
+                    Step::Send { lane, cost } => {
+                        if pool.allows(lanes[lane], now, cost) {
+                            pool.sent(now, cost);
+                            in_flight.push(cost);
+                            let (_, limit) = pool.lane(lanes[lane]).grant().expect("granted");
+                            prop_assert!(pool.in_flight() <= limit);
+                            if let Some(c) = cap {
+                                prop_assert!(pool.in_flight() <= c);
+                            }
+                        }
+                    }
+                    Step::Finish => {
+                        if let Some(cost) = in_flight.pop() {
+                            pool.finished(now, cost);
+                        }
+                    }
+                    Step::Observe { lane, lag_ms, n } => {
+                        let taken = now.checked_sub(Duration::from_millis(lag_ms)).unwrap_or(now).max(start);
+                        pool.lanes[lanes[lane].0].observe(taken, n, false, true);
+                    }
+                    Step::Cap(units) => {
+                        pool.set_cap(units, now + Duration::from_secs(3600));
+                        cap = Some(units);
+                    }
+                }
+                prop_assert_eq!(pool.in_flight(), in_flight.iter().sum::<u64>());
+            }
+        }
+    }
+}
