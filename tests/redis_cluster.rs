@@ -393,3 +393,55 @@ async fn redis_quota_counts_on_a_cluster_in_both_modes() {
         .await;
     }
 }
+
+/// Two dispatchers sharing one window (`dispatch.shared_window = "redis"`)
+/// through the cluster: the semaphore's keys live on the cluster under one
+/// `{pool}` hash tag, and every request is answered once. (The window bound
+/// itself is measured against a single Redis in `tests/shared_window.rs`.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_shared_window_works_through_a_cluster() {
+    const N: usize = 60;
+    let cluster = RedisCluster::start();
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_string("{\"ok\":true}")
+                .set_delay(Duration::from_millis(200)),
+        )
+        .mount(&gateway)
+        .await;
+    let dir = TempDir::new("cluster-shared");
+    submit(&cluster, &request_file(&dir, "sw", N, 4));
+    let spawn = || {
+        run_process(&cluster, &gateway.uri(), Some(RESULTS))
+            .env("SLUICEGATE_DISPATCH_SHARED_WINDOW", "redis")
+            .env("SLUICEGATE_DISPATCH_SHARED_WINDOW_LEASE", "2s")
+            .env("SLUICEGATE_QUEUE_MAX_SYS", "6")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map(Process)
+            .expect("sluicegate run starts")
+    };
+    let (_a, _b) = (spawn(), spawn());
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while cluster.int(&["LLEN", RESULTS]) < N as i64 {
+        assert!(Instant::now() < give_up, "the drain did not finish");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let counts = per_id(&results(&cluster));
+    assert_eq!(counts.len(), N);
+    assert!(counts.values().all(|&c| c == 1), "{counts:?}");
+    let keys = cluster.keys("sluicegate:window:*");
+    assert!(!keys.is_empty(), "no semaphore keys on the cluster");
+    let tags: std::collections::BTreeSet<_> = keys
+        .iter()
+        .filter_map(|k| sluicegate::queue::redis::hash_tag(k).map(str::to_owned))
+        .collect();
+    assert_eq!(
+        tags.len(),
+        1,
+        "every key of the pool shares one tag: {keys:?}"
+    );
+}

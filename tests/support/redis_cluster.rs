@@ -97,6 +97,20 @@ impl RedisCluster {
             .unwrap_or_else(|_| panic!("{args:?} answered {text:?}"))
     }
 
+    /// Keys matching `pattern` on every node (`KEYS` per node).
+    pub fn keys(&self, pattern: &str) -> Vec<String> {
+        self.nodes
+            .iter()
+            .flat_map(|(_, port)| {
+                cli(*port, &["KEYS", pattern])
+                    .lines()
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     /// How many distinct nodes own at least one of `keys`' slots.
     pub fn nodes_owning(&self, keys: &[&str]) -> usize {
         let mut ports: Vec<u16> = keys
