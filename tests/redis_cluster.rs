@@ -100,6 +100,20 @@ fn start(cluster: &RedisCluster, gateway: &str) -> Process {
         .expect("sluicegate run starts")
 }
 
+/// A gateway answering every request 200 after `delay`.
+async fn slow_gateway(delay: Duration) -> MockServer {
+    let gateway = MockServer::start().await;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .set_body_string("{\"ok\":true}")
+                .set_delay(delay),
+        )
+        .mount(&gateway)
+        .await;
+    gateway
+}
+
 /// Every result record in the result list, parsed.
 fn results(cluster: &RedisCluster) -> Vec<serde_json::Value> {
     cluster
@@ -244,15 +258,7 @@ async fn sigkilled_dispatchers_on_a_cluster_leave_exactly_one_result_per_id() {
     const N: usize = 150;
     let cluster = RedisCluster::start();
     // Slow answers (about 0.3 s each) so every kill finds work in flight.
-    let gateway = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_string("{\"ok\":true}")
-                .set_delay(Duration::from_millis(300)),
-        )
-        .mount(&gateway)
-        .await;
+    let gateway = slow_gateway(Duration::from_millis(300)).await;
     let dir = TempDir::new("cluster-kill");
     submit(&cluster, &request_file(&dir, "k", N, 4));
     let mut kills = 0;
@@ -402,15 +408,7 @@ async fn redis_quota_counts_on_a_cluster_in_both_modes() {
 async fn the_shared_window_works_through_a_cluster() {
     const N: usize = 60;
     let cluster = RedisCluster::start();
-    let gateway = MockServer::start().await;
-    Mock::given(method("POST"))
-        .respond_with(
-            ResponseTemplate::new(200)
-                .set_body_string("{\"ok\":true}")
-                .set_delay(Duration::from_millis(200)),
-        )
-        .mount(&gateway)
-        .await;
+    let gateway = slow_gateway(Duration::from_millis(200)).await;
     let dir = TempDir::new("cluster-shared");
     submit(&cluster, &request_file(&dir, "sw", N, 4));
     let spawn = || {
