@@ -23,10 +23,12 @@
 //!   with our own text-format parser, a Redis key) and their single-flight
 //!   TTL cache.
 //! - [`dispatch`]: window arithmetic and request costs (pure), the
-//!   gateway-wide congestion hold after 429/503 (pure, shared by the queues
-//!   of one gateway), the retry policy (pure), fair shares among tenants
-//!   (pure), settings from the typed config, and the dispatch loop split by task (receive, send, settle,
-//!   observe).
+//!   congestion hold after 429/503 (pure, shared by the queues of one
+//!   pool), pools whose queues share one window (pure, `pool.rs`), the
+//!   shared window across replicas (a Redis lease semaphore,
+//!   `shared_window.rs`), the retry policy (pure), fair shares among
+//!   tenants (pure, `fair.rs`), settings from the typed config, and the
+//!   dispatch loop split by task (receive, send, settle, observe).
 //! - [`gateway`]: the HTTP client, endpoint and header rules, and response
 //!   classification.
 //! - [`result`]: result records and error codes.
