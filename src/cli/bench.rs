@@ -91,6 +91,30 @@ pub(super) fn cpu_seconds(pid: &str) -> Option<f64> {
     Some((utime + stime) / 100.0)
 }
 
+/// Wall time and this process's CPU since [`Stopwatch::start`]: what every
+/// in-process drain benchmark reports.
+pub(super) struct Stopwatch {
+    started: Instant,
+    cpu_before: f64,
+}
+
+impl Stopwatch {
+    pub(super) fn start() -> Self {
+        Self {
+            started: Instant::now(),
+            cpu_before: cpu_seconds("self").unwrap_or(0.0),
+        }
+    }
+
+    /// Seconds elapsed and CPU seconds used since the start.
+    pub(super) fn stop(&self) -> (f64, f64) {
+        (
+            self.started.elapsed().as_secs_f64(),
+            cpu_seconds("self").unwrap_or(0.0) - self.cpu_before,
+        )
+    }
+}
+
 /// Peak resident set size of process `pid` in MiB, from /proc.
 pub(super) fn peak_rss_mib(pid: &str) -> Option<f64> {
     status_kib(pid, "VmHWM:").map(|kib| kib / 1024.0)
@@ -187,8 +211,7 @@ gate_type = "constant"
         ProgressStyle::with_template("{bar:40} {pos}/{len} results {per_sec}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let cpu_before = cpu_seconds("self").unwrap_or(0.0);
-    let started = Instant::now();
+    let stopwatch = Stopwatch::start();
     let running = crate::app::start(
         &config,
         crate::app::RunOptions::default(),
@@ -208,8 +231,7 @@ gate_type = "constant"
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let secs = started.elapsed().as_secs_f64();
-    let cpu = cpu_seconds("self").unwrap_or(0.0) - cpu_before;
+    let (secs, cpu) = stopwatch.stop();
     bar.finish_and_clear();
     shutdown.cancel();
     running.wait().await.map_err(|e| e.to_string())?;

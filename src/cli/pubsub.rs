@@ -335,7 +335,7 @@ pub(crate) struct DrainArgs {
 /// instant gateway and reads the results back in this process until all
 /// N are in.
 pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
-    use super::bench::{cpu_seconds, instant_gateway, peak_rss_mib};
+    use super::bench::{Stopwatch, instant_gateway, peak_rss_mib};
     let client = args.pubsub.client().await?;
     let tag = format!(
         "bench-{}",
@@ -417,8 +417,7 @@ gate_type = "constant"
         .map_err(|e| e.to_string())?;
     let shutdown = tokio_util::sync::CancellationToken::new();
     let bar = bar(Some(args.messages as u64), "results");
-    let cpu_before = cpu_seconds("self").unwrap_or(0.0);
-    let started = Instant::now();
+    let stopwatch = Stopwatch::start();
     let running = crate::app::start(
         &config,
         crate::app::RunOptions::default(),
@@ -447,8 +446,7 @@ gate_type = "constant"
         }
         bar.set_position(seen.len() as u64);
     }
-    let secs = started.elapsed().as_secs_f64();
-    let cpu = cpu_seconds("self").unwrap_or(0.0) - cpu_before;
+    let (secs, cpu) = stopwatch.stop();
     bar.finish_and_clear();
     shutdown.cancel();
     running.wait().await.map_err(|e| e.to_string())?;
