@@ -10,16 +10,19 @@
 //!   scrape.
 //! - `observe/constant`: the `constant` gate behind the same wrapper, as a
 //!   floor. (`prometheus-budget` needs a Prometheus server and is left out.)
-//! - `window/*`: the per-dispatch window bookkeeping with a live grant.
+//! - `window/*`: the per-dispatch window bookkeeping with a live grant:
+//!   the bare `Window`, and the same through a pool's lane behind its
+//!   mutex (`Pool::window`), as the dispatcher does it.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use serde_json::json;
-use sluicegate::config::{GateSpec, Rounding};
+use sluicegate::config::{GateSpec, Rounding, Unit};
+use sluicegate::dispatch::Pool;
 use sluicegate::dispatch::window::{Window, headroom_units};
-use sluicegate::gate::{FailClosed, GateContext, build_gate};
+use sluicegate::gate::{Budget, Capacity, FailClosed, GateContext, Observation, build_gate};
 use sluicegate::sim::{SimConfig, spawn_http};
 use tokio::time::Instant;
 
@@ -87,6 +90,33 @@ fn window(c: &mut Criterion) {
         });
     });
     assert!(w.allows(Instant::now(), 1), "the grant stayed live");
+    // The same through a pool of one lane: lock, check, record, unlock.
+    let pool = Pool::new("bench");
+    let lane = {
+        let mut window = pool.window();
+        let lane = window.add_lane(start, HOUR);
+        let capacity = Capacity {
+            max_sys: 1e15,
+            unit: Unit::Requests,
+        };
+        let full = Observation::open(Budget::new(1.0).expect("budget"), start);
+        window.apply(lane, &full, capacity, Rounding::Floor);
+        lane
+    };
+    group.bench_function("pool_lane_allows_sent_finished", |b| {
+        b.iter(|| {
+            let now = Instant::now();
+            let mut window = pool.window();
+            let ok = window.allows(lane, now, black_box(1));
+            window.sent(now, 1);
+            window.finished(now, 1);
+            black_box(ok)
+        });
+    });
+    assert!(
+        pool.window().allows(lane, Instant::now(), 1),
+        "the pool's grant stayed live"
+    );
     group.bench_function("headroom_units", |b| {
         b.iter(|| {
             headroom_units(

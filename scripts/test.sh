@@ -13,6 +13,11 @@ command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
 # The rediss:// test makes a private CA and a server certificate.
 command -v openssl >/dev/null 2>&1 || packages+=(openssl)
+# scripts/bench-compare.sh (run by tests/bench_smoke.rs): redis-benchmark
+# (redis-tools), curl for the emulator's readiness, pgrep for its CPU.
+command -v redis-benchmark >/dev/null 2>&1 || packages+=(redis-tools)
+command -v curl >/dev/null 2>&1 || packages+=(curl)
+command -v pgrep >/dev/null 2>&1 || packages+=(procps)
 # The Pub/Sub emulator (tests/pubsub_transport.rs) runs on Java 17.
 command -v java >/dev/null 2>&1 || packages+=(openjdk-17-jre-headless)
 if [ ${#packages[@]} -gt 0 ]; then

@@ -1,8 +1,8 @@
 //! `sluicegate bench drain`: N messages through a real Redis and a gateway
 //! that answers instantly; prints messages/s, CPU seconds per 1 000
-//! messages and peak RSS (docs/benchmarks.md). `bench hold` is in
-//! `bench_hold.rs`; `bench drain-pubsub` drains through Pub/Sub
-//! (`src/cli/pubsub.rs`).
+//! messages and peak RSS (docs/benchmarks.md). `bench drain-memory` is in
+//! `bench_memory.rs`, `bench hold` in `bench_hold.rs`; `bench
+//! drain-pubsub` drains through Pub/Sub (`src/cli/pubsub.rs`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -20,6 +20,9 @@ use crate::request::parse_message;
 pub(crate) enum BenchCommand {
     /// Drain N messages from Redis through an instant gateway.
     Drain(DrainArgs),
+    /// Drain N messages from the in-memory queue through an instant
+    /// gateway: the dispatch core without a transport.
+    DrainMemory(super::bench_memory::DrainMemoryArgs),
     /// Hold N concurrent slow requests in one dispatcher process.
     Hold(super::bench_hold::HoldArgs),
     /// Drain N messages from a Pub/Sub subscription (the emulator or a
@@ -46,35 +49,22 @@ pub(crate) struct DrainArgs {
 }
 
 pub(super) async fn run(command: BenchCommand) -> ExitCode {
-    match command {
-        BenchCommand::Drain(args) => match drain(args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bench drain: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        BenchCommand::Hold(args) => match super::bench_hold::hold(args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bench hold: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        BenchCommand::DrainPubsub(args) => match super::pubsub::drain(args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bench drain-pubsub: {e}");
-                ExitCode::FAILURE
-            }
-        },
-        BenchCommand::Replicas(args) => match super::bench_replicas::replicas(args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("bench replicas: {e}");
-                ExitCode::FAILURE
-            }
-        },
+    let (name, outcome) = match command {
+        BenchCommand::Drain(args) => ("drain", drain(args).await),
+        BenchCommand::DrainMemory(args) => (
+            "drain-memory",
+            super::bench_memory::drain_memory(args).await,
+        ),
+        BenchCommand::Hold(args) => ("hold", super::bench_hold::hold(args).await),
+        BenchCommand::DrainPubsub(args) => ("drain-pubsub", super::pubsub::drain(args).await),
+        BenchCommand::Replicas(args) => ("replicas", super::bench_replicas::replicas(args).await),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench {name}: {e}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -211,6 +201,13 @@ gate_type = "constant"
         ProgressStyle::with_template("{bar:40} {pos}/{len} results {per_sec}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    // Redis counts every command it serves from here on: the round trips
+    // the drain costs per message, whatever this machine's speed.
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(&mut conn)
+        .await
+        .map_err(|e| format!("redis: {e}"))?;
     let stopwatch = Stopwatch::start();
     let running = crate::app::start(
         &config,
@@ -232,6 +229,11 @@ gate_type = "constant"
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (secs, cpu) = stopwatch.stop();
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .map_err(|e| format!("redis: {e}"))?;
     bar.finish_and_clear();
     shutdown.cancel();
     running.wait().await.map_err(|e| e.to_string())?;
@@ -247,5 +249,36 @@ gate_type = "constant"
         cpu / args.messages as f64 * 1000.0
     );
     println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+    println!(
+        "  Redis commands per 1000 messages (scripts and the commands they call; the benchmark's own polls left out): {}",
+        commands_per_thousand(&stats, args.messages)
+    );
     Ok(())
+}
+
+/// `INFO commandstats` as `total (name calls, ...)` per 1 000 messages,
+/// busiest first, without the benchmark's own `llen` polling.
+fn commands_per_thousand(stats: &str, messages: usize) -> String {
+    let mut calls: Vec<(String, f64)> = stats
+        .lines()
+        .filter_map(|line| {
+            // cmdstat_evalsha:calls=123,usec=...
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let n: f64 = rest
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            (name != "llen" && name != "config" && name != "info")
+                .then(|| (name.to_owned(), n / messages.max(1) as f64 * 1000.0))
+        })
+        .collect();
+    calls.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = calls.iter().map(|(_, n)| n).sum();
+    let each: Vec<String> = calls
+        .iter()
+        .map(|(name, n)| format!("{name} {n:.1}"))
+        .collect();
+    format!("{total:.1} ({})", each.join(", "))
 }

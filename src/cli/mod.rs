@@ -6,6 +6,7 @@
 mod batch;
 mod bench;
 mod bench_hold;
+mod bench_memory;
 mod bench_replicas;
 mod cancel;
 mod demo;

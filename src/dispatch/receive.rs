@@ -57,20 +57,22 @@ pub(super) async fn receive_loop(
         // again at once instead of sleeping.
         let mut pulled = false;
         // Permits before pull: never lease more than the window can send
-        // now plus the bounded lookahead (refilled after every release,
-        // also while the window is full, so the buffer keeps seeing past
-        // the head).
+        // now plus the bounded lookahead, and nothing while it can send
+        // nothing (`pull_size`).
         {
             let room = usize::try_from(available).unwrap_or(usize::MAX);
-            let want = match settings.unit {
+            let room = match settings.unit {
                 crate::config::Unit::Requests => room,
                 // Costs are known only after parsing: one at a time, and
                 // the lookahead sees past it.
                 crate::config::Unit::Tokens | crate::config::Unit::Bytes => room.min(1),
-            }
-            .saturating_add(settings.tenant_lookahead)
-            .saturating_sub(fair.len())
-            .min(settings.receive_batch);
+            };
+            let want = pull_size(
+                room,
+                fair.len(),
+                settings.tenant_lookahead,
+                settings.receive_batch,
+            );
             if want > 0 {
                 // Long-poll only when there is nothing to release meanwhile.
                 let wait = if fair.is_empty() {
@@ -149,6 +151,27 @@ pub(super) async fn receive_loop(
             .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
             .await;
     }
+}
+
+/// How many messages to pull now, with `room` messages the window can send,
+/// `buffered` already held and the `lookahead` allowed beyond the room.
+///
+/// The rule (issue 21: the lookahead had turned every send into a Redis
+/// round trip of its own, and leased messages while the window was shut):
+/// - nothing while the window has no room: a message pulled then could not
+///   go soon, and another replica could have sent it;
+/// - when the buffer holds less than the room, fill room and lookahead;
+/// - otherwise top the lookahead up only once it has fallen by half, so
+///   the queue is asked for messages in batches rather than one per send;
+/// - never more than `batch` in one receive.
+pub(super) fn pull_size(room: usize, buffered: usize, lookahead: usize, batch: usize) -> usize {
+    if room == 0 {
+        return 0;
+    }
+    let target = room.saturating_add(lookahead);
+    let deficit = target.saturating_sub(buffered);
+    let refill = buffered < room || deficit >= (lookahead / 2).max(1);
+    if refill { deficit.min(batch) } else { 0 }
 }
 
 /// Takes one delivery into the buffer: parsed and checked (anything
@@ -533,4 +556,47 @@ pub(super) fn park(
             unreleased => settle_unreleased(&shared, ready, unreleased, &results).await,
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pull_size;
+
+    #[test]
+    fn a_window_without_room_leases_nothing_however_empty_the_buffer() {
+        assert_eq!(pull_size(0, 0, 64, 256), 0);
+        assert_eq!(pull_size(0, 10, 64, 256), 0);
+    }
+
+    #[test]
+    fn room_beyond_the_buffer_fills_room_and_lookahead_within_one_batch() {
+        assert_eq!(pull_size(8, 0, 64, 256), 72);
+        assert_eq!(pull_size(512, 0, 64, 256), 256);
+        assert_eq!(pull_size(512, 256, 64, 256), 256);
+        assert_eq!(pull_size(8, 4, 0, 256), 4, "no lookahead: just the room");
+    }
+
+    #[test]
+    fn a_nearly_full_lookahead_waits_until_half_of_it_has_gone() {
+        // One send at a time with the buffer full: no receive per send.
+        for buffered in 41..=72 {
+            assert_eq!(pull_size(8, buffered, 64, 256), 0, "{buffered}");
+        }
+        // Fallen by half: one batch tops it up.
+        assert_eq!(pull_size(8, 40, 64, 256), 32);
+        assert_eq!(pull_size(1, 30, 64, 256), 35);
+    }
+
+    #[test]
+    fn pulls_never_exceed_room_plus_lookahead() {
+        for room in 0..20 {
+            for buffered in 0..100 {
+                let want = pull_size(room, buffered, 16, 256);
+                assert!(
+                    buffered + want <= (room + 16).max(buffered),
+                    "{room} {buffered} {want}"
+                );
+            }
+        }
+    }
 }

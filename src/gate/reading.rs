@@ -29,6 +29,15 @@ pub(crate) trait MetricGate: Send + Sync + fmt::Debug {
         sources: &'a mut Vec<SourceReport>,
     ) -> impl Future<Output = Result<Observation, GateError>> + Send + 'a;
 
+    /// The last reading again, when the gate can tell without reading its
+    /// sources anew that nothing it depends on has changed (its cached
+    /// data is the same). `observe` asks this first, so a warm decision
+    /// costs a comparison, not a rescan of the data and a report; `explain`
+    /// always reads. The default never reuses.
+    fn reuse(&self) -> impl Future<Output = Option<Observation>> + Send + '_ {
+        std::future::ready(None)
+    }
+
     /// Facts about the gate's configuration for the explanation.
     fn notes(&self) -> Vec<String> {
         Vec::new()
@@ -54,7 +63,12 @@ async fn evaluate<G: MetricGate>(gate: &G) -> Explanation {
 
 impl<G: MetricGate> DispatchGate for G {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        Box::pin(async move { evaluate(self).await.observation })
+        Box::pin(async move {
+            if let Some(observation) = self.reuse().await {
+                return Ok(observation);
+            }
+            evaluate(self).await.observation
+        })
     }
 
     fn kind(&self) -> &'static str {

@@ -9,6 +9,7 @@
 //! none can be read the gate is closed and unavailable.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use futures_util::future::join_all;
 use serde::{Deserialize, Serialize};
@@ -193,6 +194,12 @@ pub struct VllmGate {
     pages: Vec<Cached<Scrape>>,
     limits: Roofline,
     baseline: f64,
+    /// The last successful reading and the cached pages it was computed
+    /// from: while every page cache still serves those same pages, the
+    /// reading is the same, and recomputing it (scanning each page for
+    /// every engine's series, formatting the report) cost about 4.7 µs a
+    /// decision (issue 21).
+    last: Mutex<Option<(Vec<Arc<Exposition>>, Observation)>>,
 }
 
 impl VllmGate {
@@ -202,15 +209,39 @@ impl VllmGate {
             pages,
             limits,
             baseline,
+            last: Mutex::new(None),
         }
+    }
+
+    fn last(&self) -> std::sync::MutexGuard<'_, Option<(Vec<Arc<Exposition>>, Observation)>> {
+        // The memo is replaced whole; a poisoned lock still holds a
+        // consistent one.
+        self.last.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
 impl MetricGate for VllmGate {
     const KIND: &'static str = "vllm";
 
+    async fn reuse(&self) -> Option<Observation> {
+        let pages = join_all(self.pages.iter().map(Cached::get)).await;
+        let last = self.last();
+        let (read_from, observation) = last.as_ref()?;
+        let same = pages.len() == read_from.len()
+            && pages
+                .iter()
+                .zip(read_from)
+                .all(|(now, then)| now.as_ref().is_ok_and(|p| Arc::ptr_eq(&p.value, then)));
+        same.then(|| observation.clone())
+    }
+
     async fn read(&self, sources: &mut Vec<SourceReport>) -> Result<Observation, GateError> {
         let pages = join_all(self.pages.iter().map(Cached::get)).await;
+        // Reusable later only if every page was read.
+        let read_from: Option<Vec<Arc<Exposition>>> = pages
+            .iter()
+            .map(|p| p.as_ref().ok().map(|p| p.value.clone()))
+            .collect();
         let mut engines: Vec<EngineReading> = Vec::new();
         let mut unreadable = 0usize;
         let mut oldest = None;
@@ -246,7 +277,7 @@ impl MetricGate for VllmGate {
                 let count = engines.len() + unreadable;
                 let d = engines.iter().map(|e| e.d).sum::<f64>() / count as f64;
                 let max_sys: f64 = engines.iter().map(|e| e.max_num_seqs).sum();
-                Ok(pool_reading(
+                let observation = pool_reading(
                     d,
                     self.baseline,
                     taken_at,
@@ -256,7 +287,9 @@ impl MetricGate for VllmGate {
                     format!(
                         "mean roofline over {count} engines ({unreadable} unreadable count as full): D = {d:.4}"
                     ),
-                ))
+                );
+                *self.last() = read_from.map(|pages| (pages, observation.clone()));
+                Ok(observation)
             }
         }
     }

@@ -1,0 +1,102 @@
+//! `sluicegate bench drain-memory`: the dispatch core alone. N small
+//! requests from the in-memory queue through the `constant` gate into a
+//! gateway in this process that answers at once; prints messages/s, CPU
+//! seconds per 1 000 messages and peak RSS (docs/benchmarks.md).
+//!
+//! The gateway shares the process and the cores, so the CPU figure
+//! includes serving the answers. Set against `bench drain` (the same
+//! dispatcher on a real Redis) in the same minutes, it tells what the
+//! Redis transport costs (`scripts/bench-compare.sh`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::Args;
+
+use super::bench::{Stopwatch, instant_gateway, peak_rss_mib};
+use crate::app::Tasks;
+use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
+use crate::gate::{ConstantGate, FailClosed};
+use crate::gateway::{GatewayClient, GatewaySettings, Target};
+use crate::queue::MemoryQueue;
+use crate::telemetry::Metrics;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Args)]
+pub(crate) struct DrainMemoryArgs {
+    /// Messages to drain.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Window (`max_sys` of the constant gate).
+    #[arg(long, default_value_t = 512.0)]
+    max_sys: f64,
+}
+
+pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
+    let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
+    let queue = Arc::new(MemoryQueue::new("bench-drain-memory"));
+    let deadline = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        + 3600;
+    // Every message is in the queue before the clock starts, as the Redis
+    // drain enqueues before it starts the dispatcher.
+    for i in 0..args.messages {
+        queue.push_message(format!(
+            r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
+        ));
+    }
+    let settings = DispatchSettings {
+        max_sys: args.max_sys,
+        receive_wait: Duration::from_millis(50),
+        ..DispatchSettings::default()
+    };
+    let metrics = Metrics::new();
+    let dispatcher = QueueDispatcher {
+        queue: queue.clone(),
+        gate: Arc::new(FailClosed::new(
+            Box::new(ConstantGate::default()),
+            settings.max_staleness,
+        )),
+        gateway: GatewayClient::new(GatewaySettings::default()).map_err(|e| e.to_string())?,
+        target: Target::new(&gateway, "/v1/completions", None).map_err(|e| e.to_string())?,
+        retry: RetryPolicy::default(),
+        congestion: Arc::default(),
+        pool: Arc::default(),
+        settings,
+        metrics: metrics.queue("bench-drain-memory"),
+        labels: BTreeMap::new(),
+        traces: None,
+    };
+    let shutdown = CancellationToken::new();
+    let tasks = Tasks::new();
+    let stopwatch = Stopwatch::start();
+    let run = tokio::spawn(dispatcher.run(shutdown.clone(), tasks.clone()));
+    while queue.result_count() < args.messages {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (secs, cpu) = stopwatch.stop();
+    shutdown.cancel();
+    run.await.map_err(|e| e.to_string())?;
+    tasks.stop().await;
+    let ok = queue
+        .results()
+        .iter()
+        .filter(|r| r.status_code == Some(200))
+        .count();
+    println!(
+        "in-memory drain benchmark: {} messages ({ok} ok), window {}",
+        args.messages, args.max_sys
+    );
+    println!(
+        "  drained in {secs:.2}s: {:.0} messages/s",
+        args.messages as f64 / secs
+    );
+    println!(
+        "  CPU: {:.3}s per 1000 messages (dispatcher + in-process gateway)",
+        cpu / args.messages as f64 * 1000.0
+    );
+    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+    Ok(())
+}
