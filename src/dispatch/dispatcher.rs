@@ -160,6 +160,12 @@ impl Shared {
         )
     }
 
+    /// Whether work leased now would go soon: the window is open (maybe
+    /// full) and no congestion hold lasts.
+    pub(super) fn is_open(&self, now: Instant) -> bool {
+        self.window().is_open(now) && !self.congestion_held(now)
+    }
+
     /// Units that may be pulled now: the window's room, none while the
     /// gateway's congestion hold lasts, one while it waits for a probe.
     pub(super) fn room(&self, now: Instant) -> u64 {

@@ -109,6 +109,12 @@ impl PoolWindow {
             .min(self.cap_room(now).unwrap_or(u64::MAX))
     }
 
+    /// Whether `lane`'s window is open at `now` ([`Window::is_open`]) and
+    /// the cap, if any, leaves room for anything.
+    pub fn is_open(&self, lane: Lane, now: Instant) -> bool {
+        self.lanes[lane.0].is_open(now) && self.cap(now).is_none_or(|units| units > 0)
+    }
+
     /// Whether a request of `cost` units may go on `lane` now. The cap has
     /// no "at least one": what it bounds is held elsewhere.
     pub fn allows(&self, lane: Lane, now: Instant, cost: u64) -> bool {
@@ -263,6 +269,11 @@ impl LaneWindow<'_> {
     /// See [`PoolWindow::available`].
     pub(super) fn available(&self, now: Instant) -> u64 {
         self.pool.available(self.lane, now)
+    }
+
+    /// See [`PoolWindow::is_open`].
+    pub(super) fn is_open(&self, now: Instant) -> bool {
+        self.pool.is_open(self.lane, now)
     }
 
     /// The pool's in flight.

@@ -57,9 +57,10 @@ pub(super) async fn receive_loop(
         // again at once instead of sleeping.
         let mut pulled = false;
         // Permits before pull: never lease more than the window can send
-        // now plus the bounded lookahead, and nothing while it can send
-        // nothing (`pull_size`).
+        // now plus the bounded lookahead, and nothing while the window is
+        // shut (`pull_size`).
         {
+            let open = shared.is_open(now);
             let room = usize::try_from(available).unwrap_or(usize::MAX);
             let room = match settings.unit {
                 crate::config::Unit::Requests => room,
@@ -69,6 +70,7 @@ pub(super) async fn receive_loop(
             };
             let want = pull_size(
                 room,
+                open,
                 fair.len(),
                 settings.tenant_lookahead,
                 settings.receive_batch,
@@ -154,18 +156,27 @@ pub(super) async fn receive_loop(
 }
 
 /// How many messages to pull now, with `room` messages the window can send,
-/// `buffered` already held and the `lookahead` allowed beyond the room.
+/// whether it is `open` at all (`Shared::is_open`: a full window is open,
+/// a closed or held one is not), `buffered` already held and the
+/// `lookahead` allowed beyond the room.
 ///
-/// The rule (issue 21: the lookahead had turned every send into a Redis
+/// The rule (issue 21: the lookahead had turned every send into a queue
 /// round trip of its own, and leased messages while the window was shut):
-/// - nothing while the window has no room: a message pulled then could not
-///   go soon, and another replica could have sent it;
+/// - nothing while the window is shut: a message pulled then could not go
+///   soon, and another replica could have sent it;
 /// - when the buffer holds less than the room, fill room and lookahead;
 /// - otherwise top the lookahead up only once it has fallen by half, so
-///   the queue is asked for messages in batches rather than one per send;
+///   the queue is asked for messages in batches rather than one per send
+///   (while both halves keep the tenants' mix for fair shares);
 /// - never more than `batch` in one receive.
-pub(super) fn pull_size(room: usize, buffered: usize, lookahead: usize, batch: usize) -> usize {
-    if room == 0 {
+pub(super) fn pull_size(
+    room: usize,
+    open: bool,
+    buffered: usize,
+    lookahead: usize,
+    batch: usize,
+) -> usize {
+    if !open {
         return 0;
     }
     let target = room.saturating_add(lookahead);
@@ -563,35 +574,52 @@ mod tests {
     use super::pull_size;
 
     #[test]
-    fn a_window_without_room_leases_nothing_however_empty_the_buffer() {
-        assert_eq!(pull_size(0, 0, 64, 256), 0);
-        assert_eq!(pull_size(0, 10, 64, 256), 0);
+    fn a_shut_window_leases_nothing_however_empty_the_buffer() {
+        assert_eq!(pull_size(0, false, 0, 64, 256), 0);
+        assert_eq!(pull_size(0, false, 10, 64, 256), 0);
+        assert_eq!(
+            pull_size(5, false, 0, 64, 256),
+            0,
+            "room while the window is not open"
+        );
+    }
+
+    #[test]
+    fn a_full_open_window_keeps_its_lookahead() {
+        assert_eq!(pull_size(0, true, 0, 64, 256), 64);
+        assert_eq!(pull_size(0, true, 32, 64, 256), 32);
+        assert_eq!(pull_size(0, true, 40, 64, 256), 0);
+        assert_eq!(pull_size(0, true, 0, 0, 256), 0, "no lookahead, no room");
     }
 
     #[test]
     fn room_beyond_the_buffer_fills_room_and_lookahead_within_one_batch() {
-        assert_eq!(pull_size(8, 0, 64, 256), 72);
-        assert_eq!(pull_size(512, 0, 64, 256), 256);
-        assert_eq!(pull_size(512, 256, 64, 256), 256);
-        assert_eq!(pull_size(8, 4, 0, 256), 4, "no lookahead: just the room");
+        assert_eq!(pull_size(8, true, 0, 64, 256), 72);
+        assert_eq!(pull_size(512, true, 0, 64, 256), 256);
+        assert_eq!(pull_size(512, true, 256, 64, 256), 256);
+        assert_eq!(
+            pull_size(8, true, 4, 0, 256),
+            4,
+            "no lookahead: just the room"
+        );
     }
 
     #[test]
     fn a_nearly_full_lookahead_waits_until_half_of_it_has_gone() {
         // One send at a time with the buffer full: no receive per send.
         for buffered in 41..=72 {
-            assert_eq!(pull_size(8, buffered, 64, 256), 0, "{buffered}");
+            assert_eq!(pull_size(8, true, buffered, 64, 256), 0, "{buffered}");
         }
         // Fallen by half: one batch tops it up.
-        assert_eq!(pull_size(8, 40, 64, 256), 32);
-        assert_eq!(pull_size(1, 30, 64, 256), 35);
+        assert_eq!(pull_size(8, true, 40, 64, 256), 32);
+        assert_eq!(pull_size(1, true, 30, 64, 256), 35);
     }
 
     #[test]
     fn pulls_never_exceed_room_plus_lookahead() {
         for room in 0..20 {
             for buffered in 0..100 {
-                let want = pull_size(room, buffered, 16, 256);
+                let want = pull_size(room, true, buffered, 16, 256);
                 assert!(
                     buffered + want <= (room + 16).max(buffered),
                     "{room} {buffered} {want}"

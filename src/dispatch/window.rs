@@ -219,6 +219,13 @@ impl Window {
         self.congested_at.is_some()
     }
 
+    /// Whether the latest live reading allows work in flight at all (its
+    /// window is above zero and no 429/503 holds it), even if that window
+    /// is full now: work leased then goes as soon as some finishes.
+    pub fn is_open(&self, now: Instant) -> bool {
+        !self.is_held() && self.live_grant(now).is_some_and(|g| g.limit > 0)
+    }
+
     /// Units that may still be released now.
     pub fn available(&self, now: Instant) -> u64 {
         if self.is_held() {
