@@ -81,7 +81,10 @@ fn the_oracle_reports_a_cap_within_the_slo_budget() {
     let report = evaluate(&o, &|_| {}).unwrap();
     let r = &report.scenarios[0].rows[0];
     assert!(r.detail.as_deref().is_some_and(|d| d.starts_with("cap ")));
-    assert!(sluicegate::eval::within_slo_budget(&r.runs[0], Slo::default()));
+    assert!(sluicegate::eval::within_slo_budget(
+        &r.runs[0],
+        Slo::default()
+    ));
     assert!(r.summary.within_budget);
     // Cap 0 is always within the budget; on steady load with slack the
     // search must find a positive cap that harvests something.
@@ -149,7 +152,11 @@ fn one_baseline_per_scenario_and_seed_is_shared_by_every_contender() {
         assert_eq!(sc.baselines.len(), 3);
         // A zero cap is the baseline itself, seed by seed: with every random
         // stream paired, not a token or a violation differs.
-        let zero = sc.rows.iter().find(|r| r.contender == "static-cap-0").unwrap();
+        let zero = sc
+            .rows
+            .iter()
+            .find(|r| r.contender == "static-cap-0")
+            .unwrap();
         for run in &zero.runs {
             assert_eq!(run.delta_v_pp, 0.0);
             assert_eq!(run.rho_ttft, 1.0);
@@ -171,7 +178,10 @@ fn max_sys_follows_the_pool_when_asked() {
     assert_eq!(report.scenarios[0].max_sys, f64::from(pool.concurrency));
     o.pool_max_sys = false;
     let report = evaluate(&o, &|_| {}).unwrap();
-    assert_eq!(report.scenarios[0].max_sys, DispatchSettings::default().max_sys);
+    assert_eq!(
+        report.scenarios[0].max_sys,
+        DispatchSettings::default().max_sys
+    );
 }
 
 #[test]

@@ -131,7 +131,10 @@ impl fmt::Display for BatchState {
                 reason,
             } => {
                 if budget > baseline {
-                    write!(f, "gate closed, D={budget:.3} allows no request (B={baseline:.2})")?;
+                    write!(
+                        f,
+                        "gate closed, D={budget:.3} allows no request (B={baseline:.2})"
+                    )?;
                 } else {
                     write!(f, "gate closed, D={budget:.2} <= B={baseline:.2}")?;
                 }
@@ -290,7 +293,10 @@ mod tests {
         g.budget = 0.002;
         let s = BatchState::classify(&g, 0, 0, Clearance::Open, Instant::now());
         assert!(matches!(s, BatchState::GateClosed { .. }), "{s}");
-        assert_eq!(s.to_string(), "gate closed, D=0.002 allows no request (B=0.00)");
+        assert_eq!(
+            s.to_string(),
+            "gate closed, D=0.002 allows no request (B=0.00)"
+        );
         let mut t = StateTimes::default();
         t.add(&s, Duration::from_secs(3));
         assert_eq!(t.held_back(), Duration::from_secs(3));

@@ -9,8 +9,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::dispatch::DispatchSettings;
 use crate::eval::{
-    Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread,
-    TEST_SEEDS, TRAIN_SEEDS, contender,
+    Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread, TEST_SEEDS,
+    TRAIN_SEEDS, contender,
 };
 
 /// Flags of `sluicegate eval`.
@@ -238,9 +238,8 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
 
 /// The seed numbers `--seeds SET` names.
 fn seed_set(set: &str) -> Result<Vec<u64>, String> {
-    let bad = || {
-        format!("--seeds: expected test, train, test:N, train:N or a number N, got `{set}`")
-    };
+    let bad =
+        || format!("--seeds: expected test, train, test:N, train:N or a number N, got `{set}`");
     let (name, n) = match set.split_once(':') {
         Some((name, n)) => (name, Some(n.parse::<usize>().map_err(|_| bad())?)),
         None => match set.parse::<usize>() {
@@ -334,7 +333,8 @@ fn cell(s: Spread, many: bool, f: fn(f64) -> String) -> String {
 
 fn scenario_table(out: &mut String, sc: &ScenarioReport, max_staleness_s: f64) {
     let n = sc.baselines.len().max(1) as f64;
-    let mean = |f: fn(&crate::eval::SeedBaseline) -> f64| sc.baselines.iter().map(f).sum::<f64>() / n;
+    let mean =
+        |f: fn(&crate::eval::SeedBaseline) -> f64| sc.baselines.iter().map(f).sum::<f64>() / n;
     let _ = writeln!(
         out,
         "\n{} ({:.0} s, seed {:#x} + seed number): capacity {:.0} tok/s (max_sys {:.0}), physical bound {:.0} tok/s, slack {:.0} tok; baseline TTFT p99 {:.3} s, ITL p99 {:.3} s, SLO violations {:.2} %",
@@ -448,7 +448,10 @@ mod tests {
     #[test]
     fn seeds_default_to_the_test_set_and_explicit_ones_win() {
         assert_eq!(parse(&[]).unwrap().seeds, TEST_SEEDS.to_vec());
-        assert_eq!(parse(&["--seed", "7", "--seed", "3"]).unwrap().seeds, vec![7, 3]);
+        assert_eq!(
+            parse(&["--seed", "7", "--seed", "3"]).unwrap().seeds,
+            vec![7, 3]
+        );
         assert!(parse(&["--seed", "7", "--seeds", "train"]).is_err());
     }
 

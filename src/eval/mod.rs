@@ -632,16 +632,13 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
     let theta = |size: PoolSize| {
-        capacities
-            .iter()
-            .find(|(s, _)| *s == size)
-            .map_or(
-                PoolCapacity {
-                    tokens_per_s: 0.0,
-                    concurrency: 0,
-                },
-                |(_, t)| *t,
-            )
+        capacities.iter().find(|(s, _)| *s == size).map_or(
+            PoolCapacity {
+                tokens_per_s: 0.0,
+                concurrency: 0,
+            },
+            |(_, t)| *t,
+        )
     };
     let settings_of = |sc: &Scenario| {
         let mut s = settings.clone();
@@ -650,9 +647,8 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
         }
         s
     };
-    let bound_of = |sc: &Scenario| {
-        PhysicalBound::new(&sc.pool.pool().engine, &BatchSpec::default(), *slo)
-    };
+    let bound_of =
+        |sc: &Scenario| PhysicalBound::new(&sc.pool.pool().engine, &BatchSpec::default(), *slo);
 
     // One baseline per scenario and seed, shared by every contender.
     let mut jobs: Vec<Job<'_, Result<Base, EvalError>>> = Vec::new();
@@ -751,7 +747,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
         .map(|sc| CapSearch::new(oracle_top(sc.pool)))
         .collect();
     let mut cap_runs: Vec<std::collections::BTreeMap<u32, Vec<Scored>>> =
-        vec![std::collections::BTreeMap::new(); scenarios.len()];
+        (0..scenarios.len()).map(|_| Default::default()).collect();
     while oracle.is_some() {
         let mut jobs: Vec<Job<'_, Result<(usize, u32, usize, Scored), EvalError>>> = Vec::new();
         for (si, search) in searches.iter().enumerate() {
@@ -760,7 +756,12 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
                     let run_one = &run_one;
                     jobs.push(Box::new(move || {
                         let name = format!("static-cap-{cap}");
-                        Ok((si, cap, ki, run_one(si, ki, &name, Plan::Cap(cap), ki == 0)?))
+                        Ok((
+                            si,
+                            cap,
+                            ki,
+                            run_one(si, ki, &name, Plan::Cap(cap), ki == 0)?,
+                        ))
                     }));
                 }
             }
@@ -794,7 +795,10 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
                     let Some(cap) = searches[si].best() else {
                         continue;
                     };
-                    let runs = cap_runs[si].get(&cap).map(|v| v.iter().collect()).unwrap_or_default();
+                    let runs = cap_runs[si]
+                        .get(&cap)
+                        .map(|v| v.iter().collect())
+                        .unwrap_or_default();
                     (runs, Some(format!("cap {cap}")))
                 }
                 _ => (

@@ -233,7 +233,13 @@ pub struct Against<'a> {
 /// `ρ(TTFT p99) ≤ 1.2`, and `ρ(ITL p99) ≤ 1.2` unless interactive ITL p99
 /// is within the SLO anyway (a ratio over a tiny baseline tail says
 /// nothing then).
-pub fn within_budget(delta_v_pp: f64, rho_ttft: f64, rho_itl: f64, itl_p99_s: f64, slo: Slo) -> bool {
+pub fn within_budget(
+    delta_v_pp: f64,
+    rho_ttft: f64,
+    rho_itl: f64,
+    itl_p99_s: f64,
+    slo: Slo,
+) -> bool {
     delta_v_pp <= 0.5 && rho_ttft <= 1.2 && (rho_itl <= 1.2 || itl_p99_s <= slo.itl_s)
 }
 
@@ -249,7 +255,13 @@ pub fn score(against: &Against<'_>, run: &RunReport, dark_dispatches: u64) -> Sc
     let base = Interactive::of(baseline, slo);
     let with = Interactive::of(run, slo);
     let batch_tokens = run.tokens_generated.1 as f64;
-    let per = |total: f64| if total > 0.0 { batch_tokens / total } else { 0.0 };
+    let per = |total: f64| {
+        if total > 0.0 {
+            batch_tokens / total
+        } else {
+            0.0
+        }
+    };
     Score {
         harvest: per(slack),
         harvest_bound: per(bound),

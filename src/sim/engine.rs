@@ -677,7 +677,10 @@ impl Engine {
         // The step's work, and its interactive share.
         let (mut w, mut wi) = (StepWork::default(), StepWork::default());
         for s in self.running.iter().filter(|s| s.scheduled > 0) {
-            let mine = [Some(&mut w), (s.req.class == RequestClass::Interactive).then_some(&mut wi)];
+            let mine = [
+                Some(&mut w),
+                (s.req.class == RequestClass::Interactive).then_some(&mut wi),
+            ];
             for x in mine.into_iter().flatten() {
                 if s.decoding {
                     x.decode_seqs += 1;

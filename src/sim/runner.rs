@@ -644,8 +644,16 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
                 interactive_tokens_total: ti,
                 batch_tokens_total: tb,
                 preemptions_total: pool.engines().iter().map(|e| e.preemptions()).sum(),
-                interactive_work_s_total: pool.engines().iter().map(|e| e.interactive_time().0).sum(),
-                interactive_busy_s_total: pool.engines().iter().map(|e| e.interactive_time().1).sum(),
+                interactive_work_s_total: pool
+                    .engines()
+                    .iter()
+                    .map(|e| e.interactive_time().0)
+                    .sum(),
+                interactive_busy_s_total: pool
+                    .engines()
+                    .iter()
+                    .map(|e| e.interactive_time().1)
+                    .sum(),
                 observation_age: last_obs_age,
             });
         }
@@ -787,7 +795,11 @@ mod tests {
             done: false,
         };
         let with = run(&sc, &mut once).unwrap();
-        assert!(with.tokens_generated.1 > 1000, "{:?}", with.tokens_generated);
+        assert!(
+            with.tokens_generated.1 > 1000,
+            "{:?}",
+            with.tokens_generated
+        );
         let late = |r: &RunReport| -> Vec<RequestRecord> {
             let mut v: Vec<RequestRecord> = r
                 .records
