@@ -717,7 +717,9 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
     };
 
     // Every contender but the oracle: one run per scenario and seed.
-    let mut jobs: Vec<Job<'_, Result<(usize, usize, usize, Scored), EvalError>>> = Vec::new();
+    // (scenario, contender, seed index, run).
+    type Done = (usize, usize, usize, Scored);
+    let mut jobs: Vec<Job<'_, Result<Done, EvalError>>> = Vec::new();
     for si in 0..scenarios.len() {
         for (ci, c) in contenders.iter().enumerate() {
             let plan = match &c.kind {
@@ -734,7 +736,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
             }
         }
     }
-    let mut scored: Vec<(usize, usize, usize, Scored)> = parallel(*threads, jobs)
+    let mut scored: Vec<Done> = parallel(*threads, jobs)
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
 
@@ -749,7 +751,9 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
     let mut cap_runs: Vec<std::collections::BTreeMap<u32, Vec<Scored>>> =
         (0..scenarios.len()).map(|_| Default::default()).collect();
     while oracle.is_some() {
-        let mut jobs: Vec<Job<'_, Result<(usize, u32, usize, Scored), EvalError>>> = Vec::new();
+        // (scenario, cap, seed index, run).
+        type CapDone = (usize, u32, usize, Scored);
+        let mut jobs: Vec<Job<'_, Result<CapDone, EvalError>>> = Vec::new();
         for (si, search) in searches.iter().enumerate() {
             for cap in search.next() {
                 for ki in 0..nseeds {
