@@ -12,8 +12,10 @@ fn options(shapes: &[Shape], contenders: Vec<Contender>, scale: f64) -> Options 
             .iter()
             .map(|&s| Scenario::built_in(s, PoolSize::Small, scale))
             .collect(),
+        seeds: vec![0],
         contenders,
         settings: DispatchSettings::default(),
+        pool_max_sys: false,
         slo: Slo::default(),
         threads: 2,
     }
@@ -33,7 +35,7 @@ fn row<'a>(report: &'a Report, scenario: usize, name: &str) -> &'a sluicegate::e
         .iter()
         .find(|r| r.contender == name)
         .unwrap_or_else(|| panic!("no row {name}"))
-        .score
+        .runs[0]
 }
 
 #[test]
@@ -79,7 +81,11 @@ fn the_oracle_reports_a_cap_within_the_slo_budget() {
     let report = evaluate(&o, &|_| {}).unwrap();
     let r = &report.scenarios[0].rows[0];
     assert!(r.detail.as_deref().is_some_and(|d| d.starts_with("cap ")));
-    assert!(sluicegate::eval::within_slo_budget(&r.score));
+    assert!(sluicegate::eval::within_slo_budget(
+        &r.runs[0],
+        Slo::default()
+    ));
+    assert!(r.summary.within_budget);
     // Cap 0 is always within the budget; on steady load with slack the
     // search must find a positive cap that harvests something.
     let cap: u32 = r
@@ -89,7 +95,7 @@ fn the_oracle_reports_a_cap_within_the_slo_budget() {
         .and_then(|c| c.parse().ok())
         .expect("the oracle names its cap");
     assert!(cap > 0, "{:?}", r.detail);
-    assert!(r.score.batch_tokens_per_s > 0.0, "{:?}", r.score);
+    assert!(r.runs[0].batch_tokens_per_s > 0.0, "{:?}", r.runs[0]);
     assert!(matches!(
         contender::find(&contender::built_in().unwrap(), "static-cap-oracle")
             .unwrap()
@@ -99,15 +105,83 @@ fn the_oracle_reports_a_cap_within_the_slo_budget() {
 }
 
 #[test]
-fn the_same_seed_gives_the_same_figures() {
-    let o = options(
+fn the_same_gate_and_seed_give_identical_figures() {
+    let mut o = options(
         &[Shape::Waves],
         named(&["vllm", "upstream-per-poll", "static-cap-8"]),
         0.1,
     );
-    let a = serde_json::to_string(&evaluate(&o, &|_| {}).unwrap()).unwrap();
-    let b = serde_json::to_string(&evaluate(&o, &|_| {}).unwrap()).unwrap();
-    assert_eq!(a, b);
+    o.seeds = vec![3, 4];
+    let a = evaluate(&o, &|_| {}).unwrap();
+    let b = evaluate(&o, &|_| {}).unwrap();
+    assert_eq!(
+        serde_json::to_string(&a).unwrap(),
+        serde_json::to_string(&b).unwrap()
+    );
+    // Bit for bit: dV, H and rho of each seed, not only their rounding.
+    for (ra, rb) in a.scenarios[0].rows.iter().zip(&b.scenarios[0].rows) {
+        for (x, y) in ra.runs.iter().zip(&rb.runs) {
+            assert_eq!(x.delta_v_pp.to_bits(), y.delta_v_pp.to_bits());
+            assert_eq!(x.harvest.to_bits(), y.harvest.to_bits());
+            assert_eq!(x.rho_ttft.to_bits(), y.rho_ttft.to_bits());
+            assert_eq!(x.rho_itl.to_bits(), y.rho_itl.to_bits());
+        }
+    }
+    // The two seeds are different runs.
+    let vllm = &a.scenarios[0].rows[0].runs;
+    assert_ne!(vllm[0].batch_tokens_per_s, vllm[1].batch_tokens_per_s);
+}
+
+#[test]
+fn one_baseline_per_scenario_and_seed_is_shared_by_every_contender() {
+    let mut o = options(
+        &[Shape::Steady, Shape::Waves],
+        named(&["static-cap-0", "static-cap-4", "ungated"]),
+        0.05,
+    );
+    o.seeds = vec![0, 1, 2];
+    let baselines = std::sync::atomic::AtomicUsize::new(0);
+    let report = evaluate(&o, &|what| {
+        if what.ends_with("baseline") {
+            baselines.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    })
+    .unwrap();
+    assert_eq!(baselines.into_inner(), 2 * 3);
+    for sc in &report.scenarios {
+        assert_eq!(sc.baselines.len(), 3);
+        // A zero cap is the baseline itself, seed by seed: with every random
+        // stream paired, not a token or a violation differs.
+        let zero = sc
+            .rows
+            .iter()
+            .find(|r| r.contender == "static-cap-0")
+            .unwrap();
+        for run in &zero.runs {
+            assert_eq!(run.delta_v_pp, 0.0);
+            assert_eq!(run.rho_ttft, 1.0);
+            assert_eq!(run.rho_itl, 1.0);
+        }
+        for row in &sc.rows {
+            assert_eq!(row.runs.len(), 3, "{}", row.contender);
+        }
+    }
+}
+
+#[test]
+fn max_sys_follows_the_pool_when_asked() {
+    let mut o = options(&[Shape::Steady], named(&["static-cap-1"]), 0.05);
+    o.pool_max_sys = true;
+    let report = evaluate(&o, &|_| {}).unwrap();
+    let pool = sluicegate::eval::capacity(PoolSize::Small, Slo::default()).unwrap();
+    assert!(pool.concurrency > 0);
+    assert_eq!(report.scenarios[0].max_sys, f64::from(pool.concurrency));
+    o.pool_max_sys = false;
+    let report = evaluate(&o, &|_| {}).unwrap();
+    assert_eq!(
+        report.scenarios[0].max_sys,
+        DispatchSettings::default().max_sys
+    );
 }
 
 #[test]
@@ -157,6 +231,6 @@ fn a_trace_is_replayed_as_its_own_scenario() {
         .map(|(_, per_s)| per_s * 10.0)
         .sum();
     assert!((arrivals - 200.0).abs() < 1e-6, "{arrivals}");
-    assert!(report.scenarios[0].rows[0].score.batch_tokens_per_s > 0.0);
+    assert!(report.scenarios[0].rows[0].runs[0].batch_tokens_per_s > 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }

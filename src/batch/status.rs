@@ -32,7 +32,8 @@ pub enum BatchState {
         /// The dispatch window.
         window: u64,
     },
-    /// The gate reads the pool as busy: `D ≤ B`.
+    /// The gate reads the pool as busy: `D ≤ B`, or `D` so near `B` that
+    /// the window allows no request.
     GateClosed {
         /// Budget `D`.
         budget: f64,
@@ -84,6 +85,16 @@ impl BatchState {
                 reason: gate.reason.clone(),
             };
         }
+        // An open pool gate whose window allows no request (`max_SYS ×
+        // (D − B)` rounds to 0, e.g. a feedback window near 0) holds the
+        // batch back as surely as a closed one: not "sending".
+        if observed && gate.source_available && !gate.local_limit && window == 0 {
+            return Self::GateClosed {
+                budget: gate.budget,
+                baseline: gate.baseline,
+                reason: gate.reason.clone(),
+            };
+        }
         // A local limit reading "closed" is our own slots all taken.
         let local_full = observed && !gate.open && gate.local_limit;
         if local_full || (window > 0 && in_flight >= window) {
@@ -119,7 +130,14 @@ impl fmt::Display for BatchState {
                 baseline,
                 reason,
             } => {
-                write!(f, "gate closed, D={budget:.2} <= B={baseline:.2}")?;
+                if budget > baseline {
+                    write!(
+                        f,
+                        "gate closed, D={budget:.3} allows no request (B={baseline:.2})"
+                    )?;
+                } else {
+                    write!(f, "gate closed, D={budget:.2} <= B={baseline:.2}")?;
+                }
                 if !reason.is_empty() {
                     write!(f, " ({reason})")?;
                 }
@@ -265,6 +283,26 @@ mod tests {
         assert!(matches!(s, BatchState::WindowFull { .. }));
         let s = BatchState::classify(&gate(true, false), 3, 24, Clearance::Open, Instant::now());
         assert_eq!(s.to_string(), "sending, 3/24 in flight, gate open D=0.60");
+    }
+
+    #[test]
+    fn a_budget_that_allows_no_request_is_held_back_not_sending() {
+        // feedback's window near 0: D = 0.002 > B = 0, but max_sys × D
+        // floors to a window of 0.
+        let mut g = gate(true, false);
+        g.budget = 0.002;
+        let s = BatchState::classify(&g, 0, 0, Clearance::Open, Instant::now());
+        assert!(matches!(s, BatchState::GateClosed { .. }), "{s}");
+        assert_eq!(
+            s.to_string(),
+            "gate closed, D=0.002 allows no request (B=0.00)"
+        );
+        let mut t = StateTimes::default();
+        t.add(&s, Duration::from_secs(3));
+        assert_eq!(t.held_back(), Duration::from_secs(3));
+        // Before any reading nothing is known: still sending.
+        let s = BatchState::classify(&GateStats::default(), 0, 0, Clearance::Open, Instant::now());
+        assert!(matches!(s, BatchState::Sending { .. }), "{s}");
     }
 
     #[test]

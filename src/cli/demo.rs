@@ -267,11 +267,6 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     eprintln!(
         "simulated pool (2 vLLM replicas, interactive waves) on {pool_url}; batch-free twin on {twin_url}"
     );
-    eprintln!(
-        "batch: {} chat completions in {}; gate: feedback on {pool_url}/metrics (defaults), max_sys {MAX_IN_FLIGHT:.0}",
-        plan.lines,
-        input.display()
-    );
 
     let started = Instant::now();
     let probes = Arc::new(Mutex::new(Probes::default()));
@@ -315,15 +310,26 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     // the interactive SLO has margin and nothing waits, and cuts it when
     // a wave arrives. Defaults except the growth step: the demo's waves
     // last 8 s, not minutes, so the window must climb faster to use them.
-    let gate = super::batch::gate_from_flags(
-        "feedback",
-        &serde_json::json!({
-            "urls": [format!("{pool_url}/metrics")],
-            "increase": DEMO_INCREASE,
-        })
-        .to_string(),
-        MAX_IN_FLIGHT,
-    )?;
+    let params = serde_json::json!({
+        "urls": [format!("{pool_url}/metrics")],
+        "increase": DEMO_INCREASE,
+    })
+    .to_string();
+    let gate = super::batch::gate_from_flags("feedback", &params, MAX_IN_FLIGHT)?;
+    // The parameters the gate really runs with, from a twin built the same
+    // way (explaining reads the pool, which would move the real gate's
+    // history).
+    let notes = super::batch::gate_from_flags("feedback", &params, MAX_IN_FLIGHT)?
+        .explain()
+        .await
+        .notes;
+    eprintln!(
+        "batch: {} chat completions in {}; gate: feedback {params}, max_sys {MAX_IN_FLIGHT:.0}{}{}",
+        plan.lines,
+        input.display(),
+        if notes.is_empty() { "" } else { "; " },
+        notes.join("; ")
+    );
     let (watched, gate_stats) = GateWatch::new(gate);
 
     let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();

@@ -16,6 +16,7 @@ mod probe;
 mod pubsub;
 mod results;
 mod serve;
+mod sim_sweep;
 mod submit;
 
 use std::io::Write as _;
@@ -111,6 +112,9 @@ enum SimCommand {
     /// Serve a simulated vLLM pool behind OpenAI-compatible HTTP, with vLLM
     /// and endpoint-picker metrics, until SIGTERM or SIGINT.
     Serve(crate::sim::ServeArgs),
+    /// A closed-loop concurrency sweep of one simulated replica, side by
+    /// side with the llm-d H100 figures (calibration; virtual time).
+    Sweep(sim_sweep::SweepArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -249,6 +253,11 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Eval(args) => tokio::task::spawn_blocking(move || eval::run(args))
             .await
             .unwrap_or(ExitCode::FAILURE),
+        Command::Sim(SimCommand::Sweep(args)) => {
+            tokio::task::spawn_blocking(move || sim_sweep::run(&args))
+                .await
+                .unwrap_or(ExitCode::FAILURE)
+        }
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();

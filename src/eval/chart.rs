@@ -87,10 +87,20 @@ pub fn timeline_svg(sc: &ScenarioReport, row: &Row) -> Result<String, ChartError
         ],
         y_range: Some((0.0, 1.0)),
     });
-    let s = &row.score;
-    let title = format!(
-        "{}: {} (H {:.2}, dV {:+.2} pp, rho TTFT p99 {:.2})",
-        sc.scenario.name, row.contender, s.harvest, s.delta_v_pp, s.rho_ttft
-    );
+    // The timeline is the first seed's run: its own figures, not the means.
+    let title = match row.first() {
+        Some(s) => format!(
+            "{} seed {}: {} (H {:.2}, H* {:.2}, dV {:+.2} pp, rho TTFT p99 {:.2}, rho ITL p99 {:.2})",
+            sc.scenario.name,
+            sc.baselines.first().map_or(0, |b| b.seed_number),
+            row.contender,
+            s.harvest,
+            s.harvest_bound,
+            s.delta_v_pp,
+            s.rho_ttft,
+            s.rho_itl
+        ),
+        None => format!("{}: {}", sc.scenario.name, row.contender),
+    };
     render_svg(&title, "simulated time (s)", &panels)
 }

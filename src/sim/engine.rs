@@ -8,9 +8,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use rand::RngExt;
-use rand::SeedableRng;
-use rand::rngs::Xoshiro256PlusPlus;
 use serde::Serialize;
 
 use super::config::{EngineConfig, SchedPolicy};
@@ -323,12 +320,66 @@ pub struct StepWork {
     pub decode_context: u64,
 }
 
+/// Length of a jitter slot, seconds: the GPU's speed is constant within a
+/// slot (the shortest step's fixed cost, so a step spans one to a few).
+pub const JITTER_SLOT_S: f64 = 0.01;
+
+/// The GPU's slowness in jitter slot `slot` of the replica seeded `seed`:
+/// a step's time is its model time times this factor, uniform in
+/// `[1 − jitter, 1 + jitter)`.
+///
+/// Why a function of time and not a stream drawn once per step: a gated run
+/// takes different steps than its batch-free baseline, so a per-step stream
+/// hands the same interactive request different jitter in the two runs,
+/// and `ΔV` then mixes the gate's effect with noise. Drawn per (seed,
+/// replica, slot), both runs see the same GPU at the same simulated time
+/// whatever work is dispatched (common random numbers).
+pub fn gpu_speed_factor(seed: u64, slot: u64, jitter: f64) -> f64 {
+    // SplitMix64 of (seed, slot): a counter-based draw, no state to carry.
+    let mut z = seed ^ slot.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    // 53 random bits to a uniform in [0, 1).
+    let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+    1.0 + jitter * (2.0 * u - 1.0)
+}
+
+/// When a step of model duration `work` (seconds) started at `start` ends
+/// on a GPU whose speed changes every [`JITTER_SLOT_S`]: within each slot
+/// the step advances at `1 / gpu_speed_factor` of model time per second.
+pub fn jittered_end(seed: u64, jitter: f64, start: SimTime, work: f64) -> SimTime {
+    if jitter <= 0.0 {
+        return start + work;
+    }
+    let (mut t, mut left) = (start.max(0.0), work);
+    let mut slot = (t / JITTER_SLOT_S).floor() as u64;
+    loop {
+        let mut boundary = (slot + 1) as f64 * JITTER_SLOT_S;
+        if boundary <= t {
+            // Rounding put `t` on the next slot's edge.
+            slot += 1;
+            boundary = (slot + 1) as f64 * JITTER_SLOT_S;
+        }
+        let factor = gpu_speed_factor(seed, slot, jitter);
+        let in_slot = (boundary - t) / factor;
+        if left <= in_slot {
+            return t + left * factor;
+        }
+        left -= in_slot;
+        t = boundary;
+        slot += 1;
+    }
+}
+
 /// One replica: scheduler state, KV blocks, counters and histograms.
 #[derive(Debug)]
 pub struct Engine {
     cfg: EngineConfig,
     replica: usize,
-    rng: Xoshiro256PlusPlus,
+    /// Seed of this replica's GPU speed over time (see [`gpu_speed_factor`]).
+    seed: u64,
     waiting: WaitQueue,
     /// Running sequences in admission order (the fcfs preemption order).
     running: Vec<Seq>,
@@ -344,11 +395,20 @@ pub struct Engine {
     success_total: u64,
     /// Generated tokens by class: [interactive, batch].
     tokens_by_class: [u64; 2],
+    /// Model time (no `c0`, no jitter) of the interactive share of every
+    /// step so far, seconds: what `sluicegate eval`'s physical bound
+    /// subtracts from a replica's time.
+    interactive_work_s: f64,
+    /// Time spent in steps that carried interactive work, seconds: while
+    /// interactive requests run, the bound keeps every step within the
+    /// ITL SLO.
+    interactive_busy_s: f64,
     hist: ReplicaHistograms,
 }
 
 impl Engine {
-    /// A fresh replica; `seed` drives only the step-time jitter.
+    /// A fresh replica; `seed` drives only the step-time jitter, which is
+    /// a function of `seed` and simulated time alone.
     pub fn new(cfg: EngineConfig, replica: usize, seed: u64) -> Self {
         let waiting = match cfg.policy {
             SchedPolicy::Fcfs => WaitQueue::Fifo(VecDeque::new()),
@@ -358,7 +418,7 @@ impl Engine {
         Self {
             cfg,
             replica,
-            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            seed,
             waiting,
             running: Vec::new(),
             free_blocks,
@@ -371,6 +431,8 @@ impl Engine {
             generation_tokens_total: 0,
             success_total: 0,
             tokens_by_class: [0; 2],
+            interactive_work_s: 0.0,
+            interactive_busy_s: 0.0,
             hist: ReplicaHistograms::default(),
         }
     }
@@ -458,6 +520,13 @@ impl Engine {
     /// Generated tokens so far as (interactive, batch).
     pub fn tokens_by_class(&self) -> (u64, u64) {
         (self.tokens_by_class[0], self.tokens_by_class[1])
+    }
+
+    /// `(work, busy)` of interactive requests so far, seconds: the model
+    /// time of their share of each step without the fixed cost `c0`, and
+    /// the time of steps that carried any of their work.
+    pub fn interactive_time(&self) -> (f64, f64) {
+        (self.interactive_work_s, self.interactive_busy_s)
     }
 
     /// Total preemptions so far.
@@ -605,13 +674,20 @@ impl Engine {
             }
         }
 
-        let mut w = StepWork::default();
+        // The step's work, and its interactive share.
+        let (mut w, mut wi) = (StepWork::default(), StepWork::default());
         for s in self.running.iter().filter(|s| s.scheduled > 0) {
-            if s.decoding {
-                w.decode_seqs += 1;
-                w.decode_context += u64::from(s.computed + 1);
-            } else {
-                w.prefill_tokens += s.scheduled;
+            let mine = [
+                Some(&mut w),
+                (s.req.class == RequestClass::Interactive).then_some(&mut wi),
+            ];
+            for x in mine.into_iter().flatten() {
+                if s.decoding {
+                    x.decode_seqs += 1;
+                    x.decode_context += u64::from(s.computed + 1);
+                } else {
+                    x.prefill_tokens += s.scheduled;
+                }
             }
         }
         if w.decode_seqs == 0 && w.prefill_tokens == 0 {
@@ -619,13 +695,11 @@ impl Engine {
             // engine always has room for the head request's first chunk).
             return None;
         }
-        let jitter = self.cfg.step.jitter;
-        let factor = if jitter > 0.0 {
-            1.0 + self.rng.random_range(-jitter..jitter)
-        } else {
-            1.0
-        };
-        let end = now + self.step_duration(w) * factor;
+        let end = jittered_end(self.seed, self.cfg.step.jitter, now, self.step_duration(w));
+        if wi != StepWork::default() {
+            self.interactive_work_s += self.step_duration(wi) - self.cfg.step.c0_ms / 1000.0;
+            self.interactive_busy_s += end - now;
+        }
         self.last_work = w;
         self.step_end = Some(end);
         self.steps += 1;
@@ -886,6 +960,48 @@ mod tests {
         assert_eq!(rec.outcome, Outcome::Aborted);
         assert_eq!(e.kv_usage(), 0.0);
         assert!(!e.has_work());
+    }
+
+    #[test]
+    fn jitter_depends_on_seed_and_time_only() {
+        let j = 0.03;
+        // Inside one slot: model time times that slot's factor.
+        let end = jittered_end(9, j, 0.021, 0.004);
+        let f = gpu_speed_factor(9, 2, j);
+        assert!((end - (0.021 + 0.004 * f)).abs() < 1e-12, "{end}");
+        assert!((1.0 - j..1.0 + j).contains(&f));
+        // Across slots: each slot's share at its own speed.
+        let end = jittered_end(9, j, 0.005, 0.010);
+        let (f0, f1) = (gpu_speed_factor(9, 0, j), gpu_speed_factor(9, 1, j));
+        let first = 0.005 / f0;
+        let expected = 0.010 + (0.010 - first) * f1;
+        assert!((end - expected).abs() < 1e-12, "{end} vs {expected}");
+        // No jitter: the model time exactly.
+        assert_eq!(jittered_end(9, 0.0, 1.5, 0.0125), 1.5 + 0.0125);
+        // Seeds differ; the same seed and slot always give the same speed.
+        assert_ne!(gpu_speed_factor(9, 5, j), gpu_speed_factor(10, 5, j));
+        assert_eq!(gpu_speed_factor(9, 5, j), gpu_speed_factor(9, 5, j));
+    }
+
+    #[test]
+    fn a_step_at_the_same_time_takes_as_long_whatever_ran_before() {
+        // Two replicas with the same seed: one busy from time 0, one idle
+        // until 5 s. The same work started at the same time on both lasts
+        // exactly as long: the jitter is not a per-step stream.
+        let mut c = EngineConfig::default();
+        c.step.jitter = 0.1;
+        let mut busy = Engine::new(c.clone(), 0, 42);
+        for id in 0..20 {
+            busy.add_request(req(id, 300, 20));
+        }
+        let (_, idle_at) = run(&mut busy, 0.0);
+        assert!(busy.steps() > 10 && idle_at < 5.0);
+        let mut fresh = Engine::new(c, 0, 42);
+        busy.add_request(req(100, 700, 30));
+        fresh.add_request(req(100, 700, 30));
+        let (a, _) = run(&mut busy, 5.0);
+        let (b, _) = run(&mut fresh, 5.0);
+        assert_eq!(finished(&a), finished(&b));
     }
 
     #[test]

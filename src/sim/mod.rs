@@ -10,6 +10,8 @@
 //! - [`metrics`]: vLLM and endpoint-picker metrics with real names, text
 //!   exposition, lagged views with blackouts.
 //! - [`runner`]: the virtual-time runner that evaluates batch policies.
+//! - [`sweep`]: a closed-loop concurrency sweep against published figures
+//!   (`sluicegate sim sweep`).
 //! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`).
 //! - [`error`]: the error type, [`SimError`].
 
@@ -21,6 +23,7 @@ pub mod load;
 pub mod metrics;
 pub mod pool;
 pub mod runner;
+pub mod sweep;
 
 pub use config::SimConfig;
 pub use error::SimError;
