@@ -205,7 +205,7 @@ pub async fn run(
 /// never disagree. Opens no connection (Redis and gateways are only
 /// reached once running).
 pub fn preflight(config: &Config) -> Result<(), AppError> {
-    GatewayClient::new(GatewaySettings::from(&config.gateway))?;
+    GatewayClient::new(GatewaySettings::for_config(config))?;
     let context = GateContext::from_config(config);
     for queue_config in &config.queues {
         build_gate(&queue_config.gate, &context.clone().for_queue(queue_config)).map_err(
@@ -283,7 +283,7 @@ pub async fn start(
     }
     let queues = transports.queues();
     let health = Arc::new(Health::default());
-    let gateway = GatewayClient::new(GatewaySettings::from(&config.gateway))?;
+    let gateway = GatewayClient::new(GatewaySettings::for_config(config))?;
     let context = GateContext::from_config(config);
     // Off (no exporter, no provider) unless an OTLP endpoint is set.
     let trace_export = config.traces.as_ref().map(TraceExport::start).transpose()?;

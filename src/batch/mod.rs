@@ -557,7 +557,7 @@ fn build_dispatcher(
     pool: (Arc<crate::dispatch::Pool>, Arc<CongestionHold>),
 ) -> Result<QueueDispatcher, BatchError> {
     let config = batch_config(options)?;
-    let settings = GatewaySettings::from(&config.gateway);
+    let settings = GatewaySettings::for_config(&config);
     let gateway = GatewayClient::new(settings).map_err(BatchError::Gateway)?;
     crate::app::build_dispatcher(
         &config,

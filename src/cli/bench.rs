@@ -216,7 +216,12 @@ gate_type = "constant"
     )
     .await
     .map_err(|e| e.to_string())?;
+    // The window's in flight, sampled: how wide it really opened, and so
+    // how many gateway connections were open at once.
+    let window = running.metrics.queue(&args.queue);
+    let mut peak_in_flight = 0;
     loop {
+        peak_in_flight = peak_in_flight.max(window.in_flight.get());
         let n: u64 = redis::cmd("LLEN")
             .arg(&results)
             .query_async(&mut conn)
@@ -249,6 +254,7 @@ gate_type = "constant"
         cpu / args.messages as f64 * 1000.0
     );
     println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+    println!("  in flight: at most {peak_in_flight} (sampled every 10 ms)");
     println!(
         "  Redis commands per 1000 messages (scripts and the commands they call; the benchmark's own polls left out): {}",
         commands_per_thousand(&stats, args.messages)

@@ -59,7 +59,10 @@ pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
             Box::new(ConstantGate::default()),
             settings.max_staleness,
         )),
-        gateway: GatewayClient::new(GatewaySettings::default()).map_err(|e| e.to_string())?,
+        gateway: GatewayClient::new(
+            GatewaySettings::default().keeping_idle_for(args.max_sys.ceil() as usize),
+        )
+        .map_err(|e| e.to_string())?,
         target: Target::new(&gateway, "/v1/completions", None).map_err(|e| e.to_string())?,
         retry: RetryPolicy::default(),
         congestion: Arc::default(),
@@ -73,7 +76,11 @@ pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
     let tasks = Tasks::new();
     let stopwatch = Stopwatch::start();
     let run = tokio::spawn(dispatcher.run(shutdown.clone(), tasks.clone()));
+    // The window's in flight, sampled (see `bench drain`).
+    let window = metrics.queue("bench-drain-memory");
+    let mut peak_in_flight = 0;
     while queue.result_count() < args.messages {
+        peak_in_flight = peak_in_flight.max(window.in_flight.get());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let (secs, cpu) = stopwatch.stop();
@@ -98,5 +105,6 @@ pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
         cpu / args.messages as f64 * 1000.0
     );
     println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+    println!("  in flight: at most {peak_in_flight} (sampled every 5 ms)");
     Ok(())
 }

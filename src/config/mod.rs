@@ -301,8 +301,10 @@ section! {
         connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
         /// Largest response body read; larger bodies are an error.
         max_response_bytes: u64 = 16 * 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
-        /// Idle connections kept per host.
-        max_connections_per_host: usize = 256,
+        /// Idle connections kept per host (at least the queues' static
+        /// windows in requests; high by default so a window whose live
+        /// `max_SYS` is larger does not churn connections either).
+        max_connections_per_host: usize = 4096,
             |v| usize::try_from(as_u64_in(v, 1, 1 << 20)?).map_err(|_| "too large".to_owned());
         /// Speak HTTP/2 to the gateway without negotiation (h2c on
         /// `http://`): every request multiplexes over a few connections

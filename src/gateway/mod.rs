@@ -29,7 +29,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::config::GatewayConfig;
+use crate::config::{Config, GatewayConfig, Unit};
 
 mod classify;
 mod client;
@@ -94,6 +94,36 @@ impl GatewaySettings {
             objective_header: config.objective_header.header_name().to_owned(),
             fairness_attribute: config.fairness_attribute.clone().filter(|a| !a.is_empty()),
         }
+    }
+}
+
+impl GatewaySettings {
+    /// The settings of `config`'s `[gateway]`, with an idle pool that keeps
+    /// a connection for every request the queues' static windows may hold
+    /// in flight ([`Self::keeping_idle_for`]).
+    pub fn for_config(config: &Config) -> Self {
+        let windows: f64 = config
+            .queues
+            .iter()
+            .filter(|q| q.unit == Unit::Requests)
+            .map(|q| q.max_sys.ceil())
+            .sum();
+        // `as` saturates: a window beyond usize is "keep them all".
+        Self::from(&config.gateway).keeping_idle_for(windows as usize)
+    }
+
+    /// Keeps at least `in_flight` idle connections per host. An HTTP/1.1
+    /// connection serves one request at a time, so a window of `W` uses `W`
+    /// connections; with fewer kept idle, every dip of the window closes
+    /// connections that its refill opens again. That churn (a TCP
+    /// handshake, a socket and hyper's buffers per request) cost a
+    /// 512-wide drain half its throughput with 256 kept (issue 21). Idle
+    /// connections never outnumber the peak in flight and close after the
+    /// client's idle timeout.
+    #[must_use]
+    pub fn keeping_idle_for(mut self, in_flight: usize) -> Self {
+        self.max_idle_per_host = self.max_idle_per_host.max(in_flight);
+        self
     }
 }
 
