@@ -834,7 +834,7 @@ impl wiremock::Respond for Storm {
             let n = gateway.seen.fetch_add(1, Ordering::SeqCst);
             if n % 3 != 2 {
                 gateway.refused.fetch_add(1, Ordering::SeqCst);
-                return if n % 2 == 0 {
+                return if n.is_multiple_of(2) {
                     wiremock::ResponseTemplate::new(503)
                 } else {
                     wiremock::ResponseTemplate::new(429).insert_header("retry-after", "1")

@@ -303,11 +303,11 @@ impl Leases {
     pub(super) fn take_extensions(&mut self, now: Instant, every: Duration) -> Vec<String> {
         let mut out = Vec::new();
         for (id, h) in &mut self.map {
-            if let Some(hold) = &mut h.hold {
-                if now >= hold.extended_at + every {
-                    hold.extended_at = now;
-                    out.push(id.clone());
-                }
+            if let Some(hold) = &mut h.hold
+                && now >= hold.extended_at + every
+            {
+                hold.extended_at = now;
+                out.push(id.clone());
             }
         }
         out
