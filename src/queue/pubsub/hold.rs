@@ -250,6 +250,20 @@ impl Leases {
         true
     }
 
+    /// Takes a delivery off hold for the keeper to end it; false when it
+    /// is no longer on hold (a receive handed it out meanwhile: it is the
+    /// dispatcher's again and must not be handed back under it).
+    pub(super) fn take_hold(&mut self, ack_id: &str) -> bool {
+        let Some(held) = self.map.get_mut(ack_id) else {
+            return false;
+        };
+        if held.hold.take().is_none() {
+            return false;
+        }
+        self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
+        true
+    }
+
     /// Up to `max` held deliveries to hand out again (earliest hold end
     /// first), taken off hold: they go back to the dispatcher.
     pub(super) fn take_redeliveries(&mut self, now: Instant, max: usize) -> Vec<(String, &Held)> {
@@ -515,6 +529,11 @@ mod tests {
             .collect();
         assert_eq!(due, ["a"]);
         assert_eq!(l.due_hand_backs(t0 + secs(5), secs(3600)), ["c"]);
+        assert!(l.take_hold("c"));
+        assert_eq!(l.hold_bytes(), 0);
+        // Handed out (or already taken): the keeper leaves it alone.
+        assert!(!l.take_hold("c"));
+        assert!(!l.take_hold("a"));
         assert_eq!(l.remove("c").map(|h| h.message_id), Some("m".into()));
         assert_eq!(l.hold_bytes(), 0);
         assert_eq!(l.len(), 2);

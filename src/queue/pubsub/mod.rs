@@ -163,6 +163,9 @@ struct Inner {
     /// Wakes the keeper when a hold starts (it may end before the keeper's
     /// next planned look).
     keeper_wake: Notify,
+    /// Stops the keeper: at `close`, so no extension re-leases what close
+    /// handed back, and when the queue is dropped.
+    keeper_stop: CancellationToken,
     /// Acked by an `ack` call that then failed for other completions; the
     /// retry of that call counts them as acked.
     settled: Mutex<HashSet<String>>,
@@ -296,13 +299,14 @@ impl PubSubQueue {
             lease_ms: AtomicU64::new(u64::try_from(ack_deadline_secs).unwrap_or(10) * 1000),
             leases: Mutex::new(Leases::default()),
             keeper_wake: Notify::new(),
+            keeper_stop: CancellationToken::new(),
             settled: Mutex::new(HashSet::new()),
             reachable: AtomicBool::new(true),
             pull_failed: AtomicBool::new(false),
             dead_letters_total: AtomicU64::new(0),
             metrics,
         });
-        let stop = CancellationToken::new();
+        let stop = inner.keeper_stop.clone();
         tokio::spawn(keep_holds(inner.clone(), stop.clone()));
         Ok(Self {
             inner,
@@ -313,8 +317,8 @@ impl PubSubQueue {
 
 /// The keeper of holds: extends their ack deadlines every third of the
 /// dispatcher's lease, hands failed attempts back to the broker when their
-/// backoff ends, and ends holds past `max_hold`. Runs until the queue is
-/// dropped. RPC failures are logged and retried at the next look: a hold
+/// backoff ends, and ends holds past `max_hold`. Runs until `close` or
+/// until the queue is dropped. RPC failures are logged and retried at the next look: a hold
 /// whose extension keeps failing expires and the broker redelivers it
 /// (at-least-once, nothing lost).
 async fn keep_holds(inner: Arc<Inner>, stop: CancellationToken) {
@@ -431,10 +435,15 @@ impl Inner {
     /// whose backoff ended, or any hold past `max_hold`. A last delivery is
     /// answered instead (the broker would dead-letter it without a result).
     async fn end_hold(&self, id: String) {
-        let last = self
-            .leases()
-            .get(&id)
-            .is_some_and(|h| hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts));
+        let last = {
+            let mut leases = self.leases();
+            if !leases.take_hold(&id) {
+                return;
+            }
+            leases.get(&id).is_some_and(|h| {
+                hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts)
+            })
+        };
         let outcome = if last {
             self.answer_last_delivery(&DeliveryTag(id.clone()), None, "held past pubsub.max_hold")
                 .await
@@ -803,6 +812,9 @@ impl Inner {
     /// redelivered at once to another worker; a last delivery is answered
     /// instead.
     async fn close(&self) -> Result<usize, QueueError> {
+        // An extension the keeper has already sent may still land after
+        // the hand-back below; that only delays the redelivery by one lease.
+        self.keeper_stop.cancel();
         let (mut last, mut rest) = (Vec::new(), Vec::new());
         for (id, h) in self.leases().ids().filter(|(_, h)| !h.published) {
             if hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts) {
@@ -813,8 +825,15 @@ impl Inner {
         }
         let n = last.len() + rest.len();
         for id in last {
-            self.answer_last_delivery(&DeliveryTag(id), None, "the dispatcher shut down")
-                .await?;
+            let tag = DeliveryTag(id);
+            if let Err(error) = self
+                .answer_last_delivery(&tag, None, "the dispatcher shut down")
+                .await
+            {
+                // Its lease runs out and the broker dead-letters it: the
+                // dead-letter subscription still has it.
+                tracing::warn!(%error, %tag, queue = %self.name, "could not answer a last delivery at shutdown");
+            }
         }
         if !rest.is_empty() {
             self.modack(rest.clone(), 0)
