@@ -472,3 +472,53 @@ gate_type = "constant"
     println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        setup: SetupArgs,
+    }
+
+    #[test]
+    fn setup_makes_broker_dead_lettering_a_last_resort_by_default() {
+        let cli = Cli::try_parse_from(["setup", "--topic", "t", "--subscription", "s"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(cli.is_some_and(|e| e.contains("--result-topic")));
+        let cli = Cli::try_parse_from([
+            "setup",
+            "--topic",
+            "t",
+            "--subscription",
+            "s",
+            "--result-topic",
+            "r",
+            "--dead-letter-topic",
+            "d",
+        ])
+        .expect("parses");
+        let plan = plan(&cli.setup).expect("a plan");
+        assert_eq!(plan.max_delivery_attempts, 100);
+        assert_eq!(plan.max_delivery_attempts, DEFAULT_MAX_DELIVERY_ATTEMPTS);
+        assert!(
+            Cli::try_parse_from([
+                "setup",
+                "--topic",
+                "t",
+                "--subscription",
+                "s",
+                "--result-topic",
+                "r",
+                "--max-delivery-attempts",
+                "101",
+            ])
+            .is_err(),
+            "Pub/Sub allows at most 100"
+        );
+    }
+}
