@@ -26,7 +26,7 @@ pub struct Reference {
 
 /// The llm-d async-processor operations guide's sweep: Llama-3.1-8B on one
 /// H100, vLLM `--max-num-seqs 1024`, about 256 output tokens, closed loop
-/// (`/work/shared/design/EVALUATION.md`, "The pool simulator").
+/// through the inference gateway (`docs/simulator.md`, "Calibration: `sluicegate sim sweep`").
 pub const LLM_D_H100: [Reference; 7] = [
     Reference {
         concurrency: 8,
