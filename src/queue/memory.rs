@@ -182,7 +182,6 @@ impl MemoryQueue {
                 tag: tag.clone(),
                 body: item.body.clone(),
                 retry_count: item.retry_count,
-                source_id: None,
             });
             state.leased.insert(
                 tag,

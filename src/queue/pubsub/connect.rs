@@ -100,7 +100,6 @@ mod tests {
             result_topic_id: Some("r".into()),
             emulator_host: emulator.map(str::to_owned),
             credentials_file: key.map(Into::into),
-            ..PubSubConfig::default()
         }
     }
 
