@@ -353,7 +353,7 @@ fn scenario_table(out: &mut String, sc: &ScenarioReport, max_staleness_s: f64) {
     let w = if many { 20 } else { 6 };
     let _ = writeln!(
         out,
-        "{:<30} {:>3} {:>w$} {:>6} {:>w$} {:>w$} {:>w$} {:>9} {:>7} {:>7} {:>5} {:>8} {:>8} {:>5}",
+        "{:<30} {:>3} {:>w$} {:>6} {:>w$} {:>w$} {:>w$} {:>9} {:>5} {:>7} {:>7} {:>5} {:>8} {:>8} {:>5}",
         "contender",
         "ok",
         "H",
@@ -362,6 +362,7 @@ fn scenario_table(out: &mut String, sc: &ScenarioReport, max_staleness_s: f64) {
         "rhoTTFT",
         "rhoITL",
         "batch t/s",
+        "idle",
         "react s",
         "recov s",
         "osc",
@@ -378,7 +379,7 @@ fn scenario_table(out: &mut String, sc: &ScenarioReport, max_staleness_s: f64) {
         let mark = if s.within_budget { "" } else { " *" };
         let _ = writeln!(
             out,
-            "{:<30} {:>3} {:>w$} {:>6.3} {:>w$} {:>w$} {:>w$} {:>9.0} {:>7} {:>7} {:>5} {:>8.0} {:>8.0} {:>5}{mark}",
+            "{:<30} {:>3} {:>w$} {:>6.3} {:>w$} {:>w$} {:>w$} {:>9.0} {:>5.2} {:>7} {:>7} {:>5} {:>8.0} {:>8.0} {:>5}{mark}",
             name,
             format!("{}/{}", s.seeds_within_budget, row.runs.len()),
             cell(s.harvest, many, |v| format!("{v:.3}")),
@@ -387,6 +388,7 @@ fn scenario_table(out: &mut String, sc: &ScenarioReport, max_staleness_s: f64) {
             cell(s.rho_ttft, many, |v| format!("{v:.2}")),
             cell(s.rho_itl, many, |v| format!("{v:.2}")),
             s.batch_tokens_per_s.mean,
+            s.batch_idle_fraction,
             opt(s.reaction_s),
             opt(s.recovery_s),
             s.oscillation_cv

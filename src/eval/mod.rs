@@ -139,6 +139,8 @@ pub struct Summary {
     pub recovery_s: Option<f64>,
     /// Mean oscillation over the seeds where it is defined.
     pub oscillation_cv: Option<f64>,
+    /// Mean share of 1 s samples without batch in the pool.
+    pub batch_idle_fraction: f64,
     /// Mean 429/503 answers per run.
     pub rejections: f64,
     /// Mean preemptions per run.
@@ -178,6 +180,7 @@ impl Summary {
             reaction_s: mean_of(runs.iter().map(|s| s.reaction_s)),
             recovery_s: mean_of(runs.iter().map(|s| s.recovery_s)),
             oscillation_cv: mean_of(runs.iter().map(|s| s.oscillation_cv)),
+            batch_idle_fraction: runs.iter().map(|s| s.batch_idle_fraction).sum::<f64>() / n,
             rejections: runs.iter().map(|s| s.rejections as f64).sum::<f64>() / n,
             preemptions: runs.iter().map(|s| s.preemptions as f64).sum::<f64>() / n,
             dark_dispatches: runs.iter().map(|s| s.dark_dispatches).sum(),

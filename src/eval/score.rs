@@ -79,6 +79,10 @@ pub struct Score {
     /// Coefficient of variation of batch in-flight under constant load
     /// (steady scenario, after a minute of warm-up).
     pub oscillation_cv: Option<f64>,
+    /// Share of the run's 1 s samples with no batch request in the pool
+    /// (the backlog never runs out, so this is time the dispatcher left
+    /// the pool without batch work).
+    pub batch_idle_fraction: f64,
     /// 429 and 503 answers, batch and interactive.
     pub rejections: u64,
     /// Preemptions over the pool.
@@ -276,6 +280,7 @@ pub fn score(against: &Against<'_>, run: &RunReport, dark_dispatches: u64) -> Sc
         oscillation_cv: (scenario.shape == super::scenario::Shape::Steady)
             .then(|| oscillation(&run.series, 60.0))
             .flatten(),
+        batch_idle_fraction: batch_idle_fraction(&run.series),
         rejections: (run.rejected(RequestClass::Interactive) + run.rejected(RequestClass::Batch))
             as u64,
         preemptions: run.preemptions,
@@ -287,6 +292,16 @@ pub fn score(against: &Against<'_>, run: &RunReport, dark_dispatches: u64) -> Sc
 fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
     let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
     (n > 0).then(|| sum / n as f64)
+}
+
+/// Share of `series`' samples with no batch request in the pool (0 for
+/// an empty series).
+pub fn batch_idle_fraction(series: &[SeriesPoint]) -> f64 {
+    if series.is_empty() {
+        return 0.0;
+    }
+    let idle = series.iter().filter(|p| p.batch_in_flight == 0).count();
+    idle as f64 / series.len() as f64
 }
 
 /// Seconds from `at` until batch in-flight is at most half its mean over
@@ -459,6 +474,16 @@ mod tests {
     fn oscillation_of_a_constant_is_zero() {
         let series: Vec<SeriesPoint> = (0..200).map(|t| point(f64::from(t), 7, 0)).collect();
         assert_eq!(oscillation(&series, 60.0), Some(0.0));
+    }
+
+    #[test]
+    fn idle_fraction_counts_samples_without_batch_in_flight() {
+        let series: Vec<SeriesPoint> = (0..10)
+            .map(|t| point(f64::from(t), if t % 4 == 0 { 0 } else { 3 }, 0))
+            .collect();
+        // Samples 0, 4 and 8 are idle.
+        assert!((batch_idle_fraction(&series) - 0.3).abs() < 1e-12);
+        assert_eq!(batch_idle_fraction(&[]), 0.0);
     }
 
     #[test]
