@@ -246,7 +246,12 @@ fn queue() -> impl Strategy<Value = QueueConfig> {
             name(),
             labels(),
         ),
-        (name(), 0u64..1_000_000, positive()),
+        (
+            name(),
+            0u64..1_000_000,
+            positive(),
+            proptest::option::of(-100i64..100),
+        ),
         (
             prop_oneof![Just(Unit::Requests), Just(Unit::Tokens), Just(Unit::Bytes)],
             prop_oneof![
@@ -260,13 +265,14 @@ fn queue() -> impl Strategy<Value = QueueConfig> {
         .prop_map(
             |(
                 (queue_name, url, request_path_url, inference_objective, worker_pool_id, labels),
-                (result_queue_name, result_ttl_seconds, max_sys),
+                (result_queue_name, result_ttl_seconds, max_sys, engine_priority),
                 (unit, rounding, gate),
             )| QueueConfig {
                 queue_name,
                 igw_base_url: endpoint(&url),
                 request_path_url,
                 inference_objective,
+                engine_priority,
                 // A pool named like the result list: any valid name.
                 pool: Some(result_queue_name.clone()),
                 worker_pool_id,

@@ -479,6 +479,7 @@ pub fn build_dispatcher(
         &queue_config.request_path_url,
         queue_config.inference_objective.clone(),
     )
+    .map(|target| target.with_engine_priority(queue_config.engine_priority))
     .map_err(|source| AppError::Target {
         queue: name.clone(),
         source,

@@ -536,6 +536,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
             igw_base_url: url,
             request_path_url: options.request_path.clone(),
             inference_objective: None,
+            engine_priority: None,
             pool: None,
             worker_pool_id: String::new(),
             labels: BTreeMap::new(),

@@ -53,8 +53,8 @@ use serde_json::{Map, Value};
 
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
-    constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_string,
-    path, pool_name, redis_url, socket_addr, tenant_weights, url_path,
+    constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_i64,
+    optional_string, path, pool_name, redis_url, socket_addr, tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -504,6 +504,9 @@ section! {
         request_path_url: String = gateway.request_path.clone(), url_path;
         /// Inference objective sent in the objective header, if any.
         inference_objective: Option<String> = None, optional_string;
+        /// vLLM `priority` written into request bodies that carry none
+        /// (engine `--scheduling-policy priority`: lower runs first).
+        engine_priority: Option<i64> = None, optional_i64;
         /// Inference pool this queue sends to: queues naming the same pool
         /// share one window, congestion hold and shared-window semaphore.
         /// Default: the pool of `igw_base_url` (its origin and path).

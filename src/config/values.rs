@@ -121,6 +121,18 @@ pub(crate) fn optional_string(v: &Value) -> Result<Option<String>, String> {
     as_string(v).map(|s| (!s.is_empty()).then_some(s))
 }
 
+/// An optional integer (a number or a decimal string, possibly negative);
+/// an empty string means none.
+pub(crate) fn optional_i64(v: &Value) -> Result<Option<i64>, String> {
+    let bad = || format!("expected a whole number, got {}", show(v));
+    match v {
+        Value::Number(n) => n.as_i64().map(Some).ok_or_else(bad),
+        Value::String(s) if s.trim().is_empty() => Ok(None),
+        Value::String(s) => s.trim().parse::<i64>().map(Some).map_err(|_| bad()),
+        other => Err(format!("expected a whole number, got {}", kind(other))),
+    }
+}
+
 /// A boolean, from `true`/`false` or their text form (environment values
 /// are strings).
 pub(crate) fn as_bool(v: &Value) -> Result<bool, String> {

@@ -32,6 +32,8 @@ pub struct Target {
     default_url: Url,
     /// The objective as a header value, validated once per queue.
     objective: Option<HeaderValue>,
+    /// vLLM `priority` for bodies that carry none (`engine_priority`).
+    engine_priority: Option<i64>,
 }
 
 impl Target {
@@ -71,6 +73,7 @@ impl Target {
             base,
             prefix,
             objective,
+            engine_priority: None,
         };
         target.default_url = target
             .join_path(request_path)
@@ -86,6 +89,14 @@ impl Target {
     /// The URL used when a message has no `endpoint`.
     pub fn default_url(&self) -> &Url {
         &self.default_url
+    }
+
+    /// Writes `priority` into every request body that carries none (vLLM's
+    /// `--scheduling-policy priority`: lower runs first).
+    #[must_use]
+    pub fn with_engine_priority(mut self, priority: Option<i64>) -> Self {
+        self.engine_priority = priority;
+        self
     }
 
     /// The queue's inference objective, if any.
@@ -340,6 +351,30 @@ impl fmt::Debug for PreparedRequest {
     }
 }
 
+/// `payload` (a JSON object, as [`crate::request`] checked) with
+/// `"priority": priority` added, unless it has a top-level `priority`
+/// already: the submitter's choice for one request wins over the queue's
+/// default. The rest of the bytes are kept as they are (no re-encoding),
+/// so only the inserted member differs from what the producer wrote.
+fn with_priority(payload: &str, priority: i64) -> Bytes {
+    use serde::de::IgnoredAny;
+    let members: std::collections::HashMap<String, IgnoredAny> = match serde_json::from_str(payload)
+    {
+        Ok(members) => members,
+        // Not an object after all: send it as it came, like any payload.
+        Err(_) => return Bytes::copy_from_slice(payload.as_bytes()),
+    };
+    if members.contains_key("priority") {
+        return Bytes::copy_from_slice(payload.as_bytes());
+    }
+    let Some(open) = payload.find('{') else {
+        return Bytes::copy_from_slice(payload.as_bytes());
+    };
+    let (head, rest) = payload.split_at(open + 1);
+    let separator = if members.is_empty() { "" } else { "," };
+    Bytes::from(format!("{head}\"priority\":{priority}{separator}{rest}"))
+}
+
 /// The client-wide header rules, fixed when the client is built.
 #[derive(Debug)]
 pub(super) struct HeaderRules {
@@ -391,11 +426,12 @@ impl HeaderRules {
         if let Some(authorization) = &self.authorization {
             headers.insert(AUTHORIZATION, authorization.clone());
         }
-        Ok(PreparedRequest {
-            url,
-            headers,
-            body: Bytes::copy_from_slice(request.payload.get().as_bytes()),
-        })
+        let payload = request.payload.get();
+        let body = match target.engine_priority {
+            Some(priority) => with_priority(payload, priority),
+            None => Bytes::copy_from_slice(payload.as_bytes()),
+        };
+        Ok(PreparedRequest { url, headers, body })
     }
 
     fn message_header(
@@ -647,5 +683,31 @@ mod tests {
         assert!(is_forbidden(&AUTHORIZATION, true));
         assert!(!is_forbidden(&AUTHORIZATION, false));
         assert!(!is_forbidden(&CONTENT_TYPE, true));
+    }
+
+    fn json(bytes: &Bytes) -> serde_json::Value {
+        serde_json::from_slice(bytes).expect("valid JSON")
+    }
+
+    #[test]
+    fn engine_priority_is_added_to_a_body_without_one() {
+        let body = with_priority(r#"{"model":"m","prompt":"hi"}"#, 5);
+        assert_eq!(
+            json(&body),
+            serde_json::json!({"priority": 5, "model": "m", "prompt": "hi"})
+        );
+        assert_eq!(
+            json(&with_priority(" { } ", -2)),
+            serde_json::json!({"priority": -2})
+        );
+    }
+
+    #[test]
+    fn a_priority_the_request_carries_wins_over_the_queues() {
+        let payload = r#"{"model":"m","priority":0}"#;
+        assert_eq!(with_priority(payload, 5).as_ref(), payload.as_bytes());
+        // Only a top-level member counts: a nested one is another field.
+        let nested = with_priority(r#"{"extra":{"priority":1}}"#, 5);
+        assert_eq!(json(&nested)["priority"], 5);
     }
 }
