@@ -12,6 +12,7 @@ use crate::eval::{
     Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread, TEST_SEEDS,
     TRAIN_SEEDS, contender,
 };
+use crate::sim::config::SchedPolicy;
 
 /// Flags of `sluicegate eval`.
 #[derive(Debug, Args)]
@@ -64,6 +65,11 @@ pub(super) struct EvalArgs {
     /// tokens within the SLO budget).
     #[arg(long, value_name = "NAME")]
     svg_gate: Option<String>,
+    /// The engines' scheduling policy: `fcfs` (default) or `priority`
+    /// (vLLM's `--scheduling-policy priority`; batch requests carry
+    /// priority 1, interactive 0, so batch yields inside the engine).
+    #[arg(long, default_value = "fcfs", value_name = "POLICY")]
+    engine_policy: String,
     /// Worker threads (default: the machine's cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -185,6 +191,15 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
             })
             .collect::<Result<_, _>>()?
     };
+    let engine_policy = match args.engine_policy.as_str() {
+        "fcfs" => SchedPolicy::Fcfs,
+        "priority" => SchedPolicy::Priority,
+        other => {
+            return Err(format!(
+                "--engine-policy: unknown `{other}`; allowed: fcfs, priority"
+            ));
+        }
+    };
     let mut scenarios = Vec::new();
     for &pool in &pools {
         for &shape in &shapes {
@@ -193,6 +208,9 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
         if let Some(path) = &args.trace {
             scenarios.push(Scenario::trace(path, pool).map_err(|e| format!("--trace: {e}"))?);
         }
+    }
+    for scenario in &mut scenarios {
+        scenario.engine_policy = engine_policy;
     }
     let seeds = if args.seed_numbers.is_empty() {
         seed_set(&args.seeds)?
@@ -429,6 +447,28 @@ mod tests {
         assert!(matches!(o.contenders[0].kind, crate::eval::Kind::Cap(12)));
         let err = parse(&["--gate", "static-cap-x"]).unwrap_err();
         assert!(err.contains("static-cap-N"), "{err}");
+    }
+
+    #[test]
+    fn engine_policy_applies_to_every_scenario_and_rejects_unknown_names() {
+        let fcfs = parse(&["--scenario", "steady", "--pool", "all"]).unwrap();
+        assert!(
+            fcfs.scenarios
+                .iter()
+                .all(|s| s.engine_policy == SchedPolicy::Fcfs)
+        );
+        let prio = parse(&["--scenario", "steady", "--engine-policy", "priority"]).unwrap();
+        assert_eq!(prio.scenarios.len(), 2);
+        assert!(
+            prio.scenarios
+                .iter()
+                .all(|s| s.engine_policy == SchedPolicy::Priority)
+        );
+        let err = parse(&["--engine-policy", "lifo"]).unwrap_err();
+        assert!(
+            err.contains("--engine-policy") && err.contains("fcfs, priority"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -321,6 +321,7 @@ const TICK_S: f64 = 0.05;
 fn sim_scenario(sc: &Scenario, batch: bool) -> runner::Scenario {
     let mut s = runner::Scenario::new(sc.pool.replicas());
     s.pool = sc.pool.pool();
+    s.pool.engine.policy = sc.engine_policy;
     s.interactive = sc.load.clone();
     s.batch = batch.then(BatchSpec::default);
     s.duration_s = sc.duration_s;

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::sim::config::{EngineConfig, GatewayConfig, LoadConfig, LoadMode};
+use crate::sim::config::{EngineConfig, GatewayConfig, LoadConfig, LoadMode, SchedPolicy};
 use crate::sim::error::SimError;
 use crate::sim::load::read_trace;
 use crate::sim::pool::PoolConfig;
@@ -145,6 +145,9 @@ pub struct Scenario {
     pub disturbance: Option<[f64; 2]>,
     /// When the interactive rate steps up, for reaction time.
     pub step_at: Option<f64>,
+    /// The engines' scheduling policy (fcfs unless `--engine-policy`);
+    /// under `priority` batch (priority 1) yields to interactive (0).
+    pub engine_policy: SchedPolicy,
 }
 
 impl Scenario {
@@ -169,6 +172,7 @@ impl Scenario {
             blackouts: Vec::new(),
             disturbance: None,
             step_at: None,
+            engine_policy: SchedPolicy::Fcfs,
         };
         match shape {
             Shape::Steady | Shape::Trace => {}

@@ -950,6 +950,55 @@ mod tests {
     }
 
     #[test]
+    fn priority_policy_preempts_the_lowest_priority_not_the_latest() {
+        let mut c = cfg();
+        c.policy = SchedPolicy::Priority;
+        c.num_gpu_blocks = 20; // 320 tokens
+        c.max_model_len = 320;
+        let mut e = Engine::new(c, 0, 1);
+        // The same KV squeeze as under fcfs, but the earlier request is
+        // batch (priority 1) and the later one interactive (priority 0):
+        // fcfs would preempt the later, priority preempts the batch one.
+        let mut batch = req(1, 100, 100);
+        batch.priority = 1;
+        batch.class = RequestClass::Batch;
+        let mut interactive = req(2, 100, 100);
+        interactive.arrival = 0.001;
+        e.add_request(batch);
+        e.add_request(interactive);
+        let (ev, _) = run(&mut e, 0.01);
+        let recs = finished(&ev);
+        let by_id = |id| recs.iter().find(|r| r.id == id).expect("finished");
+        assert!(
+            by_id(1).preemptions > 0,
+            "batch is the victim: {:?}",
+            by_id(1)
+        );
+        assert_eq!(by_id(2).preemptions, 0);
+    }
+
+    #[test]
+    fn priority_policy_preempts_the_latest_arrival_among_equal_priorities() {
+        let mut c = cfg();
+        c.policy = SchedPolicy::Priority;
+        c.num_gpu_blocks = 20;
+        c.max_model_len = 320;
+        let mut e = Engine::new(c, 0, 1);
+        let mut first = req(1, 100, 100);
+        first.priority = 3;
+        let mut second = req(2, 100, 100);
+        second.priority = 3;
+        second.arrival = 0.001;
+        e.add_request(first);
+        e.add_request(second);
+        let (ev, _) = run(&mut e, 0.01);
+        let recs = finished(&ev);
+        let by_id = |id| recs.iter().find(|r| r.id == id).expect("finished");
+        assert!(by_id(2).preemptions > 0);
+        assert_eq!(by_id(1).preemptions, 0);
+    }
+
+    #[test]
     fn abort_frees_kv() {
         let mut e = Engine::new(cfg(), 0, 1);
         e.add_request(req(1, 1000, 100));
