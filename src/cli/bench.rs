@@ -105,6 +105,21 @@ impl Stopwatch {
     }
 }
 
+/// The figures every drain benchmark prints, in the form
+/// `scripts/bench-compare.sh` reads: messages/s, CPU seconds per 1 000
+/// messages (`counted`: whose CPU that is) and this process's peak RSS.
+pub(super) fn print_drain_figures(messages: usize, secs: f64, cpu: f64, counted: &str) {
+    println!(
+        "  drained in {secs:.2}s: {:.0} messages/s",
+        messages as f64 / secs
+    );
+    println!(
+        "  CPU: {:.3}s per 1000 messages ({counted})",
+        cpu / messages as f64 * 1000.0
+    );
+    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+}
+
 /// Peak resident set size of process `pid` in MiB, from /proc.
 pub(super) fn peak_rss_mib(pid: &str) -> Option<f64> {
     status_kib(pid, "VmHWM:").map(|kib| kib / 1024.0)
@@ -242,18 +257,12 @@ gate_type = "constant"
     bar.finish_and_clear();
     shutdown.cancel();
     running.wait().await.map_err(|e| e.to_string())?;
-    let rate = args.messages as f64 / secs;
     println!(
         "drain benchmark: {} messages, window {}",
         args.messages, args.max_sys
     );
     println!("  enqueue (pipelined, 1000 per round trip): {fill_secs:.2}s");
-    println!("  drained in {secs:.2}s: {rate:.0} messages/s");
-    println!(
-        "  CPU: {:.3}s per 1000 messages (dispatcher + in-process gateway)",
-        cpu / args.messages as f64 * 1000.0
-    );
-    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+    print_drain_figures(args.messages, secs, cpu, "dispatcher + in-process gateway");
     println!("  in flight: at most {peak_in_flight} (sampled every 10 ms)");
     println!(
         "  Redis commands per 1000 messages (scripts and the commands they call; the benchmark's own polls left out): {}",

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
 
-use super::bench::{Stopwatch, instant_gateway, peak_rss_mib};
+use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
 use crate::app::Tasks;
 use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{ConstantGate, FailClosed};
@@ -96,15 +96,7 @@ pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
         "in-memory drain benchmark: {} messages ({ok} ok), window {}",
         args.messages, args.max_sys
     );
-    println!(
-        "  drained in {secs:.2}s: {:.0} messages/s",
-        args.messages as f64 / secs
-    );
-    println!(
-        "  CPU: {:.3}s per 1000 messages (dispatcher + in-process gateway)",
-        cpu / args.messages as f64 * 1000.0
-    );
-    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+    print_drain_figures(args.messages, secs, cpu, "dispatcher + in-process gateway");
     println!("  in flight: at most {peak_in_flight} (sampled every 5 ms)");
     Ok(())
 }

@@ -335,7 +335,7 @@ pub(crate) struct DrainArgs {
 /// instant gateway and reads the results back in this process until all
 /// N are in.
 pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
-    use super::bench::{Stopwatch, instant_gateway, peak_rss_mib};
+    use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
     let client = args.pubsub.client().await?;
     let tag = format!(
         "bench-{}",
@@ -455,14 +455,11 @@ gate_type = "constant"
         args.messages, args.max_sys, plan.subscription
     );
     println!("  publish (1000 per batch, confirmed): {fill_secs:.2}s");
-    println!(
-        "  drained in {secs:.2}s: {:.0} messages/s",
-        args.messages as f64 / secs
+    print_drain_figures(
+        args.messages,
+        secs,
+        cpu,
+        "dispatcher + in-process gateway + result reader; the emulator's own CPU is not counted",
     );
-    println!(
-        "  CPU: {:.3}s per 1000 messages (dispatcher + in-process gateway + result reader; the emulator's own CPU is not counted)",
-        cpu / args.messages as f64 * 1000.0
-    );
-    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
     Ok(())
 }
