@@ -185,4 +185,43 @@ mod tests {
         assert_eq!(settings.max_idle_per_host, config.max_connections_per_host);
         assert_eq!(settings.objective_header, GATEWAY_OBJECTIVE_HEADER);
     }
+
+    /// Issue 21: with fewer idle connections than the window, every dip of
+    /// the window closed connections its refill opened again.
+    #[test]
+    fn the_idle_pool_keeps_a_connection_for_every_request_of_the_windows() {
+        let toml = |cap: usize| {
+            format!(
+                r#"
+transport = "memory"
+[gateway]
+url = "http://127.0.0.1:8000"
+max_connections_per_host = {cap}
+[[queue]]
+queue_name = "a"
+max_sys = 300.5
+gate_type = "constant"
+[[queue]]
+queue_name = "b"
+max_sys = 200
+gate_type = "constant"
+[[queue]]
+queue_name = "tokens"
+unit = "tokens"
+max_sys = 100000
+gate_type = "constant"
+"#
+            )
+        };
+        let config = |cap| Config::from_toml_str(&toml(cap), &Default::default()).expect("config");
+        // 301 + 200 requests; a token window says nothing about requests.
+        assert_eq!(
+            GatewaySettings::for_config(&config(16)).max_idle_per_host,
+            501
+        );
+        assert_eq!(
+            GatewaySettings::for_config(&config(4096)).max_idle_per_host,
+            4096
+        );
+    }
 }
