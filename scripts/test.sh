@@ -30,8 +30,12 @@ if [ ${#packages[@]} -gt 0 ]; then
   fi
 fi
 
-# The official openai Python client for the Batch API suite
-# (tests/batch_api_python.rs), pinned, in target/py-venv (made once).
+# The official Python clients, pinned, in target/py-venv: openai for the
+# Batch API suite (tests/batch_api_python.rs), google-cloud-pubsub for the
+# Pub/Sub suite's producer (tests/pubsub_transport.rs). Made once; a venv
+# from before a pin was added or changed is topped up (the stamp file
+# records the pins it holds).
+py_pins="openai==1.109.1 pytest==8.4.2 google-cloud-pubsub==2.31.1"
 if [ ! -x target/py-venv/bin/python ]; then
   if ! python3 -m venv target/py-venv; then
     rm -rf target/py-venv
@@ -44,11 +48,15 @@ if [ ! -x target/py-venv/bin/python ]; then
     fi
     python3 -m venv target/py-venv
   fi
-  target/py-venv/bin/pip install --quiet openai==1.109.1 pytest==8.4.2 || {
+fi
+if [ "$(cat target/py-venv/.pins 2>/dev/null)" != "$py_pins" ]; then
+  # shellcheck disable=SC2086 # one word per pin
+  target/py-venv/bin/pip install --quiet $py_pins || {
     rm -rf target/py-venv
-    echo "cannot install the openai Python client into target/py-venv" >&2
+    echo "cannot install the pinned Python clients ($py_pins) into target/py-venv" >&2
     exit 1
   }
+  echo "$py_pins" >target/py-venv/.pins
 fi
 
 # The Pub/Sub emulator itself is not a Debian package: it comes from

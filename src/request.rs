@@ -208,6 +208,29 @@ pub struct ParseFailure {
     pub source: Option<DecodeError>,
 }
 
+impl ParseFailure {
+    /// Whether no id at all could be read (not UTF-8, not JSON, not an
+    /// object, no `id`): `result_id` is then a hash of the bytes, which
+    /// equal bodies share. A transport that has its own id for the message
+    /// names the result by that instead (`Delivery::source_id`).
+    pub fn is_anonymous(&self) -> bool {
+        self.id.is_none() && self.result_id.starts_with(ANONYMOUS_PREFIX)
+    }
+}
+
+/// The result id of a message with no readable id whose transport has its
+/// own id for it (`Delivery::source_id`, Pub/Sub's message id):
+/// `invalid:<source id>`. Distinct messages get distinct results even when
+/// their bodies are equal, and a redelivery of one message gets the same
+/// id (readers dedupe it).
+pub fn source_result_id(source_id: &str) -> String {
+    format!("{ANONYMOUS_PREFIX}{source_id}")
+}
+
+/// Prefix of the result id of a message with no readable id; a message
+/// whose id is unusable gets [`synthetic_id`] (`invalid-id-…`) instead.
+const ANONYMOUS_PREFIX: &str = "invalid:";
+
 /// The error underneath a [`ParseFailure`]: the bytes were not UTF-8 or
 /// not the expected JSON. Shared, so the failure stays cheap to clone.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -250,7 +273,7 @@ pub fn parse_message(bytes: &[u8]) -> Result<Message, ParseFailure> {
 pub fn parse_message_at(bytes: &[u8], now_unix: i64) -> Result<Message, ParseFailure> {
     let anonymous = |reason: String, source: Option<DecodeError>| ParseFailure {
         id: None,
-        result_id: format!("invalid:{:016x}", fnv1a(bytes)),
+        result_id: format!("{ANONYMOUS_PREFIX}{:016x}", fnv1a(bytes)),
         token: None,
         reason,
         source,
@@ -535,6 +558,7 @@ mod tests {
                 "{}",
                 err.result_id
             );
+            assert!(!err.is_anonymous());
             assert!(err.result_id.len() <= MAX_ID_LEN);
             assert!(err.result_id.chars().all(|c| c.is_ascii_graphic()));
             assert_eq!(err.id, None);
@@ -552,6 +576,8 @@ mod tests {
     fn messages_without_an_id_get_a_stable_result_id() {
         let a = parse_message(b"not json").expect_err("garbage");
         assert!(a.result_id.starts_with("invalid:"), "{}", a.result_id);
+        assert!(a.is_anonymous());
+        assert_eq!(source_result_id("123"), "invalid:123");
         assert_eq!(
             parse_message(b"not json").expect_err("garbage").result_id,
             a.result_id

@@ -414,6 +414,7 @@ fn config() -> impl Strategy<Value = Config> {
                         result_topic_id: Some("results".into()),
                         emulator_host: Some("127.0.0.1:8085".into()),
                         credentials_file: None,
+                        ..PubSubConfig::default()
                     }),
                     embedded: (transport == TransportKind::Embedded).then(|| EmbeddedConfig {
                         path: PathBuf::from("data/s.db"),

@@ -11,7 +11,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::results::{Format, Sink, openai_line};
 use crate::batch::input::ParsedInput;
 use crate::config::{PubSubConfig, parse_duration};
-use crate::queue::pubsub::{SetupPlan, connect, publish_confirmed, pubsub_message, setup};
+use crate::queue::pubsub::{
+    DEFAULT_MAX_DELIVERY_ATTEMPTS, SetupPlan, connect, publish_confirmed, pubsub_message, setup,
+};
 use crate::result::ResultRecord;
 
 /// Messages per publish batch (Pub/Sub allows 1000 per request).
@@ -44,6 +46,7 @@ impl PubSubArgs {
             result_topic_id: None,
             emulator_host: self.pubsub_emulator_host.clone(),
             credentials_file: self.pubsub_credentials_file.clone(),
+            ..PubSubConfig::default()
         };
         connect(&config).await.map_err(|e| e.to_string())
     }
@@ -232,8 +235,11 @@ pub(crate) struct SetupArgs {
     /// without it the subscription has no dead-letter policy.
     #[arg(long)]
     dead_letter_topic: Option<String>,
-    /// Deliveries before the broker dead-letters a message (5..=100).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i32).range(5..=100))]
+    /// Deliveries before the broker dead-letters a message (5..=100). The
+    /// default is the ceiling: broker dead-letters publish no result, so
+    /// they are a last resort behind `dispatch.max_attempts` (a delivery at
+    /// the limit is answered by the dispatcher first).
+    #[arg(long, default_value_t = DEFAULT_MAX_DELIVERY_ATTEMPTS, value_parser = clap::value_parser!(i32).range(5..=100))]
     max_delivery_attempts: i32,
     /// Retry policy: the broker's first redelivery backoff after a nack.
     #[arg(long, default_value = "1s")]
@@ -347,7 +353,7 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
         request_topic: format!("{tag}-requests"),
         subscription: format!("{tag}-work"),
         dead_letter_topic: None,
-        max_delivery_attempts: 5,
+        max_delivery_attempts: DEFAULT_MAX_DELIVERY_ATTEMPTS,
         min_backoff: Duration::from_secs(1),
         max_backoff: Duration::from_secs(60),
         ack_deadline_secs: 30,
@@ -462,4 +468,54 @@ gate_type = "constant"
         "dispatcher + in-process gateway + result reader; the emulator's own CPU is not counted",
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        setup: SetupArgs,
+    }
+
+    #[test]
+    fn setup_makes_broker_dead_lettering_a_last_resort_by_default() {
+        let cli = Cli::try_parse_from(["setup", "--topic", "t", "--subscription", "s"])
+            .err()
+            .map(|e| e.to_string());
+        assert!(cli.is_some_and(|e| e.contains("--result-topic")));
+        let cli = Cli::try_parse_from([
+            "setup",
+            "--topic",
+            "t",
+            "--subscription",
+            "s",
+            "--result-topic",
+            "r",
+            "--dead-letter-topic",
+            "d",
+        ])
+        .expect("parses");
+        let plan = plan(&cli.setup).expect("a plan");
+        assert_eq!(plan.max_delivery_attempts, 100);
+        assert_eq!(plan.max_delivery_attempts, DEFAULT_MAX_DELIVERY_ATTEMPTS);
+        assert!(
+            Cli::try_parse_from([
+                "setup",
+                "--topic",
+                "t",
+                "--subscription",
+                "s",
+                "--result-topic",
+                "r",
+                "--max-delivery-attempts",
+                "101",
+            ])
+            .is_err(),
+            "Pub/Sub allows at most 100"
+        );
+    }
 }

@@ -367,6 +367,15 @@ section! {
         emulator_host: Option<String> = None, host_port;
         /// Service-account key file; unset = application default credentials.
         credentials_file: Option<PathBuf> = None, |v| path(v).map(Some);
+        /// Longest a delivery waiting for the pool (congestion hold, gate
+        /// wait, failed-attempt backoff) is kept leased by ack-deadline
+        /// extensions, counted from its Pull; then it goes back to the
+        /// broker (ack deadline 0), which counts a delivery attempt.
+        #[serde(serialize_with = "render::duration")]
+        max_hold: Duration = Duration::from_secs(3600), duration_min(Duration::from_secs(1));
+        /// Most message bytes held leased for the pool at once; a hold
+        /// beyond it goes back to the broker at once.
+        max_hold_bytes: u64 = 64 * 1024 * 1024, |v| as_u64_in(v, 0, u64::MAX);
     }
 
     /// `[embedded]`: the single-node durable store (SQLite file) of the

@@ -21,7 +21,7 @@ use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
 use crate::gate::{Admission, AdmissionRequest, Ticket};
 use crate::queue::{Delivery, NackReason};
-use crate::request::{log_id, parse_message};
+use crate::request::{log_id, parse_message, source_result_id};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::traces as trace_attr;
 
@@ -347,7 +347,12 @@ pub(super) async fn check(
     let message = match parse_message(&delivery.body) {
         Ok(message) => message,
         Err(failure) => {
-            let id = failure.result_id.clone();
+            // No id in the body: the transport's own id for the message
+            // (Pub/Sub's message id) keeps equal bodies apart.
+            let id = match &delivery.source_id {
+                Some(source) if failure.is_anonymous() => source_result_id(source),
+                _ => failure.result_id.clone(),
+            };
             tracing::info!(id = log_id(&id), reason = failure.reason, "invalid message");
             let result = ResultRecord::error(
                 &id,

@@ -182,6 +182,7 @@ impl MemoryQueue {
                 tag: tag.clone(),
                 body: item.body.clone(),
                 retry_count: item.retry_count,
+                source_id: None,
             });
             state.leased.insert(
                 tag,

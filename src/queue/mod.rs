@@ -46,6 +46,11 @@ pub struct Delivery {
     pub body: Bytes,
     /// How many failed attempts the transport has recorded for it.
     pub retry_count: u32,
+    /// The broker's own id of the message, when it has one (Pub/Sub's
+    /// message id): a message whose body names no usable id is answered
+    /// as `invalid:<source_id>`, so equal unparsable bodies still get one
+    /// result each. `None`: such a message is named by a hash of its body.
+    pub source_id: Option<String>,
 }
 
 /// A result to write, and the delivery it settles.
@@ -151,7 +156,11 @@ impl QueueError {
 ///   was lost is not acknowledged (its new holder will answer).
 /// - `nack` returns a message to the queue, visible again after `delay`, in
 ///   its original deadline order (a retry never jumps ahead of earlier-due
-///   work). Only [`NackReason::Failed`] increments its retry count.
+///   work). Only [`NackReason::Failed`] increments its retry count. A
+///   transport whose broker counts every redelivery as an attempt may
+///   instead keep a not-failed message leased and hand it out again
+///   itself after `delay` (Pub/Sub does: `pubsub/hold.rs`); the message is
+///   then visible to this process only until the lease is given up.
 /// - `extend_lease` keeps long-running deliveries leased.
 /// - `dead_letter` moves a message out of the queue with its last error,
 ///   after the attempts allowed for it are used up.

@@ -172,6 +172,7 @@ async fn open_pubsub(config: &Config, metrics: &Metrics) -> Result<Transports, O
             &q.queue_name,
             results.clone(),
             &pubsub.project_id,
+            (&pubsub).into(),
             metrics.pubsub(&q.queue_name),
         )
         .await?;

@@ -159,7 +159,7 @@ pub struct PubSubMetrics {
     pub in_flight: Gauge,
     /// Messages acknowledged (after their result was confirmed).
     pub acks: Counter,
-    /// Messages handed back (nack or ack-deadline change to a delay).
+    /// Messages handed back to the broker (ack deadline 0).
     pub nacks: Counter,
     /// Ack-deadline extensions of held deliveries, one per message.
     pub deadline_extensions: Counter,
@@ -407,7 +407,7 @@ impl Metrics {
         let p = &m.pubsub;
         r.register(
             "sluicegate_pubsub_in_flight_messages",
-            "Pub/Sub deliveries held by this process (pulled, not yet acked or nacked)",
+            "Pub/Sub deliveries held by this process (pulled, not yet acked or handed back; holds included)",
             p.in_flight.clone(),
         );
         r.register(
@@ -417,7 +417,7 @@ impl Metrics {
         );
         r.register(
             "sluicegate_pubsub_nacks",
-            "Pub/Sub messages handed back (nack or ack deadline set to the retry delay)",
+            "Pub/Sub messages handed back to the broker (ack deadline 0); waits for the pool are held, not counted",
             p.nacks.clone(),
         );
         r.register(

@@ -528,6 +528,7 @@ impl Inner {
                     tag: DeliveryTag(tag),
                     body: Bytes::from(body),
                     retry_count,
+                    source_id: None,
                 });
             }
             Ok(out)

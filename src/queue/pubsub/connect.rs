@@ -100,6 +100,7 @@ mod tests {
             result_topic_id: Some("r".into()),
             emulator_host: emulator.map(str::to_owned),
             credentials_file: key.map(Into::into),
+            ..PubSubConfig::default()
         }
     }
 

@@ -23,11 +23,29 @@ pub(super) struct Received {
     pub(super) body: Vec<u8>,
     /// `metadata.result_route` of the request, if any.
     pub(super) result_route: Option<String>,
+    /// The request's `deadline` (Unix seconds), when the body has a
+    /// readable one: a hold never outlasts it.
+    pub(super) deadline: Option<i64>,
 }
 
-/// Message attributes merge into the request's `metadata` (upstream's Pub/Sub format, docs/compatibility.md);
-/// a key the body's metadata already has keeps the body's value, since the
-/// producer wrote it on purpose. Only the top level is re-written: the
+/// The top-level `deadline` of a request: an integer, or a number in a
+/// string, as the request parser accepts it (`src/request.rs`).
+fn deadline_of(raw: Option<&RawValue>) -> Option<i64> {
+    let value: serde_json::Value = serde_json::from_str(raw?.get()).ok()?;
+    let number = match &value {
+        serde_json::Value::String(s) => s.trim().parse::<f64>().ok()?,
+        v => v.as_f64()?,
+    };
+    // Whole seconds, as the parser reads them; out-of-range values are
+    // the parser's to refuse.
+    number.is_finite().then_some(number as i64)
+}
+
+/// Message attributes merge into the request's `metadata`, and where the
+/// body's metadata has the same key the attribute's value wins, as in
+/// upstream's Pub/Sub consumer (`docs/compatibility.md`): a producer or a
+/// relay that sets an attribute (a tenant, a route) overrides what the body
+/// carries. Only the top level is re-written: the
 /// `payload` and every other field keep their exact text, so the request
 /// is still forwarded verbatim. A body that is not a JSON object is handed
 /// on unchanged: the dispatcher answers it with `INVALID_REQUEST`.
@@ -36,8 +54,10 @@ pub(super) fn received(data: &[u8], attributes: &HashMap<String, String>) -> Rec
         return Received {
             body: data.to_vec(),
             result_route: None,
+            deadline: None,
         };
     };
+    let deadline = deadline_of(top.get("deadline").map(AsRef::as_ref));
     let mut metadata: BTreeMap<String, String> = match top.get("metadata") {
         Some(raw) => match serde_json::from_str(raw.get()) {
             Ok(m) => m,
@@ -47,20 +67,25 @@ pub(super) fn received(data: &[u8], attributes: &HashMap<String, String>) -> Rec
                 return Received {
                     body: data.to_vec(),
                     result_route: None,
+                    deadline,
                 };
             }
         },
         None => BTreeMap::new(),
     };
-    let before = metadata.len();
+    let mut changed = false;
     for (key, value) in attributes {
-        metadata.entry(key.clone()).or_insert_with(|| value.clone());
+        if metadata.get(key) != Some(value) {
+            metadata.insert(key.clone(), value.clone());
+            changed = true;
+        }
     }
     let result_route = metadata.get(RESULT_ROUTE).cloned();
-    if metadata.len() == before {
+    if !changed {
         return Received {
             body: data.to_vec(),
             result_route,
+            deadline,
         };
     }
     // Maps of strings and raw JSON values always serialise.
@@ -71,7 +96,11 @@ pub(super) fn received(data: &[u8], attributes: &HashMap<String, String>) -> Rec
             serde_json::to_vec(&top).ok()
         })
         .unwrap_or_else(|| data.to_vec());
-    Received { body, result_route }
+    Received {
+        body,
+        result_route,
+        deadline,
+    }
 }
 
 /// The retry count of a delivery: Pub/Sub's delivery attempt minus one
@@ -125,11 +154,13 @@ mod tests {
     }
 
     #[test]
-    fn attributes_merge_into_metadata_and_the_body_wins() {
-        let body = br#"{"id":"a","deadline":9,"payload":{"b": [1, 2]},"metadata":{"userid":"u1"}}"#;
+    fn attributes_merge_into_metadata_and_win_as_upstream() {
+        let body = br#"{"id":"a","deadline":9,"payload":{"b": [1, 2]},"metadata":{"userid":"u1","k":"body"}}"#;
         let r = received(body, &attrs(&[("userid", "u2"), ("result_route", "r7")]));
         let v: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
-        assert_eq!(v["metadata"]["userid"], "u1");
+        assert_eq!(v["metadata"]["userid"], "u2");
+        assert_eq!(v["metadata"]["k"], "body");
+        assert_eq!(r.deadline, Some(9));
         assert_eq!(v["metadata"]["result_route"], "r7");
         assert_eq!(r.result_route.as_deref(), Some("r7"));
         // The payload's own text is kept byte for byte.
@@ -143,6 +174,22 @@ mod tests {
         let r = received(body, &HashMap::new());
         assert_eq!(r.body, body.to_vec());
         assert_eq!(r.result_route.as_deref(), Some("x"));
+        // An attribute equal to the body's value changes nothing either.
+        let same = received(body, &attrs(&[("result_route", "x")]));
+        assert_eq!(same.body, body.to_vec());
+    }
+
+    #[test]
+    fn deadlines_are_read_as_the_parser_reads_them() {
+        for (body, want) in [
+            (&br#"{"deadline": 1700000000}"#[..], Some(1_700_000_000)),
+            (br#"{"deadline": "1700000000.5"}"#, Some(1_700_000_000)),
+            (br#"{"deadline": "soon"}"#, None),
+            (br#"{"id": "x"}"#, None),
+            (b"not json", None),
+        ] {
+            assert_eq!(received(body, &HashMap::new()).deadline, want);
+        }
     }
 
     #[test]

@@ -3,21 +3,33 @@
 //!
 //! Flow control is unary `Pull` with `max_messages` = the free dispatch
 //! permits the receiver asks for: nothing is pulled that the window cannot
-//! send, so nothing has to be held back or handed back, and a budget change
-//! only changes the next Pull's size. There is no long-lived StreamingPull
-//! that a budget change could tear down (upstream's sawtooth).
+//! send, and a budget change only changes the next Pull's size. There is no
+//! long-lived StreamingPull that a budget change could tear down
+//! (upstream's sawtooth).
+//!
+//! Waiting never goes through the broker (`hold.rs`): a delivery the
+//! dispatcher hands back for congestion or a gate stays leased, its ack
+//! deadline extended by this transport's keeper task, and the next
+//! `receive` hands it out again once its delay ends. Pub/Sub would count
+//! each redelivery as a delivery attempt, and the emulator stopped
+//! redelivering messages nacked with short ack deadlines (issue 22). What
+//! does go back to the broker goes with `ModifyAckDeadline 0`, and a
+//! message on its last delivery before the broker would dead-letter it is
+//! answered (and dead-lettered) by the transport instead.
 //!
 //! Files: `message` (pure conversions: attribute merge, retry count,
-//! deadlines, result attributes), `connect` (credentials and emulator),
-//! `setup` (`sluicegate pubsub setup`).
+//! deadlines, result attributes), `hold` (the held deliveries and what a
+//! hand-back does to each), `connect` (credentials and emulator), `setup`
+//! (`sluicegate pubsub setup`).
 
 mod connect;
+mod hold;
 mod message;
 mod setup;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -28,16 +40,21 @@ use gcloud_googleapis::pubsub::v1::{ModifyAckDeadlineRequest, PubsubMessage, Pul
 use gcloud_pubsub::client::Client;
 use gcloud_pubsub::publisher::{Publisher, PublisherConfig};
 use gcloud_pubsub::subscription::Subscription;
+use tokio::sync::Notify;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
 };
-use crate::result::ResultRecord;
+use crate::config::PubSubConfig;
+use crate::request::{AttemptRecord, parse_message, source_result_id};
+use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::metrics::PubSubMetrics;
+use hold::{Held, Leases, Plan};
 
 pub use connect::{EMULATOR_ENV, Target, connect, connect_to, target};
 pub use message::{MAX_PULL, result_message};
-pub use setup::{SetupPlan, setup};
+pub use setup::{DEFAULT_MAX_DELIVERY_ATTEMPTS, SetupPlan, setup};
 
 /// Why the Pub/Sub transport could not start or an operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -97,28 +114,58 @@ const PUBLISH_FLUSH: Duration = Duration::from_millis(5);
 /// Parallel publish streams.
 const PUBLISH_WORKERS: usize = 4;
 
-/// One delivery this process holds.
-#[derive(Debug)]
-struct Held {
-    info: message::Received,
-    /// Its result is confirmed on the topic; only the ack is left (an
-    /// ack retried after a failure must not publish a second result).
-    published: bool,
+/// How long the transport may keep deliveries leased while the pool makes
+/// them wait (`[pubsub] max_hold`, `max_hold_bytes`; `hold.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldBudget {
+    /// Longest a delivery is kept leased by ack-deadline extensions,
+    /// counted from its Pull.
+    pub max_hold: Duration,
+    /// Most message bytes on hold at once.
+    pub max_bytes: u64,
 }
 
-/// One subscription as a [`Queue`].
+impl From<&PubSubConfig> for HoldBudget {
+    fn from(c: &PubSubConfig) -> Self {
+        Self {
+            max_hold: c.max_hold,
+            max_bytes: c.max_hold_bytes,
+        }
+    }
+}
+
+/// One subscription as a [`Queue`]. Dropping it stops its keeper task.
 #[derive(Debug)]
 pub struct PubSubQueue {
+    inner: Arc<Inner>,
+    _keeper: DropGuard,
+}
+
+#[derive(Debug)]
+struct Inner {
     name: String,
     subscription: Subscription,
     results: Publisher,
     /// The subscription's dead-letter topic, when it has one: a message
     /// the dispatcher gives up on goes there too, as the broker would.
     dead_letters: Option<Publisher>,
+    /// The subscription's `max_delivery_attempts`, read at open: a
+    /// delivery at this attempt is the last before the broker dead-letters.
+    max_delivery_attempts: Option<i32>,
     /// The subscription's own ack deadline: a lease of the same length
     /// needs no ModifyAckDeadline after the Pull.
     ack_deadline_secs: i32,
-    held: Mutex<HashMap<String, Held>>,
+    budget: hold::Budget,
+    /// The dispatcher's lease (from its last `receive`), in milliseconds:
+    /// what the keeper extends holds by.
+    lease_ms: AtomicU64,
+    leases: Mutex<Leases>,
+    /// Wakes the keeper when a hold starts (it may end before the keeper's
+    /// next planned look).
+    keeper_wake: Notify,
+    /// Stops the keeper: at `close`, so no extension re-leases what close
+    /// handed back, and when the queue is dropped.
+    keeper_stop: CancellationToken,
     /// Acked by an `ack` call that then failed for other completions; the
     /// retry of that call counts them as acked.
     settled: Mutex<HashSet<String>>,
@@ -183,14 +230,22 @@ pub fn pubsub_message(data: Vec<u8>, attributes: HashMap<String, String>) -> Pub
     }
 }
 
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
 impl PubSubQueue {
     /// Opens the queue on `subscription_id`, checking it exists and reading
-    /// its ack deadline and dead-letter topic; results go to `results`.
+    /// its ack deadline and dead-letter policy; results go to `results`.
+    /// Starts the keeper task that extends and ends holds (`budget`).
     pub async fn open(
         client: &Client,
         subscription_id: &str,
         results: Publisher,
         project: &str,
+        budget: HoldBudget,
         metrics: PubSubMetrics,
     ) -> Result<Self, PubSubError> {
         let subscription = client.subscription(subscription_id);
@@ -211,35 +266,105 @@ impl PubSubQueue {
                 }
             }
         })?;
-        let dead_letters = config
+        let policy = config
             .dead_letter_policy
             .as_ref()
-            .filter(|p| !p.dead_letter_topic.is_empty())
-            .map(|p| client.topic(&p.dead_letter_topic).new_publisher(None));
-        Ok(Self {
+            .filter(|p| !p.dead_letter_topic.is_empty());
+        let dead_letters = policy.map(|p| client.topic(&p.dead_letter_topic).new_publisher(None));
+        // The service applies 5 when a policy leaves it 0.
+        let max_delivery_attempts = policy.map(|p| {
+            if p.max_delivery_attempts > 0 {
+                p.max_delivery_attempts
+            } else {
+                5
+            }
+        });
+        // 0 means the service default of 10 s.
+        let ack_deadline_secs = if config.ack_deadline_seconds > 0 {
+            config.ack_deadline_seconds
+        } else {
+            10
+        };
+        let inner = Arc::new(Inner {
             name: subscription_id.to_owned(),
             subscription,
             results,
             dead_letters,
-            // 0 means the service default of 10 s.
-            ack_deadline_secs: if config.ack_deadline_seconds > 0 {
-                config.ack_deadline_seconds
-            } else {
-                10
+            max_delivery_attempts,
+            ack_deadline_secs,
+            budget: hold::Budget {
+                max_hold: budget.max_hold,
+                max_bytes: budget.max_bytes,
             },
-            held: Mutex::new(HashMap::new()),
+            lease_ms: AtomicU64::new(u64::try_from(ack_deadline_secs).unwrap_or(10) * 1000),
+            leases: Mutex::new(Leases::default()),
+            keeper_wake: Notify::new(),
+            keeper_stop: CancellationToken::new(),
             settled: Mutex::new(HashSet::new()),
             reachable: AtomicBool::new(true),
             pull_failed: AtomicBool::new(false),
             dead_letters_total: AtomicU64::new(0),
             metrics,
+        });
+        let stop = inner.keeper_stop.clone();
+        tokio::spawn(keep_holds(inner.clone(), stop.clone()));
+        Ok(Self {
+            inner,
+            _keeper: stop.drop_guard(),
         })
     }
+}
 
-    fn held(&self) -> MutexGuard<'_, HashMap<String, Held>> {
+/// The keeper of holds: extends their ack deadlines every third of the
+/// dispatcher's lease, hands failed attempts back to the broker when their
+/// backoff ends, and ends holds past `max_hold`. Runs until `close` or
+/// until the queue is dropped. RPC failures are logged and retried at the next look: a hold
+/// whose extension keeps failing expires and the broker redelivers it
+/// (at-least-once, nothing lost).
+async fn keep_holds(inner: Arc<Inner>, stop: CancellationToken) {
+    loop {
+        let now = Instant::now();
+        let every = inner.extend_every();
+        let (hand_back, extend, next) = {
+            let mut leases = inner.leases();
+            (
+                leases.due_hand_backs(now, inner.budget.max_hold),
+                leases.take_extensions(now, every),
+                leases.next_wake(every, inner.budget.max_hold),
+            )
+        };
+        for id in hand_back {
+            inner.end_hold(id).await;
+        }
+        if !extend.is_empty() {
+            let n = extend.len() as u64;
+            let secs = message::deadline_secs(inner.lease()).max(1);
+            match inner.modack(extend, secs).await {
+                Ok(()) => {
+                    inner.metrics.deadline_extensions.inc_by(n);
+                }
+                Err(error) => {
+                    tracing::warn!(%error, queue = %inner.name, "extending held deliveries failed");
+                }
+            }
+        }
+        // At least a short pause between looks, so a failing RPC cannot spin.
+        let wake = next
+            .unwrap_or(now + every)
+            .max(Instant::now() + Duration::from_millis(20));
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = inner.keeper_wake.notified() => {}
+            () = tokio::time::sleep_until(tokio::time::Instant::from_std(wake)) => {}
+        }
+    }
+}
+
+impl Inner {
+    fn leases(&self) -> MutexGuard<'_, Leases> {
         // A panic while holding the map cannot leave it half-updated:
-        // every update is a single insert or remove.
-        self.held
+        // every update is one insert, remove or field change.
+        self.leases
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -250,18 +375,28 @@ impl PubSubQueue {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn update_in_flight(&self, held: &HashMap<String, Held>) {
+    fn lease(&self) -> Duration {
+        Duration::from_millis(self.lease_ms.load(Ordering::Relaxed))
+    }
+
+    /// Holds are extended every third of the lease, as the dispatcher
+    /// extends what it holds.
+    fn extend_every(&self) -> Duration {
+        (self.lease() / 3).max(Duration::from_millis(100))
+    }
+
+    fn update_in_flight(&self, leases: &Leases) {
         self.metrics
             .in_flight
-            .set(i64::try_from(held.len()).unwrap_or(i64::MAX));
+            .set(i64::try_from(leases.len()).unwrap_or(i64::MAX));
     }
 
     fn release(&self, ids: &[String]) {
-        let mut held = self.held();
+        let mut leases = self.leases();
         for id in ids {
-            held.remove(id);
+            leases.remove(id);
         }
-        self.update_in_flight(&held);
+        self.update_in_flight(&leases);
     }
 
     /// Sets the ack deadline of `ids` to `secs` (0 = redeliver now).
@@ -278,12 +413,60 @@ impl PubSubQueue {
         Ok(())
     }
 
+    /// Hands deliveries back to the broker: ack deadline 0, the nack form
+    /// both the emulator and the service redeliver at once (subject to the
+    /// subscription's retry policy). Issue 22: with a retry policy the
+    /// emulator stopped redelivering messages nacked with a 2 s deadline.
+    async fn hand_back(&self, ids: Vec<String>) -> Result<(), QueueError> {
+        let n = ids.len() as u64;
+        match self.modack(ids.clone(), 0).await {
+            Ok(()) => {
+                self.metrics.nacks.inc_by(n);
+            }
+            // Already expired: the broker redelivers it anyway.
+            Err(status) if ids_expired(&status) => {}
+            Err(source) => return Err(QueueError::PubSub { op: "nack", source }),
+        }
+        self.release(&ids);
+        Ok(())
+    }
+
+    /// Ends a hold the keeper found due for the broker: a failed attempt
+    /// whose backoff ended, or any hold past `max_hold`. A last delivery is
+    /// answered instead (the broker would dead-letter it without a result).
+    async fn end_hold(&self, id: String) {
+        let last = {
+            let mut leases = self.leases();
+            if !leases.take_hold(&id) {
+                return;
+            }
+            leases.get(&id).is_some_and(|h| {
+                hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts)
+            })
+        };
+        let outcome = if last {
+            self.answer_last_delivery(&DeliveryTag(id.clone()), None, "held past pubsub.max_hold")
+                .await
+        } else {
+            self.hand_back(vec![id.clone()]).await
+        };
+        if let Err(error) = outcome {
+            // Not lost: its lease runs out and the broker redelivers it.
+            tracing::warn!(%error, queue = %self.name, "ending a hold failed; the lease will expire");
+            self.release(&[id]);
+        }
+    }
+
     async fn pull(
         &self,
         max: usize,
         lease: Duration,
         wait: Duration,
     ) -> Result<Vec<Delivery>, QueueError> {
+        self.lease_ms.store(
+            u64::try_from(lease.as_millis()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         let request = PullRequest {
             subscription: self.subscription.fully_qualified_name().to_owned(),
             // A Pull that waits for messages cannot be abandoned safely: the
@@ -298,6 +481,12 @@ impl PubSubQueue {
         let give_up = Instant::now() + wait;
         let mut pause = POLL_MIN;
         loop {
+            // Held deliveries whose wait is over go first: they were pulled
+            // before anything still on the broker.
+            let again = self.redeliveries(max);
+            if !again.is_empty() {
+                return Ok(again);
+            }
             let pulled = self
                 .subscription
                 .get_client()
@@ -334,34 +523,161 @@ impl PubSubQueue {
                     tracing::warn!(%error, queue = %self.name, "setting the lease after pull failed");
                 }
             }
-            let mut held = self.held();
+            let now = Instant::now();
+            let mut leases = self.leases();
             let deliveries = pulled
                 .into_iter()
                 .map(|m| {
-                    let (data, attributes) = m
+                    let (data, attributes, message_id) = m
                         .message
-                        .map(|p| (p.data, p.attributes))
+                        .map(|p| (p.data, p.attributes, p.message_id))
                         .unwrap_or_default();
                     let info = message::received(&data, &attributes);
                     let body = Bytes::from(info.body.clone());
-                    held.insert(
-                        m.ack_id.clone(),
+                    let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
+                    let retry_count = message::retry_count(attempt);
+                    let delivery = Delivery {
+                        tag: DeliveryTag(m.ack_id.clone()),
+                        body,
+                        retry_count,
+                        source_id: Some(message_id.clone()),
+                    };
+                    leases.insert(
+                        m.ack_id,
                         Held {
                             info,
+                            message_id,
                             published: false,
+                            pulled_at: now,
+                            retry_count,
+                            delivery_attempt: (m.delivery_attempt > 0)
+                                .then_some(m.delivery_attempt),
+                            hold: None,
                         },
                     );
-                    let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
-                    Delivery {
-                        tag: DeliveryTag(m.ack_id),
-                        body,
-                        retry_count: message::retry_count(attempt),
-                    }
+                    delivery
                 })
                 .collect();
-            self.update_in_flight(&held);
+            self.update_in_flight(&leases);
             return Ok(deliveries);
         }
+    }
+
+    /// Up to `max` held deliveries whose hold ended, as deliveries again
+    /// (same ack id: this process still holds the lease).
+    fn redeliveries(&self, max: usize) -> Vec<Delivery> {
+        let mut leases = self.leases();
+        leases
+            .take_redeliveries(Instant::now(), max)
+            .into_iter()
+            .map(|(id, h)| Delivery {
+                tag: DeliveryTag(id),
+                body: Bytes::from(h.info.body.clone()),
+                retry_count: h.retry_count,
+                source_id: Some(h.message_id.clone()),
+            })
+            .collect()
+    }
+
+    /// A hand-back from the dispatcher (`nack`, `requeue_after_attempt`):
+    /// held, handed back to the broker, or answered (`hold::plan`).
+    async fn hand_back_from_dispatcher(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: Option<AttemptRecord>,
+    ) -> Result<(), QueueError> {
+        let now = Instant::now();
+        let plan = {
+            let mut leases = self.leases();
+            let Some(h) = leases.get(&tag.0) else {
+                return Ok(());
+            };
+            let facts = hold::Facts {
+                reason,
+                delay,
+                now,
+                pulled_at: h.pulled_at,
+                deadline_in: hold::time_left(h.info.deadline, unix_now()),
+                last_delivery: hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts),
+                size: h.info.body.len() as u64,
+                held_bytes: leases.hold_bytes(),
+            };
+            let plan = hold::plan(&facts, &self.budget);
+            if let Plan::Hold { until, then } = plan {
+                leases.start_hold(&tag.0, until, then, now);
+            }
+            plan
+        };
+        match plan {
+            Plan::Hold { .. } => {
+                self.keeper_wake.notify_one();
+                Ok(())
+            }
+            Plan::HandBack => self.hand_back(vec![tag.0]).await,
+            Plan::Answer => {
+                let why = match reason {
+                    NackReason::Failed => "its last attempt failed",
+                    NackReason::Shutdown => "the dispatcher shut down",
+                    NackReason::Congested | NackReason::NotAdmitted => {
+                        "no hold budget left (pubsub.max_hold, pubsub.max_hold_bytes)"
+                    }
+                };
+                self.answer_last_delivery(&tag, record, why).await
+            }
+        }
+    }
+
+    /// Answers a delivery the broker would dead-letter if it came back
+    /// (its delivery attempt reached the subscription's
+    /// `max_delivery_attempts`): an `INFERENCE_ERROR` result (keeping the
+    /// last HTTP answer when an attempt got one) and a copy on the
+    /// dead-letter topic, as the dispatcher's own dead-lettering does.
+    async fn answer_last_delivery(
+        &self,
+        tag: &DeliveryTag,
+        record: Option<AttemptRecord>,
+        why: &str,
+    ) -> Result<(), QueueError> {
+        let Some((body, message_id, attempt)) = self.leases().get(&tag.0).map(|h| {
+            (
+                h.info.body.clone(),
+                h.message_id.clone(),
+                h.delivery_attempt,
+            )
+        }) else {
+            return Ok(());
+        };
+        let (id, token) = match parse_message(&body) {
+            Ok(m) => (m.request.id.clone(), m.token().map(str::to_owned)),
+            Err(f) if f.is_anonymous() => (source_result_id(&message_id), f.token),
+            Err(f) => (f.result_id, f.token),
+        };
+        let attempts = record.as_ref().map_or(0, |r| r.attempts);
+        let last = match record.and_then(|r| r.last_answer) {
+            Some(answer) => ResultRecord::http(
+                &id,
+                token.as_deref(),
+                answer.status_code,
+                answer.body,
+                attempts,
+            ),
+            None => ResultRecord::error(
+                &id,
+                token.as_deref(),
+                ErrorCode::InferenceError,
+                &format!(
+                    "Pub/Sub delivery {} of the subscription's max_delivery_attempts {} and {why}",
+                    attempt.unwrap_or(0),
+                    self.max_delivery_attempts.unwrap_or(0)
+                ),
+            )
+            .with_attempts(attempts),
+        };
+        tracing::warn!(id = %crate::request::log_id(&id), why, "last Pub/Sub delivery: answering before the broker dead-letters it");
+        self.dead_letter_with(tag, ResultRecord::dead_lettered(&last))
+            .await
     }
 
     async fn ack_completions(&self, completions: Vec<Completion>) -> Result<AckReport, QueueError> {
@@ -369,7 +685,7 @@ impl PubSubQueue {
         let mut to_publish = Vec::new();
         let mut to_ack = Vec::new();
         {
-            let held = self.held();
+            let leases = self.leases();
             let mut settled = self.settled();
             for c in completions {
                 let id = c.tag.0;
@@ -377,7 +693,7 @@ impl PubSubQueue {
                     report.acked += 1;
                     continue;
                 }
-                match held.get(&id) {
+                match leases.get(&id) {
                     None => report.lease_lost += 1,
                     Some(h) if h.published => to_ack.push(id),
                     Some(h) => {
@@ -396,11 +712,11 @@ impl PubSubQueue {
             self.metrics
                 .publish_latency
                 .observe(started.elapsed().as_secs_f64());
-            let mut held = self.held();
+            let mut leases = self.leases();
             for (id, outcome) in ids.into_iter().zip(confirmed) {
                 match outcome {
                     Ok(_) => {
-                        if let Some(h) = held.get_mut(&id) {
+                        if let Some(h) = leases.get_mut(&id) {
                             h.published = true;
                         }
                         to_ack.push(id);
@@ -438,20 +754,22 @@ impl PubSubQueue {
         Ok(report)
     }
 
-    async fn dead_letter_one(
+    /// Dead-letters a delivery with `result` as its one result: the request
+    /// to the dead-letter topic (when the subscription has one), the result
+    /// to the result topic, both confirmed, then the ack.
+    async fn dead_letter_with(
         &self,
         tag: &DeliveryTag,
-        last_error: ResultRecord,
+        result: ResultRecord,
     ) -> Result<(), QueueError> {
         let Some((info, published)) = self
-            .held()
+            .leases()
             .get(&tag.0)
             .map(|h| (h.info.clone(), h.published))
         else {
             return Ok(());
         };
         if !published {
-            let result = ResultRecord::dead_lettered(&last_error);
             if let Some(topic) = &self.dead_letters {
                 let mut attributes = HashMap::from([
                     ("id".to_owned(), result.id.clone()),
@@ -471,7 +789,7 @@ impl PubSubQueue {
             {
                 outcome.map_err(queue_error("publish result"))?;
             }
-            if let Some(h) = self.held().get_mut(&tag.0) {
+            if let Some(h) = self.leases().get_mut(&tag.0) {
                 h.published = true;
             }
         }
@@ -489,11 +807,48 @@ impl PubSubQueue {
         self.dead_letters_total.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+
+    /// Hands back every held delivery not yet answered: ack deadline 0,
+    /// redelivered at once to another worker; a last delivery is answered
+    /// instead.
+    async fn close(&self) -> Result<usize, QueueError> {
+        // An extension the keeper has already sent may still land after
+        // the hand-back below; that only delays the redelivery by one lease.
+        self.keeper_stop.cancel();
+        let (mut last, mut rest) = (Vec::new(), Vec::new());
+        for (id, h) in self.leases().ids().filter(|(_, h)| !h.published) {
+            if hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts) {
+                last.push(id.clone());
+            } else {
+                rest.push(id.clone());
+            }
+        }
+        let n = last.len() + rest.len();
+        for id in last {
+            let tag = DeliveryTag(id);
+            if let Err(error) = self
+                .answer_last_delivery(&tag, None, "the dispatcher shut down")
+                .await
+            {
+                // Its lease runs out and the broker dead-letters it: the
+                // dead-letter subscription still has it.
+                tracing::warn!(%error, %tag, queue = %self.name, "could not answer a last delivery at shutdown");
+            }
+        }
+        if !rest.is_empty() {
+            self.modack(rest.clone(), 0)
+                .await
+                .map_err(queue_error("close"))?;
+            self.metrics.nacks.inc_by(rest.len() as u64);
+            self.release(&rest);
+        }
+        Ok(n)
+    }
 }
 
 impl Queue for PubSubQueue {
     fn name(&self) -> &str {
-        &self.name
+        &self.inner.name
     }
 
     fn receive(
@@ -502,40 +857,44 @@ impl Queue for PubSubQueue {
         lease: Duration,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
-        Box::pin(self.pull(max, lease, wait))
+        Box::pin(self.inner.pull(max, lease, wait))
     }
 
     fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
-        Box::pin(self.ack_completions(completions))
+        Box::pin(self.inner.ack_completions(completions))
     }
 
-    /// The delay is the ack deadline the message gets (whole seconds,
-    /// rounded up, at most 600 s); 0 hands it back at once. Pub/Sub counts
-    /// the redelivery as a delivery attempt whatever the reason.
+    /// Congestion and gate waits stay leased for `delay` and come back from
+    /// this process's next receive (no delivery attempt used); a failed
+    /// attempt waits out `delay` leased, then goes back to the broker with
+    /// ack deadline 0; shutdown hands back at once. Bounded by the request's
+    /// deadline and `[pubsub] max_hold` / `max_hold_bytes`; a last delivery
+    /// is answered rather than handed back (`hold.rs`).
     fn nack(
         &self,
         tag: DeliveryTag,
         delay: Duration,
-        _reason: NackReason,
+        reason: NackReason,
     ) -> BoxFuture<'_, Result<(), QueueError>> {
-        Box::pin(async move {
-            if !self.held().contains_key(&tag.0) {
-                return Ok(());
-            }
-            let ids = vec![tag.0];
-            let outcome = self
-                .modack(ids.clone(), message::deadline_secs(delay))
-                .await;
-            match outcome {
-                Ok(()) => {
-                    self.metrics.nacks.inc();
-                }
-                Err(status) if ids_expired(&status) => {}
-                Err(source) => return Err(QueueError::PubSub { op: "nack", source }),
-            }
-            self.release(&ids);
-            Ok(())
-        })
+        Box::pin(
+            self.inner
+                .hand_back_from_dispatcher(tag, delay, reason, None),
+        )
+    }
+
+    /// [`Queue::nack`], keeping the attempt's last answer for the result
+    /// of a last delivery.
+    fn requeue_after_attempt(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: AttemptRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(
+            self.inner
+                .hand_back_from_dispatcher(tag, delay, reason, Some(record)),
+        )
     }
 
     fn extend_lease(
@@ -543,22 +902,24 @@ impl Queue for PubSubQueue {
         tags: Vec<DeliveryTag>,
         lease: Duration,
     ) -> BoxFuture<'_, Result<(), QueueError>> {
+        let inner = &self.inner;
         Box::pin(async move {
             let ids: Vec<String> = {
-                let held = self.held();
+                let leases = inner.leases();
                 tags.into_iter()
                     .map(|t| t.0)
-                    .filter(|id| held.contains_key(id))
+                    .filter(|id| leases.contains(id))
                     .collect()
             };
             if ids.is_empty() {
                 return Ok(());
             }
             let n = ids.len() as u64;
-            self.modack(ids, message::deadline_secs(lease).max(1))
+            inner
+                .modack(ids, message::deadline_secs(lease).max(1))
                 .await
                 .map_err(queue_error("extend lease"))?;
-            self.metrics.deadline_extensions.inc_by(n);
+            inner.metrics.deadline_extensions.inc_by(n);
             Ok(())
         })
     }
@@ -568,7 +929,11 @@ impl Queue for PubSubQueue {
         tag: DeliveryTag,
         last_error: ResultRecord,
     ) -> BoxFuture<'_, Result<(), QueueError>> {
-        Box::pin(async move { self.dead_letter_one(&tag, last_error).await })
+        Box::pin(async move {
+            self.inner
+                .dead_letter_with(&tag, ResultRecord::dead_lettered(&last_error))
+                .await
+        })
     }
 
     /// Pub/Sub reports backlog only through Cloud Monitoring
@@ -579,33 +944,15 @@ impl Queue for PubSubQueue {
 
     fn status(&self) -> Option<TransportStatus> {
         Some(TransportStatus {
-            reachable: self.reachable.load(Ordering::Relaxed),
+            reachable: self.inner.reachable.load(Ordering::Relaxed),
             backlog: None,
-            claims_held: self.held().len() as u64,
+            claims_held: self.inner.leases().len() as u64,
             reclaims_total: 0,
-            dead_letters_total: self.dead_letters_total.load(Ordering::Relaxed),
+            dead_letters_total: self.inner.dead_letters_total.load(Ordering::Relaxed),
         })
     }
 
-    /// Sets every held delivery's ack deadline to 0: redelivered at once.
     fn close(&self) -> BoxFuture<'_, Result<usize, QueueError>> {
-        Box::pin(async move {
-            let ids: Vec<String> = self
-                .held()
-                .iter()
-                .filter(|(_, h)| !h.published)
-                .map(|(id, _)| id.clone())
-                .collect();
-            if ids.is_empty() {
-                return Ok(0);
-            }
-            let n = ids.len();
-            self.modack(ids.clone(), 0)
-                .await
-                .map_err(queue_error("close"))?;
-            self.metrics.nacks.inc_by(n as u64);
-            self.release(&ids);
-            Ok(n)
-        })
+        Box::pin(self.inner.close())
     }
 }

@@ -12,6 +12,16 @@ use gcloud_pubsub::subscription::SubscriptionConfig;
 
 use super::PubSubError;
 
+/// `pubsub setup`'s `--max-delivery-attempts`: Pub/Sub's ceiling. Broker
+/// dead-lettering is a last resort: the broker counts every redelivery
+/// (a failed attempt handed back, a lease that expired when a dispatcher
+/// died) and tells nobody when it dead-letters, so no result is published
+/// for such a message. The dispatcher's own `dispatch.max_attempts` should
+/// decide first; and a delivery that reaches this limit anyway is answered
+/// by the dispatcher before the broker would dead-letter it
+/// (`docs/transports.md`, "Retries and dead letters").
+pub const DEFAULT_MAX_DELIVERY_ATTEMPTS: i32 = 100;
+
 /// What to create.
 #[derive(Debug, Clone)]
 pub struct SetupPlan {

@@ -366,6 +366,7 @@ impl Inner {
                     tag: DeliveryTag(tag.clone()),
                     body: member.clone(),
                     retry_count: internal.retry_count.unwrap_or(0),
+                    source_id: None,
                 });
                 held.insert(
                     tag,

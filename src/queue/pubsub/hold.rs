@@ -1,0 +1,560 @@
+//! Deliveries this process holds, and what a hand-back does to each: the
+//! bookkeeping and decisions of the Pub/Sub transport's holds, with no I/O
+//! (`mod.rs` sends the RPCs), so every rule is unit-tested here.
+//!
+//! Why holds exist (issue 22): Pub/Sub counts every redelivery as a
+//! delivery attempt, whatever the reason, and the emulator on a
+//! subscription with a retry policy stopped redelivering a message after
+//! three nacks sent as `ModifyAckDeadline(2 s)`. A dispatcher that nacked
+//! while it waited out a 429/503 storm or a closed gate therefore either
+//! burned the message's attempts (dead-lettered without a result) or lost
+//! it in the broker. So waiting never goes through the broker: a message
+//! handed back for congestion or a gate keeps its lease (the transport
+//! extends its ack deadline) and is handed out again by this process when
+//! its delay ends. Only a failed attempt (which should count) and what a
+//! budget no longer covers go back to the broker, as `ModifyAckDeadline 0`,
+//! the one nack form both the emulator and the service redeliver.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use super::message::Received;
+use crate::queue::NackReason;
+
+/// Bounds of what the transport holds for the pool (`[pubsub] max_hold`,
+/// `max_hold_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Budget {
+    /// Longest a delivery is kept leased by extensions, counted from its
+    /// Pull; then it goes back to the broker.
+    pub(super) max_hold: Duration,
+    /// Most message bytes on hold at once; a hold beyond it goes back to
+    /// the broker instead.
+    pub(super) max_bytes: u64,
+}
+
+/// What happens when a hold ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Then {
+    /// Handed out again by this process's next receive (waiting for the
+    /// pool: no delivery attempt is used).
+    Redeliver,
+    /// Handed back to the broker (`ModifyAckDeadline 0`): a failed attempt
+    /// whose backoff ended; the broker counts the redelivery.
+    HandBack,
+}
+
+/// What to do with a delivery the dispatcher hands back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Plan {
+    /// Keep it leased until `until`, then `then`.
+    Hold {
+        /// When the hold ends.
+        until: Instant,
+        /// What happens then.
+        then: Then,
+    },
+    /// Back to the broker now (`ModifyAckDeadline 0`).
+    HandBack,
+    /// Its last delivery before the broker dead-letters it: the transport
+    /// answers it (an error result) and dead-letters it itself, so it never
+    /// reaches the dead-letter topic without a result.
+    Answer,
+}
+
+/// What [`plan`] decides from.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Facts {
+    /// Why the dispatcher hands it back.
+    pub(super) reason: NackReason,
+    /// The delay it asked for.
+    pub(super) delay: Duration,
+    /// Now.
+    pub(super) now: Instant,
+    /// When it was pulled (the hold budget counts from there).
+    pub(super) pulled_at: Instant,
+    /// Time left until the request's own deadline, if it has a readable one.
+    pub(super) deadline_in: Option<Duration>,
+    /// This is its last delivery (see [`last_delivery`]).
+    pub(super) last_delivery: bool,
+    /// Its size in bytes.
+    pub(super) size: u64,
+    /// Bytes already on hold (other deliveries).
+    pub(super) held_bytes: u64,
+}
+
+/// Decides a hand-back (see the module docs):
+/// - congestion and gate waits are held for their delay, bounded by the
+///   request's deadline (a request whose deadline comes first is handed out
+///   at the deadline, to be answered `DEADLINE_EXCEEDED`) and by the hold
+///   budget; outside the budget they go back to the broker, or are answered
+///   on their last delivery;
+/// - a failed attempt is held for its backoff, then handed back to the
+///   broker (the redelivery counts toward `max_delivery_attempts`, as a
+///   failure should); on its last delivery it is answered at once;
+/// - shutdown hands back at once, except a last delivery, which is
+///   answered (handing it back would dead-letter it without a result).
+pub(super) fn plan(f: &Facts, budget: &Budget) -> Plan {
+    let hold_ends = f.pulled_at + budget.max_hold;
+    let fits = f.now < hold_ends && f.held_bytes.saturating_add(f.size) <= budget.max_bytes;
+    let by_deadline = |t: Instant| match f.deadline_in {
+        Some(left) => t.min(f.now + left),
+        None => t,
+    };
+    match f.reason {
+        NackReason::Shutdown if f.last_delivery => Plan::Answer,
+        NackReason::Shutdown => Plan::HandBack,
+        NackReason::Failed if f.last_delivery => Plan::Answer,
+        NackReason::Failed if f.delay.is_zero() || !fits => Plan::HandBack,
+        NackReason::Failed => Plan::Hold {
+            until: by_deadline(f.now + f.delay).min(hold_ends),
+            then: Then::HandBack,
+        },
+        NackReason::Congested | NackReason::NotAdmitted if fits => Plan::Hold {
+            until: by_deadline(f.now + f.delay).min(hold_ends),
+            then: Then::Redeliver,
+        },
+        NackReason::Congested | NackReason::NotAdmitted if f.last_delivery => Plan::Answer,
+        NackReason::Congested | NackReason::NotAdmitted => Plan::HandBack,
+    }
+}
+
+/// Whether a delivery is the last the broker makes before it dead-letters
+/// the message: its delivery attempt has reached the subscription's
+/// `max_delivery_attempts`. Without a dead-letter policy there is neither a
+/// count nor a limit, and no delivery is the last.
+pub(super) fn last_delivery(
+    delivery_attempt: Option<i32>,
+    max_delivery_attempts: Option<i32>,
+) -> bool {
+    matches!((delivery_attempt, max_delivery_attempts), (Some(a), Some(m)) if m > 0 && a >= m)
+}
+
+/// A request deadline (Unix seconds) as time left from `now_unix`; zero
+/// when it has passed.
+pub(super) fn time_left(deadline_unix: Option<i64>, now_unix: i64) -> Option<Duration> {
+    deadline_unix
+        .map(|d| Duration::from_secs(u64::try_from(d.saturating_sub(now_unix)).unwrap_or(0)))
+}
+
+/// One delivery this process holds.
+#[derive(Debug)]
+pub(super) struct Held {
+    /// What the transport kept of the message.
+    pub(super) info: Received,
+    /// The broker's message id.
+    pub(super) message_id: String,
+    /// Its result is confirmed on the topic; only the ack is left (an ack
+    /// retried after a failure must not publish a second result).
+    pub(super) published: bool,
+    /// When it was pulled.
+    pub(super) pulled_at: Instant,
+    /// The retry count handed to the dispatcher (again on a redelivery
+    /// from a hold).
+    pub(super) retry_count: u32,
+    /// Pub/Sub's delivery attempt, when the subscription counts them.
+    pub(super) delivery_attempt: Option<i32>,
+    /// On hold (not with the dispatcher), when it is.
+    pub(super) hold: Option<OnHold>,
+}
+
+/// A hold in progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct OnHold {
+    /// When it ends.
+    pub(super) until: Instant,
+    /// What happens then.
+    pub(super) then: Then,
+    /// When its ack deadline was last extended (or set).
+    pub(super) extended_at: Instant,
+}
+
+/// Every delivery this process holds, by ack id, and the bytes on hold.
+#[derive(Debug, Default)]
+pub(super) struct Leases {
+    map: HashMap<String, Held>,
+    hold_bytes: u64,
+}
+
+fn size(h: &Held) -> u64 {
+    h.info.body.len() as u64
+}
+
+impl Leases {
+    /// Deliveries held (with the dispatcher or on hold).
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Bytes of the deliveries on hold.
+    pub(super) fn hold_bytes(&self) -> u64 {
+        self.hold_bytes
+    }
+
+    /// Records a pulled delivery.
+    pub(super) fn insert(&mut self, ack_id: String, held: Held) {
+        if let Some(old) = self.map.insert(ack_id, held) {
+            self.forget(&old);
+        }
+    }
+
+    pub(super) fn get(&self, ack_id: &str) -> Option<&Held> {
+        self.map.get(ack_id)
+    }
+
+    pub(super) fn get_mut(&mut self, ack_id: &str) -> Option<&mut Held> {
+        self.map.get_mut(ack_id)
+    }
+
+    pub(super) fn contains(&self, ack_id: &str) -> bool {
+        self.map.contains_key(ack_id)
+    }
+
+    /// Every ack id held, with whether its result is already published.
+    pub(super) fn ids(&self) -> impl Iterator<Item = (&String, &Held)> {
+        self.map.iter()
+    }
+
+    /// Stops holding a delivery (acked, handed back, or its lease lost).
+    pub(super) fn remove(&mut self, ack_id: &str) -> Option<Held> {
+        let held = self.map.remove(ack_id)?;
+        self.forget(&held);
+        Some(held)
+    }
+
+    fn forget(&mut self, held: &Held) {
+        if held.hold.is_some() {
+            self.hold_bytes = self.hold_bytes.saturating_sub(size(held));
+        }
+    }
+
+    /// Puts a delivery on hold until `until`; false if it is not held.
+    pub(super) fn start_hold(
+        &mut self,
+        ack_id: &str,
+        until: Instant,
+        then: Then,
+        now: Instant,
+    ) -> bool {
+        let Some(held) = self.map.get_mut(ack_id) else {
+            return false;
+        };
+        if held.hold.is_none() {
+            self.hold_bytes = self.hold_bytes.saturating_add(size(held));
+        }
+        held.hold = Some(OnHold {
+            until,
+            then,
+            extended_at: now,
+        });
+        true
+    }
+
+    /// Takes a delivery off hold for the keeper to end it; false when it
+    /// is no longer on hold (a receive handed it out meanwhile: it is the
+    /// dispatcher's again and must not be handed back under it).
+    pub(super) fn take_hold(&mut self, ack_id: &str) -> bool {
+        let Some(held) = self.map.get_mut(ack_id) else {
+            return false;
+        };
+        if held.hold.take().is_none() {
+            return false;
+        }
+        self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
+        true
+    }
+
+    /// Up to `max` held deliveries to hand out again (earliest hold end
+    /// first), taken off hold: they go back to the dispatcher.
+    pub(super) fn take_redeliveries(&mut self, now: Instant, max: usize) -> Vec<(String, &Held)> {
+        let mut due: Vec<(Instant, String)> = self
+            .map
+            .iter()
+            .filter_map(|(id, h)| match h.hold {
+                Some(OnHold {
+                    until,
+                    then: Then::Redeliver,
+                    ..
+                }) if until <= now => Some((until, id.clone())),
+                _ => None,
+            })
+            .collect();
+        due.sort();
+        due.truncate(max);
+        for (_, id) in &due {
+            if let Some(held) = self.map.get_mut(id) {
+                held.hold = None;
+                self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
+            }
+        }
+        due.into_iter()
+            .filter_map(|(_, id)| self.map.get(&id).map(|h| (id, h)))
+            .collect()
+    }
+
+    /// Holds that end in a hand-back to the broker now: failed attempts
+    /// whose backoff is over, and any hold past the budget's `max_hold`
+    /// (a redelivery nobody asked for in time). Left in place: the caller
+    /// removes each once handled.
+    pub(super) fn due_hand_backs(&self, now: Instant, max_hold: Duration) -> Vec<String> {
+        self.map
+            .iter()
+            .filter(|(_, h)| match h.hold {
+                Some(OnHold {
+                    until,
+                    then: Then::HandBack,
+                    ..
+                }) => until <= now,
+                Some(_) => now >= h.pulled_at + max_hold,
+                None => false,
+            })
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Holds whose ack deadline is due for an extension (last extended
+    /// `every` ago or more); marks them extended at `now`.
+    pub(super) fn take_extensions(&mut self, now: Instant, every: Duration) -> Vec<String> {
+        let mut out = Vec::new();
+        for (id, h) in &mut self.map {
+            if let Some(hold) = &mut h.hold
+                && now >= hold.extended_at + every
+            {
+                hold.extended_at = now;
+                out.push(id.clone());
+            }
+        }
+        out
+    }
+
+    /// When the keeper must next look: the earliest extension, hand-back
+    /// or budget end among the holds.
+    pub(super) fn next_wake(&self, every: Duration, max_hold: Duration) -> Option<Instant> {
+        self.map
+            .values()
+            .filter_map(|h| {
+                let hold = h.hold?;
+                let mut t = (hold.extended_at + every).min(h.pulled_at + max_hold);
+                if hold.then == Then::HandBack {
+                    t = t.min(hold.until);
+                }
+                Some(t)
+            })
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BUDGET: Budget = Budget {
+        max_hold: Duration::from_secs(3600),
+        max_bytes: 1000,
+    };
+
+    fn facts(reason: NackReason, delay_secs: u64) -> Facts {
+        let now = Instant::now();
+        Facts {
+            reason,
+            delay: Duration::from_secs(delay_secs),
+            now,
+            pulled_at: now,
+            deadline_in: None,
+            last_delivery: false,
+            size: 100,
+            held_bytes: 0,
+        }
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn waiting_for_the_pool_holds_the_lease_instead_of_nacking() {
+        for reason in [NackReason::Congested, NackReason::NotAdmitted] {
+            let f = facts(reason, 2);
+            assert_eq!(
+                plan(&f, &BUDGET),
+                Plan::Hold {
+                    until: f.now + secs(2),
+                    then: Then::Redeliver
+                }
+            );
+            // Even on its last delivery: a hold uses no attempt.
+            let last = Facts {
+                last_delivery: true,
+                ..f
+            };
+            assert!(matches!(plan(&last, &BUDGET), Plan::Hold { .. }));
+        }
+    }
+
+    #[test]
+    fn holds_end_at_the_request_deadline_and_the_budget() {
+        let f = Facts {
+            deadline_in: Some(secs(1)),
+            ..facts(NackReason::Congested, 30)
+        };
+        assert_eq!(
+            plan(&f, &BUDGET),
+            Plan::Hold {
+                until: f.now + secs(1),
+                then: Then::Redeliver
+            }
+        );
+        let pulled_long_ago = Facts {
+            pulled_at: f.now - secs(3590),
+            deadline_in: None,
+            ..f
+        };
+        assert_eq!(
+            plan(&pulled_long_ago, &BUDGET),
+            Plan::Hold {
+                until: f.now + secs(10),
+                then: Then::Redeliver
+            }
+        );
+    }
+
+    #[test]
+    fn outside_the_budget_the_broker_gets_it_back_with_deadline_zero() {
+        let base = facts(NackReason::Congested, 2);
+        let too_big = Facts {
+            held_bytes: 950,
+            ..base
+        };
+        assert_eq!(plan(&too_big, &BUDGET), Plan::HandBack);
+        let too_long = Facts {
+            pulled_at: base.now - secs(3600),
+            ..base
+        };
+        assert_eq!(plan(&too_long, &BUDGET), Plan::HandBack);
+        // On its last delivery a hand-back would dead-letter it silently.
+        let last = Facts {
+            last_delivery: true,
+            ..too_big
+        };
+        assert_eq!(plan(&last, &BUDGET), Plan::Answer);
+    }
+
+    #[test]
+    fn a_failure_waits_out_its_backoff_leased_then_goes_to_the_broker() {
+        let f = facts(NackReason::Failed, 5);
+        assert_eq!(
+            plan(&f, &BUDGET),
+            Plan::Hold {
+                until: f.now + secs(5),
+                then: Then::HandBack
+            }
+        );
+        assert_eq!(plan(&facts(NackReason::Failed, 0), &BUDGET), Plan::HandBack);
+        let last = Facts {
+            last_delivery: true,
+            ..f
+        };
+        assert_eq!(plan(&last, &BUDGET), Plan::Answer);
+    }
+
+    #[test]
+    fn shutdown_hands_back_at_once_except_a_last_delivery() {
+        let f = facts(NackReason::Shutdown, 0);
+        assert_eq!(plan(&f, &BUDGET), Plan::HandBack);
+        let last = Facts {
+            last_delivery: true,
+            ..f
+        };
+        assert_eq!(plan(&last, &BUDGET), Plan::Answer);
+    }
+
+    #[test]
+    fn the_last_delivery_is_the_one_at_the_subscriptions_limit() {
+        assert!(!last_delivery(None, Some(5)));
+        assert!(!last_delivery(Some(4), Some(5)));
+        assert!(last_delivery(Some(5), Some(5)));
+        assert!(last_delivery(Some(6), Some(5)));
+        assert!(!last_delivery(Some(9), None));
+        assert!(!last_delivery(Some(9), Some(0)));
+    }
+
+    #[test]
+    fn time_left_is_zero_once_the_deadline_passed() {
+        assert_eq!(time_left(None, 100), None);
+        assert_eq!(time_left(Some(130), 100), Some(secs(30)));
+        assert_eq!(time_left(Some(90), 100), Some(Duration::ZERO));
+    }
+
+    fn held(body: &str, pulled_at: Instant) -> Held {
+        Held {
+            info: Received {
+                body: body.as_bytes().to_vec(),
+                result_route: None,
+                deadline: None,
+            },
+            message_id: "m".into(),
+            published: false,
+            pulled_at,
+            retry_count: 0,
+            delivery_attempt: None,
+            hold: None,
+        }
+    }
+
+    #[test]
+    fn leases_count_held_bytes_and_redeliver_earliest_first() {
+        let t0 = Instant::now();
+        let mut l = Leases::default();
+        l.insert("a".into(), held("aaaa", t0));
+        l.insert("b".into(), held("bb", t0));
+        l.insert("c".into(), held("c", t0));
+        assert!(l.start_hold("a", t0 + secs(3), Then::Redeliver, t0));
+        assert!(l.start_hold("b", t0 + secs(1), Then::Redeliver, t0));
+        assert!(l.start_hold("c", t0 + secs(1), Then::HandBack, t0));
+        assert!(!l.start_hold("z", t0, Then::Redeliver, t0));
+        assert_eq!(l.hold_bytes(), 7);
+        assert!(l.take_redeliveries(t0, 10).is_empty());
+        let due: Vec<String> = l
+            .take_redeliveries(t0 + secs(5), 1)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(due, ["b"]);
+        assert_eq!(l.hold_bytes(), 5);
+        // A failed attempt's hold never comes back to the dispatcher.
+        let due: Vec<String> = l
+            .take_redeliveries(t0 + secs(5), 10)
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        assert_eq!(due, ["a"]);
+        assert_eq!(l.due_hand_backs(t0 + secs(5), secs(3600)), ["c"]);
+        assert!(l.take_hold("c"));
+        assert_eq!(l.hold_bytes(), 0);
+        // Handed out (or already taken): the keeper leaves it alone.
+        assert!(!l.take_hold("c"));
+        assert!(!l.take_hold("a"));
+        assert_eq!(l.remove("c").map(|h| h.message_id), Some("m".into()));
+        assert_eq!(l.hold_bytes(), 0);
+        assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn holds_are_extended_every_period_and_given_up_after_the_budget() {
+        let t0 = Instant::now();
+        let mut l = Leases::default();
+        l.insert("a".into(), held("x", t0));
+        l.insert("b".into(), held("y", t0));
+        l.start_hold("a", t0 + secs(100), Then::Redeliver, t0);
+        let every = secs(3);
+        assert_eq!(l.next_wake(every, secs(10)), Some(t0 + every));
+        assert!(l.take_extensions(t0 + secs(2), every).is_empty());
+        assert_eq!(l.take_extensions(t0 + secs(3), every), ["a"]);
+        assert!(l.take_extensions(t0 + secs(4), every).is_empty());
+        assert_eq!(l.next_wake(every, secs(10)), Some(t0 + secs(6)));
+        // A hold nobody collected within the budget goes back to the broker.
+        assert!(l.due_hand_backs(t0 + secs(9), secs(10)).is_empty());
+        assert_eq!(l.due_hand_backs(t0 + secs(10), secs(10)), ["a"]);
+        assert_eq!(l.next_wake(every, secs(4)), Some(t0 + secs(4)));
+    }
+}
