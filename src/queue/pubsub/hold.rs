@@ -140,6 +140,11 @@ pub(super) fn time_left(deadline_unix: Option<i64>, now_unix: i64) -> Option<Dur
 /// One delivery this process holds.
 #[derive(Debug)]
 pub(super) struct Held {
+    /// The broker's ack id for this delivery; `None` once the broker handed
+    /// the same ack id to another delivery (the emulator numbers ack ids
+    /// from 1 again after a restart), when this lease is void: acking or
+    /// extending it would act on the other delivery's message.
+    pub(super) ack_id: Option<String>,
     /// What the transport kept of the message.
     pub(super) info: Received,
     /// The broker's message id.
@@ -169,11 +174,22 @@ pub(super) struct OnHold {
     pub(super) extended_at: Instant,
 }
 
-/// Every delivery this process holds, by ack id, and the bytes on hold.
+/// Every delivery this process holds, by the tag it gave the dispatcher,
+/// and the bytes on hold.
+///
+/// Why tags and not ack ids (issue 22): the emulator numbers ack ids from 1
+/// again after a restart, so a delivery pulled after an outage could carry
+/// the ack id of one still held from before it; keyed by ack id, the new
+/// entry replaced the old, and the old one's completion then acked the new
+/// message and dropped its result (32 ids lost in 3 of 9 restart runs).
 #[derive(Debug, Default)]
 pub(super) struct Leases {
     map: HashMap<String, Held>,
+    /// Which tag holds each live ack id.
+    by_ack: HashMap<String, String>,
     hold_bytes: u64,
+    /// Tags handed out so far (the next tag's number).
+    issued: u64,
 }
 
 fn size(h: &Held) -> u64 {
@@ -191,33 +207,50 @@ impl Leases {
         self.hold_bytes
     }
 
-    /// Records a pulled delivery.
-    pub(super) fn insert(&mut self, ack_id: String, held: Held) {
-        if let Some(old) = self.map.insert(ack_id, held) {
-            self.forget(&old);
+    /// Records a pulled delivery and returns its tag. An ack id the broker
+    /// hands out again voids the lease of the delivery that had it (see
+    /// [`Held::ack_id`]).
+    pub(super) fn insert(&mut self, held: Held) -> String {
+        self.issued += 1;
+        let tag = format!("d{}", self.issued);
+        if let Some(ack_id) = &held.ack_id
+            && let Some(old_tag) = self.by_ack.insert(ack_id.clone(), tag.clone())
+            && let Some(old) = self.map.get_mut(&old_tag)
+        {
+            old.ack_id = None;
         }
+        self.map.insert(tag.clone(), held);
+        tag
     }
 
-    pub(super) fn get(&self, ack_id: &str) -> Option<&Held> {
-        self.map.get(ack_id)
+    /// The live ack ids of `tags` (held, lease not void), in order.
+    pub(super) fn ack_ids<'a>(&self, tags: impl IntoIterator<Item = &'a String>) -> Vec<String> {
+        tags.into_iter()
+            .filter_map(|t| self.map.get(t)?.ack_id.clone())
+            .collect()
     }
 
-    pub(super) fn get_mut(&mut self, ack_id: &str) -> Option<&mut Held> {
-        self.map.get_mut(ack_id)
+    pub(super) fn get(&self, tag: &str) -> Option<&Held> {
+        self.map.get(tag)
     }
 
-    pub(super) fn contains(&self, ack_id: &str) -> bool {
-        self.map.contains_key(ack_id)
+    pub(super) fn get_mut(&mut self, tag: &str) -> Option<&mut Held> {
+        self.map.get_mut(tag)
     }
 
-    /// Every ack id held, with whether its result is already published.
+    /// Every tag held, with its delivery.
     pub(super) fn ids(&self) -> impl Iterator<Item = (&String, &Held)> {
         self.map.iter()
     }
 
     /// Stops holding a delivery (acked, handed back, or its lease lost).
-    pub(super) fn remove(&mut self, ack_id: &str) -> Option<Held> {
-        let held = self.map.remove(ack_id)?;
+    pub(super) fn remove(&mut self, tag: &str) -> Option<Held> {
+        let held = self.map.remove(tag)?;
+        if let Some(ack_id) = &held.ack_id
+            && self.by_ack.get(ack_id).is_some_and(|t| t == tag)
+        {
+            self.by_ack.remove(ack_id);
+        }
         self.forget(&held);
         Some(held)
     }
@@ -231,12 +264,12 @@ impl Leases {
     /// Puts a delivery on hold until `until`; false if it is not held.
     pub(super) fn start_hold(
         &mut self,
-        ack_id: &str,
+        tag: &str,
         until: Instant,
         then: Then,
         now: Instant,
     ) -> bool {
-        let Some(held) = self.map.get_mut(ack_id) else {
+        let Some(held) = self.map.get_mut(tag) else {
             return false;
         };
         if held.hold.is_none() {
@@ -253,8 +286,8 @@ impl Leases {
     /// Takes a delivery off hold for the keeper to end it; false when it
     /// is no longer on hold (a receive handed it out meanwhile: it is the
     /// dispatcher's again and must not be handed back under it).
-    pub(super) fn take_hold(&mut self, ack_id: &str) -> bool {
-        let Some(held) = self.map.get_mut(ack_id) else {
+    pub(super) fn take_hold(&mut self, tag: &str) -> bool {
+        let Some(held) = self.map.get_mut(tag) else {
             return false;
         };
         if held.hold.take().is_none() {
@@ -485,8 +518,9 @@ mod tests {
         assert_eq!(time_left(Some(90), 100), Some(Duration::ZERO));
     }
 
-    fn held(body: &str, pulled_at: Instant) -> Held {
+    fn held(ack_id: &str, body: &str, pulled_at: Instant) -> Held {
         Held {
+            ack_id: Some(ack_id.into()),
             info: Received {
                 body: body.as_bytes().to_vec(),
                 result_route: None,
@@ -505,12 +539,12 @@ mod tests {
     fn leases_count_held_bytes_and_redeliver_earliest_first() {
         let t0 = Instant::now();
         let mut l = Leases::default();
-        l.insert("a".into(), held("aaaa", t0));
-        l.insert("b".into(), held("bb", t0));
-        l.insert("c".into(), held("c", t0));
-        assert!(l.start_hold("a", t0 + secs(3), Then::Redeliver, t0));
-        assert!(l.start_hold("b", t0 + secs(1), Then::Redeliver, t0));
-        assert!(l.start_hold("c", t0 + secs(1), Then::HandBack, t0));
+        let a = l.insert(held("1", "aaaa", t0));
+        let b = l.insert(held("2", "bb", t0));
+        let c = l.insert(held("3", "c", t0));
+        assert!(l.start_hold(&a, t0 + secs(3), Then::Redeliver, t0));
+        assert!(l.start_hold(&b, t0 + secs(1), Then::Redeliver, t0));
+        assert!(l.start_hold(&c, t0 + secs(1), Then::HandBack, t0));
         assert!(!l.start_hold("z", t0, Then::Redeliver, t0));
         assert_eq!(l.hold_bytes(), 7);
         assert!(l.take_redeliveries(t0, 10).is_empty());
@@ -519,7 +553,7 @@ mod tests {
             .into_iter()
             .map(|(id, _)| id)
             .collect();
-        assert_eq!(due, ["b"]);
+        assert_eq!(due, [b.clone()]);
         assert_eq!(l.hold_bytes(), 5);
         // A failed attempt's hold never comes back to the dispatcher.
         let due: Vec<String> = l
@@ -527,34 +561,55 @@ mod tests {
             .into_iter()
             .map(|(id, _)| id)
             .collect();
-        assert_eq!(due, ["a"]);
-        assert_eq!(l.due_hand_backs(t0 + secs(5), secs(3600)), ["c"]);
-        assert!(l.take_hold("c"));
+        assert_eq!(due, [a.clone()]);
+        assert_eq!(l.due_hand_backs(t0 + secs(5), secs(3600)), [c.clone()]);
+        assert!(l.take_hold(&c));
         assert_eq!(l.hold_bytes(), 0);
         // Handed out (or already taken): the keeper leaves it alone.
-        assert!(!l.take_hold("c"));
-        assert!(!l.take_hold("a"));
-        assert_eq!(l.remove("c").map(|h| h.message_id), Some("m".into()));
+        assert!(!l.take_hold(&c));
+        assert!(!l.take_hold(&a));
+        assert_eq!(l.remove(&c).map(|h| h.message_id), Some("m".into()));
         assert_eq!(l.hold_bytes(), 0);
         assert_eq!(l.len(), 2);
+    }
+
+    #[test]
+    fn an_ack_id_handed_out_again_voids_the_old_lease_and_keeps_both_deliveries() {
+        // The emulator numbers ack ids from 1 again after a restart.
+        let t0 = Instant::now();
+        let mut l = Leases::default();
+        let before = l.insert(held("1", "old", t0));
+        let other = l.insert(held("2", "x", t0));
+        let after = l.insert(held("1", "new", t0));
+        assert_ne!(before, after);
+        assert_eq!(l.len(), 3, "the delivery held from before is still held");
+        assert_eq!(l.get(&before).and_then(|h| h.ack_id.clone()), None);
+        // Acking or extending the old one must not touch the new message.
+        assert_eq!(l.ack_ids([&before, &after, &other]), ["1", "2"]);
+        // Removing the void lease leaves the new one's ack id live.
+        l.remove(&before);
+        assert_eq!(l.ack_ids([&after]), ["1"]);
+        let again = l.insert(held("1", "newer", t0));
+        assert_eq!(l.ack_ids([&after, &again]), ["1"]);
+        assert_eq!(l.get(&again).and_then(|h| h.ack_id.clone()), Some("1".into()));
     }
 
     #[test]
     fn holds_are_extended_every_period_and_given_up_after_the_budget() {
         let t0 = Instant::now();
         let mut l = Leases::default();
-        l.insert("a".into(), held("x", t0));
-        l.insert("b".into(), held("y", t0));
-        l.start_hold("a", t0 + secs(100), Then::Redeliver, t0);
+        let a = l.insert(held("1", "x", t0));
+        l.insert(held("2", "y", t0));
+        l.start_hold(&a, t0 + secs(100), Then::Redeliver, t0);
         let every = secs(3);
         assert_eq!(l.next_wake(every, secs(10)), Some(t0 + every));
         assert!(l.take_extensions(t0 + secs(2), every).is_empty());
-        assert_eq!(l.take_extensions(t0 + secs(3), every), ["a"]);
+        assert_eq!(l.take_extensions(t0 + secs(3), every), [a.clone()]);
         assert!(l.take_extensions(t0 + secs(4), every).is_empty());
         assert_eq!(l.next_wake(every, secs(10)), Some(t0 + secs(6)));
         // A hold nobody collected within the budget goes back to the broker.
         assert!(l.due_hand_backs(t0 + secs(9), secs(10)).is_empty());
-        assert_eq!(l.due_hand_backs(t0 + secs(10), secs(10)), ["a"]);
+        assert_eq!(l.due_hand_backs(t0 + secs(10), secs(10)), [a]);
         assert_eq!(l.next_wake(every, secs(4)), Some(t0 + secs(4)));
     }
 }

@@ -327,9 +327,10 @@ async fn keep_holds(inner: Arc<Inner>, stop: CancellationToken) {
         let every = inner.extend_every();
         let (hand_back, extend, next) = {
             let mut leases = inner.leases();
+            let extend = leases.take_extensions(now, every);
             (
                 leases.due_hand_backs(now, inner.budget.max_hold),
-                leases.take_extensions(now, every),
+                leases.ack_ids(&extend),
                 leases.next_wake(every, inner.budget.max_hold),
             )
         };
@@ -399,10 +400,11 @@ impl Inner {
         self.update_in_flight(&leases);
     }
 
-    /// Sets the ack deadline of `ids` to `secs` (0 = redeliver now).
-    async fn modack(&self, ids: Vec<String>, secs: i32) -> Result<(), Status> {
+    /// Sets the ack deadline of the ack ids `ack_ids` to `secs` (0 =
+    /// redeliver now).
+    async fn modack(&self, ack_ids: Vec<String>, secs: i32) -> Result<(), Status> {
         let client = self.subscription.get_client();
-        for chunk in ids.chunks(IDS_PER_REQUEST) {
+        for chunk in ack_ids.chunks(IDS_PER_REQUEST) {
             let request = ModifyAckDeadlineRequest {
                 subscription: self.subscription.fully_qualified_name().to_owned(),
                 ack_ids: chunk.to_vec(),
@@ -417,17 +419,20 @@ impl Inner {
     /// both the emulator and the service redeliver at once (subject to the
     /// subscription's retry policy). Issue 22: with a retry policy the
     /// emulator stopped redelivering messages nacked with a 2 s deadline.
-    async fn hand_back(&self, ids: Vec<String>) -> Result<(), QueueError> {
-        let n = ids.len() as u64;
-        match self.modack(ids.clone(), 0).await {
-            Ok(()) => {
-                self.metrics.nacks.inc_by(n);
+    async fn hand_back(&self, tags: Vec<String>) -> Result<(), QueueError> {
+        let ack_ids = self.leases().ack_ids(&tags);
+        let n = ack_ids.len() as u64;
+        if n > 0 {
+            match self.modack(ack_ids, 0).await {
+                Ok(()) => {
+                    self.metrics.nacks.inc_by(n);
+                }
+                // Already expired: the broker redelivers it anyway.
+                Err(status) if ids_expired(&status) => {}
+                Err(source) => return Err(QueueError::PubSub { op: "nack", source }),
             }
-            // Already expired: the broker redelivers it anyway.
-            Err(status) if ids_expired(&status) => {}
-            Err(source) => return Err(QueueError::PubSub { op: "nack", source }),
         }
-        self.release(&ids);
+        self.release(&tags);
         Ok(())
     }
 
@@ -536,26 +541,23 @@ impl Inner {
                     let body = Bytes::from(info.body.clone());
                     let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
                     let retry_count = message::retry_count(attempt);
-                    let delivery = Delivery {
-                        tag: DeliveryTag(m.ack_id.clone()),
+                    let source_id = Some(message_id.clone());
+                    let tag = leases.insert(Held {
+                        ack_id: Some(m.ack_id),
+                        info,
+                        message_id,
+                        published: false,
+                        pulled_at: now,
+                        retry_count,
+                        delivery_attempt: (m.delivery_attempt > 0).then_some(m.delivery_attempt),
+                        hold: None,
+                    });
+                    Delivery {
+                        tag: DeliveryTag(tag),
                         body,
                         retry_count,
-                        source_id: Some(message_id.clone()),
-                    };
-                    leases.insert(
-                        m.ack_id,
-                        Held {
-                            info,
-                            message_id,
-                            published: false,
-                            pulled_at: now,
-                            retry_count,
-                            delivery_attempt: (m.delivery_attempt > 0)
-                                .then_some(m.delivery_attempt),
-                            hold: None,
-                        },
-                    );
-                    delivery
+                        source_id,
+                    }
                 })
                 .collect();
             self.update_in_flight(&leases);
@@ -564,7 +566,7 @@ impl Inner {
     }
 
     /// Up to `max` held deliveries whose hold ended, as deliveries again
-    /// (same ack id: this process still holds the lease).
+    /// (same tag and ack id: this process still holds the lease).
     fn redeliveries(&self, max: usize) -> Vec<Delivery> {
         let mut leases = self.leases();
         leases
@@ -725,8 +727,24 @@ impl Inner {
                 }
             }
         }
+        // A void lease (its ack id handed to another delivery) is not acked:
+        // that would ack the other message. Its result is on the topic.
+        let ack_ids = {
+            let mut leases = self.leases();
+            let before = to_ack.len();
+            to_ack.retain(|tag| {
+                let live = leases.get(tag).is_some_and(|h| h.ack_id.is_some());
+                if !live {
+                    leases.remove(tag);
+                }
+                live
+            });
+            report.lease_lost += before - to_ack.len();
+            self.update_in_flight(&leases);
+            leases.ack_ids(&to_ack)
+        };
         if !to_ack.is_empty() {
-            match self.subscription.ack(to_ack.clone()).await {
+            match self.subscription.ack(ack_ids).await {
                 Ok(()) => {
                     report.acked += to_ack.len();
                     self.metrics.acks.inc_by(to_ack.len() as u64);
@@ -793,17 +811,20 @@ impl Inner {
                 h.published = true;
             }
         }
-        let ids = vec![tag.0.clone()];
-        match self.subscription.ack(ids.clone()).await {
-            Ok(()) => {
-                self.metrics.acks.inc();
+        let tags = vec![tag.0.clone()];
+        let ack_ids = self.leases().ack_ids(&tags);
+        if !ack_ids.is_empty() {
+            match self.subscription.ack(ack_ids).await {
+                Ok(()) => {
+                    self.metrics.acks.inc();
+                }
+                Err(status) if ids_expired(&status) => {
+                    tracing::warn!(%status, queue = %self.name, "dead-letter ack refused: lease expired");
+                }
+                Err(source) => return Err(QueueError::PubSub { op: "ack", source }),
             }
-            Err(status) if ids_expired(&status) => {
-                tracing::warn!(%status, queue = %self.name, "dead-letter ack refused: lease expired");
-            }
-            Err(source) => return Err(QueueError::PubSub { op: "ack", source }),
         }
-        self.release(&ids);
+        self.release(&tags);
         self.dead_letters_total.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -836,10 +857,14 @@ impl Inner {
             }
         }
         if !rest.is_empty() {
-            self.modack(rest.clone(), 0)
-                .await
-                .map_err(queue_error("close"))?;
-            self.metrics.nacks.inc_by(rest.len() as u64);
+            let ack_ids = self.leases().ack_ids(&rest);
+            let handed_back = ack_ids.len() as u64;
+            if handed_back > 0 {
+                self.modack(ack_ids, 0)
+                    .await
+                    .map_err(queue_error("close"))?;
+            }
+            self.metrics.nacks.inc_by(handed_back);
             self.release(&rest);
         }
         Ok(n)
@@ -904,13 +929,7 @@ impl Queue for PubSubQueue {
     ) -> BoxFuture<'_, Result<(), QueueError>> {
         let inner = &self.inner;
         Box::pin(async move {
-            let ids: Vec<String> = {
-                let leases = inner.leases();
-                tags.into_iter()
-                    .map(|t| t.0)
-                    .filter(|id| leases.contains(id))
-                    .collect()
-            };
+            let ids = inner.leases().ack_ids(tags.iter().map(|t| &t.0));
             if ids.is_empty() {
                 return Ok(());
             }
