@@ -484,15 +484,7 @@ pub fn build_dispatcher(
         queue: name.clone(),
         source,
     })?;
-    let mut settings = DispatchSettings::from(&config.dispatch).for_queue(queue_config);
-    if config.transport == TransportKind::PubSub {
-        // Every Pub/Sub delivery counts toward the subscription's
-        // max_delivery_attempts, and with a lookahead held across
-        // SIGKILLs a message was seen to stay unanswered for minutes in
-        // `tests/pubsub_transport.rs`; until that is understood, Pub/Sub
-        // queues pull only what the window can send (docs/transports.md).
-        settings.tenant_lookahead = 0;
-    }
+    let settings = DispatchSettings::from(&config.dispatch).for_queue(queue_config);
     Ok(QueueDispatcher {
         queue,
         gate: Arc::new(FailClosed::new(gate, settings.max_staleness)),

@@ -591,7 +591,10 @@ mod tests {
         assert_eq!(l.ack_ids([&after]), ["1"]);
         let again = l.insert(held("1", "newer", t0));
         assert_eq!(l.ack_ids([&after, &again]), ["1"]);
-        assert_eq!(l.get(&again).and_then(|h| h.ack_id.clone()), Some("1".into()));
+        assert_eq!(
+            l.get(&again).and_then(|h| h.ack_id.clone()),
+            Some("1".into())
+        );
     }
 
     #[test]
