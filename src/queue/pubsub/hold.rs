@@ -553,7 +553,7 @@ mod tests {
             .into_iter()
             .map(|(id, _)| id)
             .collect();
-        assert_eq!(due, [b.clone()]);
+        assert_eq!(due, [b.as_str()]);
         assert_eq!(l.hold_bytes(), 5);
         // A failed attempt's hold never comes back to the dispatcher.
         let due: Vec<String> = l
@@ -561,8 +561,8 @@ mod tests {
             .into_iter()
             .map(|(id, _)| id)
             .collect();
-        assert_eq!(due, [a.clone()]);
-        assert_eq!(l.due_hand_backs(t0 + secs(5), secs(3600)), [c.clone()]);
+        assert_eq!(due, [a.as_str()]);
+        assert_eq!(l.due_hand_backs(t0 + secs(5), secs(3600)), [c.as_str()]);
         assert!(l.take_hold(&c));
         assert_eq!(l.hold_bytes(), 0);
         // Handed out (or already taken): the keeper leaves it alone.
@@ -607,7 +607,7 @@ mod tests {
         let every = secs(3);
         assert_eq!(l.next_wake(every, secs(10)), Some(t0 + every));
         assert!(l.take_extensions(t0 + secs(2), every).is_empty());
-        assert_eq!(l.take_extensions(t0 + secs(3), every), [a.clone()]);
+        assert_eq!(l.take_extensions(t0 + secs(3), every), [a.as_str()]);
         assert!(l.take_extensions(t0 + secs(4), every).is_empty());
         assert_eq!(l.next_wake(every, secs(10)), Some(t0 + secs(6)));
         // A hold nobody collected within the budget goes back to the broker.
