@@ -465,7 +465,16 @@ where
     }
     match IntOrString::deserialize(deserializer)? {
         IntOrString::Int(v) => Ok(v),
-        IntOrString::Float(v) if v.is_finite() && v.fract() == 0.0 => Ok(v as i64),
+        // Whole seconds within i64 only: `as` would saturate, and the error
+        // would then quote i64::MAX instead of what was sent.
+        IntOrString::Float(v) if v.is_finite() && v.fract() == 0.0 && v.abs() < i64::MAX as f64 => {
+            Ok(v as i64)
+        }
+        IntOrString::Float(v) if v.is_finite() && v.fract() == 0.0 => {
+            Err(serde::de::Error::custom(format!(
+                "deadline {v} is out of range (Unix seconds expected)"
+            )))
+        }
         IntOrString::Float(v) => Err(serde::de::Error::custom(format!(
             "deadline {v} is not a whole number of seconds"
         ))),
@@ -545,6 +554,25 @@ mod tests {
         assert!(parse_message_at(at.as_bytes(), NOW).is_ok());
         let past = format!(r#"{{"id":"k","deadline":{},"payload":{{}}}}"#, horizon + 1);
         assert!(parse_message_at(past.as_bytes(), NOW).is_err());
+    }
+
+    #[test]
+    fn a_deadline_beyond_i64_is_refused_quoting_the_value_sent() {
+        // Issue 22: 1e30 was saturated to i64::MAX and the error quoted
+        // 9223372036854775807.
+        for (sent, quoted) in [
+            ("1e30", "1000000000000000000000000000000"),
+            ("100000000000000000000", "100000000000000000000"),
+        ] {
+            let bytes = format!(r#"{{"id":"k","deadline":{sent},"payload":{{}}}}"#);
+            let err = parse_message_at(bytes.as_bytes(), NOW).expect_err("out of range");
+            assert!(err.reason.contains(quoted), "{sent}: {}", err.reason);
+            assert!(
+                !err.reason.contains("9223372036854775807"),
+                "{}",
+                err.reason
+            );
+        }
     }
 
     #[test]

@@ -220,6 +220,10 @@ async fn run_command(cli: Cli) -> ExitCode {
                 ExitCode::from(EXIT_CONFIG)
             }
             (Err(code), _) => code,
+            (Ok(_), Ok(serve)) if let Err(error) = crate::serve::check_access(&serve) => {
+                eprintln!("configuration errors:\n{error}");
+                ExitCode::from(error.exit_code())
+            }
             (Ok(config), Ok(_)) => match crate::app::preflight(&config) {
                 Ok(()) => {
                     println!("{}", config.summary());

@@ -93,7 +93,16 @@ impl IntoResponse for ApiError {
         let body = json!({"error": {
             "message": self.message, "type": self.kind, "param": self.param, "code": self.code,
         }});
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The rest of the body is never read: the connection cannot
+            // carry another request.
+            response.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 
@@ -157,11 +166,29 @@ async fn upload(
     let max = state.engine.limits.max_file_bytes;
     let mut purpose = None;
     let mut stored: Option<(std::path::PathBuf, String, u64)> = None;
+    let too_large = || ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message: format!("the file is larger than {max} bytes (serve.max_file_bytes)"),
+        kind: "invalid_request_error",
+        param: Some("file"),
+        code: Some("file_too_large"),
+    };
+    // The body limit (the file limit plus the framing's slack) ends the
+    // stream with a 413 error: a file far over the limit is answered as
+    // one just over it, not as an interrupted upload (issue 22).
+    let unreadable =
+        |e: axum::extract::multipart::MultipartError, what: &str, param: Option<&'static str>| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                too_large()
+            } else {
+                ApiError::invalid(format!("{what}: {e}"), param)
+            }
+        };
     let result = async {
         while let Some(mut field) = form
             .next_field()
             .await
-            .map_err(|e| ApiError::invalid(format!("malformed multipart body: {e}"), None))?
+            .map_err(|e| unreadable(e, "malformed multipart body", None))?
         {
             match field.name() {
                 Some("purpose") => {
@@ -178,23 +205,17 @@ async fn upload(
                     let temp = bodies.temp();
                     let mut out = internal!(tokio::fs::File::create(&temp).await);
                     stored = Some((temp, name, 0));
-                    while let Some(chunk) = field.chunk().await.map_err(|e| {
-                        ApiError::invalid(format!("upload interrupted: {e}"), Some("file"))
-                    })? {
+                    while let Some(chunk) = field
+                        .chunk()
+                        .await
+                        .map_err(|e| unreadable(e, "upload interrupted", Some("file")))?
+                    {
                         let Some((_, _, size)) = stored.as_mut() else {
                             break;
                         };
                         *size += chunk.len() as u64;
                         if *size > max {
-                            return Err(ApiError {
-                                status: StatusCode::PAYLOAD_TOO_LARGE,
-                                message: format!(
-                                    "the file is larger than {max} bytes (serve.max_file_bytes)"
-                                ),
-                                kind: "invalid_request_error",
-                                param: Some("file"),
-                                code: Some("file_too_large"),
-                            });
+                            return Err(too_large());
                         }
                         internal!(out.write_all(&chunk).await);
                     }
@@ -437,13 +458,16 @@ async fn create_batch(
             Some("metadata"),
         ));
     }
+    // Another tenant's file is as unknown as a missing one: 404, as every
+    // other endpoint answers for it.
     let input = own_file(&state, &tenant, &input_file_id)
         .await
-        .map_err(|_| {
-            ApiError::invalid(
-                format!("No such File object: {input_file_id}"),
-                Some("input_file_id"),
-            )
+        .map_err(|e| match e.status {
+            StatusCode::NOT_FOUND => ApiError {
+                param: Some("input_file_id"),
+                ..ApiError::not_found("File object", &input_file_id)
+            },
+            _ => e,
         })?;
     if input.purpose != "batch" {
         return Err(ApiError::invalid(

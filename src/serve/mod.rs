@@ -133,6 +133,20 @@ pub struct Server {
     app: Option<Running>,
 }
 
+/// The API keys, and the rule that without keys only a loopback address
+/// may serve: checked by `serve` at start and by `check-config`, so the
+/// two never disagree (issue 22).
+pub fn check_access(serve: &ServeConfig) -> Result<Keys, ServeError> {
+    let keys = Keys::load(
+        serve.api_keys.as_ref().map(|s| s.expose()),
+        serve.api_keys_file.as_deref(),
+    )?;
+    if keys.is_empty() && !http::is_loopback(&serve.listen) {
+        return Err(ServeError::Unauthenticated(serve.listen));
+    }
+    Ok(keys)
+}
+
 /// Opens the store and the queue, starts the dispatcher (unless
 /// `serve.dispatcher = separate`), the lifecycle loops and the API;
 /// returns once it serves. [`Server::wait`] runs until `shutdown`.
@@ -141,13 +155,7 @@ pub async fn start(
     serve: &ServeConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Server, ServeError> {
-    let keys = Keys::load(
-        serve.api_keys.as_ref().map(|s| s.expose()),
-        serve.api_keys_file.as_deref(),
-    )?;
-    if keys.is_empty() && !http::is_loopback(&serve.listen) {
-        return Err(ServeError::Unauthenticated(serve.listen));
-    }
+    let keys = check_access(serve)?;
     if !matches!(
         config.transport,
         TransportKind::Embedded | TransportKind::Redis

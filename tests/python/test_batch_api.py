@@ -149,6 +149,12 @@ def test_another_tenant_gets_404():
         bob.files.content(b.input_file_id)
     with pytest.raises(openai.NotFoundError):
         bob.batches.cancel(b.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.create(
+            input_file_id=b.input_file_id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+        )
     assert b.id not in {x.id for x in bob.batches.list()}
     with pytest.raises(openai.AuthenticationError):
         client(key="wrong").batches.list()
