@@ -1,7 +1,9 @@
 //! Fair tenants on one Redis queue (real `redis-server`, a recording
 //! gateway): a tenant over quota at the head of the queue does not delay
-//! another tenant's messages (measured at the gateway), and under a
-//! window of one request the tenants share it by their weights.
+//! another tenant's messages (measured at the gateway), under a window of
+//! one request the tenants share it by their weights, and with tenant
+//! lanes a small tenant behind a deep backlog is served from the start, by
+//! weight.
 
 mod support;
 
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 use sluicegate::config::Config;
 use support::redis::RedisServer;
 use support::tenants::{
-    Arrival, recording_gateway, redis_config, seen, submit, tenant_line, unix_now,
+    Arrival, recording_gateway, redis_config, seen, submit, submit_in_lanes, tenant_line, unix_now,
 };
 
 async fn start(server: &RedisServer, gateway: &str, dispatch: &str, queue: &str) -> support::App {
@@ -144,4 +146,198 @@ gate_type = "constant""#,
     assert_eq!(count(&all, "gold"), EACH);
     assert_eq!(count(&all, "bronze"), EACH);
     app.stop().await;
+}
+
+/// Position (1-based, in gateway arrival order) of `tenant`'s last request.
+fn last_position(arrivals: &[Arrival], tenant: &str) -> usize {
+    arrivals
+        .iter()
+        .rposition(|a| a.tenant == tenant)
+        .map_or(0, |i| i + 1)
+}
+
+/// Issue 22: tenant `big` has 2 000 messages at the head of the queue and
+/// tenant `small` 50 behind them, a window of 8. Filed in tenant lanes (our
+/// producer), `small`'s 50 are interleaved with `big`'s from the start:
+/// its last request reaches the gateway within the first 120 dispatches
+/// (1.2 × the 100 of a 1 : 1 interleave). Without lanes (as an upstream
+/// producer writes) the default lookahead of 64 sees only the head, and
+/// `small`'s last request is dispatch 2 050 of 2 050.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_tenant_behind_a_deep_backlog_is_served_from_the_start() {
+    const BIG: usize = 2000;
+    const SMALL: usize = 50;
+    let server = RedisServer::start();
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let base = unix_now() + 3600;
+    let mut lines: Vec<String> = (0..BIG)
+        .map(|i| tenant_line(&format!("big-{i}"), "big", base + i as i64))
+        .collect();
+    lines.extend(
+        (0..SMALL).map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
+    );
+    submit_in_lanes(&server, "deepq", &lines).await;
+    let started = Instant::now();
+    let app = start(
+        &server,
+        &gateway.uri(),
+        "",
+        r#"queue_name = "deepq"
+max_sys = 8
+gate_type = "constant""#,
+    )
+    .await;
+    support::wait_until(Duration::from_secs(60), "every small message sent", || {
+        count(&seen(&arrivals), "small") == SMALL
+    })
+    .await;
+    let all = seen(&arrivals);
+    let position = last_position(&all, "small");
+    let last_at = all[position - 1].at.duration_since(started);
+    let hundredth_at = all[99.min(all.len() - 1)].at.duration_since(started);
+    eprintln!(
+        "deep backlog: {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position} ({:.3} s; dispatch 100 at {:.3} s)",
+        last_at.as_secs_f64(),
+        hundredth_at.as_secs_f64()
+    );
+    assert!(
+        position <= 120,
+        "`small`'s last request was dispatch {position}"
+    );
+    app.stop().await;
+}
+
+/// Issue 22: `gold` (weight 3) has 1 000 messages at the head, `bronze`
+/// (weight 1) 1 000 behind them, a window of 8, tenant lanes: the first
+/// 400 dispatches split 3 : 1 within 10 % (gold 270–330). Without lanes
+/// all 400 are gold.
+#[tokio::test(flavor = "multi_thread")]
+async fn weights_hold_behind_a_deep_backlog() {
+    const EACH: usize = 1000;
+    const FIRST: usize = 400;
+    let server = RedisServer::start();
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let base = unix_now() + 3600;
+    let mut lines: Vec<String> = (0..EACH)
+        .map(|i| tenant_line(&format!("g-{i}"), "gold", base + i as i64))
+        .collect();
+    lines.extend(
+        (0..EACH).map(|i| tenant_line(&format!("b-{i}"), "bronze", base + 10_000 + i as i64)),
+    );
+    submit_in_lanes(&server, "deepw", &lines).await;
+    let app = start(
+        &server,
+        &gateway.uri(),
+        "tenant_weights = { gold = 3 }",
+        r#"queue_name = "deepw"
+max_sys = 8
+gate_type = "constant""#,
+    )
+    .await;
+    support::wait_until(Duration::from_secs(60), "first dispatches", || {
+        seen(&arrivals).len() >= FIRST
+    })
+    .await;
+    let first: Vec<Arrival> = seen(&arrivals).into_iter().take(FIRST).collect();
+    let gold = count(&first, "gold");
+    eprintln!(
+        "deep weighted shares: first {FIRST} dispatches gold {gold}, bronze {} (weights 3 : 1)",
+        FIRST - gold
+    );
+    assert!((270..=330).contains(&gold), "gold {gold} of {FIRST}");
+    app.stop().await;
+}
+
+/// A message that goes back to pending (handed back, its lease expired,
+/// or a retry whose delay ended) goes back into its tenant's lane, so a
+/// retry is not buried behind another tenant's backlog; a claimed one
+/// leaves it.
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_back_in_pending_are_back_in_their_lane() {
+    use sluicegate::app::Tasks;
+    use sluicegate::queue::redis::{
+        RedisConnection, RedisQueue, RedisQueueSettings, client, manager,
+    };
+    use sluicegate::queue::{NackReason, Queue};
+    let server = RedisServer::start();
+    let base = unix_now() + 3600;
+    let lines: Vec<String> = (0..3)
+        .map(|i| tenant_line(&format!("t-{i}"), "t1", base + i))
+        .collect();
+    submit_in_lanes(&server, "laneq", &lines).await;
+    let lane = || server.int(&["ZCARD", "laneq:tenant-lane:t1"]);
+    assert_eq!(lane(), 3);
+    let c = client(&redis_config(&server)).expect("client");
+    let tasks = Tasks::new();
+    let mut settings = RedisQueueSettings::new("laneq");
+    settings.fairness_attribute = Some("userid".into());
+    let queue = RedisQueue::start(
+        RedisConnection::Single(manager(&c).expect("manager")),
+        settings,
+        &tasks,
+    );
+    let got = queue
+        .receive(3, Duration::from_secs(1), Duration::ZERO)
+        .await
+        .expect("receive");
+    assert_eq!(got.len(), 3);
+    assert_eq!((lane(), server.int(&["ZCARD", "laneq"])), (0, 0), "claimed");
+    queue
+        .nack(got[0].tag.clone(), Duration::ZERO, NackReason::NotAdmitted)
+        .await
+        .expect("hand back");
+    assert_eq!(lane(), 1, "handed back into its lane");
+    queue
+        .nack(
+            got[1].tag.clone(),
+            Duration::from_millis(200),
+            NackReason::Failed,
+        )
+        .await
+        .expect("retry later");
+    // The retry mover and the reclaimer (got[2]'s lease of 1 s) run every
+    // 250 ms.
+    support::wait_until(
+        Duration::from_secs(10),
+        "retry and reclaim back in the lane",
+        || lane() == 3,
+    )
+    .await;
+    assert_eq!(server.int(&["ZCARD", "laneq"]), 3);
+    assert_eq!(server.int(&["SISMEMBER", "laneq:tenant-lanes", "t1"]), 1);
+}
+
+/// `submit --fairness-attribute` files every line into its tenant's lane
+/// (lines without the attribute into the lane `""`); without the flag,
+/// nothing is filed.
+#[test]
+fn submit_files_lines_into_tenant_lanes() {
+    let server = RedisServer::start();
+    let tmp = support::TempDir::new("submit-lanes");
+    let file = tmp.0.join("batch.jsonl");
+    let base = unix_now() + 3600;
+    let mut lines: Vec<String> = (0..3)
+        .map(|i| tenant_line(&format!("a-{i}"), "alice", base + i))
+        .collect();
+    lines.push(tenant_line("b-0", "bob", base));
+    lines.push(
+        serde_json::json!({"id": "anon", "deadline": base, "payload": {"model": "m"}}).to_string(),
+    );
+    std::fs::write(&file, lines.join("\n")).expect("write batch");
+    let submit = |queue: &str, flag: &[&str]| {
+        let out = support::cli::output(
+            support::cli::sluicegate(&["submit", "--redis-url", &server.url(), "--queue", queue])
+                .args(flag)
+                .arg(&file),
+        );
+        assert!(out.status.success(), "{}", support::cli::text(&out.stderr));
+    };
+    submit("laned", &["--fairness-attribute", "userid"]);
+    assert_eq!(server.int(&["ZCARD", "laned:tenant-lane:alice"]), 3);
+    assert_eq!(server.int(&["ZCARD", "laned:tenant-lane:bob"]), 1);
+    assert_eq!(server.int(&["ZCARD", "laned:tenant-lane:"]), 1);
+    assert_eq!(server.int(&["SCARD", "laned:tenant-lanes"]), 3);
+    submit("plain", &[]);
+    assert_eq!(server.int(&["ZCARD", "plain"]), 5);
+    assert_eq!(server.int(&["EXISTS", "plain:tenant-lanes"]), 0);
 }

@@ -90,6 +90,12 @@ pub(crate) struct SubmitArgs {
     /// plain request JSON).
     #[arg(long, conflicts_with_all = ["embedded", "result_list"])]
     pubsub_topic: Option<String>,
+    /// The dispatcher's `[gateway] fairness_attribute` (Redis): each
+    /// message is also filed in its tenant's lane (its metadata value of
+    /// this attribute), so the dispatcher sees every tenant's work however
+    /// deep the queue is. Leave it off when the dispatcher has none.
+    #[arg(long, env = "SLUICEGATE_FAIRNESS_ATTRIBUTE")]
+    fairness_attribute: Option<String>,
     /// Submit lines whose id an earlier line of the file already has
     /// (without it such a file is refused and nothing is submitted).
     #[arg(long)]
@@ -256,7 +262,13 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
             if let Some(list) = &args.result_list {
                 message.internal.result_queue_name = Some(list.clone());
             }
-            batch.push(Submission::new(message, &args.queue, now_ms).in_sequence(line.line as u64));
+            let tenant = (args.fairness_attribute.as_deref())
+                .map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
+            batch.push(
+                Submission::new(message, &args.queue, now_ms)
+                    .in_sequence(line.line as u64)
+                    .in_lane(tenant),
+            );
         }
         if let Err(error) = enqueue(&mut conn, &args.queue, &batch).await {
             bar.abandon();

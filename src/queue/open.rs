@@ -235,6 +235,8 @@ async fn open_redis(config: &Config, tasks: &Tasks) -> Result<Transports, OpenEr
             settings.result_list = q.result_queue_name.clone();
             settings.result_ttl_seconds = q.result_ttl_seconds;
             settings.cluster = redis_config.cluster;
+            settings.fairness_attribute = config.gateway.fairness_attribute.clone();
+            settings.tenant_weights = config.dispatch.tenant_weights.clone();
             Arc::new(RedisQueue::start(conn.clone(), settings, tasks))
         })
         .collect();

@@ -254,6 +254,7 @@ pub async fn start(
                 conn: conn.clone(),
                 queue: queue_name,
                 result_list: list.clone(),
+                fairness_attribute: fairness.clone(),
             };
             let store = Store::Redis(RedisStore::new(conn.clone(), serve.key_prefix.clone()));
             engine = Arc::new(Engine::new(

@@ -38,6 +38,9 @@ pub enum Sink {
         queue: String,
         /// The list the messages name for their results.
         result_list: String,
+        /// The dispatcher's fairness attribute: messages are also filed in
+        /// their tenant's lane (`Submission::in_lane`).
+        fairness_attribute: Option<String>,
     },
 }
 
@@ -63,6 +66,7 @@ impl Sink {
                 conn,
                 queue,
                 result_list,
+                fairness_attribute,
             } => {
                 let now_ms = chrono_ms();
                 let submissions: Vec<Submission> = messages
@@ -70,7 +74,11 @@ impl Sink {
                     .enumerate()
                     .map(|(n, mut m)| {
                         m.request.result_queue_name = Some(result_list.clone());
-                        Submission::new(m, queue, now_ms).in_sequence(n as u64)
+                        let tenant = (fairness_attribute.as_deref())
+                            .map(|a| m.request.metadata.get(a).cloned().unwrap_or_default());
+                        Submission::new(m, queue, now_ms)
+                            .in_sequence(n as u64)
+                            .in_lane(tenant)
                     })
                     .collect();
                 enqueue(&mut conn.clone(), queue, &submissions).await?;

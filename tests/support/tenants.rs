@@ -46,11 +46,31 @@ pub fn tenant_line(id: &str, tenant: &str, deadline: i64) -> String {
 
 /// Submits `lines` to `queue` through our producer.
 pub async fn submit(server: &RedisServer, queue: &str, lines: &[String]) {
+    submit_filed(server, queue, lines, None).await;
+}
+
+/// Submits `lines` to `queue` through our producer, each also filed in its
+/// tenant's lane (metadata `userid`, the default fairness attribute).
+pub async fn submit_in_lanes(server: &RedisServer, queue: &str, lines: &[String]) {
+    submit_filed(server, queue, lines, Some("userid")).await;
+}
+
+async fn submit_filed(
+    server: &RedisServer,
+    queue: &str,
+    lines: &[String],
+    attribute: Option<&str>,
+) {
     let mut conn = connection(&redis_config(server)).expect("connection");
     let now_ms = unix_now() * 1000;
     let batch: Vec<Submission> = lines
         .iter()
-        .map(|l| Submission::new(parse_message(l.as_bytes()).expect("valid"), queue, now_ms))
+        .map(|l| {
+            let message = parse_message(l.as_bytes()).expect("valid");
+            let tenant =
+                attribute.map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
+            Submission::new(message, queue, now_ms).in_lane(tenant)
+        })
         .collect();
     enqueue(&mut conn, queue, &batch).await.expect("enqueued");
 }

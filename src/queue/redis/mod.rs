@@ -75,6 +75,13 @@ pub struct Keys {
     /// a cluster the queue's own `{queue}:retry-sortedset`, since a script
     /// moving a retry must find its origin queue in the same slot.
     pub retry: String,
+    /// SET of the tenants with a lane (sluicegate addition, used when the
+    /// dispatcher has a fairness attribute).
+    pub lanes: String,
+    /// Prefix of a tenant's lane: a ZSET beside pending holding the same
+    /// members and scores as pending, for that tenant only, so its head
+    /// is found however deep it sits in pending.
+    pub lane_prefix: String,
 }
 
 impl Keys {
@@ -98,7 +105,14 @@ impl Keys {
             } else {
                 RETRY_SET.to_owned()
             },
+            lanes: format!("{base}:tenant-lanes"),
+            lane_prefix: format!("{base}:tenant-lane:"),
         }
+    }
+
+    /// The lane of `tenant` (`""`: messages without the attribute).
+    pub fn lane(&self, tenant: &str) -> String {
+        format!("{}{tenant}", self.lane_prefix)
     }
 }
 
@@ -116,6 +130,13 @@ pub struct RedisQueueSettings {
     pub result_ttl_seconds: u64,
     /// Use Redis Cluster hash tags for bookkeeping keys.
     pub cluster: bool,
+    /// The `[gateway] fairness_attribute`: when set, claims take the head of
+    /// every tenant lane (`Keys::lanes`) and messages returned to pending
+    /// are filed into their lane (docs/transports.md).
+    pub fairness_attribute: Option<String>,
+    /// `dispatch.tenant_weights`: a claim takes this many members of a
+    /// tenant's lane per round (1 when not named).
+    pub tenant_weights: std::collections::BTreeMap<String, u32>,
 }
 
 impl RedisQueueSettings {
@@ -127,6 +148,8 @@ impl RedisQueueSettings {
             default_result_list: DEFAULT_RESULT_LIST.to_owned(),
             result_ttl_seconds: 0,
             cluster: false,
+            fairness_attribute: None,
+            tenant_weights: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -331,25 +354,53 @@ impl Inner {
         }
     }
 
+    /// The fairness attribute the lane scripts file by ("" = no lanes).
+    fn lane_attribute(&self) -> &str {
+        self.settings.fairness_attribute.as_deref().unwrap_or("")
+    }
+
     async fn claim(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, QueueError> {
         let owner = random_hex();
         let expiry = now_secs() + lease.as_secs_f64();
         let mut conn = self.conn.clone();
         let k = &self.keys;
-        let raw: Vec<(String, Vec<u8>, f64)> = self.observed(
-            "claim",
-            scripts::CLAIM
-                .key(&k.pending)
-                .key(&k.claimed)
-                .key(&k.owners)
-                .key(&k.idx)
-                .key(&k.scores)
-                .arg(max)
-                .arg(expiry)
-                .arg(&owner)
-                .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
-                .await,
-        )?;
+        let raw = match &self.settings.fairness_attribute {
+            None => {
+                scripts::CLAIM
+                    .key(&k.pending)
+                    .key(&k.claimed)
+                    .key(&k.owners)
+                    .key(&k.idx)
+                    .key(&k.scores)
+                    .arg(max)
+                    .arg(expiry)
+                    .arg(&owner)
+                    .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
+                    .await
+            }
+            Some(attribute) => {
+                let mut claim = scripts::CLAIM_LANES.prepare_invoke();
+                claim
+                    .key(&k.pending)
+                    .key(&k.claimed)
+                    .key(&k.owners)
+                    .key(&k.idx)
+                    .key(&k.scores)
+                    .key(&k.lanes)
+                    .arg(max)
+                    .arg(expiry)
+                    .arg(&owner)
+                    .arg(attribute)
+                    .arg(&k.lane_prefix);
+                for (tenant, weight) in &self.settings.tenant_weights {
+                    claim.arg(tenant).arg(*weight);
+                }
+                claim
+                    .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
+                    .await
+            }
+        };
+        let raw = self.observed("claim", raw)?;
         if raw.is_empty() {
             return Ok(Vec::new());
         }
@@ -580,6 +631,14 @@ impl Inner {
                 .arg(&h.owner)
                 .arg(score)
                 .arg(member)
+                // Back in pending, into its lane; the retry set has none
+                // (the mover files it when it comes back).
+                .arg(match target == k.pending {
+                    true => self.lane_attribute(),
+                    false => "",
+                })
+                .arg(&k.lane_prefix)
+                .arg(&k.lanes)
                 .invoke_async(&mut conn)
                 .await,
         )?;
@@ -716,6 +775,9 @@ impl Inner {
                 .key(&k.scores)
                 .arg(now_secs())
                 .arg(HOUSEKEEPING_BATCH)
+                .arg(self.lane_attribute())
+                .arg(&k.lane_prefix)
+                .arg(&k.lanes)
                 .invoke_async(&mut conn)
                 .await,
         )?;
@@ -762,7 +824,7 @@ impl Inner {
             return Ok(());
         }
         let mut invocation = scripts::MOVE.prepare_invoke();
-        invocation.key(&self.keys.retry);
+        invocation.key(&self.keys.retry).arg(self.lane_attribute());
         for member in due {
             let (origin, score) = match parse_message(&member) {
                 Ok(m) => (
@@ -776,7 +838,18 @@ impl Inner {
                 ),
                 Err(_) => (self.settings.name.clone(), 0.0),
             };
-            invocation.arg(member).arg(origin).arg(score);
+            // Only this queue's own lanes: another origin's dispatcher may
+            // not read lanes, and nothing would ever empty them.
+            let (prefix, lanes) = match origin == self.settings.name {
+                true => (self.keys.lane_prefix.as_str(), self.keys.lanes.as_str()),
+                false => ("", ""),
+            };
+            invocation
+                .arg(member)
+                .arg(origin)
+                .arg(score)
+                .arg(prefix)
+                .arg(lanes);
         }
         let _: i64 = self.observed("move retries", invocation.invoke_async(&mut conn).await)?;
         Ok(())

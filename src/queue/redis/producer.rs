@@ -4,7 +4,7 @@
 
 use redis::aio::ConnectionLike;
 
-use super::{CANCEL_TTL, RedisConnection};
+use super::{CANCEL_TTL, Keys, RedisConnection};
 use crate::request::Message;
 
 /// Score of a message in its queue: the deadline plus a fraction encoding
@@ -33,6 +33,9 @@ pub struct Submission {
     pub token: String,
     /// Seconds until the deadline (TTL of `request-active:<id>`).
     pub active_ttl: u64,
+    /// The tenant lane it is also filed in (`Keys::lane`), for a queue
+    /// whose dispatcher has a fairness attribute.
+    pub lane: Option<String>,
 }
 
 impl Submission {
@@ -59,7 +62,17 @@ impl Submission {
             id: message.request.id.clone(),
             token,
             active_ttl,
+            lane: None,
         }
+    }
+
+    /// Files it also into `tenant`'s lane (its `metadata` value of the
+    /// dispatcher's `fairness_attribute`, "" without one), so the
+    /// dispatcher finds it however deep it sits in the queue. `None`: the
+    /// queue has no lanes.
+    pub fn in_lane(mut self, tenant: Option<String>) -> Self {
+        self.lane = tenant;
+        self
     }
 }
 
@@ -99,6 +112,21 @@ pub async fn enqueue(
             .arg(s.active_ttl);
         cmd
     };
+    let keys = Keys::new(queue, conn.is_cluster());
+    // Lane entries follow the queue's: a claim that finds a lane entry
+    // whose member is not pending (yet) drops it.
+    let add_lanes = |pipe: &mut redis::Pipeline| {
+        for s in batch {
+            if let Some(tenant) = &s.lane {
+                pipe.cmd("ZADD")
+                    .arg(keys.lane(tenant))
+                    .arg(s.score)
+                    .arg(&s.member)
+                    .ignore();
+                pipe.cmd("SADD").arg(&keys.lanes).arg(tenant).ignore();
+            }
+        }
+    };
     if conn.is_cluster() {
         let sets = batch.iter().map(|s| {
             let mut conn = conn.clone();
@@ -116,7 +144,14 @@ pub async fn enqueue(
         for s in batch {
             zadd.arg(s.score).arg(&s.member);
         }
-        return zadd.query_async::<()>(conn).await;
+        zadd.query_async::<()>(conn).await?;
+        // The lanes share the queue's slot.
+        if batch.iter().any(|s| s.lane.is_some()) {
+            let mut pipe = redis::pipe();
+            add_lanes(&mut pipe);
+            pipe.query_async::<()>(conn).await?;
+        }
+        return Ok(());
     }
     let mut pipe = redis::pipe();
     for s in batch {
@@ -127,6 +162,7 @@ pub async fn enqueue(
             .ignore();
         pipe.add_command(active(s)).ignore();
     }
+    add_lanes(&mut pipe);
     pipe.query_async::<()>(conn).await
 }
 

@@ -21,14 +21,35 @@ use redis::Script;
 /// KEYS: pending, claimed, owners, idx, scores. ARGV: max, lease expiry
 /// (Unix s), owner token. Returns flat `[claim_key, member, score, ...]`.
 pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(&format!(
+        "{CLAIM_KEY}{}",
         r#"
 local items = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
 local out = {}
 for i = 1, #items, 2 do
   local member = items[i]
   local score = items[i + 1]
-  local ck = nil
+  local ck = claim_key(member)
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('HSET', KEYS[2], ck, member)
+  redis.call('HSET', KEYS[3], ck, ARGV[3])
+  redis.call('HSET', KEYS[5], ck, score)
+  redis.call('ZADD', KEYS[4], ARGV[2], ck)
+  out[#out + 1] = ck
+  out[#out + 1] = member
+  out[#out + 1] = score
+end
+return out
+"#
+    ))
+});
+
+/// The claim key of a member: `id\0token`, `id` without a token, or
+/// `invalid\0<sha1>` for a member that cannot be decoded or whose id
+/// cannot be part of a key (too long, or holding the NUL separator; the
+/// dispatcher answers it under a synthetic id).
+const CLAIM_KEY: &str = r#"
+local function claim_key(member)
   local ok, msg = pcall(cjson.decode, member)
   if ok and type(msg) == 'table' then
     local req = msg
@@ -42,17 +63,116 @@ for i = 1, #items, 2 do
       end
     end
     local id = req['id']
-    -- Ids that cannot be part of a claim key (too long, or holding the
-    -- NUL separator) are claimed as undecodable; the dispatcher answers
-    -- them under a synthetic id.
     if type(id) == 'string' and id ~= '' and #id <= 512
       and not string.find(id, '\0', 1, true) then
-      ck = req['id']
-      if token then ck = ck .. '\0' .. token end
+      if token then return id .. '\0' .. token end
+      return id
     end
   end
-  if not ck then ck = 'invalid\0' .. redis.sha1hex(member) end
+  return 'invalid\0' .. redis.sha1hex(member)
+end
+"#;
+
+/// The tenant of a member, for the lane scripts: `metadata[attr]` of the
+/// request (bare or in an envelope's `data`), "" without one. Prepended to
+/// every script that files a member into a tenant lane.
+const TENANT_OF: &str = r#"
+local function tenant_of(member, attr)
+  local ok, msg = pcall(cjson.decode, member)
+  if not ok or type(msg) ~= 'table' then return '' end
+  local req = msg
+  if type(msg['data']) == 'table' then req = msg['data'] end
+  local md = req['metadata']
+  if type(md) ~= 'table' or type(md[attr]) ~= 'string' then return '' end
+  return md[attr]
+end
+local function file_in_lane(member, score, attr, prefix, lanes)
+  if attr == '' then return end
+  local t = tenant_of(member, attr)
+  redis.call('ZADD', prefix .. t, score, member)
+  redis.call('SADD', lanes, t)
+end
+"#;
+
+/// CLAIM_LANES: CLAIM for a queue with tenant lanes (issue 22): takes the
+/// head of every lane (up to 64 lanes, sampled at random when there are
+/// more) and the head of pending, round robin, so a tenant's work is seen
+/// however deep it sits behind another's. A lane entry whose member is no
+/// longer pending (claimed from the head, or by an upstream dispatcher) is
+/// dropped; an empty lane leaves the lane set. Claimed members leave their
+/// lane. Without lanes (producers that file into none) it claims as CLAIM
+/// does, at the same cost. KEYS: pending, claimed, owners, idx, scores,
+/// lanes. ARGV: max, lease expiry, owner token, attribute, lane key prefix,
+/// then tenant / weight pairs (`dispatch.tenant_weights`). Returns what
+/// CLAIM returns.
+pub(super) static CLAIM_LANES: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{TENANT_OF}{CLAIM_KEY}{}",
+        r#"
+local max = tonumber(ARGV[1])
+local attr, prefix = ARGV[4], ARGV[5]
+local laned = redis.call('SCARD', KEYS[6]) > 0
+
+-- Without lanes: the head of pending, as CLAIM takes it.
+local function head()
+  local picked = {}
+  local items = redis.call('ZRANGE', KEYS[1], 0, max - 1, 'WITHSCORES')
+  for i = 1, #items, 2 do picked[#picked + 1] = {items[i], items[i + 1]} end
+  return picked
+end
+
+-- The tenants' weights (ARGV pairs after the prefix; 1 when not named).
+local weights = {}
+for i = 6, #ARGV, 2 do weights[ARGV[i]] = tonumber(ARGV[i + 1]) end
+
+-- With lanes: round robin over every lane and pending, each round taking
+-- a lane's weight in members from its head (pending: one), so what the
+-- dispatcher's fair buffer receives keeps the shares it serves.
+local function round_robin()
+  local sources = {}
+  for _, t in ipairs(redis.call('SRANDMEMBER', KEYS[6], 64)) do
+    local key = prefix .. t
+    local items = redis.call('ZRANGE', key, 0, max - 1)
+    if #items == 0 then
+      redis.call('SREM', KEYS[6], t)
+    else
+      sources[#sources + 1] = {key = key, items = items, at = 0, weight = weights[t] or 1}
+    end
+  end
+  local items = redis.call('ZRANGE', KEYS[1], 0, max - 1)
+  sources[#sources + 1] = {key = false, items = items, at = 0, weight = 1}
+  local picked, seen = {}, {}
+  repeat
+    local any = false
+    for _, src in ipairs(sources) do
+      for _ = 1, src.weight do
+        src.at = src.at + 1
+        local member = src.items[src.at]
+        if not member or #picked >= max then break end
+        any = true
+        if not seen[member] then
+          seen[member] = true
+          local score = redis.call('ZSCORE', KEYS[1], member)
+          if score then
+            picked[#picked + 1] = {member, score}
+          elseif src.key then
+            redis.call('ZREM', src.key, member)
+          end
+        end
+      end
+    end
+  until not any or #picked >= max
+  return picked
+end
+
+local picked
+if laned then picked = round_robin() else picked = head() end
+local out = {}
+for _, p in ipairs(picked) do
+  local member, score = p[1], p[2]
+  local ck = claim_key(member)
   redis.call('ZREM', KEYS[1], member)
+  if laned then redis.call('ZREM', prefix .. tenant_of(member, attr), member) end
   redis.call('HSET', KEYS[2], ck, member)
   redis.call('HSET', KEYS[3], ck, ARGV[3])
   redis.call('HSET', KEYS[5], ck, score)
@@ -62,8 +182,8 @@ for i = 1, #items, 2 do
   out[#out + 1] = score
 end
 return out
-"#,
-    )
+"#
+    ))
 });
 
 /// ACK: for each message, if the caller still owns the claim, pushes the
@@ -105,21 +225,25 @@ return {acked, lost}
 });
 
 /// RELEASE: returns an owned claim to a sorted set (pending at its queue
-/// score, or the retry set at its due time), possibly rewritten.
+/// score, or the retry set at its due time), possibly rewritten; back in
+/// pending, a queue with lanes files it into its tenant's lane.
 /// KEYS: claimed, owners, idx, scores, target. ARGV: claim key, owner,
-/// score, member. Returns 1, or 0 when the claim is no longer ours.
+/// score, member, attribute ("" = no lanes), lane key prefix, lane set.
+/// Returns 1, or 0 when the claim is no longer ours.
 pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(&format!(
+        "{TENANT_OF}{}",
         r#"
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[4])
+file_in_lane(ARGV[4], ARGV[3], ARGV[5], ARGV[6], ARGV[7])
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 return 1
-"#,
-    )
+"#
+    ))
 });
 
 /// DEAD: moves an owned claim to the dead-letter list and writes its
@@ -173,10 +297,13 @@ return n
 
 /// RECLAIM: returns claims whose lease expired to pending with their
 /// original score (recorded at claim; for claims made by upstream, the
-/// deadline). KEYS: pending, claimed, owners, idx, scores. ARGV: now,
-/// limit. Returns how many were returned.
+/// deadline), each into its tenant lane on a queue with lanes.
+/// KEYS: pending, claimed, owners, idx, scores. ARGV: now, limit,
+/// attribute ("" = no lanes), lane key prefix, lane set. Returns how many
+/// were returned.
 pub(super) static RECLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(&format!(
+        "{TENANT_OF}{}",
         r#"
 local cks = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 local n = 0
@@ -194,6 +321,7 @@ for _, ck in ipairs(cks) do
       end
     end
     redis.call('ZADD', KEYS[1], score, member)
+    file_in_lane(member, score, ARGV[3], ARGV[4], ARGV[5])
     n = n + 1
   end
   redis.call('HDEL', KEYS[2], ck)
@@ -202,26 +330,32 @@ for _, ck in ipairs(cks) do
   redis.call('ZREM', KEYS[4], ck)
 end
 return n
-"#,
-    )
+"#
+    ))
 });
 
 /// MOVE: moves due retries back to their origin queues, each only once
-/// even with several movers. KEYS: retry set. ARGV: triples of member,
-/// origin queue, queue score. Returns how many moved.
+/// even with several movers, into their tenant lane where the origin has
+/// lanes. KEYS: retry set. ARGV: attribute ("" = no lanes), then 5-tuples
+/// of member, origin queue, queue score, lane key prefix and lane set of
+/// the origin ("" when it has none). Returns how many moved.
 pub(super) static MOVE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(&format!(
+        "{TENANT_OF}{}",
         r#"
 local n = 0
-for i = 1, #ARGV, 3 do
+for i = 2, #ARGV, 5 do
   if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
     redis.call('ZADD', ARGV[i + 1], ARGV[i + 2], ARGV[i])
+    if ARGV[i + 4] ~= '' then
+      file_in_lane(ARGV[i], ARGV[i + 2], ARGV[1], ARGV[i + 3], ARGV[i + 4])
+    end
     n = n + 1
   end
 end
 return n
-"#,
-    )
+"#
+    ))
 });
 
 /// FORGET: deletes a producer key (`request-active:<id>` or
