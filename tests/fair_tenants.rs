@@ -1,5 +1,5 @@
 //! Fair tenants on one Redis queue (real `redis-server`, a recording
-//! gateway): a tenant over quota at the head of the queue does not delay
+//! gateway; the deep backlog also on the embedded store): a tenant over quota at the head of the queue does not delay
 //! another tenant's messages (measured at the gateway), under a window of
 //! one request the tenants share it by their weights, and with tenant
 //! lanes a small tenant behind a deep backlog is served from the start, by
@@ -199,6 +199,67 @@ gate_type = "constant""#,
         "deep backlog: {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position} ({:.3} s; dispatch 100 at {:.3} s)",
         last_at.as_secs_f64(),
         hundredth_at.as_secs_f64()
+    );
+    assert!(
+        position <= 120,
+        "`small`'s last request was dispatch {position}"
+    );
+    app.stop().await;
+}
+
+/// The deep backlog of the test above on the embedded store: its claims
+/// file every message into its tenant's lane themselves (no producer
+/// flag), and `small`'s 50 go out within the first 120 dispatches.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_tenant_behind_a_deep_backlog_on_the_embedded_store_is_served_from_the_start() {
+    use bytes::Bytes;
+    use sluicegate::queue::embedded::EmbeddedQueue;
+    const BIG: usize = 2000;
+    const SMALL: usize = 50;
+    let tmp = support::TempDir::new("deep-embedded");
+    let db = tmp.0.join("store.db");
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let base = unix_now() + 3600;
+    let mut lines: Vec<String> = (0..BIG)
+        .map(|i| tenant_line(&format!("big-{i}"), "big", base + i as i64))
+        .collect();
+    lines.extend(
+        (0..SMALL).map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
+    );
+    let bodies: Vec<Bytes> = lines.into_iter().map(Bytes::from).collect();
+    EmbeddedQueue::open(&db, "deepe")
+        .expect("store")
+        .enqueue(&bodies, &[])
+        .expect("enqueued");
+    let toml = format!(
+        r#"
+transport = "embedded"
+[embedded]
+path = "{}"
+[gateway]
+url = "{}"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "100ms"
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "deepe"
+max_sys = 8
+gate_type = "constant"
+"#,
+        db.display(),
+        gateway.uri()
+    );
+    let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let app = support::start_app(&config).await;
+    support::wait_until(Duration::from_secs(60), "every small message sent", || {
+        count(&seen(&arrivals), "small") == SMALL
+    })
+    .await;
+    let position = last_position(&seen(&arrivals), "small");
+    eprintln!(
+        "deep backlog, embedded: {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position}"
     );
     assert!(
         position <= 120,

@@ -128,10 +128,17 @@ pub async fn open(
                 .embedded
                 .as_ref()
                 .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
+            let lanes = (config.gateway.fairness_attribute.clone()).map(|attribute| {
+                super::embedded::TenantLanes {
+                    attribute,
+                    weights: config.dispatch.tenant_weights.clone(),
+                }
+            });
             let mut queues = Vec::with_capacity(config.queues.len());
             for q in &config.queues {
-                let queue = EmbeddedQueue::open(&path, q.queue_name.clone())
-                    .map_err(OpenError::Embedded)?;
+                let queue =
+                    EmbeddedQueue::open_with_lanes(&path, q.queue_name.clone(), lanes.clone())
+                        .map_err(OpenError::Embedded)?;
                 queues.push(Arc::new(queue));
             }
             Ok(Transports::Embedded(queues))

@@ -18,6 +18,7 @@
 //! again with a new tag; the dead holder's tag no longer matches, so it can
 //! never acknowledge.
 
+mod lanes;
 mod schema;
 
 use std::path::{Path, PathBuf};
@@ -33,6 +34,8 @@ use tokio::sync::Notify;
 use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
 use crate::request::parse_message;
 use crate::result::ResultRecord;
+
+pub use lanes::TenantLanes;
 
 /// How often an empty receive looks again for messages written by another
 /// process (in-process writers wake receivers at once).
@@ -139,6 +142,8 @@ struct Inner {
     next_tag: AtomicU64,
     /// Wakes in-process receivers when this process enqueues or nacks.
     arrived: Notify,
+    /// Claims take the heads of the tenant lanes (`lanes.rs`).
+    lanes: Option<TenantLanes>,
 }
 
 /// Unix milliseconds now. Leases are wall-clock times because they are
@@ -157,6 +162,18 @@ impl EmbeddedQueue {
     /// Opens (creating if needed) the database at `path` and the queue
     /// `queue` in it. Several processes may open the same file.
     pub fn open(path: impl AsRef<Path>, queue: impl Into<String>) -> Result<Self, EmbeddedError> {
+        Self::open_with_lanes(path, queue, None)
+    }
+
+    /// [`EmbeddedQueue::open`] for a dispatcher with a fairness attribute:
+    /// its claims take the heads of the tenant lanes round robin by weight,
+    /// so every tenant's work reaches its fair buffer however deep the
+    /// queue is (`lanes.rs`).
+    pub fn open_with_lanes(
+        path: impl AsRef<Path>,
+        queue: impl Into<String>,
+        lanes: Option<TenantLanes>,
+    ) -> Result<Self, EmbeddedError> {
         let path = path.as_ref().to_path_buf();
         let conn = schema::open(&path)?;
         Ok(Self {
@@ -167,6 +184,7 @@ impl EmbeddedQueue {
                 nonce: rand::random::<u64>(),
                 next_tag: AtomicU64::new(0),
                 arrived: Notify::new(),
+                lanes,
             }),
         })
     }
@@ -504,18 +522,20 @@ impl Inner {
         let expires = now.saturating_add(ms(lease));
         let limit = i64::try_from(max.max(1)).unwrap_or(i64::MAX);
         self.write(|tx, queue| {
-            let rows: Vec<(i64, Vec<u8>, u32)> = {
-                let mut s = tx.prepare_cached(
-                    "SELECT seq, body, retry_count FROM messages
-                     WHERE queue = ?1 AND (
-                        (lease_tag IS NULL AND visible_at_ms <= ?2)
-                        OR (lease_tag IS NOT NULL AND lease_expires_ms <= ?2))
-                     ORDER BY deadline, seq LIMIT ?3",
-                )?;
-                s.query_map(params![queue, now, limit], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })?
-                .collect::<rusqlite::Result<_>>()?
+            let rows: Vec<lanes::Row> = match &self.lanes {
+                Some(tenant_lanes) => lanes::heads(tx, queue, tenant_lanes, now, max.max(1))?,
+                None => {
+                    let mut s = tx.prepare_cached(&format!(
+                        "SELECT seq, body, retry_count FROM messages
+                         WHERE queue = ?1 AND {}
+                         ORDER BY deadline, seq LIMIT ?3",
+                        lanes::CLAIMABLE
+                    ))?;
+                    s.query_map(params![queue, now, limit], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                    })?
+                    .collect::<rusqlite::Result<_>>()?
+                }
             };
             let mut update = tx.prepare_cached(
                 "UPDATE messages SET lease_tag = ?1, lease_expires_ms = ?2 WHERE seq = ?3",

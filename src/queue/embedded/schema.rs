@@ -9,6 +9,9 @@
 //!   makes the first result win.
 //! - `dead_letters`: messages that used up their attempts, with the last
 //!   error.
+//! - `messages.tenant` and `lanes(queue, tenant)` (version 2): the tenant
+//!   lanes of a dispatcher with a fairness attribute (`lanes.rs`); NULL
+//!   until a claim files the row. A version 1 file gains them on open.
 
 use std::path::Path;
 
@@ -17,7 +20,7 @@ use rusqlite::{Connection, OptionalExtension};
 use super::{BUSY_TIMEOUT, EmbeddedError};
 
 /// Version of the tables this build reads and writes.
-pub(super) const SCHEMA_VERSION: u32 = 1;
+pub(super) const SCHEMA_VERSION: u32 = 2;
 
 const TABLES: &str = "
 CREATE TABLE IF NOT EXISTS meta (
@@ -32,7 +35,8 @@ CREATE TABLE IF NOT EXISTS messages (
     retry_count      INTEGER NOT NULL DEFAULT 0,
     visible_at_ms    INTEGER NOT NULL,
     lease_tag        TEXT,
-    lease_expires_ms INTEGER
+    lease_expires_ms INTEGER,
+    tenant           TEXT
 );
 CREATE INDEX IF NOT EXISTS messages_order ON messages (queue, deadline, seq);
 CREATE UNIQUE INDEX IF NOT EXISTS messages_lease ON messages (lease_tag);
@@ -48,6 +52,11 @@ CREATE TABLE IF NOT EXISTS results (
 CREATE TABLE IF NOT EXISTS cancel_marks (
     seq INTEGER PRIMARY KEY
 );
+CREATE TABLE IF NOT EXISTS lanes (
+    queue  TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    PRIMARY KEY (queue, tenant)
+);
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq        INTEGER PRIMARY KEY AUTOINCREMENT,
     queue      TEXT    NOT NULL,
@@ -58,8 +67,15 @@ CREATE TABLE IF NOT EXISTS dead_letters (
 );
 ";
 
-/// Opens the file, sets durability pragmas, creates the tables and checks
-/// the schema version.
+/// Indexes on `messages.tenant`, made once the column exists (after the
+/// migration of a version 1 file).
+const LANE_INDEXES: &str = "
+CREATE INDEX IF NOT EXISTS messages_lane ON messages (queue, tenant, deadline, seq);
+CREATE INDEX IF NOT EXISTS messages_unfiled ON messages (queue) WHERE tenant IS NULL;
+";
+
+/// Opens the file, sets durability pragmas, creates the tables, checks
+/// the schema version and migrates a version 1 file.
 pub(super) fn open(path: &Path) -> Result<Connection, EmbeddedError> {
     let err = |source| EmbeddedError::Sqlite {
         path: path.to_path_buf(),
@@ -97,6 +113,7 @@ pub(super) fn open(path: &Path) -> Result<Connection, EmbeddedError> {
             .map_err(err)?;
         }
         Some(v) if v == SCHEMA_VERSION.to_string() => {}
+        Some(v) if v == "1" => migrate_from_1(&conn).map_err(err)?,
         Some(found) => {
             return Err(EmbeddedError::Schema {
                 path: path.to_path_buf(),
@@ -105,5 +122,35 @@ pub(super) fn open(path: &Path) -> Result<Connection, EmbeddedError> {
             });
         }
     }
+    conn.execute_batch(LANE_INDEXES).map_err(err)?;
     Ok(conn)
+}
+
+/// Version 1 → 2: the `tenant` column (the `lanes` table is made with the
+/// others). In one write transaction that looks again, so two processes
+/// opening the same old file migrate it once.
+fn migrate_from_1(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch("BEGIN IMMEDIATE")?;
+    let run = || -> rusqlite::Result<()> {
+        let version: String = conn.query_row(
+            "SELECT value FROM meta WHERE key = 'schema_version'",
+            [],
+            |r| r.get(0),
+        )?;
+        if version == "1" {
+            conn.execute_batch("ALTER TABLE messages ADD COLUMN tenant TEXT")?;
+            conn.execute(
+                "UPDATE meta SET value = ?1 WHERE key = 'schema_version'",
+                [SCHEMA_VERSION.to_string()],
+            )?;
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => conn.execute_batch("COMMIT"),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e)
+        }
+    }
 }

@@ -225,3 +225,114 @@ fn refuses_a_file_of_another_schema_version() {
     let err = EmbeddedQueue::open(&path, "q").expect_err("refused");
     assert!(err.to_string().contains("schema version 99"), "{err}");
 }
+
+fn tenant_body(id: &str, tenant: &str) -> Bytes {
+    Bytes::from(format!(
+        r#"{{"id":"{id}","deadline":1,"metadata":{{"userid":"{tenant}"}},"payload":{{}}}}"#
+    ))
+}
+
+fn lanes(weights: &[(&str, u32)]) -> Option<TenantLanes> {
+    Some(TenantLanes {
+        attribute: "userid".into(),
+        weights: weights.iter().map(|(t, w)| ((*t).to_owned(), *w)).collect(),
+    })
+}
+
+fn tenants_of(got: &[Delivery]) -> Vec<String> {
+    got.iter()
+        .map(|d| lanes::tenant_of(&d.body, "userid"))
+        .collect()
+}
+
+#[tokio::test]
+async fn with_lanes_a_claim_takes_every_tenants_head_by_weight() {
+    let path = temp_db("lanes");
+    let plain = EmbeddedQueue::open(&path, "q").expect("open");
+    let mut items: Vec<(Bytes, i64)> = (0..200)
+        .map(|i| (tenant_body(&format!("big-{i}"), "big"), 100 + i))
+        .collect();
+    items.extend((0..10).map(|i| (tenant_body(&format!("small-{i}"), "small"), 10_000 + i)));
+    plain.enqueue_with_deadlines(&items, &[]).expect("enqueue");
+    // Without lanes the head is all `big`.
+    let head = plain
+        .receive(10, Duration::from_millis(1), NO_WAIT)
+        .await
+        .expect("ok");
+    assert!(tenants_of(&head).iter().all(|t| t == "big"));
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let fair = EmbeddedQueue::open_with_lanes(&path, "q", lanes(&[])).expect("open");
+    let got = fair.receive(10, LEASE, NO_WAIT).await.expect("ok");
+    let small = tenants_of(&got).iter().filter(|t| *t == "small").count();
+    assert_eq!((got.len(), small), (10, 5), "{:?}", tenants_of(&got));
+    // Within a lane, earliest deadline first.
+    let first_small = got
+        .iter()
+        .find(|d| lanes::tenant_of(&d.body, "userid") == "small")
+        .expect("small");
+    assert!(
+        std::str::from_utf8(&first_small.body)
+            .expect("utf-8")
+            .contains("small-0")
+    );
+    // Weights: 3 of `big` per 1 of `small` (5 small left).
+    let weighted = EmbeddedQueue::open_with_lanes(&path, "q", lanes(&[("big", 3)])).expect("open");
+    let got = weighted.receive(8, LEASE, NO_WAIT).await.expect("ok");
+    let small = tenants_of(&got).iter().filter(|t| *t == "small").count();
+    assert_eq!((got.len(), small), (8, 2), "{:?}", tenants_of(&got));
+}
+
+#[tokio::test]
+async fn a_lane_whose_messages_are_all_gone_leaves_and_nothing_is_lost() {
+    let q = EmbeddedQueue::open_with_lanes(temp_db("lanes-gone"), "q", lanes(&[])).expect("open");
+    q.enqueue_with_deadlines(
+        &[(tenant_body("a", "t"), 1), (Bytes::from_static(b"junk"), 2)],
+        &[],
+    )
+    .expect("enqueue");
+    let got = q.receive(10, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(got.len(), 2, "a body without a tenant is in lane \"\"");
+    let report = q
+        .ack(
+            got.iter()
+                .enumerate()
+                .map(|(i, d)| done(&d.tag, &format!("r{i}")))
+                .collect(),
+        )
+        .await
+        .expect("ack");
+    assert_eq!(report.acked, 2);
+    assert!(q.receive(10, LEASE, NO_WAIT).await.expect("ok").is_empty());
+    let lanes_left: i64 = q
+        .inner
+        .read(|c, _| c.query_row("SELECT COUNT(*) FROM lanes", [], |r| r.get(0)))
+        .expect("count");
+    assert_eq!(lanes_left, 0);
+}
+
+#[tokio::test]
+async fn a_version_1_file_gains_the_tenant_column_and_keeps_its_messages() {
+    let path = temp_db("v1");
+    {
+        let c = rusqlite::Connection::open(&path).expect("sqlite");
+        c.execute_batch(
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO meta VALUES ('schema_version', '1');
+             CREATE TABLE messages (
+                 seq INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL,
+                 deadline INTEGER NOT NULL, body BLOB NOT NULL,
+                 retry_count INTEGER NOT NULL DEFAULT 0, visible_at_ms INTEGER NOT NULL,
+                 lease_tag TEXT, lease_expires_ms INTEGER);
+             INSERT INTO messages (queue, deadline, body, visible_at_ms)
+                 VALUES ('q', 1, CAST('{\"id\":\"old\",\"metadata\":{\"userid\":\"t\"}}' AS BLOB), 0);",
+        )
+        .expect("a version 1 store");
+    }
+    let q = EmbeddedQueue::open_with_lanes(&path, "q", lanes(&[])).expect("migrates");
+    let got = q.receive(10, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(tenants_of(&got), ["t"]);
+    let version = q.meta("schema_version").expect("meta");
+    assert_eq!(version.as_deref(), Some("2"));
+    // Opening it again (another process) is a no-op.
+    EmbeddedQueue::open(&path, "q").expect("reopens");
+}
