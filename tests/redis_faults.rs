@@ -178,6 +178,56 @@ fn assert_exactly_once(server: &RedisServer, n: usize) {
     assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claimed")]), 0);
     assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claim-owners")]), 0);
     assert_eq!(server.int(&["ZCARD", &format!("{QUEUE}:claims-idx")]), 0);
+    assert_eq!(server.int(&["HLEN", &format!("{QUEUE}:claim-reclaims")]), 0);
+}
+
+/// Issue 22: a request in flight when its dispatcher is SIGKILLed was
+/// sent; the one that finishes it after the lease expired reports two
+/// attempts (every result said 1 before).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_in_flight_at_sigkill_counts_its_attempt() {
+    let server = RedisServer::start();
+    let hanging = gateway(Duration::from_secs(60)).await;
+    let fast = gateway(Duration::from_millis(2)).await;
+    let tmp = support::TempDir::new("sigkill-attempts");
+    let dir = &tmp.0;
+    submit(&server, dir, 4);
+    let mut child = dispatcher(
+        &server.url(),
+        &hanging.uri(),
+        "2s",
+        "127.0.0.1:0",
+        &dir.join("run.log"),
+    );
+    let give_up = Instant::now() + Duration::from_secs(30);
+    while hanging.received_requests().await.map_or(0, |r| r.len()) < 4 {
+        assert!(
+            Instant::now() < give_up,
+            "the requests never reached the gateway"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    child.kill().expect("SIGKILL");
+    let _ = child.wait();
+    let mut child = dispatcher(
+        &server.url(),
+        &fast.uri(),
+        "2s",
+        "127.0.0.1:0",
+        &dir.join("run2.log"),
+    );
+    wait_drained(&server, 4, Duration::from_secs(30)).await;
+    sigterm(&child);
+    let _ = child.wait();
+    for line in server.cli(&["LRANGE", "result-list", "0", "-1"]).lines() {
+        let r: serde_json::Value = serde_json::from_str(line).expect("result JSON");
+        assert_eq!(
+            (r["status_code"].as_i64(), r["attempts"].as_i64()),
+            (Some(200), Some(2)),
+            "{r}"
+        );
+    }
+    assert_exactly_once(&server, 4);
 }
 
 #[tokio::test(flavor = "multi_thread")]

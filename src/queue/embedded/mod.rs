@@ -537,13 +537,19 @@ impl Inner {
                     .collect::<rusqlite::Result<_>>()?
                 }
             };
+            // A row still carrying a (lapsed) lease was taken by a holder
+            // that lost it, killed mid-request perhaps: it may have been
+            // sent, so the reclaim counts as an attempt (issue 22).
             let mut update = tx.prepare_cached(
-                "UPDATE messages SET lease_tag = ?1, lease_expires_ms = ?2 WHERE seq = ?3",
+                "UPDATE messages SET lease_tag = ?1, lease_expires_ms = ?2,
+                     retry_count = retry_count + (lease_tag IS NOT NULL)
+                 WHERE seq = ?3 RETURNING retry_count",
             )?;
             let mut out = Vec::with_capacity(rows.len());
-            for (seq, body, retry_count) in rows {
+            for (seq, body, _) in rows {
                 let tag = self.new_tag(seq);
-                update.execute(params![tag, expires, seq])?;
+                let retry_count: u32 =
+                    update.query_row(params![tag, expires, seq], |r| r.get(0))?;
                 out.push(Delivery {
                     tag: DeliveryTag(tag),
                     body: Bytes::from(body),

@@ -61,6 +61,9 @@ async fn expired_lease_is_redelivered_and_stale_ack_is_refused() {
     let second = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
     assert_eq!(second.len(), 1);
     assert_ne!(first[0].tag, second[0].tag);
+    // The first holder may have sent it: the reclaim counts an attempt
+    // (issue 22), a hand-back does not.
+    assert_eq!((first[0].retry_count, second[0].retry_count), (0, 1));
     let stale = q.ack(vec![done(&first[0].tag, "m")]).await.expect("ok");
     assert_eq!(stale.lease_lost, 1);
     assert_eq!(q.result_count().expect("count"), 0);

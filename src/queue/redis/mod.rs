@@ -82,6 +82,9 @@ pub struct Keys {
     /// members and scores as pending, for that tenant only, so its head
     /// is found however deep it sits in pending.
     pub lane_prefix: String,
+    /// HASH claim key → how often the message's lease expired on a holder
+    /// (sluicegate addition: each reclaim counts as an attempt).
+    pub reclaims: String,
 }
 
 impl Keys {
@@ -107,6 +110,7 @@ impl Keys {
             },
             lanes: format!("{base}:tenant-lanes"),
             lane_prefix: format!("{base}:tenant-lane:"),
+            reclaims: format!("{base}:claim-reclaims"),
         }
     }
 
@@ -163,6 +167,9 @@ struct Held {
     score: f64,
     result_list: Option<String>,
     result_ttl: Option<u64>,
+    /// Leases of this message that expired on earlier holders
+    /// (`Keys::reclaims`), counted in its retry count.
+    reclaims: u32,
 }
 
 /// Counters shared with the housekeeping task.
@@ -372,10 +379,11 @@ impl Inner {
                     .key(&k.owners)
                     .key(&k.idx)
                     .key(&k.scores)
+                    .key(&k.reclaims)
                     .arg(max)
                     .arg(expiry)
                     .arg(&owner)
-                    .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
+                    .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
                     .await
             }
             Some(attribute) => {
@@ -387,6 +395,7 @@ impl Inner {
                     .key(&k.idx)
                     .key(&k.scores)
                     .key(&k.lanes)
+                    .key(&k.reclaims)
                     .arg(max)
                     .arg(expiry)
                     .arg(&owner)
@@ -396,7 +405,7 @@ impl Inner {
                     claim.arg(tenant).arg(*weight);
                 }
                 claim
-                    .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
+                    .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
                     .await
             }
         };
@@ -407,7 +416,7 @@ impl Inner {
         let mut deliveries = Vec::with_capacity(raw.len());
         {
             let mut held = self.lock_held();
-            for (claim_key, member, score) in raw {
+            for (claim_key, member, score, reclaims) in raw {
                 let peek: Peek = serde_json::from_slice(&member).unwrap_or_default();
                 let result_list = peek.result_list();
                 let internal = peek.internal.unwrap_or_default();
@@ -416,7 +425,9 @@ impl Inner {
                 deliveries.push(Delivery {
                     tag: DeliveryTag(tag.clone()),
                     body: member.clone(),
-                    retry_count: internal.retry_count.unwrap_or(0),
+                    // A holder that lost the lease (killed mid-request, say)
+                    // may have sent it: each reclaim is an attempt.
+                    retry_count: internal.retry_count.unwrap_or(0).saturating_add(reclaims),
                     source_id: None,
                 });
                 held.insert(
@@ -428,6 +439,7 @@ impl Inner {
                         score,
                         result_list,
                         result_ttl: internal.result_ttl_seconds,
+                        reclaims,
                     },
                 );
             }
@@ -513,7 +525,8 @@ impl Inner {
             .key(&k.claimed)
             .key(&k.owners)
             .key(&k.idx)
-            .key(&k.scores);
+            .key(&k.scores)
+            .key(&k.reclaims);
         let mut settled = Vec::with_capacity(completions.len());
         let mut forget = Vec::new();
         let mut args: Vec<Vec<u8>> = Vec::with_capacity(completions.len() * 7);
@@ -579,6 +592,9 @@ impl Inner {
         let Some(h) = self.lock_held().get(&tag.0).cloned() else {
             return Ok(());
         };
+        // Whether the member is rewritten with its reclaims folded into its
+        // retry count (then `Keys::reclaims` forgets them).
+        let mut rewritten = false;
         let (target, score, member) =
             if delay.is_zero() && !reason.counts_as_failure() && record.is_none() {
                 (self.keys.pending.clone(), h.score, h.member.to_vec())
@@ -589,6 +605,9 @@ impl Inner {
                 // still answers with the last HTTP answer).
                 let member = match parse_message(&h.member) {
                     Ok(mut message) => {
+                        rewritten = true;
+                        message.internal.retry_count =
+                            message.internal.retry_count.saturating_add(h.reclaims);
                         if reason.counts_as_failure() {
                             message.internal.retry_count =
                                 message.internal.retry_count.saturating_add(1);
@@ -627,6 +646,7 @@ impl Inner {
                 .key(&k.idx)
                 .key(&k.scores)
                 .key(&target)
+                .key(&k.reclaims)
                 .arg(&h.claim_key)
                 .arg(&h.owner)
                 .arg(score)
@@ -639,6 +659,7 @@ impl Inner {
                 })
                 .arg(&k.lane_prefix)
                 .arg(&k.lanes)
+                .arg(if rewritten { "1" } else { "0" })
                 .invoke_async(&mut conn)
                 .await,
         )?;
@@ -682,6 +703,7 @@ impl Inner {
                 .key(&k.idx)
                 .key(&k.scores)
                 .key(&k.dead)
+                .key(&k.reclaims)
                 .arg(&h.claim_key)
                 .arg(&h.owner)
                 .arg(record)
@@ -773,6 +795,7 @@ impl Inner {
                 .key(&k.owners)
                 .key(&k.idx)
                 .key(&k.scores)
+                .key(&k.reclaims)
                 .arg(now_secs())
                 .arg(HOUSEKEEPING_BATCH)
                 .arg(self.lane_attribute())
@@ -1027,9 +1050,12 @@ mod tests {
         assert_eq!(k.claimed, "request-sortedset:claimed");
         assert_eq!(k.owners, "request-sortedset:claim-owners");
         assert_eq!(k.idx, "request-sortedset:claims-idx");
+        assert_eq!(k.reclaims, "request-sortedset:claim-reclaims");
+        assert_eq!(k.lane("alice"), "request-sortedset:tenant-lane:alice");
         let c = Keys::new("q", true);
         assert_eq!(c.pending, "q");
         assert_eq!(c.idx, "{q}:claims-idx");
+        assert_eq!(c.lanes, "{q}:tenant-lanes");
         let tagged = Keys::new("{t}q", true);
         assert_eq!(tagged.idx, "{t}q:claims-idx");
     }

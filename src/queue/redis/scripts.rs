@@ -18,8 +18,10 @@ use std::sync::LazyLock;
 use redis::Script;
 
 /// CLAIM: moves up to `max` lowest-scored members from pending to claimed.
-/// KEYS: pending, claimed, owners, idx, scores. ARGV: max, lease expiry
-/// (Unix s), owner token. Returns flat `[claim_key, member, score, ...]`.
+/// KEYS: pending, claimed, owners, idx, scores, reclaims. ARGV: max, lease
+/// expiry (Unix s), owner token. Returns flat `[claim_key, member, score,
+/// reclaims, ...]`: reclaims = how often the member's lease expired on an
+/// earlier holder (issue 22: each counts as an attempt).
 pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{CLAIM_KEY}{}",
@@ -38,6 +40,7 @@ for i = 1, #items, 2 do
   out[#out + 1] = ck
   out[#out + 1] = member
   out[#out + 1] = score
+  out[#out + 1] = tonumber(redis.call('HGET', KEYS[6], ck) or '0')
 end
 return out
 "#
@@ -102,7 +105,7 @@ end
 /// dropped; an empty lane leaves the lane set. Claimed members leave their
 /// lane. Without lanes (producers that file into none) it claims as CLAIM
 /// does, at the same cost. KEYS: pending, claimed, owners, idx, scores,
-/// lanes. ARGV: max, lease expiry, owner token, attribute, lane key prefix,
+/// lanes, reclaims. ARGV: max, lease expiry, owner token, attribute, lane key prefix,
 /// then tenant / weight pairs (`dispatch.tenant_weights`). Returns what
 /// CLAIM returns.
 pub(super) static CLAIM_LANES: LazyLock<Script> = LazyLock::new(|| {
@@ -180,6 +183,7 @@ for _, p in ipairs(picked) do
   out[#out + 1] = ck
   out[#out + 1] = member
   out[#out + 1] = score
+  out[#out + 1] = tonumber(redis.call('HGET', KEYS[7], ck) or '0')
 end
 return out
 "#
@@ -189,9 +193,9 @@ return out
 /// ACK: for each message, if the caller still owns the claim, pushes the
 /// result, applies the list TTL, drops the claim and cleans the producer's
 /// keys when they still hold this token; otherwise writes nothing.
-/// KEYS: claimed, owners, idx, scores. ARGV: count, then per message
-/// claim key, owner, result list, result JSON, ttl seconds, id, token.
-/// Returns `{acked, lease_lost}`.
+/// KEYS: claimed, owners, idx, scores, reclaims. ARGV: count, then per
+/// message claim key, owner, result list, result JSON, ttl seconds, id,
+/// token. Returns `{acked, lease_lost}`.
 pub(super) static ACK: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -207,6 +211,7 @@ for i = 0, n - 1 do
     redis.call('HDEL', KEYS[1], ck)
     redis.call('HDEL', KEYS[2], ck)
     redis.call('HDEL', KEYS[4], ck)
+    redis.call('HDEL', KEYS[5], ck)
     redis.call('ZREM', KEYS[3], ck)
     if token ~= '' then
       local active = 'request-active:' .. id
@@ -227,9 +232,11 @@ return {acked, lost}
 /// RELEASE: returns an owned claim to a sorted set (pending at its queue
 /// score, or the retry set at its due time), possibly rewritten; back in
 /// pending, a queue with lanes files it into its tenant's lane.
-/// KEYS: claimed, owners, idx, scores, target. ARGV: claim key, owner,
-/// score, member, attribute ("" = no lanes), lane key prefix, lane set.
-/// Returns 1, or 0 when the claim is no longer ours.
+/// The reclaim count stays unless the member was rewritten with it
+/// (ARGV forget = "1").
+/// KEYS: claimed, owners, idx, scores, target, reclaims. ARGV: claim key,
+/// owner, score, member, attribute ("" = no lanes), lane key prefix, lane
+/// set, forget. Returns 1, or 0 when the claim is no longer ours.
 pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{TENANT_OF}{}",
@@ -237,6 +244,7 @@ pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('ZADD', KEYS[5], ARGV[3], ARGV[4])
 file_in_lane(ARGV[4], ARGV[3], ARGV[5], ARGV[6], ARGV[7])
+if ARGV[8] == '1' then redis.call('HDEL', KEYS[6], ARGV[1]) end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
@@ -250,8 +258,9 @@ return 1
 /// result (as ACK does: result list, list TTL, producer keys cleaned when
 /// they still hold this token), so a reader waiting for every result is
 /// not left waiting.
-/// KEYS: claimed, owners, idx, scores, dead list. ARGV: claim key, owner,
-/// record JSON, result list, result JSON, ttl seconds, id, token.
+/// KEYS: claimed, owners, idx, scores, dead list, reclaims. ARGV: claim
+/// key, owner, record JSON, result list, result JSON, ttl seconds, id,
+/// token.
 /// Returns 1, or 0 when the claim is no longer ours.
 pub(super) static DEAD: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
@@ -259,6 +268,7 @@ pub(super) static DEAD: LazyLock<Script> = LazyLock::new(|| {
 if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('LPUSH', KEYS[5], ARGV[3])
 redis.call('LPUSH', ARGV[4], ARGV[5])
+redis.call('HDEL', KEYS[6], ARGV[1])
 local ttl = tonumber(ARGV[6])
 if ttl > 0 then redis.call('EXPIRE', ARGV[4], ttl) end
 redis.call('HDEL', KEYS[1], ARGV[1])
@@ -297,8 +307,10 @@ return n
 
 /// RECLAIM: returns claims whose lease expired to pending with their
 /// original score (recorded at claim; for claims made by upstream, the
-/// deadline), each into its tenant lane on a queue with lanes.
-/// KEYS: pending, claimed, owners, idx, scores. ARGV: now, limit,
+/// deadline), each into its tenant lane on a queue with lanes, and counts
+/// the reclaim (the next claim reports it: the dead holder may have sent
+/// it, so it counts as an attempt).
+/// KEYS: pending, claimed, owners, idx, scores, reclaims. ARGV: now, limit,
 /// attribute ("" = no lanes), lane key prefix, lane set. Returns how many
 /// were returned.
 pub(super) static RECLAIM: LazyLock<Script> = LazyLock::new(|| {
@@ -321,6 +333,7 @@ for _, ck in ipairs(cks) do
       end
     end
     redis.call('ZADD', KEYS[1], score, member)
+    redis.call('HINCRBY', KEYS[6], ck, 1)
     file_in_lane(member, score, ARGV[3], ARGV[4], ARGV[5])
     n = n + 1
   end
