@@ -312,6 +312,7 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
         (
             0usize..=4096,
             proptest::collection::btree_map("[a-z][a-z0-9-]{0,6}", 1u32..100, 0..3),
+            1u64..=u64::MAX,
         ),
     )
         .prop_map(
@@ -320,10 +321,11 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 (max_attempts, retry_initial_backoff, extra_backoff),
                 (congestion_backoff, wait_requeue_delay, shutdown_grace, default_deadline),
                 extra_congestion,
-                (tenant_lookahead, tenant_weights),
+                (tenant_lookahead, tenant_weights, max_buffered_bytes),
             )| DispatchConfig {
                 tenant_lookahead,
                 tenant_weights,
+                max_buffered_bytes,
                 poll_interval,
                 max_staleness: poll_interval + extra_staleness,
                 lease,

@@ -870,3 +870,45 @@ async fn a_full_window_is_not_read_again_and_again_while_nothing_moves() {
     assert_eq!(h.wait_for_results(4).await.len(), 4);
     h.stop().await;
 }
+
+/// Issue 22: twelve 8 MiB messages, a window of 100 and a byte budget of
+/// 32 MiB: never more than four bodies held, so never more than four in
+/// flight (before the budget all twelve went at once, and ten 8 MiB
+/// messages peaked at 360 MB RSS); every one is answered.
+#[tokio::test]
+async fn large_bodies_stay_within_the_byte_budget() {
+    const MIB: usize = 1 << 20;
+    let (url, peak) = counting_gateway(Duration::from_millis(300)).await;
+    let settings = DispatchSettings {
+        max_sys: 100.0,
+        max_buffered_bytes: 32 * MIB as u64,
+        ..fast_settings()
+    };
+    let h = Harness::start(
+        &url,
+        Box::new(ConstantGate::default()),
+        settings,
+        no_retry_limit(),
+    );
+    let prompt = "x".repeat(8 * MIB - 200);
+    for i in 0..12 {
+        h.queue.push_message(
+            serde_json::json!({
+                "id": format!("big-{i}"),
+                "deadline": unix_now() + 3600,
+                "payload": {"model": "m", "prompt": prompt, "max_tokens": 1}
+            })
+            .to_string(),
+        );
+    }
+    let results = h.wait_for_results(12).await;
+    assert_eq!(results.len(), 12);
+    assert!(
+        results.iter().all(|r| r.status_code == Some(200)),
+        "{results:?}"
+    );
+    h.stop().await;
+    let peak = peak.load(Ordering::SeqCst);
+    assert!(peak <= 4, "peak in flight {peak}: over the byte budget");
+    assert!(peak >= 2, "the budget is used (peak {peak})");
+}

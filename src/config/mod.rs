@@ -429,6 +429,11 @@ section! {
         /// Weight of each tenant (value of `[gateway] fairness_attribute`)
         /// in the window's round robin; tenants not named weigh 1.
         tenant_weights: BTreeMap<String, u32> = BTreeMap::new(), tenant_weights;
+        /// Most message body bytes a queue's dispatcher holds at once (the
+        /// lookahead, parked, in flight and awaiting the result write); the
+        /// receiver pulls no more while they would not fit. A single
+        /// message larger than this still goes, alone.
+        max_buffered_bytes: u64 = 256 * 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
         /// Time allowed for in-flight work at shutdown.
         #[serde(serialize_with = "render::duration")]
         shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);

@@ -22,7 +22,7 @@
 //! in-flight requests the grace period, requeue what is still running,
 //! flush results, exit.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::congestion::{Clearance, CongestionHold};
+use super::held::Held;
 use super::observe::observe_loop;
 use super::pool::{Lane, LaneWindow, Pool};
 use super::receive::receive_loop;
@@ -96,8 +97,9 @@ pub(super) struct Shared {
     /// Fired when a sent request ends, so parked messages ask their gate
     /// again (a concurrency slot may be free).
     pub(super) finished: Notify,
-    /// Deliveries not yet settled, whose leases the keeper renews.
-    pub(super) held: Mutex<HashSet<DeliveryTag>>,
+    /// Deliveries not yet settled, whose leases the keeper renews, and
+    /// their bytes, which the receiver bounds.
+    pub(super) held: Mutex<Held>,
     pub(super) parked: AtomicUsize,
     /// Open `settle` spans until the writer acknowledges their results;
     /// stays empty when traces are off.
@@ -118,7 +120,7 @@ impl Shared {
             changed,
             refresh: Notify::new(),
             finished: Notify::new(),
-            held: Mutex::new(HashSet::new()),
+            held: Mutex::new(Held::default()),
             parked: AtomicUsize::new(0),
             settling: Mutex::new(HashMap::new()),
         }
@@ -132,7 +134,7 @@ impl Shared {
         }
     }
 
-    pub(super) fn held(&self) -> MutexGuard<'_, HashSet<DeliveryTag>> {
+    pub(super) fn held(&self) -> MutexGuard<'_, Held> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 

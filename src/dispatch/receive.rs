@@ -68,13 +68,17 @@ pub(super) async fn receive_loop(
                 // the lookahead sees past it.
                 crate::config::Unit::Tokens | crate::config::Unit::Bytes => room.min(1),
             };
+            // Bodies held (lookahead, parked, in flight, settling) stay
+            // within the byte budget, whatever the window allows.
+            let within_bytes = shared.held().messages_within(settings.max_buffered_bytes);
             let want = pull_size(
                 room,
                 open,
                 fair.len(),
                 settings.tenant_lookahead,
                 settings.receive_batch,
-            );
+            )
+            .min(within_bytes);
             if want > 0 {
                 // Long-poll only when there is nothing to release meanwhile.
                 let wait = if fair.is_empty() {
@@ -195,7 +199,24 @@ async fn take_in(
     results: &Results,
 ) {
     shared.metrics().received.inc();
-    shared.held().insert(delivery.tag.clone());
+    let bytes = delivery.body.len() as u64;
+    let fits = {
+        let mut held = shared.held();
+        let fits = held.fits(bytes, shared.settings().max_buffered_bytes);
+        // Held either way: the pull estimate learns its size, and the
+        // hand-back below releases it.
+        held.insert(delivery.tag.clone(), bytes);
+        fits
+    };
+    if !fits {
+        // Larger than the pull estimated: back to the queue untouched
+        // (not an attempt), to be taken again when the bodies held leave
+        // room (`dispatch.max_buffered_bytes`).
+        shared
+            .nack(delivery.tag, Duration::ZERO, NackReason::NotAdmitted)
+            .await;
+        return;
+    }
     let Some(ready) = check(shared, delivery, results).await else {
         return;
     };

@@ -44,6 +44,9 @@ pub struct DispatchSettings {
     pub tenant_lookahead: usize,
     /// Tenant weights in the window's round robin (others weigh 1).
     pub tenant_weights: BTreeMap<String, u32>,
+    /// Most body bytes held at once (lookahead, parked, in flight, waiting
+    /// for the result write); a single larger message still goes alone.
+    pub max_buffered_bytes: u64,
 }
 
 /// Most messages pulled in one receive (not configurable: the window
@@ -75,6 +78,7 @@ impl From<&DispatchConfig> for DispatchSettings {
             shutdown_grace: d.shutdown_grace,
             tenant_lookahead: d.tenant_lookahead,
             tenant_weights: d.tenant_weights.clone(),
+            max_buffered_bytes: d.max_buffered_bytes,
         }
     }
 }
