@@ -625,37 +625,122 @@ async fn a_restarted_server_finishes_the_batches_it_had() {
 async fn the_serve_command_runs_on_the_embedded_transport_by_default() {
     let dir = support::TempDir::new("serve-cli");
     let (api_port, telemetry_port) = (support::free_port(), support::free_port());
-    let mut child = support::cli::sluicegate(&["serve", "--data-dir", "data"])
-        .current_dir(&dir.0)
-        .env("SLUICEGATE_GATEWAY_URL", "http://127.0.0.1:9")
-        .env("SLUICEGATE_GATE_TYPE", "constant")
-        .env("SLUICEGATE_SERVE_LISTEN", format!("127.0.0.1:{api_port}"))
-        .env("SLUICEGATE_LISTEN", format!("127.0.0.1:{telemetry_port}"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("serve starts");
+    let mut child = serve_command(
+        &dir.0,
+        std::path::Path::new("data"),
+        "http://127.0.0.1:9",
+        api_port,
+        telemetry_port,
+    );
     let api = Api::new(&format!("http://127.0.0.1:{api_port}"), None);
-    let give_up = std::time::Instant::now() + LONG;
-    let listed = loop {
-        let answer = reqwest::get(format!("{}/v1/files", api.base)).await;
-        if let Ok(r) = answer {
-            break r.text().await.expect("body");
-        }
-        assert!(std::time::Instant::now() < give_up, "serve never answered");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let listed = answered(&api).await;
     assert_eq!(
         serde_json::from_str::<Value>(&listed).expect("json")["object"],
         "list"
     );
     let (status, file) = api.upload("batch", completion_lines(1, 4).as_bytes()).await;
     assert_eq!(status, 200, "{file}");
-    // Embedded: the queue in ./sluicegate.db, records and bodies in --data-dir.
-    assert!(dir.0.join("sluicegate.db").is_file());
+    // Embedded: the queue, the records and the bodies all in --data-dir.
+    assert!(dir.0.join("data/sluicegate.db").is_file());
+    assert!(!dir.0.join("sluicegate.db").exists());
     assert!(dir.0.join("data/batches.db").is_file());
     let id = file["id"].as_str().expect("id");
     assert!(dir.0.join("data/files").join(id).is_file());
     child.kill().expect("stop serve");
     child.wait().expect("reaped");
+}
+
+/// `sluicegate serve` in `cwd` with `--data-dir data_dir`, the constant
+/// gate, and the API and telemetry on the given ports.
+fn serve_command(
+    cwd: &std::path::Path,
+    data_dir: &std::path::Path,
+    gateway: &str,
+    api_port: u16,
+    telemetry_port: u16,
+) -> std::process::Child {
+    support::cli::sluicegate(&["serve", "--data-dir"])
+        .arg(data_dir)
+        .current_dir(cwd)
+        .env("SLUICEGATE_GATEWAY_URL", gateway)
+        .env("SLUICEGATE_GATE_TYPE", "constant")
+        .env("SLUICEGATE_QUEUE_MAX_SYS", "2")
+        .env("SLUICEGATE_SERVE_LISTEN", format!("127.0.0.1:{api_port}"))
+        .env("SLUICEGATE_LISTEN", format!("127.0.0.1:{telemetry_port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("serve starts")
+}
+
+/// Waits until the API answers; returns `GET /v1/files`.
+async fn answered(api: &Api) -> String {
+    let give_up = std::time::Instant::now() + LONG;
+    loop {
+        let answer = reqwest::get(format!("{}/v1/files", api.base)).await;
+        if let Ok(r) = answer {
+            return r.text().await.expect("body");
+        }
+        assert!(std::time::Instant::now() < give_up, "serve never answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 26: `serve` killed with SIGKILL mid-batch and started again from
+/// another working directory with the same data directory finishes the
+/// batch, every `custom_id` answered once (before, the embedded queue sat
+/// in the first working directory and the batch never finished).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_mid_batch_resumes_from_another_working_directory() {
+    const N: usize = 30;
+    let sim = small_pool().await;
+    let dir = support::TempDir::new("serve-cwd");
+    let (first_cwd, second_cwd) = (dir.0.join("first"), dir.0.join("second"));
+    for d in [&first_cwd, &second_cwd] {
+        std::fs::create_dir_all(d).expect("cwd");
+    }
+    let data = dir.0.join("data");
+    let (api_port, telemetry_port) = (support::free_port(), support::free_port());
+    let api = Api::new(&format!("http://127.0.0.1:{api_port}"), None);
+    let mut first = serve_command(&first_cwd, &data, &sim.base_url(), api_port, telemetry_port);
+    answered(&api).await;
+    let batch = api
+        .batch(&completion_lines(N, 64), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    let running = api
+        .wait_for(&id, LONG, |b| {
+            b["request_counts"]["completed"].as_u64().unwrap_or(0) >= 2 || terminal(b)
+        })
+        .await;
+    assert_eq!(
+        running["status"], "in_progress",
+        "killed mid-batch: {running}"
+    );
+    first.kill().expect("SIGKILL");
+    first.wait().expect("reaped");
+    let mut second = serve_command(
+        &second_cwd,
+        &data,
+        &sim.base_url(),
+        api_port,
+        telemetry_port,
+    );
+    answered(&api).await;
+    let done = api.wait_for(&id, LONG, terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let out = done["output_file_id"].as_str().expect("output");
+    let lines = lines_of(&api.text(&format!("/v1/files/{out}/content")).await.1);
+    let mut ids: Vec<String> = lines
+        .iter()
+        .filter_map(|l| l["custom_id"].as_str().map(str::to_owned))
+        .collect();
+    ids.sort();
+    let mut want: Vec<String> = (0..N).map(|i| format!("r{i}")).collect();
+    want.sort();
+    assert_eq!(ids, want, "every custom_id once");
+    assert!(!first_cwd.join("sluicegate.db").exists());
+    second.kill().expect("stop serve");
+    second.wait().expect("reaped");
+    sim.shutdown().await.expect("simulator stops");
 }

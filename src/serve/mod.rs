@@ -147,6 +147,28 @@ pub fn check_access(serve: &ServeConfig) -> Result<Keys, ServeError> {
     Ok(keys)
 }
 
+/// `config` with a relative `[embedded] path` taken inside
+/// `serve.data_dir`: everything `serve` persists lives under its data
+/// directory, so a restart from another working directory finds the
+/// queued requests beside the batch records (issue 26: it found the
+/// records and not the requests, and the batch never finished).
+///
+/// With `serve.dispatcher = separate` the path stays as configured: the
+/// separate `run` process, which knows no data directory, must open the
+/// same file.
+fn queue_under_data_dir(config: &Config, serve: &ServeConfig) -> Config {
+    let mut config = config.clone();
+    if config.transport == TransportKind::Embedded && serve.dispatcher == ServeDispatcher::InProcess
+    {
+        let mut embedded = config.embedded.take().unwrap_or_default();
+        if embedded.path.is_relative() {
+            embedded.path = serve.data_dir.join(&embedded.path);
+        }
+        config.embedded = Some(embedded);
+    }
+    config
+}
+
 /// Opens the store and the queue, starts the dispatcher (unless
 /// `serve.dispatcher = separate`), the lifecycle loops and the API;
 /// returns once it serves. [`Server::wait`] runs until `shutdown`.
@@ -156,6 +178,7 @@ pub async fn start(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Server, ServeError> {
     let keys = check_access(serve)?;
+    let config = &queue_under_data_dir(config, serve);
     if !matches!(
         config.transport,
         TransportKind::Embedded | TransportKind::Redis
@@ -269,9 +292,7 @@ pub async fn start(
             tasks.push(tokio::spawn(collector));
         }
         _ => {
-            let path = config
-                .embedded
-                .as_ref()
+            let path = (config.embedded.as_ref())
                 .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
             let queue = EmbeddedQueue::open(&path, queue_name)?;
             let sqlite = SqliteStore::open(&serve.data_dir.join(STORE_FILE))?;
