@@ -44,6 +44,11 @@ pub struct DispatchSettings {
     pub tenant_lookahead: usize,
     /// Tenant weights in the window's round robin (others weigh 1).
     pub tenant_weights: BTreeMap<String, u32>,
+    /// Whether readings that count our requests give the room of our
+    /// requests finished since their data time back at once
+    /// (`dispatch::window`, "Refill on own finishes"). Always on from
+    /// config; `eval --no-refill` turns it off to measure what it buys.
+    pub refill_own_finishes: bool,
 }
 
 /// Most messages pulled in one receive (not configurable: the window
@@ -75,6 +80,7 @@ impl From<&DispatchConfig> for DispatchSettings {
             shutdown_grace: d.shutdown_grace,
             tenant_lookahead: d.tenant_lookahead,
             tenant_weights: d.tenant_weights.clone(),
+            refill_own_finishes: true,
         }
     }
 }

@@ -164,11 +164,13 @@ impl GatePolicy {
             name: name.clone(),
             source,
         })?;
+        let mut window = Window::new(t0, max_staleness);
+        window.set_refill_own_finishes(settings.refill_own_finishes);
         Ok(Self {
             name,
             t0,
             gate: FailClosed::new(gate, max_staleness),
-            window: Window::new(t0, max_staleness),
+            window,
             congestion: Congestion::new(CongestionPolicy {
                 initial_backoff: settings.congestion_backoff,
                 max_backoff: settings.congestion_max_backoff,
