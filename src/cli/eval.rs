@@ -9,6 +9,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::dispatch::DispatchSettings;
+use crate::dispatch::pace::{Pace, PaceUnit};
 use crate::eval::{
     Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread, TEST_SEEDS,
     TRAIN_SEEDS, contender,
@@ -76,6 +77,16 @@ pub(super) struct EvalArgs {
     /// e.g. 15 makes every source as slow as a 15 s Prometheus scrape.
     #[arg(long, value_name = "SECONDS")]
     poll_interval: Option<f64>,
+    /// Paced release for every gate (`dispatch.pace`): off, requests or
+    /// tokens (prompt tokens; at most one request per 50 ms tick).
+    #[arg(long, default_value = "off", value_name = "UNIT")]
+    pace: String,
+    /// `dispatch.pace_rate`: units per second.
+    #[arg(long, default_value_t = 10.0, value_name = "RATE")]
+    pace_rate: f64,
+    /// `dispatch.pace_burst`: most units that start at once.
+    #[arg(long, default_value_t = 1.0, value_name = "UNITS")]
+    pace_burst: f64,
     /// Keep the window of readings that count our requests shut until the
     /// next fresh reading, as before refill on own finishes (to measure
     /// what the refill buys; `run` always refills).
@@ -267,6 +278,24 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
             })?;
     }
     settings.refill_own_finishes = !args.no_refill;
+    settings.pace = match args.pace.as_str() {
+        "off" => None,
+        unit => {
+            let unit = match unit {
+                "requests" => PaceUnit::Requests,
+                "tokens" => PaceUnit::Tokens,
+                other => {
+                    return Err(format!(
+                        "--pace: unknown `{other}`; allowed: off, requests, tokens"
+                    ));
+                }
+            };
+            Some(
+                Pace::new(unit, args.pace_rate, args.pace_burst)
+                    .map_err(|e| format!("--pace: {e}"))?,
+            )
+        }
+    };
     Ok(Options {
         scenarios,
         seeds,
@@ -521,6 +550,22 @@ mod tests {
             assert!(parse(&["--poll-interval", bad]).is_err(), "{bad}");
         }
         assert!(parse(&[]).unwrap().settings.refill_own_finishes);
+        assert_eq!(parse(&[]).unwrap().settings.pace, None);
+        let paced = parse(&[
+            "--pace",
+            "tokens",
+            "--pace-rate",
+            "4000",
+            "--pace-burst",
+            "200",
+        ])
+        .unwrap();
+        assert_eq!(
+            paced.settings.pace,
+            Some(Pace::new(PaceUnit::Tokens, 4000.0, 200.0).unwrap())
+        );
+        assert!(parse(&["--pace", "bytes"]).is_err());
+        assert!(parse(&["--pace", "requests", "--pace-rate", "0"]).is_err());
         assert!(
             !parse(&["--no-refill"])
                 .unwrap()

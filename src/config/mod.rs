@@ -218,6 +218,17 @@ spelled! {
         AtLeastOne = "at-least-one",
     }
 
+    /// What paced release counts (`dispatch.pace`).
+    pub enum PaceKind, as_str {
+        /// No pacing: a window that opens releases what it allows at once
+        /// (default).
+        Off = "off",
+        /// Requests started per second.
+        Requests = "requests",
+        /// Prompt tokens started per second.
+        Tokens = "tokens",
+    }
+
     /// Where a pool's window is shared across replicas.
     pub enum SharedWindowKind, as_str {
         /// Each process has its own window (default).
@@ -447,6 +458,14 @@ section! {
         /// flight, and gives back past twice that (batches, not one round
         /// trip per request).
         shared_window_chunk: u64 = 4, |v| as_u64_in(v, 1, 1 << 20);
+        /// Paced release: spread each pool's sends over time, counted in
+        /// `requests` or prompt `tokens` per second (`off`: what the window
+        /// allows goes at once).
+        pace: PaceKind = PaceKind::Off, choice(PaceKind::CHOICES);
+        /// Units of `pace` started per second, per pool.
+        pace_rate: f64 = 10.0, as_positive_f64;
+        /// Most units of `pace` that may start at once (the credit's cap).
+        pace_burst: f64 = 1.0, as_positive_f64;
         /// Deadline given to submissions that carry none (submit tools).
         #[serde(serialize_with = "render::duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);

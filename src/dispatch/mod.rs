@@ -1,5 +1,5 @@
 //! The dispatch path: window arithmetic (`window.rs`, pure), request costs
-//! (`cost.rs`, pure), the retry policy (`retry.rs`, pure), fair shares among
+//! (`cost.rs`, pure), paced release (`pace.rs`, pure), the retry policy (`retry.rs`, pure), fair shares among
 //! tenants (`fair.rs`, pure), tunables
 //! (`settings.rs`, from the typed config) and the loop that pulls, admits,
 //! sends and settles messages, split by task: `dispatcher.rs` (state, start
@@ -10,6 +10,7 @@ pub mod cost;
 mod dispatcher;
 mod fair;
 mod observe;
+pub mod pace;
 pub mod pool;
 mod receive;
 mod retry;

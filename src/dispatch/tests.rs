@@ -89,7 +89,7 @@ fn send(shared: &Shared, units: u64) -> Option<Send> {
     let mut window = shared.window();
     let mut last = None;
     for _ in 0..units {
-        last = shared.record_send(&mut window, Instant::now(), 1);
+        last = shared.record_send(&mut window, Instant::now(), 1, 1);
         last?;
     }
     last
