@@ -349,6 +349,40 @@ gate_params = { pool = "p", threshold = "1.5" }
 }
 
 #[test]
+fn bad_pace_values_name_the_key_and_what_is_allowed() {
+    let err = load_err(
+        Some(
+            r#"
+transport = "memory"
+[gateway]
+url = "http://127.0.0.1:8000"
+[dispatch]
+pace = "bytes"
+pace_rate = 0
+pace_burst = "lots"
+[[queue]]
+gate_type = "constant"
+"#,
+        ),
+        &[],
+    );
+    assert!(
+        err.contains("dispatch.pace: unknown value \"bytes\"; allowed: off, requests, tokens"),
+        "{err}"
+    );
+    assert!(
+        err.contains("dispatch.pace_rate: must be greater than 0, got 0"),
+        "{err}"
+    );
+    assert!(
+        err.contains("dispatch.pace_burst: expected a number"),
+        "{err}"
+    );
+    let err = load_err(Some(MINIMAL), &[("SLUICEGATE_DISPATCH_PACE_RATE", "NaN")]);
+    assert!(err.contains("dispatch.pace_rate"), "{err}");
+}
+
+#[test]
 fn unknown_sluicegate_variable_is_an_error() {
     let err = load_err(
         Some(MINIMAL),

@@ -11,9 +11,9 @@ use proptest::prelude::*;
 use serde_json::{Map, Value};
 use sluicegate::config::{
     Config, DispatchConfig, EmbeddedConfig, EndpointUrl, GATE_TYPES, GateSpec, GatewayConfig,
-    GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PrometheusConfig, PubSubConfig,
-    QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig, TransportKind, Unit,
-    allowed_params,
+    GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PaceKind, PrometheusConfig,
+    PubSubConfig, QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig,
+    TransportKind, Unit, allowed_params,
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
@@ -312,7 +312,7 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
         (
             0usize..=4096,
             proptest::collection::btree_map("[a-z][a-z0-9-]{0,6}", 1u32..100, 0..3),
-            1u64..=u64::MAX,
+            1u64..=i64::MAX as u64,
         ),
     )
         .prop_map(
@@ -343,6 +343,10 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 shared_window: SharedWindowKind::Off,
                 shared_window_lease: lease.max(std::time::Duration::from_secs(1)),
                 shared_window_chunk: 1 + lease.as_secs() % 64,
+                pace: [PaceKind::Off, PaceKind::Requests, PaceKind::Tokens]
+                    [(lease.as_millis() % 3) as usize],
+                pace_rate: 0.5 + (poll_interval.as_millis() % 5000) as f64,
+                pace_burst: 0.25 + (lease.as_secs() % 64) as f64,
             },
         )
 }

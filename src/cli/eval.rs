@@ -3,11 +3,13 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::dispatch::DispatchSettings;
+use crate::dispatch::pace::{Pace, PaceUnit};
 use crate::eval::{
     Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread, TEST_SEEDS,
     TRAIN_SEEDS, contender,
@@ -70,6 +72,26 @@ pub(super) struct EvalArgs {
     /// priority 1, interactive 0, so batch yields inside the engine).
     #[arg(long, default_value = "fcfs", value_name = "POLICY")]
     engine_policy: String,
+    /// How often every gate is read, in seconds (the dispatcher's
+    /// `dispatch.poll_interval`, also the sources' cache TTL; default 1):
+    /// e.g. 15 makes every source as slow as a 15 s Prometheus scrape.
+    #[arg(long, value_name = "SECONDS")]
+    poll_interval: Option<f64>,
+    /// Paced release for every gate (`dispatch.pace`): off, requests or
+    /// tokens (prompt tokens; at most one request per 50 ms tick).
+    #[arg(long, default_value = "off", value_name = "UNIT")]
+    pace: String,
+    /// `dispatch.pace_rate`: units per second.
+    #[arg(long, default_value_t = 10.0, value_name = "RATE")]
+    pace_rate: f64,
+    /// `dispatch.pace_burst`: most units that start at once.
+    #[arg(long, default_value_t = 1.0, value_name = "UNITS")]
+    pace_burst: f64,
+    /// Keep the window of readings that count our requests shut until the
+    /// next fresh reading, as before refill on own finishes (to measure
+    /// what the refill buys; `run` always refills).
+    #[arg(long)]
+    no_refill: bool,
     /// Worker threads (default: the machine's cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -243,11 +265,42 @@ fn options(args: &EvalArgs) -> Result<Options, String> {
     let threads = args.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
+    let mut settings = DispatchSettings::default();
+    if let Some(secs) = args.poll_interval {
+        settings.poll_interval = Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| !d.is_zero() && *d < settings.max_staleness)
+            .ok_or_else(|| {
+                format!(
+                    "--poll-interval must be a number of seconds > 0 and below max_staleness ({} s), got {secs}",
+                    settings.max_staleness.as_secs_f64()
+                )
+            })?;
+    }
+    settings.refill_own_finishes = !args.no_refill;
+    settings.pace = match args.pace.as_str() {
+        "off" => None,
+        unit => {
+            let unit = match unit {
+                "requests" => PaceUnit::Requests,
+                "tokens" => PaceUnit::Tokens,
+                other => {
+                    return Err(format!(
+                        "--pace: unknown `{other}`; allowed: off, requests, tokens"
+                    ));
+                }
+            };
+            Some(
+                Pace::new(unit, args.pace_rate, args.pace_burst)
+                    .map_err(|e| format!("--pace: {e}"))?,
+            )
+        }
+    };
     Ok(Options {
         scenarios,
         seeds,
         contenders,
-        settings: DispatchSettings::default(),
+        settings,
         pool_max_sys: true,
         slo: Slo::default(),
         threads,
@@ -485,6 +538,40 @@ mod tests {
         let names: Vec<&str> = o.scenarios.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["waves/small", "trace/small"]);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn poll_interval_sets_the_dispatch_poll_and_rejects_nonsense() {
+        let default = parse(&[]).unwrap().settings.poll_interval;
+        assert_eq!(default, DispatchSettings::default().poll_interval);
+        let slow = parse(&["--poll-interval", "15"]).unwrap();
+        assert_eq!(slow.settings.poll_interval, Duration::from_secs(15));
+        for bad in ["0", "-1", "NaN", "3600"] {
+            assert!(parse(&["--poll-interval", bad]).is_err(), "{bad}");
+        }
+        assert!(parse(&[]).unwrap().settings.refill_own_finishes);
+        assert_eq!(parse(&[]).unwrap().settings.pace, None);
+        let paced = parse(&[
+            "--pace",
+            "tokens",
+            "--pace-rate",
+            "4000",
+            "--pace-burst",
+            "200",
+        ])
+        .unwrap();
+        assert_eq!(
+            paced.settings.pace,
+            Some(Pace::new(PaceUnit::Tokens, 4000.0, 200.0).unwrap())
+        );
+        assert!(parse(&["--pace", "bytes"]).is_err());
+        assert!(parse(&["--pace", "requests", "--pace-rate", "0"]).is_err());
+        assert!(
+            !parse(&["--no-refill"])
+                .unwrap()
+                .settings
+                .refill_own_finishes
+        );
     }
 
     #[test]

@@ -88,6 +88,7 @@ impl Probe {
             "open": o.is_open() && self.n > 0,
             "source_available": o.source_available,
             "sees_own_load": o.sees_own_load,
+            "counts_own_requests": o.counts_own_requests,
             "age_seconds": self.age.as_secs_f64(),
             "reason": o.reason,
             "sources": self.explanation.sources.iter().map(|s| json!({

@@ -218,6 +218,17 @@ spelled! {
         AtLeastOne = "at-least-one",
     }
 
+    /// What paced release counts (`dispatch.pace`).
+    pub enum PaceKind, as_str {
+        /// No pacing: a window that opens releases what it allows at once
+        /// (default).
+        Off = "off",
+        /// Requests started per second.
+        Requests = "requests",
+        /// Prompt tokens started per second.
+        Tokens = "tokens",
+    }
+
     /// Where a pool's window is shared across replicas.
     pub enum SharedWindowKind, as_str {
         /// Each process has its own window (default).
@@ -433,7 +444,7 @@ section! {
         /// lookahead, parked, in flight and awaiting the result write); the
         /// receiver pulls no more while they would not fit. A single
         /// message larger than this still goes, alone.
-        max_buffered_bytes: u64 = 256 * 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
+        max_buffered_bytes: u64 = 256 * 1024 * 1024, |v| as_u64_in(v, 1, i64::MAX as u64);
         /// Time allowed for in-flight work at shutdown.
         #[serde(serialize_with = "render::duration")]
         shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);
@@ -452,6 +463,14 @@ section! {
         /// flight, and gives back past twice that (batches, not one round
         /// trip per request).
         shared_window_chunk: u64 = 4, |v| as_u64_in(v, 1, 1 << 20);
+        /// Paced release: spread each pool's sends over time, counted in
+        /// `requests` or prompt `tokens` per second (`off`: what the window
+        /// allows goes at once).
+        pace: PaceKind = PaceKind::Off, choice(PaceKind::CHOICES);
+        /// Units of `pace` started per second, per pool.
+        pace_rate: f64 = 10.0, as_positive_f64;
+        /// Most units of `pace` that may start at once (the credit's cap).
+        pace_burst: f64 = 1.0, as_positive_f64;
         /// Deadline given to submissions that carry none (submit tools).
         #[serde(serialize_with = "render::duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);

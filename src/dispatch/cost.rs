@@ -36,11 +36,7 @@ pub fn request_cost(unit: Unit, payload: &RawValue) -> u64 {
         Unit::Bytes => (payload.get().len() as u64).max(1),
         Unit::Tokens => {
             let fields: CostFields<'_> = serde_json::from_str(payload.get()).unwrap_or_default();
-            let prompt_chars = fields
-                .prompt
-                .or(fields.messages)
-                .map_or(0, |raw| text_chars(raw.get()));
-            let prompt_tokens = prompt_chars.div_ceil(CHARS_PER_TOKEN) as u64;
+            let prompt_tokens = prompt_estimate(&fields);
             let output = fields
                 .max_tokens
                 .or(fields.max_completion_tokens)
@@ -48,6 +44,22 @@ pub fn request_cost(unit: Unit, payload: &RawValue) -> u64 {
             (prompt_tokens + output).max(1)
         }
     }
+}
+
+/// Estimated prompt tokens of a request with this payload (what a
+/// `tokens` pace charges): its prompt or messages text at
+/// `CHARS_PER_TOKEN`; 0 when the body has neither.
+pub fn prompt_tokens(payload: &RawValue) -> u64 {
+    let fields: CostFields<'_> = serde_json::from_str(payload.get()).unwrap_or_default();
+    prompt_estimate(&fields)
+}
+
+fn prompt_estimate(fields: &CostFields<'_>) -> u64 {
+    let prompt_chars = fields
+        .prompt
+        .or(fields.messages)
+        .map_or(0, |raw| text_chars(raw.get()));
+    prompt_chars.div_ceil(CHARS_PER_TOKEN) as u64
 }
 
 /// Characters of text in a prompt or messages value: the sum of string
@@ -75,6 +87,13 @@ mod tests {
 
     fn raw(s: &str) -> Box<RawValue> {
         RawValue::from_string(s.to_owned()).expect("valid json")
+    }
+
+    #[test]
+    fn prompt_tokens_count_the_prompt_only() {
+        let p = raw(r#"{"prompt":"abcdefgh","max_tokens":10}"#);
+        assert_eq!(prompt_tokens(&p), 2);
+        assert_eq!(prompt_tokens(&raw(r#"{"max_tokens":10}"#)), 0);
     }
 
     #[test]

@@ -109,10 +109,12 @@ pub(super) struct Shared {
 impl Shared {
     /// The state of a dispatcher that has sent nothing yet.
     pub(super) fn new(config: QueueDispatcher) -> Self {
-        let lane = config
-            .pool
-            .window()
-            .add_lane(Instant::now(), config.settings.max_staleness);
+        let lane = {
+            let now = Instant::now();
+            let mut window = config.pool.window();
+            window.set_pace(config.settings.pace, now);
+            window.add_lane(now, config.settings.max_staleness)
+        };
         let changed = config.pool.changed();
         Self {
             config,
@@ -215,6 +217,7 @@ impl Shared {
         window: &mut LaneWindow<'_>,
         now: Instant,
         cost: u64,
+        pace_cost: u64,
     ) -> Option<Send> {
         if !window.allows(now, cost) {
             return None;
@@ -231,8 +234,18 @@ impl Shared {
             }
         };
         window.sent(now, cost);
+        window.paced(now, pace_cost);
         self.export_window(window, now);
         Some(send)
+    }
+
+    /// When to look for room again at the latest: the next poll, or sooner
+    /// when only the pace withholds a send (`dispatch.pace`).
+    pub(super) fn next_look(&self, now: Instant) -> Instant {
+        let poll = now + self.settings().poll_interval;
+        self.window()
+            .paced_until(now)
+            .map_or(poll, |due| due.min(poll))
     }
 
     /// Publishes the window's numbers to metrics.
@@ -308,6 +321,9 @@ pub(super) struct Ready {
     pub(super) message: Message,
     pub(super) prepared: PreparedRequest,
     pub(super) cost: u64,
+    /// Its cost in the pace's unit (`dispatch.pace`): 1, or its prompt
+    /// tokens estimated from the body; 1 without a pace.
+    pub(super) pace_cost: u64,
     pub(super) received_at: Instant,
     /// The message's trace, when traces are on.
     pub(super) trace: Option<MessageTrace>,

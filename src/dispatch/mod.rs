@@ -1,7 +1,7 @@
 //! The dispatch path: window arithmetic (`window.rs`, pure), request costs
-//! (`cost.rs`, pure), the retry policy (`retry.rs`, pure), fair shares among
-//! tenants (`fair.rs`, pure), what is held and its bytes (`held.rs`, pure),
-//! tunables
+//! (`cost.rs`, pure), paced release (`pace.rs`, pure), the retry policy
+//! (`retry.rs`, pure), fair shares among tenants (`fair.rs`, pure), what is
+//! held and its bytes (`held.rs`, pure), tunables
 //! (`settings.rs`, from the typed config) and the loop that pulls, admits,
 //! sends and settles messages, split by task: `dispatcher.rs` (state, start
 //! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
@@ -12,6 +12,7 @@ mod dispatcher;
 mod fair;
 mod held;
 mod observe;
+pub mod pace;
 pub mod pool;
 mod receive;
 mod retry;

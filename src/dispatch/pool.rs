@@ -24,6 +24,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::pace::{Pace, Pacer};
 use super::window::{Applied, Window};
 use crate::config::Rounding;
 use crate::gate::{Capacity, Observation};
@@ -62,6 +63,9 @@ pub struct PoolWindow {
     cap: Option<Cap>,
     /// The pool's in flight (every lane holds the same count).
     in_flight: u64,
+    /// Paced release of the pool's sends (`dispatch.pace`), if on: it only
+    /// ever withholds what the lanes' windows allow.
+    pacer: Option<Pacer>,
 }
 
 impl PoolWindow {
@@ -101,12 +105,43 @@ impl PoolWindow {
         self.lanes[lane.0].apply(observation, capacity, rounding)
     }
 
+    /// Paces the pool's sends from `now` on (`None`: off). A pace already
+    /// set is kept, with its credit: every queue of the pool shares one.
+    pub fn set_pace(&mut self, pace: Option<Pace>, now: Instant) {
+        if let (Some(pace), None) = (pace, &self.pacer) {
+            self.pacer = Some(Pacer::new(pace, now));
+        }
+    }
+
     /// Units `lane` may still release now: its own window's room, within
-    /// the cap.
+    /// the cap and, for a `requests` pace, what the pace lets start now.
     pub fn available(&self, lane: Lane, now: Instant) -> u64 {
         self.lanes[lane.0]
             .available(now)
             .min(self.cap_room(now).unwrap_or(u64::MAX))
+            .min(self.pace_room(now))
+    }
+
+    /// Requests the pace lets start now (`u64::MAX` without a pace; a
+    /// `tokens` pace says 0 or 1 and the request's own cost is charged).
+    fn pace_room(&self, now: Instant) -> u64 {
+        self.pacer.as_ref().map_or(u64::MAX, |p| p.room(now))
+    }
+
+    /// When the pace lets the next request start, if it withholds one now.
+    pub fn paced_until(&self, now: Instant) -> Option<Instant> {
+        self.pacer
+            .as_ref()
+            .filter(|p| !p.allows(now))
+            .map(|p| p.ready_at(now))
+    }
+
+    /// Charges a send of `pace_cost` (its cost in the pace's unit) to the
+    /// pace; nothing without one.
+    pub fn paced(&mut self, now: Instant, pace_cost: u64) {
+        if let Some(pacer) = &mut self.pacer {
+            pacer.spend(now, pace_cost);
+        }
     }
 
     /// Whether `lane`'s window is open at `now` ([`Window::is_open`]) and
@@ -118,7 +153,9 @@ impl PoolWindow {
     /// Whether a request of `cost` units may go on `lane` now. The cap has
     /// no "at least one": what it bounds is held elsewhere.
     pub fn allows(&self, lane: Lane, now: Instant, cost: u64) -> bool {
-        self.lanes[lane.0].allows(now, cost) && self.cap_room(now).is_none_or(|room| cost <= room)
+        self.lanes[lane.0].allows(now, cost)
+            && self.cap_room(now).is_none_or(|room| cost <= room)
+            && self.pacer.as_ref().is_none_or(|p| p.allows(now))
     }
 
     /// Records `cost` units sent on any lane at `now`.
@@ -296,6 +333,16 @@ impl LaneWindow<'_> {
         self.pool.finished(now, cost);
     }
 
+    /// See [`PoolWindow::paced`].
+    pub(super) fn paced(&mut self, now: Instant, pace_cost: u64) {
+        self.pool.paced(now, pace_cost);
+    }
+
+    /// See [`PoolWindow::paced_until`].
+    pub(super) fn paced_until(&self, now: Instant) -> Option<Instant> {
+        self.pool.paced_until(now)
+    }
+
     /// See [`PoolWindow::congested`].
     pub(super) fn congested(&mut self, at: Instant) {
         self.pool.congested(at);
@@ -408,6 +455,44 @@ mod tests {
         assert_eq!(pool.lane(b).in_flight(), 4);
         pool.finished(later, 4);
         assert_eq!(pool.lane(b).in_flight(), 0);
+    }
+
+    #[test]
+    fn the_pace_spreads_a_window_and_never_lets_more_than_it_allow() {
+        use crate::dispatch::pace::{Pace, PaceUnit};
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        pool.set_pace(
+            Some(Pace::new(PaceUnit::Requests, 10.0, 2.0).expect("valid")),
+            now,
+        );
+        let a = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 5, false, true);
+        // A window of 5 opens: 2 go at once (the burst), then one per 100 ms.
+        assert_eq!(pool.available(a, now), 2);
+        for _ in 0..2 {
+            assert!(pool.allows(a, now, 1));
+            pool.sent(now, 1);
+            pool.paced(now, 1);
+        }
+        assert!(!pool.allows(a, now, 1));
+        let due = pool.paced_until(now).expect("the pace withholds");
+        assert!(due > now && due <= now + Duration::from_millis(100));
+        let mut t = now;
+        let mut starts = 0;
+        for _ in 0..100 {
+            t += Duration::from_millis(50);
+            while pool.allows(a, t, 1) {
+                pool.sent(t, 1);
+                pool.paced(t, 1);
+                starts += 1;
+            }
+        }
+        // Five seconds at 10/s, but the window holds 5 in all.
+        assert_eq!(pool.in_flight(), 5);
+        assert_eq!(starts, 3);
+        assert_eq!(pool.available(a, t), 0);
+        assert_eq!(pool.paced_until(t), None, "the window, not the pace, holds");
     }
 
     #[derive(Debug, Clone)]

@@ -148,7 +148,7 @@ pub(super) async fn receive_loop(
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = &mut changed => {}
-            () = tokio::time::sleep(settings.poll_interval) => {}
+            () = tokio::time::sleep_until(shared.next_look(Instant::now())) => {}
         }
     }
     // Buffered leases go back at once rather than expiring.
@@ -344,7 +344,9 @@ pub(super) async fn release(
             Admission::Continue(ticket) => {
                 let now = Instant::now();
                 let mut window = shared.window();
-                if let Some(send) = shared.record_send(&mut window, now, ready.cost) {
+                if let Some(send) =
+                    shared.record_send(&mut window, now, ready.cost, ready.pace_cost)
+                {
                     return Release::Go(ticket, send);
                 }
                 drop(window);
@@ -422,11 +424,15 @@ pub(super) async fn check(
         }
     };
     let cost = request_cost(shared.settings().unit, &message.request.payload);
+    let pace_cost = shared.settings().pace.map_or(1, |pace| {
+        pace.cost(super::cost::prompt_tokens(&message.request.payload))
+    });
     Some(Ready {
         delivery,
         message,
         prepared,
         cost,
+        pace_cost,
         received_at,
         trace,
     })
@@ -516,7 +522,7 @@ pub(super) async fn wait_for_room(
         tokio::select! {
             () = shutdown.cancelled() => return Some(Release::Shutdown),
             () = &mut changed => {}
-            () = tokio::time::sleep(shared.settings().poll_interval) => {}
+            () = tokio::time::sleep_until(shared.next_look(now)) => {}
         }
     }
 }

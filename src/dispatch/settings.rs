@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::config::{DispatchConfig, QueueConfig, Rounding, Unit};
+use super::pace::{Pace, PaceUnit};
+use crate::config::{DispatchConfig, PaceKind, QueueConfig, Rounding, Unit};
 
 /// How one queue is dispatched.
 #[derive(Debug, Clone)]
@@ -47,6 +48,13 @@ pub struct DispatchSettings {
     /// Most body bytes held at once (lookahead, parked, in flight, waiting
     /// for the result write); a single larger message still goes alone.
     pub max_buffered_bytes: u64,
+    /// Whether readings that count our requests give the room of our
+    /// requests finished since their data time back at once
+    /// (`dispatch::window`, "Refill on own finishes"). Always on from
+    /// config; `eval --no-refill` turns it off to measure what it buys.
+    pub refill_own_finishes: bool,
+    /// Paced release of each pool's sends (`dispatch.pace`); `None`: off.
+    pub pace: Option<Pace>,
 }
 
 /// Most messages pulled in one receive (not configurable: the window
@@ -79,8 +87,22 @@ impl From<&DispatchConfig> for DispatchSettings {
             tenant_lookahead: d.tenant_lookahead,
             tenant_weights: d.tenant_weights.clone(),
             max_buffered_bytes: d.max_buffered_bytes,
+            refill_own_finishes: true,
+            pace: pace(d),
         }
     }
+}
+
+/// `dispatch.pace` as a [`Pace`]. The loader has checked `pace_rate` and
+/// `pace_burst` (finite, > 0), so `Pace::new` cannot fail here; if it ever
+/// did, pacing would be off, which still keeps every send within the window.
+fn pace(d: &DispatchConfig) -> Option<Pace> {
+    let unit = match d.pace {
+        PaceKind::Off => return None,
+        PaceKind::Requests => PaceUnit::Requests,
+        PaceKind::Tokens => PaceUnit::Tokens,
+    };
+    Pace::new(unit, d.pace_rate, d.pace_burst).ok()
 }
 
 /// `max_sys` of a `[[queue]]` that sets none.

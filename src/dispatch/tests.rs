@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::congestion::{CongestionHold, CongestionPolicy};
 use super::dispatcher::{Send, Shared};
 use super::observe::observe_loop;
+use super::pace::{Pace, PaceUnit};
 use super::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{Budget, DispatchGate, FailClosed, GateError, Observation};
 use crate::gateway::{GatewayClient, GatewaySettings, Target};
@@ -49,10 +50,15 @@ fn reading(d: f64, taken_at: Instant) -> Observation {
 }
 
 fn shared(gate: Arc<Mutex<Observation>>) -> Arc<Shared> {
+    shared_with(gate, None)
+}
+
+fn shared_with(gate: Arc<Mutex<Observation>>, pace: Option<Pace>) -> Arc<Shared> {
     let settings = DispatchSettings {
         max_sys: 10.0,
         poll_interval: POLL,
         max_staleness: Duration::from_secs(60),
+        pace,
         ..DispatchSettings::default()
     };
     let config = QueueDispatcher {
@@ -89,7 +95,7 @@ fn send(shared: &Shared, units: u64) -> Option<Send> {
     let mut window = shared.window();
     let mut last = None;
     for _ in 0..units {
-        last = shared.record_send(&mut window, Instant::now(), 1);
+        last = shared.record_send(&mut window, Instant::now(), 1, 1);
         last?;
     }
     last
@@ -115,6 +121,67 @@ async fn the_window_refills_on_a_fresh_reading_only() {
     *data.lock().expect("lock") = reading(0.3, Instant::now());
     poll().await;
     assert_eq!(shared.room(Instant::now()), 3);
+    stop.cancel();
+    observer.await.expect("observer ends");
+}
+
+#[tokio::test(start_paused = true)]
+async fn finished_requests_of_a_reading_that_counts_them_are_refilled_before_the_next() {
+    // A slow source: its data stays the same, poll after poll.
+    let mut counting = reading(0.5, Instant::now());
+    counting.counts_own_requests = true;
+    counting.max_sys = Some(10.0);
+    let data = Arc::new(Mutex::new(counting));
+    let shared = shared(data.clone());
+    let stop = CancellationToken::new();
+    let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
+    poll().await;
+    assert_eq!(send(&shared, 5), Some(Send::Normal));
+    assert_eq!(shared.room(Instant::now()), 0);
+    poll().await;
+    shared.window().finished(Instant::now(), 2);
+    // No new data, but two of ours sent after it have finished.
+    assert_eq!(shared.room(Instant::now()), 2);
+    assert_eq!(send(&shared, 2), Some(Send::Normal));
+    assert_eq!(shared.room(Instant::now()), 0);
+    assert_eq!(
+        shared.window().in_flight(),
+        5,
+        "never above the reading's 5"
+    );
+    stop.cancel();
+    observer.await.expect("observer ends");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_paced_window_releases_one_request_per_pace_interval() {
+    let data = Arc::new(Mutex::new(reading(0.5, Instant::now())));
+    let pace = Pace::new(PaceUnit::Requests, 20.0, 1.0).expect("valid");
+    let shared = shared_with(data.clone(), Some(pace));
+    let stop = CancellationToken::new();
+    let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
+    poll().await;
+    // N = 5, but one request at a time, one per 50 ms.
+    assert_eq!(shared.room(Instant::now()), 1);
+    assert_eq!(send(&shared, 1), Some(Send::Normal));
+    assert_eq!(shared.room(Instant::now()), 0);
+    assert_eq!(send(&shared, 1), None, "the pace holds the second");
+    let now = Instant::now();
+    let wake = shared.next_look(now);
+    assert!(
+        wake > now && wake <= now + Duration::from_millis(50),
+        "the receiver wakes for the pace, not the poll"
+    );
+    tokio::time::advance(Duration::from_millis(50)).await;
+    assert_eq!(shared.room(Instant::now()), 1);
+    let mut sent = 1;
+    for _ in 0..20 {
+        if send(&shared, 1).is_some() {
+            sent += 1;
+        }
+        tokio::time::advance(Duration::from_millis(50)).await;
+    }
+    assert_eq!(sent, 5, "the window still bounds the total");
     stop.cancel();
     observer.await.expect("observer ends");
 }

@@ -13,13 +13,38 @@
 //! A re-delivered observation (same or older `taken_at`) changes nothing,
 //! so a cached metric cannot refill the window. A 429/503 closes the window
 //! until an observation newer than the rejection arrives.
+//!
+//! Refill on own finishes (readings that see our own load only): a unit of
+//! ours sent after `taken_at` that has finished since gives its room back
+//! at once, so a slow source (a 15 s scrape) does not idle the pool
+//! between readings. The rule keeps the reading's allowance: what is in
+//! flight of ours *sent after* `taken_at` never exceeds `N`, so in-flight
+//! never exceeds `own_in_flight_at(taken_at) + N`.
+//! - A finish before `taken_at` frees nothing: the reading already shows
+//!   it (it is not in `own_in_flight_at(taken_at)`, so `N` already counts
+//!   its room).
+//! - A finish after `taken_at` of work the reading counted as running
+//!   frees nothing either: the reading charged that work to the pool, not
+//!   to `N`; refilling it too would keep in-flight pinned at the window
+//!   limit, so the next reading counts that refilled work as its base and
+//!   adds a new `N` on top: the window ratchets up by `N` per reading
+//!   wherever the metric moves less than one unit per request of ours
+//!   (a saturation or KV signal).
+//! - The window cannot tell which request finished, so it counts the first
+//!   `own_in_flight_at(taken_at)` finishes after `taken_at` as the
+//!   reading's own work and only the rest as ours sent since: never more
+//!   room than the exact rule, and the exact room once the reading's own
+//!   work is all done (the idle gap after a wave).
+//!
+//! A blind reading (its window is `N` itself) keeps the plain rule: `N`
+//! per fresh reading.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::config::Rounding;
+use crate::config::{Rounding, Unit};
 use crate::gate::{Capacity, Observation};
 
 /// Relative tolerance so `50 × (0.7 − 0.1)` floors to 30, not 29: budgets
@@ -67,6 +92,14 @@ struct Grant {
     limit: u64,
     /// Units sent up to `taken_at`; everything after counts against `n`.
     sent_at_taken: u64,
+    /// Units finished up to `taken_at` (refill only).
+    done_at_taken: u64,
+    /// Own units in flight at `taken_at`, which the reading counted as
+    /// load: the first this many finishes after it free nothing.
+    in_flight_at_taken: u64,
+    /// Whether finishes after `taken_at` give their room back (readings
+    /// that see our own load; see the module docs).
+    refill: bool,
     /// Let one whole request through even when it is larger than `n`
     /// (rounding `at-least-one` in token or byte units).
     at_least_one: bool,
@@ -104,6 +137,9 @@ pub struct Window {
     grant: Option<Grant>,
     last_taken_at: Option<Instant>,
     congested_at: Option<Instant>,
+    /// Whether [`Self::apply`] lets readings that count our requests refill
+    /// on our own finishes (on unless switched off to measure it).
+    refill_enabled: bool,
 }
 
 impl Window {
@@ -127,7 +163,14 @@ impl Window {
             grant: None,
             last_taken_at: None,
             congested_at: None,
+            refill_enabled: true,
         }
+    }
+
+    /// Switches refill on own finishes for later readings (on by default;
+    /// `eval --no-refill` turns it off to measure what it buys).
+    pub fn set_refill_own_finishes(&mut self, enabled: bool) {
+        self.refill_enabled = enabled;
     }
 
     /// Own work in flight, in units.
@@ -153,6 +196,26 @@ impl Window {
         at_least_one: bool,
         sees_own_load: bool,
     ) -> Applied {
+        self.observe_with(taken_at, n, at_least_one, sees_own_load, false)
+    }
+
+    /// Like [`Self::observe`] for a reading that sees our own load and
+    /// charges each request of ours as one unit of `N`
+    /// ([`Observation::counts_own_requests`]): our units that finish after
+    /// `taken_at` give their room back at once, within the reading's
+    /// allowance (module docs, "Refill on own finishes").
+    pub fn observe_refilling(&mut self, taken_at: Instant, n: u64, at_least_one: bool) -> Applied {
+        self.observe_with(taken_at, n, at_least_one, true, true)
+    }
+
+    fn observe_with(
+        &mut self,
+        taken_at: Instant,
+        n: u64,
+        at_least_one: bool,
+        sees_own_load: bool,
+        refill: bool,
+    ) -> Applied {
         if self.last_taken_at.is_some_and(|last| taken_at <= last) {
             return Applied::NotNewer;
         }
@@ -161,17 +224,20 @@ impl Window {
         }
         self.congested_at = None;
         self.last_taken_at = Some(taken_at);
-        let (limit, sent_at) = if sees_own_load {
+        let (limit, sent_at, done_at) = if sees_own_load {
             let (sent_at, done_at) = self.counters_at(taken_at);
-            ((sent_at - done_at).saturating_add(n), sent_at)
+            ((sent_at - done_at).saturating_add(n), sent_at, done_at)
         } else {
-            (n, self.sent)
+            (n, self.sent, self.done)
         };
         self.grant = Some(Grant {
             taken_at,
             n,
             limit,
             sent_at_taken: sent_at,
+            done_at_taken: done_at,
+            in_flight_at_taken: sent_at - done_at,
+            refill: sees_own_load && refill,
             at_least_one: at_least_one && n > 0,
             ceiling: u64::MAX,
         });
@@ -191,11 +257,20 @@ impl Window {
     ) -> (u64, Applied) {
         let max_sys = capacity.effective(observation.max_sys);
         let n = headroom_units(max_sys, observation.headroom(), rounding);
-        let applied = self.observe(
+        // Refill only where N is in the reading's own requests: a token or
+        // byte queue's N comes from its static max_sys, which a running
+        // request of ours does not shrink one for one.
+        let refill = self.refill_enabled
+            && observation.sees_own_load
+            && observation.counts_own_requests
+            && capacity.unit == Unit::Requests
+            && observation.max_sys.is_some();
+        let applied = self.observe_with(
             observation.taken_at,
             n,
             rounding == Rounding::AtLeastOne,
             observation.sees_own_load,
+            refill,
         );
         if applied == Applied::Fresh
             && let Some(grant) = &mut self.grant
@@ -235,7 +310,10 @@ impl Window {
             return 0;
         };
         let released = self.sent - grant.sent_at_taken;
-        let by_budget = grant.n.saturating_sub(released);
+        let by_budget = grant
+            .n
+            .saturating_add(refilled(&grant, self.done))
+            .saturating_sub(released);
         let by_window = grant.limit.saturating_sub(self.in_flight());
         by_budget.min(by_window)
     }
@@ -328,6 +406,18 @@ impl Window {
             None => (0, 0),
         }
     }
+}
+
+/// Units of ours sent after the grant's reading that have finished since,
+/// at least: the finishes after `taken_at` beyond the work the reading
+/// counted as running (module docs, "Refill on own finishes"). Zero for a
+/// grant that does not refill.
+fn refilled(grant: &Grant, done: u64) -> u64 {
+    if !grant.refill {
+        return 0;
+    }
+    done.saturating_sub(grant.done_at_taken)
+        .saturating_sub(grant.in_flight_at_taken)
 }
 
 #[cfg(test)]
@@ -487,6 +577,133 @@ mod tests {
         assert!(!w.allows(stale, 1));
     }
 
+    #[test]
+    fn a_finish_after_the_reading_frees_its_units() {
+        let t = t0();
+        let s = Duration::from_secs(1);
+        let mut plain = Window::new(t, Duration::from_secs(60));
+        let mut refilling = Window::new(t, Duration::from_secs(60));
+        plain.observe(t, 3, false, true);
+        refilling.observe_refilling(t, 3, false);
+        for w in [&mut plain, &mut refilling] {
+            for _ in 0..3 {
+                assert!(w.allows(t + s, 1));
+                w.sent(t + s, 1);
+            }
+            assert_eq!(w.available(t + s), 0);
+            w.finished(t + 2 * s, 1);
+        }
+        assert_eq!(refilling.available(t + 2 * s), 1, "its room comes back");
+        assert_eq!(plain.available(t + 2 * s), 0, "waits for a reading");
+        refilling.sent(t + 2 * s, 1);
+        assert_eq!(refilling.in_flight(), 3);
+        assert_eq!(refilling.available(t + 2 * s), 0);
+    }
+
+    #[test]
+    fn a_finish_before_the_readings_data_time_frees_nothing() {
+        let t = t0();
+        let s = Duration::from_secs(1);
+        let mut w = Window::new(t, Duration::from_secs(60));
+        w.observe_refilling(t, 3, false);
+        w.sent(t + s, 3);
+        w.finished(t + 2 * s, 1);
+        // Data of 3 s: two of ours running, headroom 2 more. The finish at
+        // 2 s is in the reading already (its room is part of N).
+        let taken = t + 3 * s;
+        assert_eq!(w.observe_refilling(taken, 2, false), Applied::Fresh);
+        assert_eq!(w.grant(), Some((2, 4)));
+        assert_eq!(w.available(taken), 2, "N, not N + the earlier finish");
+        w.sent(taken, 2);
+        assert_eq!(w.available(taken), 0);
+        // A reading lagging behind a finish: data of 3 s, finish at 4 s of
+        // work the reading counted as running frees nothing.
+        w.finished(taken + s, 1);
+        assert_eq!(w.available(taken + s), 0);
+    }
+
+    #[test]
+    fn work_the_reading_counted_frees_nothing_until_it_is_all_done() {
+        let t = t0();
+        let s = Duration::from_secs(1);
+        let mut w = Window::new(t, Duration::from_secs(60));
+        w.observe_refilling(t, 4, false);
+        w.sent(t, 4);
+        // Taken with our 4 running: window 4 + 2.
+        let taken = t + s;
+        w.observe_refilling(taken, 2, false);
+        w.sent(taken + s, 2);
+        assert_eq!(w.in_flight(), 6);
+        // Finishes after the reading: the first four are taken to be the
+        // four it counted (it charged them to the pool, not to N).
+        for k in 1..=4u32 {
+            w.finished(taken + s * (1 + k), 1);
+            assert_eq!(w.available(taken + s * (1 + k)), 0, "finish {k}");
+        }
+        // From then on a finish can only be one of the two sent since.
+        let later = taken + 6 * s;
+        w.finished(later, 1);
+        assert_eq!(w.available(later), 1);
+        w.finished(later, 1);
+        assert_eq!(w.available(later), 2, "never more than N in flight since");
+        assert_eq!(w.in_flight(), 0);
+    }
+
+    fn reading(sees_own_load: bool, counts_own_requests: bool) -> Observation {
+        let mut o = Observation::open(crate::gate::Budget::saturating(0.5), Instant::now());
+        o.sees_own_load = sees_own_load;
+        o.counts_own_requests = counts_own_requests;
+        o.max_sys = Some(8.0);
+        o
+    }
+
+    /// Sends the 4 the reading allows, finishes one after it, and tells
+    /// what is available then.
+    fn room_after_one_finish(o: &Observation, unit: Unit) -> u64 {
+        room_after_one_finish_with(o, unit, true)
+    }
+
+    fn room_after_one_finish_with(o: &Observation, unit: Unit, enabled: bool) -> u64 {
+        let t = o.taken_at;
+        let mut w = Window::new(t, Duration::from_secs(60));
+        w.set_refill_own_finishes(enabled);
+        let capacity = Capacity { max_sys: 8.0, unit };
+        let (n, applied) = w.apply(o, capacity, Rounding::Floor);
+        assert_eq!((n, applied), (4, Applied::Fresh));
+        let later = t + Duration::from_secs(1);
+        w.sent(later, 4);
+        w.finished(later + Duration::from_secs(1), 1);
+        w.available(later + Duration::from_secs(1))
+    }
+
+    #[test]
+    fn only_readings_that_count_our_requests_refill() {
+        assert_eq!(
+            room_after_one_finish(&reading(true, true), Unit::Requests),
+            1
+        );
+        // Sees our load in KV or saturation only: N per reading.
+        assert_eq!(
+            room_after_one_finish(&reading(true, false), Unit::Requests),
+            0
+        );
+        // Blind: today's rule.
+        assert_eq!(
+            room_after_one_finish(&reading(false, true), Unit::Requests),
+            0
+        );
+        // A token queue's N is not in the reading's requests.
+        assert_eq!(room_after_one_finish(&reading(true, true), Unit::Tokens), 0);
+        let mut no_live_capacity = reading(true, true);
+        no_live_capacity.max_sys = None;
+        assert_eq!(room_after_one_finish(&no_live_capacity, Unit::Requests), 0);
+        // Switched off (`eval --no-refill`): N per reading.
+        assert_eq!(
+            room_after_one_finish_with(&reading(true, true), Unit::Requests, false),
+            0
+        );
+    }
+
     #[derive(Debug, Clone)]
     enum Step {
         Advance(u64),
@@ -502,6 +719,23 @@ mod tests {
             Just(Step::Finish),
             (0u64..3000, 0u64..20, proptest::bool::ANY)
                 .prop_map(|(lag_ms, n, blind)| Step::Observe { lag_ms, n, blind }),
+        ]
+    }
+
+    #[derive(Debug, Clone)]
+    enum RefillStep {
+        Advance(u64),
+        Send(u64),
+        Finish(usize),
+        Observe { lag_ms: u64, n: u64 },
+    }
+
+    fn refill_step() -> impl Strategy<Value = RefillStep> {
+        prop_oneof![
+            (1u64..200).prop_map(RefillStep::Advance),
+            (1u64..5).prop_map(RefillStep::Send),
+            (0usize..64).prop_map(RefillStep::Finish),
+            (0u64..3000, 0u64..20).prop_map(|(lag_ms, n)| RefillStep::Observe { lag_ms, n }),
         ]
     }
 
@@ -543,6 +777,47 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+
+        /// With refill, our units finishing after a reading give room
+        /// back, but the work in flight that was sent after the reading's
+        /// data time never exceeds its N, so in flight never exceeds its
+        /// window. Requests finish in any order, known here by send time.
+        #[test]
+        fn refilling_never_exceeds_the_readings_allowance(
+            steps in proptest::collection::vec(refill_step(), 1..300)
+        ) {
+            let start = t0() + Duration::from_secs(10);
+            let mut now = start;
+            let mut w = Window::new(start, Duration::from_secs(60));
+            let mut in_flight: Vec<(u64, Instant)> = Vec::new();
+            for s in steps {
+                match s {
+                    RefillStep::Advance(ms) => now += Duration::from_millis(ms),
+                    RefillStep::Send(cost) => {
+                        if w.allows(now, cost) {
+                            w.sent(now, cost);
+                            in_flight.push((cost, now));
+                            let (n, limit) = w.grant().expect("a grant allowed the send");
+                            prop_assert!(w.in_flight() <= limit);
+                            let taken = w.taken_at().expect("granted");
+                            let since: u64 = in_flight.iter().filter(|(_, at)| *at > taken).map(|(c, _)| c).sum();
+                            prop_assert!(since <= n, "{since} sent since the reading, N {n}");
+                        }
+                    }
+                    RefillStep::Finish(pick) => {
+                        if !in_flight.is_empty() {
+                            let (cost, _) = in_flight.remove(pick % in_flight.len());
+                            w.finished(now, cost);
+                        }
+                    }
+                    RefillStep::Observe { lag_ms, n } => {
+                        let taken = now.checked_sub(Duration::from_millis(lag_ms)).unwrap_or(now).max(start);
+                        w.observe_refilling(taken, n, false);
+                    }
+                }
+                prop_assert_eq!(w.in_flight(), in_flight.iter().map(|(c, _)| c).sum::<u64>());
             }
         }
 

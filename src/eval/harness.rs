@@ -24,6 +24,7 @@ use super::endpoint::SimMetrics;
 use crate::config::GateSpec;
 use crate::dispatch::DispatchSettings;
 use crate::dispatch::congestion::{Clearance, Congestion, CongestionPolicy};
+use crate::dispatch::pace::Pacer;
 use crate::dispatch::window::{Applied, Window};
 use crate::gate::{
     Admission, AdmissionRequest, BuildError, Capacity, DispatchEvent, FailClosed, GateContext,
@@ -108,6 +109,9 @@ pub struct GatePolicy {
     in_flight: VecDeque<Ticket>,
     /// Metric blackouts of the scenario, to count dark dispatches.
     blackouts: Vec<[f64; 2]>,
+    /// Paced release (`dispatch.pace`), as the pool's window applies it
+    /// in `run`.
+    pacer: Option<Pacer>,
     /// Every reading.
     pub readings: Vec<GateSample>,
     /// Requests released while metrics had been dark longer than
@@ -164,11 +168,14 @@ impl GatePolicy {
             name: name.clone(),
             source,
         })?;
+        let pacer = settings.pace.map(|pace| Pacer::new(pace, t0));
+        let mut window = Window::new(t0, max_staleness);
+        window.set_refill_own_finishes(settings.refill_own_finishes);
         Ok(Self {
             name,
             t0,
             gate: FailClosed::new(gate, max_staleness),
-            window: Window::new(t0, max_staleness),
+            window,
             congestion: Congestion::new(CongestionPolicy {
                 initial_backoff: settings.congestion_backoff,
                 max_backoff: settings.congestion_max_backoff,
@@ -183,6 +190,7 @@ impl GatePolicy {
             admitted: Vec::new(),
             in_flight: VecDeque::new(),
             blackouts,
+            pacer,
             readings: Vec::new(),
             dark_dispatches: 0,
             runtime,
@@ -232,6 +240,12 @@ impl GatePolicy {
     fn window_release(&mut self, now: SimTime) -> u32 {
         let at = self.at(now);
         let mut want = self.window.available(at);
+        if let Some(pacer) = &self.pacer {
+            // As the pool's window does in `run` (`PoolWindow::available`):
+            // a `tokens` pace lets one request a tick start, charged its
+            // prompt when it is sent.
+            want = want.min(pacer.room(at));
+        }
         let clearance = self.congestion.clearance(at);
         match clearance {
             Clearance::Open => {}
@@ -290,9 +304,13 @@ impl BatchPolicy for GatePolicy {
         }
     }
 
-    fn sent(&mut self, now: SimTime) {
+    fn sent(&mut self, now: SimTime, prompt_tokens: u32) {
         let at = self.at(now);
         self.window.sent(at, 1);
+        if let Some(pacer) = &mut self.pacer {
+            let cost = pacer.pace().cost(u64::from(prompt_tokens));
+            pacer.spend(at, cost);
+        }
         self.in_flight
             .push_back(self.admitted.pop().unwrap_or_else(Ticket::none));
         self.gate.on_event(DispatchEvent::Sent { at, cost: 1 });

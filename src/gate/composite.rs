@@ -126,6 +126,7 @@ impl DispatchGate for CompositeGate {
                 ));
             };
             result.sees_own_load = result.sees_own_load && result.taken_at == newest;
+            result.counts_own_requests = result.counts_own_requests && result.sees_own_load;
             result.taken_at = newest;
             Ok(result)
         })

@@ -53,7 +53,10 @@ pub struct EndpointScrapeParams {
     /// Whether `metric` counts this dispatcher's requests once they run
     /// (running requests, KV use: true; waiting-queue sizes: false, the
     /// default). Only then may the window add `N` to what is in flight.
-    /// Not in upstream's parameters.
+    /// Not in upstream's parameters. Its readings never refill the window
+    /// on our own finishes (`Observation::counts_own_requests`): the
+    /// metric may be KV use, which a request of ours moves by a fraction
+    /// of a unit, and nothing here tells which.
     #[serde(deserialize_with = "loose::bool")]
     pub sees_own_load: bool,
 }

@@ -134,6 +134,8 @@ impl DispatchGate for LocalMaxConcurrencyGate {
         // so the window is in-flight + (limit − used) = the limit. Marking
         // it blind would count our work twice and fill half the limit.
         observation.sees_own_load = true;
+        // Each request of ours holds one slot of `limit` (= max_SYS).
+        observation.counts_own_requests = true;
         observation.max_sys = Some(self.limit as f64);
         // D is our own free slots, not the pool's: full is a full window.
         observation.local_limit = true;

@@ -154,6 +154,18 @@ pub struct Observation {
     /// instead of adding `N` to what was in flight, which would grow
     /// without bound.
     pub sees_own_load: bool,
+    /// Whether, on top of seeing our load, the reading charges each request
+    /// of ours in flight as (at least) one request of its live `max_SYS`:
+    /// `D` counts running requests against a request capacity (vLLM's
+    /// running against `max_num_seqs`, the endpoint picker's running
+    /// against ready × max_concurrency, local slots). Only then is
+    /// `own_in_flight_at(taken_at) + N` bounded by `max_SYS × (1 − B)`, and
+    /// only then does the window give the room of our requests that finish
+    /// after `taken_at` back before the next reading (`dispatch::window`,
+    /// "Refill on own finishes"). A KV or saturation signal sees our load
+    /// but moves by a fraction of a request per request of ours: refilling
+    /// on it ratchets the window up by `N` per reading.
+    pub counts_own_requests: bool,
     /// Whether the gate's data source answered usably.
     pub source_available: bool,
     /// Whether `D` is only this process's free share of a local limit
@@ -175,6 +187,7 @@ impl Observation {
             taken_at,
             max_sys: None,
             sees_own_load: false,
+            counts_own_requests: false,
             source_available: true,
             local_limit: false,
             reason: String::new(),
@@ -189,6 +202,7 @@ impl Observation {
             taken_at,
             max_sys: None,
             sees_own_load: false,
+            counts_own_requests: false,
             source_available: false,
             local_limit: false,
             reason: reason.into(),

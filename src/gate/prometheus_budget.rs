@@ -323,14 +323,22 @@ impl PrometheusBudgetGate {
                     Some((_, r_at)) if r_at < at => r_at,
                     _ => at,
                 };
-                return Ok(pool_reading(
+                let mut observation = pool_reading(
                     d,
                     self.baseline,
                     taken_at,
                     max_sys,
                     q.sees_own_load,
                     format!("{} ({explain}; overload reads 0)", q.role),
-                ));
+                );
+                // The one step that sees our load (vLLM running requests)
+                // counts each running request of ours as one of ready ×
+                // max_concurrency, which is max_SYS when the ready count is
+                // known: its finished requests may be refilled. The queue
+                // steps are blind and keep N per reading.
+                observation.counts_own_requests =
+                    q.sees_own_load && *step == Step::PoolLoad && ready.is_some();
+                return Ok(observation);
             }
         }
         Err(GateError::SourceUnavailable(format!(

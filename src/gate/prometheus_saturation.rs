@@ -145,6 +145,15 @@ impl PrometheusSaturationGate {
                 t.taken_at,
                 None,
                 // The picker's detectors count in-flight requests and KV use.
+                // Not `counts_own_requests`: S is the larger of queue depth
+                // and KV use per endpoint, and a running request of ours
+                // moves KV use by a fraction of one request of max_SYS
+                // (steady/small: 640 of 131 072 tokens per engine), so its
+                // N barely shrinks as ours grow. Refilling finished
+                // requests on it pinned in-flight at the window, which the
+                // next reading took as its base and added N to: in the
+                // eval, ΔV +2.28 → +92.76 pp on steady/small (seed 0,
+                // docs/gate-quality.md, "Refill on own finishes").
                 true,
                 format!(
                     "{role}: S = {s} (max of {} series), D = 1 − S",

@@ -210,6 +210,9 @@ pub(crate) fn pool_reading(
         taken_at,
         max_sys,
         sees_own_load,
+        // Opt-in per gate where its metric counts requests one for one
+        // (`Observation::counts_own_requests`).
+        counts_own_requests: false,
         source_available: true,
         local_limit: false,
         reason,
@@ -234,6 +237,7 @@ pub(crate) fn with_fallback(
             taken_at: Instant::now(),
             max_sys: None,
             sees_own_load: false,
+            counts_own_requests: false,
             source_available: false,
             local_limit: false,
             reason: format!("fallback {f} because {e}"),

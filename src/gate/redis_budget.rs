@@ -183,7 +183,11 @@ impl MetricGate for RedisBudgetGate {
                             reason.push_str(&format!(" (decision {id})"));
                         }
                         // A bare number has no date and says nothing about
-                        // our load; a record says whether it does.
+                        // our load; a record says whether it does. Never
+                        // `counts_own_requests`: the record's budget is a
+                        // fraction of an outside controller's capacity, not
+                        // of our requests, so finishes wait for its next
+                        // decision.
                         let reading = pool_reading(
                             record.budget,
                             0.0,

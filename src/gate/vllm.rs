@@ -277,7 +277,7 @@ impl MetricGate for VllmGate {
                 let count = engines.len() + unreadable;
                 let d = engines.iter().map(|e| e.d).sum::<f64>() / count as f64;
                 let max_sys: f64 = engines.iter().map(|e| e.max_num_seqs).sum();
-                let observation = pool_reading(
+                let mut observation = pool_reading(
                     d,
                     self.baseline,
                     taken_at,
@@ -288,6 +288,11 @@ impl MetricGate for VllmGate {
                         "mean roofline over {count} engines ({unreadable} unreadable count as full): D = {d:.4}"
                     ),
                 );
+                // D_i ≤ 1 − running_i / max_num_seqs_i and max_SYS is the sum
+                // of max_num_seqs: each running request of ours takes at
+                // least one request of N, so finished ones of ours may be
+                // refilled before the next page.
+                observation.counts_own_requests = true;
                 *self.last() = read_from.map(|pages| (pages, observation.clone()));
                 Ok(observation)
             }

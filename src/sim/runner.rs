@@ -164,10 +164,11 @@ pub trait BatchPolicy {
     /// How many batch requests to release at `input.now`.
     fn release(&mut self, input: &PolicyInput<'_>) -> u32;
 
-    /// One batch request was released at `now` (called once per request
-    /// actually submitted, before any refusal of it).
-    fn sent(&mut self, now: SimTime) {
-        let _ = now;
+    /// One batch request with `prompt_tokens` was released at `now`
+    /// (called once per request actually submitted, before any refusal of
+    /// it).
+    fn sent(&mut self, now: SimTime, prompt_tokens: u32) {
+        let _ = (now, prompt_tokens);
     }
 
     /// A released batch request was refused at `now` with HTTP `status`
@@ -616,7 +617,7 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
                     };
                     next_batch_id += 1;
                     let adm = pool.submit(req.clone());
-                    policy.sent(te);
+                    policy.sent(te, req.prompt_tokens);
                     c.admitted(RequestClass::Batch, adm, &req, &mut records, te);
                     if let Admission::Rejected(code) = adm {
                         policy.refused(te, code);
