@@ -28,6 +28,12 @@ use crate::telemetry::traces as trace_attr;
 /// How often a parked message asks its gate again when nothing else wakes it.
 const PARK_RECHECK: Duration = Duration::from_millis(250);
 
+/// How often, while the receiver pulls nothing (the window is shut, full
+/// or held), it asks the queue for messages whose deadline has passed.
+/// Half the 1 s within which a deadline is answered (issue 22), leaving
+/// the other half for writing the result; one cheap round trip per period.
+const DEADLINE_SWEEP: Duration = Duration::from_millis(500);
+
 /// Pulls messages while the window has room, into a bounded lookahead
 /// buffer that releases them fairly among tenants (`fair.rs`).
 pub(super) async fn receive_loop(
@@ -47,6 +53,7 @@ pub(super) async fn receive_loop(
     let mut fair = FairQueue::new(settings.tenant_weights.clone(), quantum);
     let mut receive_errors = 0u32;
     let mut asked_at = None;
+    let mut swept_at: Option<Instant> = None;
     while !shutdown.is_cancelled() {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
@@ -56,6 +63,8 @@ pub(super) async fn receive_loop(
         // Whether this turn pulled or long-polled: then the queue is asked
         // again at once instead of sleeping.
         let mut pulled = false;
+        // How many this turn asked the queue for (0: the window takes none).
+        let want;
         // Permits before pull: never lease more than the window can send
         // now plus the bounded lookahead, and nothing while the window is
         // shut (`pull_size`).
@@ -68,7 +77,7 @@ pub(super) async fn receive_loop(
                 // the lookahead sees past it.
                 crate::config::Unit::Tokens | crate::config::Unit::Bytes => room.min(1),
             };
-            let want = pull_size(
+            want = pull_size(
                 room,
                 open,
                 fair.len(),
@@ -112,7 +121,20 @@ pub(super) async fn receive_loop(
             }
         }
         fair.expire_blocks(Instant::now());
-        if let Some((tenant, ready)) = fair.pop(Instant::now()) {
+        // Deadlines do not wait for room (issue 22): what expired in the
+        // buffer is answered now, and while nothing else is pulled the
+        // queue is asked for what expired there (requeue delays end by the
+        // deadline, `until_deadline`, so delayed retries are due by then).
+        answer_expired(shared, &mut fair, results).await;
+        if want == 0 && swept_at.is_none_or(|at| at.elapsed() >= DEADLINE_SWEEP) {
+            swept_at = Some(Instant::now());
+            sweep_expired(shared, &mut fair, results).await;
+        }
+        // Release only into room: a message popped without it would hold
+        // the receiver in `wait_for_room`, and everything behind it (in the
+        // buffer and the queue) would wait unseen past its deadline.
+        let has_room = shared.room(Instant::now()) > 0;
+        if let Some((tenant, ready)) = has_room.then(|| fair.pop(Instant::now())).flatten() {
             if shutdown.is_cancelled() {
                 shared
                     .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
@@ -125,12 +147,10 @@ pub(super) async fn receive_loop(
                 // its requeue delay ends.
                 let until = refused + settings.wait_requeue_delay;
                 for ready in fair.block(&tenant, until) {
+                    let delay =
+                        until_deadline(ready.message.request.deadline, settings.wait_requeue_delay);
                     shared
-                        .nack(
-                            ready.delivery.tag,
-                            settings.wait_requeue_delay,
-                            NackReason::NotAdmitted,
-                        )
+                        .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
                         .await;
                 }
             }
@@ -144,7 +164,7 @@ pub(super) async fn receive_loop(
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = &mut changed => {}
-            () = tokio::time::sleep(settings.poll_interval) => {}
+            () = tokio::time::sleep(settings.poll_interval.min(DEADLINE_SWEEP)) => {}
         }
     }
     // Buffered leases go back at once rather than expiring.
@@ -185,6 +205,34 @@ pub(super) fn pull_size(
     if refill { deficit.min(batch) } else { 0 }
 }
 
+/// Answers every buffered message whose deadline has passed.
+async fn answer_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, results: &Results) {
+    for ready in fair.take_expired(unix_now()) {
+        settle_unreleased(shared, ready, Release::DeadlinePassed, results).await;
+    }
+}
+
+/// Leases the queue's messages whose deadline has passed and answers them
+/// (through `take_in`, whose checks answer an expired message). Errors are
+/// left to the next sweep: the regular receive reports them.
+async fn sweep_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, results: &Results) {
+    let settings = shared.settings();
+    let expired = shared
+        .queue()
+        .receive_expired(settings.receive_batch, settings.lease, unix_now())
+        .await;
+    match expired {
+        Ok(deliveries) => {
+            for delivery in deliveries {
+                take_in(shared, fair, delivery, results).await;
+            }
+        }
+        Err(error) => {
+            tracing::debug!(%error, queue = shared.queue().name(), "deadline sweep failed");
+        }
+    }
+}
+
 /// Takes one delivery into the buffer: parsed and checked (anything
 /// unusable is answered here), then buffered under its tenant, or returned
 /// unasked while its tenant is blocked.
@@ -201,8 +249,9 @@ async fn take_in(
     };
     let tenant = tenant_of(shared, &ready).to_owned();
     if let Some(left) = fair.blocked(&tenant, Instant::now()) {
+        let delay = until_deadline(ready.message.request.deadline, left);
         shared
-            .nack(ready.delivery.tag, left, NackReason::NotAdmitted)
+            .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
             .await;
         return;
     }
@@ -239,6 +288,7 @@ pub(super) async fn handle(
                 ready,
                 ticket,
                 send,
+                shutdown.clone(),
                 abandon.clone(),
                 results.clone(),
             );
@@ -261,6 +311,7 @@ pub(super) async fn handle(
 /// Ends a message that was not released: a result, or back to the queue
 /// without using an attempt.
 async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, results: &Results) {
+    let deadline = ready.message.request.deadline;
     let tag = ready.delivery.tag;
     match release {
         Release::Go(..) => {
@@ -275,6 +326,7 @@ async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, resu
             settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::Congested(delay) => {
+            let delay = until_deadline(deadline, delay);
             shared.nack(tag, delay, NackReason::Congested).await;
         }
         Release::NotAdmitted(Admission::Drop { reason }) => {
@@ -282,12 +334,21 @@ async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, resu
             settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::NotAdmitted(_) => {
-            // Back to the queue without using an attempt; an expired
-            // deadline is answered when it is next received.
-            let delay = shared.settings().wait_requeue_delay;
+            // Back to the queue without using an attempt; a deadline that
+            // passes meanwhile is answered by the deadline sweep.
+            let delay = until_deadline(deadline, shared.settings().wait_requeue_delay);
             shared.nack(tag, delay, NackReason::NotAdmitted).await;
         }
     }
+}
+
+/// `delay`, cut so a requeued message is due again by its deadline: the
+/// deadline sweep can then answer it on time wherever the transport keeps
+/// delayed messages (Redis's retry set is not part of the queue until
+/// due).
+fn until_deadline(deadline: i64, delay: Duration) -> Duration {
+    let left = crate::gateway::deadline_instant(deadline).saturating_duration_since(Instant::now());
+    delay.min(left)
 }
 
 /// What came of trying to release one message.
@@ -492,10 +553,12 @@ pub(super) async fn wait_for_room(
             }
         }
         ask_for_reading(shared, &mut asked_at);
+        let deadline = crate::gateway::deadline_instant(ready.message.request.deadline);
+        let wake = deadline.min(now + shared.settings().poll_interval);
         tokio::select! {
             () = shutdown.cancelled() => return Some(Release::Shutdown),
             () = &mut changed => {}
-            () = tokio::time::sleep(shared.settings().poll_interval) => {}
+            () = tokio::time::sleep_until(wake) => {}
         }
     }
 }
@@ -532,7 +595,10 @@ pub(super) fn park(
         shared.parked.fetch_sub(1, Ordering::AcqRel);
         let shared = shared.clone();
         tracker.spawn(async move {
-            let delay = shared.settings().wait_requeue_delay;
+            let delay = until_deadline(
+                ready.message.request.deadline,
+                shared.settings().wait_requeue_delay,
+            );
             shared
                 .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
                 .await;
@@ -553,7 +619,10 @@ pub(super) fn park(
                 () = finished => {}
                 () = tokio::time::sleep(PARK_RECHECK) => {}
             }
-            if Instant::now() >= give_up || ready.message.request.deadline <= unix_now() {
+            if ready.message.request.deadline <= unix_now() {
+                break Release::DeadlinePassed;
+            }
+            if Instant::now() >= give_up {
                 break Release::NotAdmitted(Admission::Refuse {
                     reason: "park_expired",
                 });
@@ -567,7 +636,7 @@ pub(super) fn park(
         shared.metrics().parked.dec();
         match outcome {
             Release::Go(ticket, send) => {
-                send_and_settle(shared, ready, ticket, send, abandon, results).await;
+                send_and_settle(shared, ready, ticket, send, shutdown, abandon, results).await;
             }
             unreleased => settle_unreleased(&shared, ready, unreleased, &results).await,
         }

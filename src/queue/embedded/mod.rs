@@ -499,23 +499,45 @@ impl Inner {
         format!("{seq}.{:016x}.{n}", self.nonce)
     }
 
-    fn take(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, EmbeddedError> {
+    /// Leases up to `max` messages that are visible (or whose lease
+    /// expired); with `expired_by` (Unix s), only those whose deadline is
+    /// at or before it, whether or not their delay has ended.
+    fn take(
+        &self,
+        max: usize,
+        lease: Duration,
+        expired_by: Option<i64>,
+    ) -> Result<Vec<Delivery>, EmbeddedError> {
         let now = now_ms();
         let expires = now.saturating_add(ms(lease));
         let limit = i64::try_from(max.max(1)).unwrap_or(i64::MAX);
         self.write(|tx, queue| {
-            let rows: Vec<(i64, Vec<u8>, u32)> = {
-                let mut s = tx.prepare_cached(
-                    "SELECT seq, body, retry_count FROM messages
-                     WHERE queue = ?1 AND (
-                        (lease_tag IS NULL AND visible_at_ms <= ?2)
-                        OR (lease_tag IS NOT NULL AND lease_expires_ms <= ?2))
-                     ORDER BY deadline, seq LIMIT ?3",
-                )?;
-                s.query_map(params![queue, now, limit], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })?
-                .collect::<rusqlite::Result<_>>()?
+            let rows: Vec<(i64, Vec<u8>, u32)> = match expired_by {
+                None => {
+                    let mut s = tx.prepare_cached(
+                        "SELECT seq, body, retry_count FROM messages
+                         WHERE queue = ?1 AND (
+                            (lease_tag IS NULL AND visible_at_ms <= ?2)
+                            OR (lease_tag IS NOT NULL AND lease_expires_ms <= ?2))
+                         ORDER BY deadline, seq LIMIT ?3",
+                    )?;
+                    s.query_map(params![queue, now, limit], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                    })?
+                    .collect::<rusqlite::Result<_>>()?
+                }
+                Some(by) => {
+                    let mut s = tx.prepare_cached(
+                        "SELECT seq, body, retry_count FROM messages
+                         WHERE queue = ?1 AND deadline <= ?4 AND (
+                            lease_tag IS NULL OR lease_expires_ms <= ?2)
+                         ORDER BY deadline, seq LIMIT ?3",
+                    )?;
+                    s.query_map(params![queue, now, limit, by], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                    })?
+                    .collect::<rusqlite::Result<_>>()?
+                }
             };
             let mut update = tx.prepare_cached(
                 "UPDATE messages SET lease_tag = ?1, lease_expires_ms = ?2 WHERE seq = ?3",
@@ -657,7 +679,7 @@ impl Queue for EmbeddedQueue {
             let give_up = tokio::time::Instant::now() + wait;
             loop {
                 let arrived = self.inner.arrived.notified();
-                let got = self.blocking(move |i| i.take(max, lease)).await?;
+                let got = self.blocking(move |i| i.take(max, lease, None)).await?;
                 let now = tokio::time::Instant::now();
                 if !got.is_empty() || now >= give_up {
                     return Ok(got);
@@ -669,6 +691,18 @@ impl Queue for EmbeddedQueue {
                 }
             }
         })
+    }
+
+    fn receive_expired(
+        &self,
+        max: usize,
+        lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        if max == 0 {
+            return Box::pin(std::future::ready(Ok(Vec::new())));
+        }
+        Box::pin(self.blocking(move |i| i.take(max, lease, Some(now_unix))))
     }
 
     fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {

@@ -225,3 +225,33 @@ fn refuses_a_file_of_another_schema_version() {
     let err = EmbeddedQueue::open(&path, "q").expect_err("refused");
     assert!(err.to_string().contains("schema version 99"), "{err}");
 }
+
+#[tokio::test]
+async fn expired_receive_takes_only_passed_deadlines_delayed_or_not() {
+    let q = EmbeddedQueue::open(temp_db("expired"), "q").expect("open");
+    push(&q, "expired-delayed", 100);
+    push(&q, "expired-leased", 150);
+    push(&q, "expired-visible", 190);
+    push(&q, "due-later", 300);
+    let first = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+    // Back with a long delay: still due for its deadline answer.
+    q.nack(
+        first[0].tag.clone(),
+        Duration::from_secs(3600),
+        NackReason::Congested,
+    )
+    .await
+    .expect("ok");
+    let got = q.receive_expired(10, LEASE, 200).await.expect("ok");
+    let bodies: Vec<&[u8]> = got.iter().map(|d| d.body.as_ref()).collect();
+    assert_eq!(bodies, vec![&b"expired-delayed"[..], b"expired-visible"]);
+    assert!(
+        q.receive_expired(10, LEASE, 200)
+            .await
+            .expect("ok")
+            .is_empty()
+    );
+    let rest = q.receive(10, LEASE, NO_WAIT).await.expect("ok");
+    let bodies: Vec<&[u8]> = rest.iter().map(|d| d.body.as_ref()).collect();
+    assert_eq!(bodies, vec![&b"due-later"[..]], "the unexpired one stays");
+}

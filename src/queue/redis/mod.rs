@@ -331,22 +331,36 @@ impl Inner {
         }
     }
 
-    async fn claim(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, QueueError> {
+    /// Claims up to `max` of the earliest-due messages; with `expired_by`
+    /// (Unix s), only those whose deadline is at or before it.
+    async fn claim(
+        &self,
+        max: usize,
+        lease: Duration,
+        expired_by: Option<i64>,
+    ) -> Result<Vec<Delivery>, QueueError> {
         let owner = random_hex();
         let expiry = now_secs() + lease.as_secs_f64();
         let mut conn = self.conn.clone();
         let k = &self.keys;
+        let mut invocation = scripts::CLAIM.prepare_invoke();
+        invocation
+            .key(&k.pending)
+            .key(&k.claimed)
+            .key(&k.owners)
+            .key(&k.idx)
+            .key(&k.scores)
+            .arg(max)
+            .arg(expiry)
+            .arg(&owner);
+        if let Some(by) = expired_by {
+            // Scores are the deadline plus a fraction below 1 (upstream
+            // writes the bare deadline).
+            invocation.arg(by.saturating_add(1));
+        }
         let raw: Vec<(String, Vec<u8>, f64)> = self.observed(
             "claim",
-            scripts::CLAIM
-                .key(&k.pending)
-                .key(&k.claimed)
-                .key(&k.owners)
-                .key(&k.idx)
-                .key(&k.scores)
-                .arg(max)
-                .arg(expiry)
-                .arg(&owner)
+            invocation
                 .invoke_async::<Vec<(String, Vec<u8>, f64)>>(&mut conn)
                 .await,
         )?;
@@ -816,13 +830,27 @@ impl Queue for RedisQueue {
         Box::pin(async move {
             let give_up = tokio::time::Instant::now() + wait;
             loop {
-                let got = self.inner.claim(max.max(1), lease).await?;
+                let got = self.inner.claim(max.max(1), lease, None).await?;
                 let now = tokio::time::Instant::now();
                 if !got.is_empty() || now >= give_up {
                     return Ok(got);
                 }
                 tokio::time::sleep(EMPTY_POLL.min(give_up - now)).await;
             }
+        })
+    }
+
+    fn receive_expired(
+        &self,
+        max: usize,
+        lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            if max == 0 {
+                return Ok(Vec::new());
+            }
+            self.inner.claim(max, lease, Some(now_unix)).await
         })
     }
 
