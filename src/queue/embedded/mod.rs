@@ -31,7 +31,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::Notify;
 
 use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
-use crate::request::parse_message;
+use crate::request::{AttemptRecord, parse_message};
 use crate::result::ResultRecord;
 
 /// How often an empty receive looks again for messages written by another
@@ -612,6 +612,53 @@ impl Inner {
         Ok(())
     }
 
+    /// [`Self::nack`] that keeps what the attempt learned in the stored
+    /// message (`internal.attempts` and `internal.last_answer`, written
+    /// as an envelope, as the Redis transport does), so a deadline that
+    /// passes while it waits still answers with the last HTTP answer. An
+    /// unparsable body is kept as it is.
+    fn requeue_after_attempt(
+        &self,
+        tag: &DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: AttemptRecord,
+    ) -> Result<(), EmbeddedError> {
+        let visible = now_ms().saturating_add(ms(delay));
+        let add = i64::from(reason.counts_as_failure());
+        self.write(|tx, _| {
+            let body: Option<Vec<u8>> = tx
+                .query_row(
+                    "SELECT body FROM messages WHERE lease_tag = ?1",
+                    params![tag.0],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let Some(body) = body else {
+                // The lease was lost: its new holder answers.
+                return Ok(0);
+            };
+            let body = match parse_message(&body) {
+                Ok(mut message) => {
+                    message.internal.attempts = Some(record.attempts);
+                    if record.last_answer.is_some() {
+                        message.internal.last_answer = record.last_answer;
+                    }
+                    message.to_envelope_json().into_bytes()
+                }
+                Err(_) => body,
+            };
+            tx.execute(
+                "UPDATE messages SET lease_tag = NULL, lease_expires_ms = NULL,
+                 visible_at_ms = ?1, retry_count = retry_count + ?2, body = ?3
+                 WHERE lease_tag = ?4",
+                params![visible, add, body, tag.0],
+            )
+        })?;
+        self.arrived.notify_waiters();
+        Ok(())
+    }
+
     fn extend(&self, tags: &[DeliveryTag], lease: Duration) -> Result<(), EmbeddedError> {
         let now = now_ms();
         let expires = now.saturating_add(ms(lease));
@@ -716,6 +763,16 @@ impl Queue for EmbeddedQueue {
         reason: NackReason,
     ) -> BoxFuture<'_, Result<(), QueueError>> {
         Box::pin(self.blocking(move |i| i.nack(&tag, delay, reason)))
+    }
+
+    fn requeue_after_attempt(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: AttemptRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(self.blocking(move |i| i.requeue_after_attempt(&tag, delay, reason, record)))
     }
 
     fn extend_lease(
