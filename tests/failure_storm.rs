@@ -154,3 +154,28 @@ async fn a_gateway_that_hangs_past_the_attempt_timeout_is_a_congestion_signal() 
     let counts = storm(&server.url, Some(&server), 500, Duration::from_secs(30)).await;
     check("hang past attempt_timeout 1s, 500 queued, 30 s", &counts);
 }
+
+/// A reset is a failed attempt: it is counted in the result's `attempts`
+/// (and toward `max_attempts`), and the message is tried again once the
+/// hold has passed, from the same message, not a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_that_hit_a_reset_is_counted() {
+    let server = FailingGateway::start(Failure::ResetThenOk(2)).await;
+    let app = support::start_app(&config(&server.url)).await;
+    let queue = app.running.transports().memory()[0].clone();
+    queue.push_message(
+        serde_json::json!({"id": "once", "deadline": unix_now() + 600,
+            "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+        .to_string(),
+    );
+    // Two holds of 1–2 s and 2–4 s, then the answer.
+    support::wait_until(Duration::from_secs(30), "the message answered", || {
+        queue.result_count() == 1
+    })
+    .await;
+    app.stop().await;
+    let result = &queue.results()[0];
+    assert_eq!(result.status_code, Some(200), "{result:?}");
+    assert_eq!(result.attempts, 3, "{result:?}");
+    assert_eq!(server.count(), 3);
+}

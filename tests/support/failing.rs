@@ -1,13 +1,14 @@
 //! Scripted gateways that fail below HTTP, on a real loopback socket: one
 //! that resets every connection once the request has arrived, one that
-//! reads the request and never answers. Each counts the attempts it saw
-//! (a request read from a connection), with the instant of each, so a test
-//! can assert rates at the server itself.
+//! reads the request and never answers, one that resets the first few and
+//! then answers 200. Each counts the attempts it saw (a request read from
+//! a connection), with the instant of each, so a test can assert rates at
+//! the server itself.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
@@ -18,6 +19,9 @@ pub enum Failure {
     Reset,
     /// Keep the connection open and never answer (until the server stops).
     Hang,
+    /// Reset the first `n` requests, then answer every later one 200 with
+    /// a small completion.
+    ResetThenOk(usize),
 }
 
 /// A gateway that fails every request the same way.
@@ -74,9 +78,8 @@ impl Drop for FailingGateway {
     }
 }
 
-/// Reads requests from one connection (a kept-alive connection may carry
-/// several after a hang times out on the client: it is closed then) and
-/// fails each.
+/// Reads requests from one connection and fails (or answers) each; a
+/// kept-alive connection may carry several once requests are answered.
 async fn serve(
     mut stream: TcpStream,
     failure: Failure,
@@ -84,34 +87,60 @@ async fn serve(
     stop: CancellationToken,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut got = Vec::new();
     loop {
-        let n = tokio::select! {
-            () = stop.cancelled() => return,
-            n = stream.read(&mut buf) => match n {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-        };
-        got.extend_from_slice(&buf[..n]);
-        // The end of the headers: the request has arrived (its body may
-        // follow; the failure does not wait for it).
-        if got.windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
+        let mut got = Vec::new();
+        loop {
+            let n = tokio::select! {
+                () = stop.cancelled() => return,
+                n = stream.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                },
+            };
+            got.extend_from_slice(&buf[..n]);
+            // The end of the headers: the request has arrived (its body
+            // follows in the same write from our client; it is not parsed).
+            if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
         }
+        let nth = {
+            let mut seen = seen.lock().expect("lock");
+            seen.push(Instant::now());
+            seen.len()
+        };
+        let failure = match failure {
+            Failure::ResetThenOk(n) if nth > n => {
+                let body = r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                if stream.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            Failure::ResetThenOk(_) => Failure::Reset,
+            other => other,
+        };
+        fail(stream, failure, &mut buf, &stop).await;
+        return;
     }
-    seen.lock().expect("lock").push(Instant::now());
+}
+
+async fn fail(mut stream: TcpStream, failure: Failure, buf: &mut [u8], stop: &CancellationToken) {
     match failure {
         Failure::Reset => {
             let _ = stream.set_zero_linger();
             drop(stream);
         }
-        Failure::Hang => {
+        Failure::Hang | Failure::ResetThenOk(_) => {
             // Drain whatever else comes until the client gives up.
             loop {
                 tokio::select! {
                     () = stop.cancelled() => return,
-                    n = stream.read(&mut buf) => match n {
+                    n = stream.read(buf) => match n {
                         Ok(0) | Err(_) => return,
                         Ok(_) => {}
                     },
