@@ -674,7 +674,21 @@ pub(super) fn park(
 
 #[cfg(test)]
 mod tests {
-    use super::pull_size;
+    use super::{DEADLINE_SWEEP, DEADLINE_SWEEP_LAG, pull_size, sweep_period, until_next_sweep};
+
+    #[test]
+    fn the_next_deadline_sweep_is_at_most_one_period_away_and_starts_a_new_period() {
+        let before = sweep_period();
+        let wait = until_next_sweep();
+        assert!(wait > std::time::Duration::ZERO, "{wait:?}");
+        assert!(wait <= DEADLINE_SWEEP, "{wait:?}");
+        // Periods start at whole and half seconds (plus the lag): two per
+        // second, so a whole-second deadline is swept right after it.
+        assert_eq!(1000 / DEADLINE_SWEEP.as_millis(), 2);
+        assert!(DEADLINE_SWEEP_LAG < DEADLINE_SWEEP / 10);
+        std::thread::sleep(wait + std::time::Duration::from_millis(1));
+        assert!(sweep_period() > before);
+    }
 
     #[test]
     fn a_shut_window_leases_nothing_however_empty_the_buffer() {
