@@ -61,8 +61,10 @@ pub(super) async fn receive_loop(
     let mut fair = FairQueue::new(settings.tenant_weights.clone(), quantum);
     let mut receive_errors = 0u32;
     let mut asked_at = None;
-    // The sweep period (`sweep_period`) of the last deadline sweep.
+    // The sweep period (`sweep_period`) of the last deadline sweep of the
+    // queue, and the Unix second of the last one of the buffer.
     let mut swept_period = u128::MAX;
+    let mut buffer_swept = i64::MIN;
     while !shutdown.is_cancelled() {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
@@ -134,7 +136,14 @@ pub(super) async fn receive_loop(
         // buffer is answered now, and while nothing else is pulled the
         // queue is asked for what expired there (requeue delays end by the
         // deadline, `until_deadline`, so delayed retries are due by then).
-        answer_expired(shared, &mut fair, results).await;
+        // Deadlines are whole seconds, and what arrives expired is answered
+        // on arrival (`check`): the buffer need be looked at only once a
+        // second, not on every turn (with thousands of tenants a look
+        // costs one step per tenant).
+        if unix_now() != buffer_swept {
+            buffer_swept = unix_now();
+            answer_expired(shared, &mut fair, results).await;
+        }
         if want == 0 && sweep_period() != swept_period {
             swept_period = sweep_period();
             sweep_expired(shared, &mut fair, results).await;
