@@ -151,7 +151,12 @@ pub(super) async fn receive_loop(
         // Release only into room: a message popped without it would hold
         // the receiver in `wait_for_room`, and everything behind it (in the
         // buffer and the queue) would wait unseen past its deadline.
-        let has_room = shared.room(Instant::now()) > 0;
+        // (Read without `Shared::room`, which also asks a shared window's
+        // keeper for units: the turn's `room` call above already did.)
+        let has_room = {
+            let now = Instant::now();
+            shared.window().available(now) > 0 && !shared.congestion_held(now)
+        };
         if let Some((tenant, ready)) = has_room.then(|| fair.pop(Instant::now())).flatten() {
             if shutdown.is_cancelled() {
                 shared
