@@ -419,6 +419,65 @@ async fn closed_gate_sends_nothing_and_unreadable_gate_is_closed() {
     );
 }
 
+/// Issue 22: messages whose deadline passes while the window takes
+/// nothing (here a closed gate) are answered within 1 s of it, not when
+/// the window opens again. Before, they stayed in the queue unseen. The
+/// poll interval is the default 1 s, so this is the deadline sweep's doing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_passing_while_the_gate_is_closed_are_answered_within_a_second() {
+    let server = gateway(ResponseTemplate::new(200)).await;
+    let settings = DispatchSettings {
+        shutdown_grace: Duration::from_secs(5),
+        ..DispatchSettings::default()
+    };
+    let h = Harness::start(
+        &server.uri(),
+        Box::new(ConstantGate::new(Budget::ZERO)),
+        settings,
+        no_retry_limit(),
+    );
+    let deadline = unix_now() + 2;
+    for i in 0..50 {
+        h.queue.push_message(
+            serde_json::json!({"id": format!("m{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+            .to_string(),
+        );
+    }
+    let wall = || {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock after 1970")
+            .as_secs_f64()
+    };
+    while h.queue.result_count() < 50 {
+        assert!(
+            wall() < deadline as f64 + 10.0,
+            "{} of 50 answered 10 s after the deadline",
+            h.queue.result_count()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let late = wall() - deadline as f64;
+    assert!(late >= 0.0, "answered {late:.3} s before the deadline");
+    assert!(late <= 1.0, "answered {late:.3} s after the deadline");
+    let q = h.stop().await;
+    assert!(
+        q.results()
+            .iter()
+            .all(|r| r.error_code == Some(ErrorCode::DeadlineExceeded)),
+        "{:?}",
+        q.results()
+    );
+    assert!(
+        server
+            .received_requests()
+            .await
+            .expect("recorded")
+            .is_empty()
+    );
+}
+
 /// Counts concurrent requests at the gateway.
 struct Concurrency {
     now: Arc<AtomicUsize>,

@@ -1,4 +1,5 @@
-//! Congestion hold: what a 429/503 from the gateway does to dispatch. Pure:
+//! Congestion hold: what a 429/503 from the gateway (or an attempt that
+//! was refused, reset or timed out) does to dispatch. Pure:
 //! no I/O, no clock, no randomness; callers pass instants and a uniform
 //! jitter sample in.
 //!
@@ -17,6 +18,18 @@
 //!   the pool now: they neither clear the hold nor count as a new
 //!   consecutive signal (a window of 30 requests all answered 429 is one
 //!   signal, not 30), though a longer `Retry-After` among them is honoured.
+//!
+//! Congestion signals are the 429/503 answers and the failures below HTTP
+//! that say the same (connection refused, reset or broken, attempt timed
+//! out: `AttemptFailure::is_congestion_signal`). Only 429/503 also shut the
+//! window until a newer observation (a spike the metrics have not shown
+//! yet); a reset is no evidence that the metrics lag, and the hold alone
+//! bounds what the gateway sees.
+//!
+//! What a message turned away this way does next ([`after_congestion`]):
+//! back to the queue while its next attempt can start before its
+//! deadline, else it waits for the deadline (or for the hold to lift) and
+//! is not answered before.
 //!
 //! The window's own rule (budget zero until an observation newer than the
 //! rejection, `dispatch::window`) still applies; for blind gates, whose
@@ -138,7 +151,8 @@ impl Congestion {
         self.consecutive
     }
 
-    /// A 429/503 arrived at `now` for a request sent at `sent_at`, with the
+    /// A congestion signal (a 429/503, or a refused, reset or timed-out
+    /// attempt) arrived at `now` for a request sent at `sent_at`, with the
     /// gateway's `Retry-After` if any. Returns how long the hold lasts from
     /// `now` (the delay to give the rejected message).
     pub fn signal(
@@ -182,6 +196,38 @@ impl Congestion {
     fn remaining(&self, now: Instant) -> Duration {
         self.hold_until
             .map_or(Duration::ZERO, |h| h.saturating_duration_since(now))
+    }
+}
+
+/// What a message whose attempt met congestion does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterCongestion {
+    /// Back to the queue, due after `delay` (the hold, or the message's own
+    /// backoff when longer); its next attempt can start before the deadline.
+    Requeue {
+        /// How long until the message is due again.
+        delay: Duration,
+    },
+    /// No attempt can start before the deadline: keep the message and
+    /// answer it with its last answer *at* the deadline, or requeue it as
+    /// soon as the hold lifts (another request's answer can clear it early).
+    AwaitDeadline,
+}
+
+/// The rule for a message turned away by congestion (429/503, or a
+/// refused, reset or timed-out attempt) that must wait `wait` before it may
+/// be tried again, at `now`, due by `deadline`:
+/// - the wait ends before the deadline: requeue it with that delay;
+/// - otherwise it is not answered yet: the deadline, or attempts used up,
+///   are what make a congestion answer final. Answering at once, as before
+///   issue 22, gave a 429 as the final answer 48.5 s before its deadline
+///   whenever the hold (up to `congestion_max_backoff`, or a long
+///   `Retry-After`) outlasted the time left, though the hold could still
+///   lift and leave time for another attempt.
+pub fn after_congestion(wait: Duration, now: Instant, deadline: Instant) -> AfterCongestion {
+    match now.checked_add(wait) {
+        Some(due) if due < deadline => AfterCongestion::Requeue { delay: wait },
+        _ => AfterCongestion::AwaitDeadline,
     }
 }
 
@@ -323,6 +369,39 @@ mod tests {
             c.clearance(t0 + secs(4.9)),
             Clearance::Held { .. }
         ));
+    }
+
+    #[test]
+    fn a_wait_that_ends_before_the_deadline_requeues_else_the_deadline_decides() {
+        let t0 = Instant::now();
+        let deadline = t0 + secs(10.0);
+        assert_eq!(
+            after_congestion(secs(2.0), t0, deadline),
+            AfterCongestion::Requeue { delay: secs(2.0) }
+        );
+        assert_eq!(
+            after_congestion(secs(9.999), t0, deadline),
+            AfterCongestion::Requeue { delay: secs(9.999) }
+        );
+        // Due exactly at the deadline is too late to try again.
+        assert_eq!(
+            after_congestion(secs(10.0), t0, deadline),
+            AfterCongestion::AwaitDeadline
+        );
+        // The issue's case: a 60 s hold with 48.5 s left is no final answer yet.
+        assert_eq!(
+            after_congestion(secs(60.0), t0, t0 + secs(48.5)),
+            AfterCongestion::AwaitDeadline
+        );
+        assert_eq!(
+            after_congestion(Duration::MAX, t0, deadline),
+            AfterCongestion::AwaitDeadline
+        );
+        // A deadline already passed never requeues.
+        assert_eq!(
+            after_congestion(Duration::ZERO, t0, t0),
+            AfterCongestion::AwaitDeadline
+        );
     }
 
     #[test]

@@ -12,7 +12,10 @@
 //!   the window is used up) and applies each reading to the window;
 //! - the *receiver* (the `run` future itself) takes permits before it pulls:
 //!   it asks the queue for at most as many messages as the window has room
-//!   for, then parses, checks deadlines, admits and releases each;
+//!   for, then parses, checks deadlines, admits and releases each; while
+//!   it pulls nothing it still answers expired messages, in its buffer and
+//!   in the queue (`Queue::receive_expired`), within a second of their
+//!   deadline;
 //! - one *worker* task per released message sends it and decides its fate;
 //! - the *result writer* batches results and acknowledges only after they
 //!   are written;

@@ -242,6 +242,39 @@ impl<T> FairQueue<T> {
         });
     }
 
+    /// Takes every buffered message whose deadline (Unix s) is at or before
+    /// `now_unix`, whatever its tenant's turn or block: an expired message
+    /// is answered, not sent, so it must not wait for room (issue 22).
+    pub(crate) fn take_expired(&mut self, now_unix: i64) -> Vec<T> {
+        let mut out = Vec::new();
+        let mut emptied = Vec::new();
+        for (name, t) in &mut self.tenants {
+            let before = out.len();
+            while t
+                .queue
+                .peek()
+                .is_some_and(|Reverse(e)| e.deadline <= now_unix)
+            {
+                if let Some(Reverse(e)) = t.queue.pop() {
+                    out.push(e.item);
+                }
+            }
+            if out.len() > before && t.queue.is_empty() {
+                t.deficit = 0;
+                emptied.push(name.clone());
+            }
+        }
+        if !emptied.is_empty() {
+            // An emptied tenant leaves the ring, as `pop` would take it out,
+            // so a later `push` does not put it in twice.
+            self.ring.retain(|n| !emptied.contains(n));
+            self.tenants
+                .retain(|_, t| t.blocked_until.is_some() || !t.queue.is_empty());
+        }
+        self.len -= out.len();
+        out
+    }
+
     /// Everything buffered (shutdown), earliest deadline first per tenant.
     pub(crate) fn drain(&mut self) -> Vec<T> {
         let mut out = Vec::with_capacity(self.len);
@@ -267,6 +300,34 @@ mod tests {
 
     fn weights(pairs: &[(&str, u32)]) -> BTreeMap<String, u32> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+    }
+
+    #[test]
+    fn expired_messages_leave_the_buffer_whatever_their_turn() {
+        let mut q = FairQueue::new(BTreeMap::new(), 1);
+        let now = Instant::now();
+        q.push("a", 10, 1, "a10");
+        q.push("a", 30, 1, "a30");
+        q.push("b", 5, 1, "b5");
+        q.push("c", 40, 1, "c40");
+        // A blocked tenant's expired messages are taken too.
+        q.push("d", 8, 1, "d8");
+        let _ = q.block("d", now + Duration::from_secs(60));
+        q.push("d", 9, 1, "d9");
+        let mut expired = q.take_expired(20);
+        expired.sort_unstable();
+        assert_eq!(expired, ["a10", "b5", "d9"]);
+        assert_eq!(q.len(), 2);
+        assert!(q.take_expired(20).is_empty());
+        // b left the ring: pushing it again does not give it two turns.
+        q.push("b", 50, 1, "b50");
+        let mut order = Vec::new();
+        while let Some((_, item)) = q.pop(now) {
+            order.push(item);
+        }
+        order.sort_unstable();
+        assert_eq!(order, ["a30", "b50", "c40"]);
+        assert!(q.is_empty());
     }
 
     #[test]

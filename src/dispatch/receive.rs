@@ -28,6 +28,20 @@ use crate::telemetry::traces as trace_attr;
 /// How often a parked message asks its gate again when nothing else wakes it.
 const PARK_RECHECK: Duration = Duration::from_millis(250);
 
+/// While the receiver pulls nothing (the window is shut, full or held),
+/// it asks the queue for messages whose deadline has passed once in every
+/// period of this length, just after the period starts. Deadlines are
+/// whole Unix seconds, so the sweep just after a second starts answers
+/// them at once; the one half a second later catches what reached the
+/// queue late (Redis's retry mover runs every 250 ms). Issue 22 asks for
+/// answers within 1 s of the deadline; this costs two cheap round trips a
+/// second.
+const DEADLINE_SWEEP: Duration = Duration::from_millis(500);
+
+/// How long after a sweep period starts the sweep runs, so a clock read a
+/// hair early does not miss the second.
+const DEADLINE_SWEEP_LAG: Duration = Duration::from_millis(5);
+
 /// Pulls messages while the window has room, into a bounded lookahead
 /// buffer that releases them fairly among tenants (`fair.rs`).
 pub(super) async fn receive_loop(
@@ -47,6 +61,10 @@ pub(super) async fn receive_loop(
     let mut fair = FairQueue::new(settings.tenant_weights.clone(), quantum);
     let mut receive_errors = 0u32;
     let mut asked_at = None;
+    // The sweep period (`sweep_period`) of the last deadline sweep of the
+    // queue, and the Unix second of the last one of the buffer.
+    let mut swept_period = u128::MAX;
+    let mut buffer_swept = i64::MIN;
     while !shutdown.is_cancelled() {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
@@ -56,6 +74,8 @@ pub(super) async fn receive_loop(
         // Whether this turn pulled or long-polled: then the queue is asked
         // again at once instead of sleeping.
         let mut pulled = false;
+        // How many this turn asked the queue for (0: the window takes none).
+        let want;
         // Permits before pull: never lease more than the window can send
         // now plus the bounded lookahead, and nothing while the window is
         // shut (`pull_size`).
@@ -71,7 +91,7 @@ pub(super) async fn receive_loop(
             // Bodies held (lookahead, parked, in flight, settling) stay
             // within the byte budget, whatever the window allows.
             let within_bytes = shared.held().messages_within(settings.max_buffered_bytes);
-            let want = pull_size(
+            want = pull_size(
                 room,
                 open,
                 fair.len(),
@@ -116,7 +136,32 @@ pub(super) async fn receive_loop(
             }
         }
         fair.expire_blocks(Instant::now());
-        if let Some((tenant, ready)) = fair.pop(Instant::now()) {
+        // Deadlines do not wait for room (issue 22): what expired in the
+        // buffer is answered now, and while nothing else is pulled the
+        // queue is asked for what expired there (requeue delays end by the
+        // deadline, `until_deadline`, so delayed retries are due by then).
+        // Deadlines are whole seconds, and what arrives expired is answered
+        // on arrival (`check`): the buffer need be looked at only once a
+        // second, not on every turn (with thousands of tenants a look
+        // costs one step per tenant).
+        if unix_now() != buffer_swept {
+            buffer_swept = unix_now();
+            answer_expired(shared, &mut fair, results).await;
+        }
+        if want == 0 && sweep_period() != swept_period {
+            swept_period = sweep_period();
+            sweep_expired(shared, &mut fair, results).await;
+        }
+        // Release only into room: a message popped without it would hold
+        // the receiver in `wait_for_room`, and everything behind it (in the
+        // buffer and the queue) would wait unseen past its deadline.
+        // (Read without `Shared::room`, which also asks a shared window's
+        // keeper for units: the turn's `room` call above already did.)
+        let has_room = {
+            let now = Instant::now();
+            shared.window().available(now) > 0 && !shared.congestion_held(now)
+        };
+        if let Some((tenant, ready)) = has_room.then(|| fair.pop(Instant::now())).flatten() {
             if shutdown.is_cancelled() {
                 shared
                     .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
@@ -129,12 +174,10 @@ pub(super) async fn receive_loop(
                 // its requeue delay ends.
                 let until = refused + settings.wait_requeue_delay;
                 for ready in fair.block(&tenant, until) {
+                    let delay =
+                        until_deadline(ready.message.request.deadline, settings.wait_requeue_delay);
                     shared
-                        .nack(
-                            ready.delivery.tag,
-                            settings.wait_requeue_delay,
-                            NackReason::NotAdmitted,
-                        )
+                        .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
                         .await;
                 }
             }
@@ -148,7 +191,9 @@ pub(super) async fn receive_loop(
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = &mut changed => {}
-            () = tokio::time::sleep_until(shared.next_look(Instant::now())) => {}
+            () = tokio::time::sleep_until(
+                shared.next_look(Instant::now()).min(Instant::now() + until_next_sweep())
+            ) => {}
         }
     }
     // Buffered leases go back at once rather than expiring.
@@ -189,6 +234,54 @@ pub(super) fn pull_size(
     if refill { deficit.min(batch) } else { 0 }
 }
 
+/// The wall clock since the Unix epoch.
+fn since_epoch() -> Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+}
+
+/// Which `DEADLINE_SWEEP` period of the wall clock this is (periods start
+/// at whole seconds).
+fn sweep_period() -> u128 {
+    since_epoch().saturating_sub(DEADLINE_SWEEP_LAG).as_millis() / DEADLINE_SWEEP.as_millis()
+}
+
+/// Time until just after the next sweep period starts.
+fn until_next_sweep() -> Duration {
+    let period = DEADLINE_SWEEP.as_nanos();
+    let into = since_epoch().saturating_sub(DEADLINE_SWEEP_LAG).as_nanos() % period;
+    Duration::from_nanos(u64::try_from(period - into).unwrap_or(0))
+}
+
+/// Answers every buffered message whose deadline has passed.
+async fn answer_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, results: &Results) {
+    for ready in fair.take_expired(unix_now()) {
+        settle_unreleased(shared, ready, Release::DeadlinePassed, results).await;
+    }
+}
+
+/// Leases the queue's messages whose deadline has passed and answers them
+/// (through `take_in`, whose checks answer an expired message). Errors are
+/// left to the next sweep: the regular receive reports them.
+async fn sweep_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, results: &Results) {
+    let settings = shared.settings();
+    let expired = shared
+        .queue()
+        .receive_expired(settings.receive_batch, settings.lease, unix_now())
+        .await;
+    match expired {
+        Ok(deliveries) => {
+            for delivery in deliveries {
+                take_in(shared, fair, delivery, results).await;
+            }
+        }
+        Err(error) => {
+            tracing::debug!(%error, queue = shared.queue().name(), "deadline sweep failed");
+        }
+    }
+}
+
 /// Takes one delivery into the buffer: parsed and checked (anything
 /// unusable is answered here), then buffered under its tenant, or returned
 /// unasked while its tenant is blocked.
@@ -222,8 +315,9 @@ async fn take_in(
     };
     let tenant = tenant_of(shared, &ready).to_owned();
     if let Some(left) = fair.blocked(&tenant, Instant::now()) {
+        let delay = until_deadline(ready.message.request.deadline, left);
         shared
-            .nack(ready.delivery.tag, left, NackReason::NotAdmitted)
+            .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
             .await;
         return;
     }
@@ -260,6 +354,7 @@ pub(super) async fn handle(
                 ready,
                 ticket,
                 send,
+                shutdown.clone(),
                 abandon.clone(),
                 results.clone(),
             );
@@ -282,6 +377,7 @@ pub(super) async fn handle(
 /// Ends a message that was not released: a result, or back to the queue
 /// without using an attempt.
 async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, results: &Results) {
+    let deadline = ready.message.request.deadline;
     let tag = ready.delivery.tag;
     match release {
         Release::Go(..) => {
@@ -296,6 +392,7 @@ async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, resu
             settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::Congested(delay) => {
+            let delay = until_deadline(deadline, delay);
             shared.nack(tag, delay, NackReason::Congested).await;
         }
         Release::NotAdmitted(Admission::Drop { reason }) => {
@@ -303,12 +400,21 @@ async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, resu
             settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::NotAdmitted(_) => {
-            // Back to the queue without using an attempt; an expired
-            // deadline is answered when it is next received.
-            let delay = shared.settings().wait_requeue_delay;
+            // Back to the queue without using an attempt; a deadline that
+            // passes meanwhile is answered by the deadline sweep.
+            let delay = until_deadline(deadline, shared.settings().wait_requeue_delay);
             shared.nack(tag, delay, NackReason::NotAdmitted).await;
         }
     }
+}
+
+/// `delay`, cut so a requeued message is due again by its deadline: the
+/// deadline sweep can then answer it on time wherever the transport keeps
+/// delayed messages (Redis's retry set is not part of the queue until
+/// due).
+fn until_deadline(deadline: i64, delay: Duration) -> Duration {
+    let left = crate::gateway::deadline_instant(deadline).saturating_duration_since(Instant::now());
+    delay.min(left)
 }
 
 /// What came of trying to release one message.
@@ -519,10 +625,12 @@ pub(super) async fn wait_for_room(
             }
         }
         ask_for_reading(shared, &mut asked_at);
+        let deadline = crate::gateway::deadline_instant(ready.message.request.deadline);
+        let wake = deadline.min(now + shared.settings().poll_interval);
         tokio::select! {
             () = shutdown.cancelled() => return Some(Release::Shutdown),
             () = &mut changed => {}
-            () = tokio::time::sleep_until(shared.next_look(now)) => {}
+            () = tokio::time::sleep_until(shared.next_look(now).min(wake)) => {}
         }
     }
 }
@@ -559,7 +667,10 @@ pub(super) fn park(
         shared.parked.fetch_sub(1, Ordering::AcqRel);
         let shared = shared.clone();
         tracker.spawn(async move {
-            let delay = shared.settings().wait_requeue_delay;
+            let delay = until_deadline(
+                ready.message.request.deadline,
+                shared.settings().wait_requeue_delay,
+            );
             shared
                 .nack(ready.delivery.tag, delay, NackReason::NotAdmitted)
                 .await;
@@ -580,7 +691,10 @@ pub(super) fn park(
                 () = finished => {}
                 () = tokio::time::sleep(PARK_RECHECK) => {}
             }
-            if Instant::now() >= give_up || ready.message.request.deadline <= unix_now() {
+            if ready.message.request.deadline <= unix_now() {
+                break Release::DeadlinePassed;
+            }
+            if Instant::now() >= give_up {
                 break Release::NotAdmitted(Admission::Refuse {
                     reason: "park_expired",
                 });
@@ -594,7 +708,7 @@ pub(super) fn park(
         shared.metrics().parked.dec();
         match outcome {
             Release::Go(ticket, send) => {
-                send_and_settle(shared, ready, ticket, send, abandon, results).await;
+                send_and_settle(shared, ready, ticket, send, shutdown, abandon, results).await;
             }
             unreleased => settle_unreleased(&shared, ready, unreleased, &results).await,
         }
@@ -603,7 +717,21 @@ pub(super) fn park(
 
 #[cfg(test)]
 mod tests {
-    use super::pull_size;
+    use super::{DEADLINE_SWEEP, DEADLINE_SWEEP_LAG, pull_size, sweep_period, until_next_sweep};
+
+    #[test]
+    fn the_next_deadline_sweep_is_at_most_one_period_away_and_starts_a_new_period() {
+        let before = sweep_period();
+        let wait = until_next_sweep();
+        assert!(wait > std::time::Duration::ZERO, "{wait:?}");
+        assert!(wait <= DEADLINE_SWEEP, "{wait:?}");
+        // Periods start at whole and half seconds (plus the lag): two per
+        // second, so a whole-second deadline is swept right after it.
+        assert_eq!(1000 / DEADLINE_SWEEP.as_millis(), 2);
+        assert!(DEADLINE_SWEEP_LAG < DEADLINE_SWEEP / 10);
+        std::thread::sleep(wait + std::time::Duration::from_millis(1));
+        assert!(sweep_period() > before);
+    }
 
     #[test]
     fn a_shut_window_leases_nothing_however_empty_the_buffer() {

@@ -9,15 +9,16 @@ use opentelemetry::trace::SpanKind;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::congestion::{AfterCongestion, after_congestion};
 use super::dispatcher::{Ready, Results, Send, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
 use crate::gate::{DispatchEvent, Ticket};
 use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
-use crate::queue::NackReason;
+use crate::queue::{DeliveryTag, NackReason};
 use crate::request::{AttemptRecord, LastAnswer, Message, log_id};
 use crate::result::{ErrorCode, ResultRecord};
-use crate::telemetry::traces as trace_attr;
+use crate::telemetry::traces::{self as trace_attr, MessageTrace};
 
 /// How long a message must have waited since it was received before the
 /// queue is asked again whether it was cancelled (keeps the hot path free
@@ -30,6 +31,7 @@ pub(super) async fn send_and_settle(
     ready: Ready,
     ticket: Ticket,
     send: Send,
+    shutdown: CancellationToken,
     abandon: CancellationToken,
     results: Results,
 ) {
@@ -130,10 +132,16 @@ pub(super) async fn send_and_settle(
         window.finished(now, ready.cost);
         let mut congestion = shared.config.congestion.lock();
         let hold = match &outcome {
-            Some(AttemptOutcome::Congested { retry_after, .. }) => {
-                window.congested(now);
+            Some(signal) if signal.is_congestion_signal() => {
+                // A 429/503 also shuts the window until a newer reading (a
+                // spike the metrics have not shown yet); a refused, reset
+                // or timed-out attempt holds the gateway only (`congestion`).
+                if matches!(signal, AttemptOutcome::Congested { .. }) {
+                    window.congested(now);
+                }
                 let before = congestion.consecutive();
-                let hold = congestion.signal(now, started, *retry_after, rand::random::<f64>());
+                let hold =
+                    congestion.signal(now, started, signal.retry_after(), rand::random::<f64>());
                 if congestion.consecutive() != before {
                     // A new signal, not an answer to a request that was
                     // already out: the other replicas hold too.
@@ -211,19 +219,28 @@ pub(super) async fn send_and_settle(
             // The gateway-wide hold: Retry-After, but never shorter than the
             // jittered backoff of this many consecutive signals.
             let delay = congestion_hold.unwrap_or(shared.settings().congestion_backoff);
-            if now + delay >= deadline {
-                // No time left for another try: the last answer is the result.
-                let result = ResultRecord::http(id, token, status, body, attempts);
-                settle(&shared, &results, tag, result, trace).await;
-            } else {
-                let last_answer = last_answer(Some((status, &body)));
-                let record = AttemptRecord {
-                    attempts,
-                    last_answer,
-                };
-                shared
-                    .requeue(tag, delay, NackReason::Congested, Some(record))
-                    .await;
+            let record = AttemptRecord {
+                attempts,
+                last_answer: last_answer(Some((status, &body))),
+            };
+            match after_congestion(delay, now, deadline) {
+                AfterCongestion::Requeue { delay } => {
+                    shared
+                        .requeue(tag, delay, NackReason::Congested, Some(record))
+                        .await;
+                }
+                AfterCongestion::AwaitDeadline => {
+                    // The 429/503 is the answer if the deadline comes first.
+                    let waiting = Waiting {
+                        tag,
+                        deadline,
+                        not_before: now,
+                        result: ResultRecord::http(id, token, status, body, attempts),
+                        record,
+                        reason: NackReason::Congested,
+                    };
+                    await_deadline(&shared, &results, waiting, trace, &shutdown).await;
+                }
             }
         }
         AttemptOutcome::Retryable {
@@ -236,14 +253,31 @@ pub(super) async fn send_and_settle(
         {
             RetryDecision::Retry { delay } => {
                 tracing::debug!(id = log_id(id), %failure, ?delay, attempts, "retrying");
-                let last_answer = last_answer(failure.http_answer());
                 let record = AttemptRecord {
                     attempts,
-                    last_answer,
+                    last_answer: last_answer(failure.http_answer()),
                 };
-                shared
-                    .requeue(tag, delay, NackReason::Failed, Some(record))
-                    .await;
+                // A refused, reset or timed-out attempt also held the
+                // gateway: the message waits for the longer of the two.
+                let wait = delay.max(congestion_hold.unwrap_or(Duration::ZERO));
+                match after_congestion(wait, now, deadline) {
+                    AfterCongestion::Requeue { delay } => {
+                        shared
+                            .requeue(tag, delay, NackReason::Failed, Some(record))
+                            .await;
+                    }
+                    AfterCongestion::AwaitDeadline => {
+                        let waiting = Waiting {
+                            tag,
+                            deadline,
+                            not_before: now + delay,
+                            result: give_up_result(message, &failure, attempts),
+                            record,
+                            reason: NackReason::Failed,
+                        };
+                        await_deadline(&shared, &results, waiting, trace, &shutdown).await;
+                    }
+                }
             }
             RetryDecision::DeadLetter => {
                 let last = failure_result(message, &failure, attempts);
@@ -255,13 +289,8 @@ pub(super) async fn send_and_settle(
                 shared.held().remove(&tag);
             }
             RetryDecision::GiveUp => {
-                // The deadline ends it: an earlier HTTP answer beats a
-                // transport error.
-                let result = if failure.http_answer().is_none() && message.last_answer().is_some() {
-                    deadline_result(message, attempts)
-                } else {
-                    failure_result(message, &failure, attempts)
-                };
+                // Its own backoff leaves no attempt before the deadline.
+                let result = give_up_result(message, &failure, attempts);
                 settle(&shared, &results, tag, result, trace).await;
             }
         },
@@ -276,8 +305,82 @@ pub(super) async fn send_and_settle(
     }
 }
 
-/// The result for a failure with no more attempts: the last HTTP answer if
-/// there was one, else `INFERENCE_ERROR`.
+/// A message kept until its deadline because no attempt can start before
+/// it (`congestion::after_congestion`).
+struct Waiting {
+    tag: DeliveryTag,
+    deadline: Instant,
+    /// Its own backoff: should the hold lift, it is due again from then.
+    not_before: Instant,
+    /// The answer written at the deadline.
+    result: ResultRecord,
+    /// What the attempt learned, kept with the message if it is requeued.
+    record: AttemptRecord,
+    reason: NackReason,
+}
+
+/// Longest a message awaiting its deadline goes without looking at the
+/// hold again, should no request finish to wake it.
+const AWAIT_RECHECK: Duration = Duration::from_secs(1);
+
+/// Keeps a message until its deadline, then writes its last answer; or,
+/// should the gateway's hold lift first (another request's answer clears
+/// it), requeues it to be tried again. The message stays leased meanwhile
+/// (its lease is renewed like any held message) and uses no window room.
+/// At shutdown it goes back to the queue due at its deadline, so the next
+/// holder answers it then with the answer kept in `record` (where the
+/// transport carries it).
+async fn await_deadline(
+    shared: &Shared,
+    results: &Results,
+    waiting: Waiting,
+    trace: Option<&MessageTrace>,
+    shutdown: &CancellationToken,
+) {
+    shared.metrics().awaiting_deadline.inc();
+    loop {
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let now = Instant::now();
+        if now >= waiting.deadline {
+            shared.metrics().awaiting_deadline.dec();
+            settle(shared, results, waiting.tag, waiting.result, trace).await;
+            return;
+        }
+        if !shared.congestion_held(now) {
+            shared.metrics().awaiting_deadline.dec();
+            let delay = waiting.not_before.saturating_duration_since(now);
+            shared
+                .requeue(waiting.tag, delay, waiting.reason, Some(waiting.record))
+                .await;
+            return;
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                shared.metrics().awaiting_deadline.dec();
+                let delay = waiting.deadline.saturating_duration_since(now);
+                shared
+                    .requeue(waiting.tag, delay, waiting.reason, Some(waiting.record))
+                    .await;
+                return;
+            }
+            () = &mut changed => {}
+            () = tokio::time::sleep_until(waiting.deadline.min(now + AWAIT_RECHECK)) => {}
+        }
+    }
+}
+
+/// The result of a retryable failure with no attempt left before the
+/// deadline: an earlier HTTP answer beats a transport error.
+fn give_up_result(message: &Message, failure: &AttemptFailure, attempts: u32) -> ResultRecord {
+    if failure.http_answer().is_none() && message.last_answer().is_some() {
+        deadline_result(message, attempts)
+    } else {
+        failure_result(message, failure, attempts)
+    }
+}
+
 /// What the gate learns of one attempt's outcome.
 fn dispatch_event(
     outcome: &AttemptOutcome,
@@ -296,6 +399,8 @@ fn dispatch_event(
     }
 }
 
+/// The result for a failure with no more attempts: the last HTTP answer if
+/// there was one, else `INFERENCE_ERROR`.
 pub(super) fn failure_result(
     message: &Message,
     failure: &AttemptFailure,

@@ -116,6 +116,17 @@ impl AttemptOutcome {
         matches!(self, Self::Congested { .. } | Self::Retryable { .. })
     }
 
+    /// Whether this outcome says the pool cannot take work now: a 429/503,
+    /// or a failure below HTTP ([`AttemptFailure::is_congestion_signal`]).
+    /// Each holds every queue on the gateway.
+    pub const fn is_congestion_signal(&self) -> bool {
+        match self {
+            Self::Congested { .. } => true,
+            Self::Retryable { failure, .. } => failure.is_congestion_signal(),
+            _ => false,
+        }
+    }
+
     /// The delay the server asked for, if any.
     pub const fn retry_after(&self) -> Option<Duration> {
         match self {
@@ -191,6 +202,22 @@ impl AttemptFailure {
             | Self::Reset(_)
             | Self::Body(_) => true,
             Self::BodyTooLarge { .. } | Self::Request(_) => false,
+        }
+    }
+
+    /// Whether this failure says the pool cannot take work now, as a
+    /// 429/503 does (issue 22): the connection was refused, reset or broke
+    /// mid-answer, or the attempt timed out. A gateway failing this way
+    /// fails every request alike, so per-request backoff alone let the
+    /// attempt rate grow with the backlog (228 attempts/s with 2 000
+    /// queued); as congestion signals they hold every queue on the gateway
+    /// and only one probe tests it. A 5xx is the pool's own answer to one
+    /// request and keeps per-request backoff; a local failure
+    /// ([`Self::Request`], [`Self::BodyTooLarge`]) says nothing of the pool.
+    pub const fn is_congestion_signal(&self) -> bool {
+        match self {
+            Self::Connect(_) | Self::Timeout | Self::Reset(_) | Self::Body(_) => true,
+            Self::Http { .. } | Self::BodyTooLarge { .. } | Self::Request(_) => false,
         }
     }
 
@@ -311,6 +338,18 @@ mod tests {
         assert!(http.is_retryable());
         assert!(!AttemptFailure::BodyTooLarge { limit: 1 }.is_retryable());
         assert_eq!(AttemptFailure::Timeout.label(), "timeout");
+        assert!(!http.is_congestion_signal());
+        for signal in [
+            AttemptFailure::Connect("refused".into()),
+            AttemptFailure::Timeout,
+            AttemptFailure::Reset("reset by peer".into()),
+            AttemptFailure::Body("closed".into()),
+        ] {
+            assert!(signal.is_congestion_signal(), "{signal:?}");
+            assert!(signal.is_retryable(), "{signal:?}");
+        }
+        assert!(!AttemptFailure::Request("bad".into()).is_congestion_signal());
+        assert!(!AttemptFailure::BodyTooLarge { limit: 1 }.is_congestion_signal());
         let outcome = AttemptOutcome::Retryable {
             failure: http,
             retry_after: Some(Duration::from_secs(2)),
@@ -319,6 +358,23 @@ mod tests {
         assert_eq!(outcome.retry_after(), Some(Duration::from_secs(2)));
         assert!(outcome.is_retryable());
         assert!(!AttemptOutcome::DeadlineExceeded.is_retryable());
+        assert!(
+            !outcome.is_congestion_signal(),
+            "a 5xx keeps its own backoff"
+        );
+        let reset = AttemptOutcome::Retryable {
+            failure: AttemptFailure::Reset("reset".into()),
+            retry_after: None,
+        };
+        assert!(reset.is_congestion_signal());
+        let congested = AttemptOutcome::Congested {
+            status: 429,
+            body: String::new(),
+            retry_after: None,
+            dropped_reason: None,
+        };
+        assert!(congested.is_congestion_signal());
+        assert!(!AttemptOutcome::DeadlineExceeded.is_congestion_signal());
     }
 
     proptest! {

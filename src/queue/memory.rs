@@ -141,9 +141,16 @@ impl MemoryQueue {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Leases up to `max` visible messages; returns the earliest instant a
-    /// delayed message becomes visible, for the caller to wait on.
-    fn take(&self, max: usize, lease: Duration) -> (Vec<Delivery>, Option<Instant>) {
+    /// Leases up to `max` visible messages (with `expired_by`, only those
+    /// whose deadline is at or before it, visible or not); returns the
+    /// earliest instant a delayed message becomes visible, for the caller
+    /// to wait on.
+    fn take(
+        &self,
+        max: usize,
+        lease: Duration,
+        expired_by: Option<i64>,
+    ) -> (Vec<Delivery>, Option<Instant>) {
         let now = Instant::now();
         let mut state = self.lock();
         // Expired leases go back in their original order.
@@ -164,7 +171,13 @@ impl MemoryQueue {
             if chosen.len() >= max {
                 break;
             }
-            if item.visible_at <= now {
+            if let Some(by) = expired_by {
+                // Ordered by deadline: nothing further has expired.
+                if key.0 > by {
+                    break;
+                }
+                chosen.push(*key);
+            } else if item.visible_at <= now {
                 chosen.push(*key);
             } else {
                 next_visible =
@@ -219,7 +232,7 @@ impl Queue for MemoryQueue {
                 // Register interest before looking, so a push between the
                 // look and the wait is not missed.
                 let arrived = self.arrived.notified();
-                let (deliveries, wake) = self.take(max.max(1), lease);
+                let (deliveries, wake) = self.take(max.max(1), lease, None);
                 if !deliveries.is_empty() || Instant::now() >= give_up {
                     return Ok(deliveries);
                 }
@@ -230,6 +243,16 @@ impl Queue for MemoryQueue {
                 }
             }
         })
+    }
+
+    fn receive_expired(
+        &self,
+        max: usize,
+        lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        let (deliveries, _) = self.take(max, lease, Some(now_unix));
+        Box::pin(std::future::ready(Ok(deliveries)))
     }
 
     fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
@@ -446,6 +469,34 @@ mod tests {
             .await
             .expect("ok");
         assert_eq!(d.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_receive_takes_only_passed_deadlines_delayed_or_not() {
+        let q = MemoryQueue::new("q");
+        q.push("expired-delayed", 100);
+        q.push("expired-leased", 150);
+        q.push("expired-visible", 190);
+        q.push("due-later", 300);
+        let first = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+        // Back with a long delay: still due for its deadline answer.
+        q.nack(
+            first[0].tag.clone(),
+            Duration::from_secs(3600),
+            NackReason::Congested,
+        )
+        .await
+        .expect("ok");
+        let got = q.receive_expired(10, LEASE, 200).await.expect("ok");
+        let bodies: Vec<&[u8]> = got.iter().map(|d| d.body.as_ref()).collect();
+        assert_eq!(bodies, [&b"expired-delayed"[..], b"expired-visible"]);
+        assert!(
+            q.receive_expired(10, LEASE, 200)
+                .await
+                .expect("ok")
+                .is_empty()
+        );
+        assert_eq!(q.pending_len(), 1, "the unexpired one stays");
     }
 
     #[tokio::test(start_paused = true)]

@@ -161,6 +161,11 @@ impl QueueError {
 ///   instead keep a not-failed message leased and hand it out again
 ///   itself after `delay` (Pub/Sub does: `pubsub/hold.rs`); the message is
 ///   then visible to this process only until the lease is given up.
+/// - `receive_expired` leases only messages whose deadline has passed,
+///   delayed or not, so the dispatcher answers them on time while its
+///   window takes nothing else (a transport that cannot select by
+///   deadline returns none; its expired messages are answered when
+///   `receive` hands them out).
 /// - `extend_lease` keeps long-running deliveries leased.
 /// - `dead_letter` moves a message out of the queue with its last error,
 ///   after the attempts allowed for it are used up.
@@ -183,6 +188,19 @@ pub trait Queue: Send + Sync + fmt::Debug {
         lease: Duration,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>>;
+
+    /// Leases up to `max` messages whose deadline (Unix seconds) is at or
+    /// before `now_unix`, visible or still delayed, without waiting. They
+    /// are due for their `DEADLINE_EXCEEDED` (or last) answer, not for an
+    /// attempt, so taking them uses no window room. Default: none.
+    fn receive_expired(
+        &self,
+        _max: usize,
+        _lease: Duration,
+        _now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(std::future::ready(Ok(Vec::new())))
+    }
 
     /// Writes results durably, then acknowledges their deliveries.
     fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>>;

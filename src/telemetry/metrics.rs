@@ -123,6 +123,7 @@ pub struct Metrics {
     source_available: Family<QueueLabel, Gauge>,
     observation_age: Family<QueueLabel, FloatGauge>,
     parked: Family<QueueLabel, Gauge>,
+    awaiting_deadline: Family<QueueLabel, Gauge>,
     backlog: Family<QueueLabel, Gauge>,
     claims_held: Family<QueueLabel, Gauge>,
     reclaims: Family<QueueLabel, Counter>,
@@ -244,6 +245,7 @@ impl Metrics {
             source_available: Family::default(),
             observation_age: Family::default(),
             parked: Family::default(),
+            awaiting_deadline: Family::default(),
             backlog: Family::default(),
             claims_held: Family::default(),
             reclaims: Family::default(),
@@ -373,6 +375,11 @@ impl Metrics {
             "sluicegate_parked_requests",
             "Messages parked at a gate (verdict wait)",
             m.parked.clone(),
+        );
+        r.register(
+            "sluicegate_deadline_waiting_requests",
+            "Messages turned away by congestion with no attempt possible before their deadline, kept until it",
+            m.awaiting_deadline.clone(),
         );
         r.register(
             "sluicegate_queue_backlog_messages",
@@ -559,6 +566,7 @@ impl Metrics {
             source_available: self.source_available.get_or_create_owned(&l),
             observation_age: self.observation_age.get_or_create_owned(&l),
             parked: self.parked.get_or_create_owned(&l),
+            awaiting_deadline: self.awaiting_deadline.get_or_create_owned(&l),
             backlog: self.backlog.get_or_create_owned(&l),
             claims_held: self.claims_held.get_or_create_owned(&l),
             reclaims: self.reclaims.get_or_create_owned(&l),
@@ -656,6 +664,9 @@ pub struct QueueMetrics {
     pub observation_age: FloatGauge,
     /// Messages parked at a gate.
     pub parked: Gauge,
+    /// Messages kept until their deadline: congestion leaves no attempt
+    /// before it (`dispatch::congestion::after_congestion`).
+    pub awaiting_deadline: Gauge,
     /// Queue backlog.
     pub backlog: Gauge,
     /// Claims recorded in the transport.
@@ -763,6 +774,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_source_available",
     "sluicegate_observation_age_seconds",
     "sluicegate_parked_requests",
+    "sluicegate_deadline_waiting_requests",
     "sluicegate_queue_backlog_messages",
     "sluicegate_queue_claims_held",
     "sluicegate_queue_reclaims_total",

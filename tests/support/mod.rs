@@ -4,6 +4,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod cli;
+pub mod failing;
 pub mod otlp;
 pub mod prometheus;
 pub mod pubsub;

@@ -32,7 +32,7 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::Notify;
 
 use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
-use crate::request::parse_message;
+use crate::request::{AttemptRecord, parse_message};
 use crate::result::ResultRecord;
 
 pub use lanes::TenantLanes;
@@ -517,14 +517,24 @@ impl Inner {
         format!("{seq}.{:016x}.{n}", self.nonce)
     }
 
-    fn take(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, EmbeddedError> {
+    /// Leases up to `max` messages that are visible (or whose lease
+    /// expired); with `expired_by` (Unix s), only those whose deadline is
+    /// at or before it, whether or not their delay has ended.
+    fn take(
+        &self,
+        max: usize,
+        lease: Duration,
+        expired_by: Option<i64>,
+    ) -> Result<Vec<Delivery>, EmbeddedError> {
         let now = now_ms();
         let expires = now.saturating_add(ms(lease));
         let limit = i64::try_from(max.max(1)).unwrap_or(i64::MAX);
         self.write(|tx, queue| {
-            let rows: Vec<lanes::Row> = match &self.lanes {
-                Some(tenant_lanes) => lanes::heads(tx, queue, tenant_lanes, now, max.max(1))?,
-                None => {
+            let rows: Vec<lanes::Row> = match (&self.lanes, expired_by) {
+                (Some(tenant_lanes), None) => {
+                    lanes::heads(tx, queue, tenant_lanes, now, max.max(1))?
+                }
+                (None, None) => {
                     let mut s = tx.prepare_cached(&format!(
                         "SELECT seq, body, retry_count FROM messages
                          WHERE queue = ?1 AND {}
@@ -532,6 +542,19 @@ impl Inner {
                         lanes::CLAIMABLE
                     ))?;
                     s.query_map(params![queue, now, limit], |r| {
+                        Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                    })?
+                    .collect::<rusqlite::Result<_>>()?
+                }
+                // The deadline sweep, whatever the tenant.
+                (_, Some(by)) => {
+                    let mut s = tx.prepare_cached(
+                        "SELECT seq, body, retry_count FROM messages
+                         WHERE queue = ?1 AND deadline <= ?4 AND (
+                            lease_tag IS NULL OR lease_expires_ms <= ?2)
+                         ORDER BY deadline, seq LIMIT ?3",
+                    )?;
+                    s.query_map(params![queue, now, limit, by], |r| {
                         Ok((r.get(0)?, r.get(1)?, r.get(2)?))
                     })?
                     .collect::<rusqlite::Result<_>>()?
@@ -616,6 +639,53 @@ impl Inner {
         Ok(())
     }
 
+    /// [`Self::nack`] that keeps what the attempt learned in the stored
+    /// message (`internal.attempts` and `internal.last_answer`, written
+    /// as an envelope, as the Redis transport does), so a deadline that
+    /// passes while it waits still answers with the last HTTP answer. An
+    /// unparsable body is kept as it is.
+    fn requeue_after_attempt(
+        &self,
+        tag: &DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: AttemptRecord,
+    ) -> Result<(), EmbeddedError> {
+        let visible = now_ms().saturating_add(ms(delay));
+        let add = i64::from(reason.counts_as_failure());
+        self.write(|tx, _| {
+            let body: Option<Vec<u8>> = tx
+                .query_row(
+                    "SELECT body FROM messages WHERE lease_tag = ?1",
+                    params![tag.0],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let Some(body) = body else {
+                // The lease was lost: its new holder answers.
+                return Ok(0);
+            };
+            let body = match parse_message(&body) {
+                Ok(mut message) => {
+                    message.internal.attempts = Some(record.attempts);
+                    if record.last_answer.is_some() {
+                        message.internal.last_answer = record.last_answer;
+                    }
+                    message.to_envelope_json().into_bytes()
+                }
+                Err(_) => body,
+            };
+            tx.execute(
+                "UPDATE messages SET lease_tag = NULL, lease_expires_ms = NULL,
+                 visible_at_ms = ?1, retry_count = retry_count + ?2, body = ?3
+                 WHERE lease_tag = ?4",
+                params![visible, add, body, tag.0],
+            )
+        })?;
+        self.arrived.notify_waiters();
+        Ok(())
+    }
+
     fn extend(&self, tags: &[DeliveryTag], lease: Duration) -> Result<(), EmbeddedError> {
         let now = now_ms();
         let expires = now.saturating_add(ms(lease));
@@ -683,7 +753,7 @@ impl Queue for EmbeddedQueue {
             let give_up = tokio::time::Instant::now() + wait;
             loop {
                 let arrived = self.inner.arrived.notified();
-                let got = self.blocking(move |i| i.take(max, lease)).await?;
+                let got = self.blocking(move |i| i.take(max, lease, None)).await?;
                 let now = tokio::time::Instant::now();
                 if !got.is_empty() || now >= give_up {
                     return Ok(got);
@@ -697,6 +767,18 @@ impl Queue for EmbeddedQueue {
         })
     }
 
+    fn receive_expired(
+        &self,
+        max: usize,
+        lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        if max == 0 {
+            return Box::pin(std::future::ready(Ok(Vec::new())));
+        }
+        Box::pin(self.blocking(move |i| i.take(max, lease, Some(now_unix))))
+    }
+
     fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
         Box::pin(self.blocking(move |i| i.ack(completions)))
     }
@@ -708,6 +790,16 @@ impl Queue for EmbeddedQueue {
         reason: NackReason,
     ) -> BoxFuture<'_, Result<(), QueueError>> {
         Box::pin(self.blocking(move |i| i.nack(&tag, delay, reason)))
+    }
+
+    fn requeue_after_attempt(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+        record: AttemptRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        Box::pin(self.blocking(move |i| i.requeue_after_attempt(&tag, delay, reason, record)))
     }
 
     fn extend_lease(

@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::*;
+use crate::request::LastAnswer;
 use crate::result::ErrorCode;
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -338,4 +339,81 @@ async fn a_version_1_file_gains_the_tenant_column_and_keeps_its_messages() {
     assert_eq!(version.as_deref(), Some("2"));
     // Opening it again (another process) is a no-op.
     EmbeddedQueue::open(&path, "q").expect("reopens");
+}
+
+#[tokio::test]
+async fn expired_receive_takes_only_passed_deadlines_delayed_or_not() {
+    let q = EmbeddedQueue::open(temp_db("expired"), "q").expect("open");
+    push(&q, "expired-delayed", 100);
+    push(&q, "expired-leased", 150);
+    push(&q, "expired-visible", 190);
+    push(&q, "due-later", 300);
+    let first = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+    // Back with a long delay: still due for its deadline answer.
+    q.nack(
+        first[0].tag.clone(),
+        Duration::from_secs(3600),
+        NackReason::Congested,
+    )
+    .await
+    .expect("ok");
+    let got = q.receive_expired(10, LEASE, 200).await.expect("ok");
+    let bodies: Vec<&[u8]> = got.iter().map(|d| d.body.as_ref()).collect();
+    assert_eq!(bodies, vec![&b"expired-delayed"[..], b"expired-visible"]);
+    assert!(
+        q.receive_expired(10, LEASE, 200)
+            .await
+            .expect("ok")
+            .is_empty()
+    );
+    let rest = q.receive(10, LEASE, NO_WAIT).await.expect("ok");
+    let bodies: Vec<&[u8]> = rest.iter().map(|d| d.body.as_ref()).collect();
+    assert_eq!(bodies, vec![&b"due-later"[..]], "the unexpired one stays");
+}
+
+#[tokio::test]
+async fn a_requeue_after_an_attempt_keeps_its_count_and_last_answer() {
+    let q = EmbeddedQueue::open(temp_db("record"), "q").expect("open");
+    let body = r#"{"id":"a","deadline":100,"payload":{"prompt":"p"}}"#;
+    push(&q, body, 100);
+    let first = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    let record = AttemptRecord {
+        attempts: 2,
+        last_answer: Some(LastAnswer {
+            status_code: 429,
+            body: "busy".into(),
+        }),
+    };
+    q.requeue_after_attempt(
+        first[0].tag.clone(),
+        Duration::ZERO,
+        NackReason::Congested,
+        record,
+    )
+    .await
+    .expect("ok");
+    let again = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(again[0].retry_count, 0, "congestion is no failure");
+    let message = parse_message(&again[0].body).expect("still a message");
+    assert_eq!(message.previous_attempts(again[0].retry_count), 2);
+    assert_eq!(message.last_answer().map(|a| a.status_code), Some(429));
+    assert_eq!(message.request.payload.get(), r#"{"prompt":"p"}"#);
+    // A failed attempt counts, and a later record without an answer keeps
+    // the earlier one.
+    q.requeue_after_attempt(
+        again[0].tag.clone(),
+        Duration::ZERO,
+        NackReason::Failed,
+        AttemptRecord {
+            attempts: 3,
+            last_answer: None,
+        },
+    )
+    .await
+    .expect("ok");
+    let third = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(third[0].retry_count, 1);
+    let message = parse_message(&third[0].body).expect("still a message");
+    assert_eq!(message.previous_attempts(third[0].retry_count), 3);
+    assert_eq!(message.last_answer().map(|a| a.body.as_str()), Some("busy"));
 }

@@ -325,6 +325,31 @@ impl Leases {
             .collect()
     }
 
+    /// Up to `max` held deliveries on hold whose request deadline (Unix s)
+    /// is at or before `now_unix`, taken off hold: they go back to the
+    /// dispatcher for their deadline answer, whatever their hold was for.
+    pub(super) fn take_expired(&mut self, now_unix: i64, max: usize) -> Vec<(String, &Held)> {
+        let mut due: Vec<(i64, String)> = self
+            .map
+            .iter()
+            .filter_map(|(tag, h)| match (h.hold, h.info.deadline) {
+                (Some(_), Some(deadline)) if deadline <= now_unix => Some((deadline, tag.clone())),
+                _ => None,
+            })
+            .collect();
+        due.sort();
+        due.truncate(max);
+        for (_, tag) in &due {
+            if let Some(held) = self.map.get_mut(tag) {
+                held.hold = None;
+                self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
+            }
+        }
+        due.into_iter()
+            .filter_map(|(_, tag)| self.map.get(&tag).map(|h| (tag, h)))
+            .collect()
+    }
+
     /// Holds that end in a hand-back to the broker now: failed attempts
     /// whose backoff is over, and any hold past the budget's `max_hold`
     /// (a redelivery nobody asked for in time). Left in place: the caller
@@ -595,6 +620,39 @@ mod tests {
             l.get(&again).and_then(|h| h.ack_id.clone()),
             Some("1".into())
         );
+    }
+
+    #[test]
+    fn expired_holds_go_back_to_the_dispatcher_whatever_they_waited_for() {
+        let t0 = Instant::now();
+        let mut l = Leases::default();
+        let with_deadline = |ack: &str, deadline: Option<i64>| Held {
+            info: Received {
+                deadline,
+                ..held(ack, "x", t0).info
+            },
+            ..held(ack, "x", t0)
+        };
+        let expired = l.insert(with_deadline("1", Some(100)));
+        let failed = l.insert(with_deadline("2", Some(90)));
+        let later = l.insert(with_deadline("3", Some(500)));
+        let none = l.insert(with_deadline("4", None));
+        let sending = l.insert(with_deadline("5", Some(50)));
+        for tag in [&expired, &later, &none] {
+            l.start_hold(tag, t0 + secs(60), Then::Redeliver, t0);
+        }
+        l.start_hold(&failed, t0 + secs(60), Then::HandBack, t0);
+        assert_eq!(l.hold_bytes(), 4);
+        let got: Vec<String> = l
+            .take_expired(200, 10)
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect();
+        // Earliest deadline first; one with the dispatcher is not on hold.
+        assert_eq!(got, [failed.as_str(), expired.as_str()]);
+        assert!(l.get(&sending).is_some_and(|h| h.hold.is_none()));
+        assert_eq!(l.hold_bytes(), 2);
+        assert!(l.take_expired(200, 10).is_empty());
     }
 
     #[test]

@@ -885,6 +885,29 @@ impl Queue for PubSubQueue {
         Box::pin(self.inner.pull(max, lease, wait))
     }
 
+    /// Held deliveries (waiting out congestion, a gate or a failure's
+    /// backoff) whose request deadline has passed; what is still on the
+    /// broker cannot be asked for by deadline and is answered when pulled.
+    fn receive_expired(
+        &self,
+        max: usize,
+        _lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        let mut leases = self.inner.leases();
+        let expired = leases
+            .take_expired(now_unix, max)
+            .into_iter()
+            .map(|(tag, h)| Delivery {
+                tag: DeliveryTag(tag),
+                body: Bytes::from(h.info.body.clone()),
+                retry_count: h.retry_count,
+                source_id: Some(h.message_id.clone()),
+            })
+            .collect();
+        Box::pin(std::future::ready(Ok(expired)))
+    }
+
     fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
         Box::pin(self.inner.ack_completions(completions))
     }

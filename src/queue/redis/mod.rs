@@ -366,27 +366,21 @@ impl Inner {
         self.settings.fairness_attribute.as_deref().unwrap_or("")
     }
 
-    async fn claim(&self, max: usize, lease: Duration) -> Result<Vec<Delivery>, QueueError> {
+    /// Claims up to `max` of the earliest-due messages (the heads of the
+    /// tenant lanes, with a fairness attribute); with `expired_by` (Unix
+    /// s), only those whose deadline is at or before it, whatever tenant.
+    async fn claim(
+        &self,
+        max: usize,
+        lease: Duration,
+        expired_by: Option<i64>,
+    ) -> Result<Vec<Delivery>, QueueError> {
         let owner = random_hex();
         let expiry = now_secs() + lease.as_secs_f64();
         let mut conn = self.conn.clone();
         let k = &self.keys;
-        let raw = match &self.settings.fairness_attribute {
-            None => {
-                scripts::CLAIM
-                    .key(&k.pending)
-                    .key(&k.claimed)
-                    .key(&k.owners)
-                    .key(&k.idx)
-                    .key(&k.scores)
-                    .key(&k.reclaims)
-                    .arg(max)
-                    .arg(expiry)
-                    .arg(&owner)
-                    .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
-                    .await
-            }
-            Some(attribute) => {
+        let raw = match (&self.settings.fairness_attribute, expired_by) {
+            (Some(attribute), None) => {
                 let mut claim = scripts::CLAIM_LANES.prepare_invoke();
                 claim
                     .key(&k.pending)
@@ -403,6 +397,29 @@ impl Inner {
                     .arg(&k.lane_prefix);
                 for (tenant, weight) in &self.settings.tenant_weights {
                     claim.arg(tenant).arg(*weight);
+                }
+                claim
+                    .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
+                    .await
+            }
+            // Without lanes, and for the deadline sweep (a lane entry of
+            // what it claims is dropped by the next lane claim).
+            (_, expired_by) => {
+                let mut claim = scripts::CLAIM.prepare_invoke();
+                claim
+                    .key(&k.pending)
+                    .key(&k.claimed)
+                    .key(&k.owners)
+                    .key(&k.idx)
+                    .key(&k.scores)
+                    .key(&k.reclaims)
+                    .arg(max)
+                    .arg(expiry)
+                    .arg(&owner);
+                if let Some(by) = expired_by {
+                    // Scores are the deadline plus a fraction below 1
+                    // (upstream writes the bare deadline).
+                    claim.arg(by.saturating_add(1));
                 }
                 claim
                     .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
@@ -912,13 +929,27 @@ impl Queue for RedisQueue {
         Box::pin(async move {
             let give_up = tokio::time::Instant::now() + wait;
             loop {
-                let got = self.inner.claim(max.max(1), lease).await?;
+                let got = self.inner.claim(max.max(1), lease, None).await?;
                 let now = tokio::time::Instant::now();
                 if !got.is_empty() || now >= give_up {
                     return Ok(got);
                 }
                 tokio::time::sleep(EMPTY_POLL.min(give_up - now)).await;
             }
+        })
+    }
+
+    fn receive_expired(
+        &self,
+        max: usize,
+        lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            if max == 0 {
+                return Ok(Vec::new());
+            }
+            self.inner.claim(max, lease, Some(now_unix)).await
         })
     }
 

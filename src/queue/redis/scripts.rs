@@ -17,16 +17,26 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-/// CLAIM: moves up to `max` lowest-scored members from pending to claimed.
+/// CLAIM: moves up to `max` lowest-scored members from pending to claimed;
+/// with a fourth argument, only members scored below it (the deadline
+/// sweep: a score is the deadline plus a fraction, so "below now + 1"
+/// is "deadline at or before now").
 /// KEYS: pending, claimed, owners, idx, scores, reclaims. ARGV: max, lease
-/// expiry (Unix s), owner token. Returns flat `[claim_key, member, score,
-/// reclaims, ...]`: reclaims = how often the member's lease expired on an
-/// earlier holder (issue 22: each counts as an attempt).
+/// expiry (Unix s), owner token[, score bound (exclusive)]. Returns flat
+/// `[claim_key, member, score, reclaims, ...]`: reclaims = how often the
+/// member's lease expired on an earlier holder (issue 22: each counts as
+/// an attempt).
 pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{CLAIM_KEY}{}",
         r#"
-local items = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
+local items
+if ARGV[4] then
+  items = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'WITHSCORES',
+    'LIMIT', 0, tonumber(ARGV[1]))
+else
+  items = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
+end
 local out = {}
 for i = 1, #items, 2 do
   local member = items[i]

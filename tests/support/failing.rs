@@ -1,0 +1,163 @@
+//! Scripted gateways that fail below HTTP, on a real loopback socket: one
+//! that resets every connection once the request has arrived, one that
+//! reads the request and never answers, one that resets the first few and
+//! then answers 200. Each counts the attempts it saw (a request read from
+//! a connection), with the instant of each, so a test can assert rates at
+//! the server itself.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// What the scripted gateway does with a request once it has read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Close with `SO_LINGER` 0: the client sees a connection reset.
+    Reset,
+    /// Keep the connection open and never answer (until the server stops).
+    Hang,
+    /// Reset the first `n` requests, then answer every later one 200 with
+    /// a small completion.
+    ResetThenOk(usize),
+}
+
+/// A gateway that fails every request the same way.
+#[derive(Debug)]
+pub struct FailingGateway {
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+    attempts: Arc<Mutex<Vec<Instant>>>,
+    stop: CancellationToken,
+}
+
+impl FailingGateway {
+    /// Listens on a free loopback port and fails every request with `failure`.
+    pub async fn start(failure: Failure) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let attempts = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let (seen, token) = (attempts.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let stream = tokio::select! {
+                    () = token.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                let (seen, token) = (seen.clone(), token.clone());
+                tokio::spawn(serve(stream, failure, seen, token));
+            }
+        });
+        Self {
+            url,
+            attempts,
+            stop,
+        }
+    }
+
+    /// Requests seen so far.
+    pub fn count(&self) -> usize {
+        self.attempts.lock().expect("lock").len()
+    }
+
+    /// The instants of the requests seen so far.
+    pub fn attempts(&self) -> Vec<Instant> {
+        self.attempts.lock().expect("lock").clone()
+    }
+}
+
+impl Drop for FailingGateway {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Reads requests from one connection and fails (or answers) each; a
+/// kept-alive connection may carry several once requests are answered.
+async fn serve(
+    mut stream: TcpStream,
+    failure: Failure,
+    seen: Arc<Mutex<Vec<Instant>>>,
+    stop: CancellationToken,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let mut got = Vec::new();
+        loop {
+            let n = tokio::select! {
+                () = stop.cancelled() => return,
+                n = stream.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                },
+            };
+            got.extend_from_slice(&buf[..n]);
+            // The end of the headers: the request has arrived (its body
+            // follows in the same write from our client; it is not parsed).
+            if got.windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
+        }
+        let nth = {
+            let mut seen = seen.lock().expect("lock");
+            seen.push(Instant::now());
+            seen.len()
+        };
+        let failure = match failure {
+            Failure::ResetThenOk(n) if nth > n => {
+                let body = r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                if stream.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            Failure::ResetThenOk(_) => Failure::Reset,
+            other => other,
+        };
+        fail(stream, failure, &mut buf, &stop).await;
+        return;
+    }
+}
+
+async fn fail(mut stream: TcpStream, failure: Failure, buf: &mut [u8], stop: &CancellationToken) {
+    match failure {
+        Failure::Reset => {
+            let _ = stream.set_zero_linger();
+            drop(stream);
+        }
+        Failure::Hang | Failure::ResetThenOk(_) => {
+            // Drain whatever else comes until the client gives up.
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    n = stream.read(buf) => match n {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    },
+                }
+            }
+        }
+    }
+}
+
+/// Attempts per whole second since `start`, over `span`.
+pub fn per_second(attempts: &[Instant], start: Instant, span: Duration) -> Vec<usize> {
+    let mut buckets = vec![0usize; usize::try_from(span.as_secs()).unwrap_or(0).max(1)];
+    for at in attempts {
+        let i = usize::try_from(at.saturating_duration_since(start).as_secs()).unwrap_or(0);
+        if let Some(b) = buckets.get_mut(i) {
+            *b += 1;
+        }
+    }
+    buckets
+}
