@@ -152,7 +152,7 @@ async fn a_deadline_passing_while_requeued_answers_with_the_last_http_answer() {
         )
         .mount(&gateway)
         .await;
-    let deadline = unix_now() + 7;
+    let deadline = unix_now() + 9;
     // One of ours, one hand-written upstream envelope.
     submit(&server, "late", &[request_line("ours", deadline)]).await;
     upstream(
@@ -164,12 +164,24 @@ async fn a_deadline_passing_while_requeued_answers_with_the_last_http_answer() {
             "request_queue_name": "late"}),
     );
     let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("late"), "").await;
-    // Both were answered 429 once and went to the retry set (due in 3 s,
-    // before the deadline); stop before they come back.
-    support::wait_until(Duration::from_secs(10), "both requeued after a 429", || {
-        server.int(&["ZCARD", "retry-sortedset"]) == 2
-    })
-    .await;
+    // Both were answered 429 once and requeued through the retry set (due
+    // in 3 s, before the deadline). The first 429 holds the pool for its
+    // Retry-After, so the second goes as the probe 3 s later, and by then
+    // the first may be back in the queue: wait until both were sent and
+    // neither is claimed, then stop before either is sent again.
+    let requeued = || async {
+        let sent = gateway.received_requests().await.map_or(0, |r| r.len());
+        let waiting = server.int(&["ZCARD", "retry-sortedset"]) + server.int(&["ZCARD", "late"]);
+        sent == 2 && waiting == 2
+    };
+    let give_up = std::time::Instant::now() + Duration::from_secs(20);
+    while !requeued().await {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "both requeued after a 429"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     d.stop().await;
     assert_eq!(server.int(&["LLEN", "result-list"]), 0);
     // The deadline passes while they wait in the queue; the next

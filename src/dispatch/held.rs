@@ -61,13 +61,11 @@ impl Held {
 
     /// How many more messages the receiver may pull within `budget` bytes:
     /// the room left divided by what one message may weigh (the decaying
-    /// largest body seen). At least one while nothing is held, so a single
-    /// message larger than the budget still goes (alone).
+    /// largest body seen; before any, no limit: `fits` then sends back what
+    /// a first large pull brought beyond the budget). At least one while
+    /// nothing is held, so a single message larger than the budget still
+    /// goes (alone).
     pub(super) fn messages_within(&self, budget: u64) -> usize {
-        if self.largest == 0 {
-            // Nothing seen yet: one, to learn what a message weighs.
-            return 1;
-        }
         let idle = self.tags.is_empty();
         let left = if idle {
             budget
@@ -105,8 +103,8 @@ mod tests {
     #[test]
     fn large_bodies_bound_the_pull_by_the_budget() {
         let mut h = Held::default();
-        // Nothing seen yet: one, to learn the size.
-        assert_eq!(h.messages_within(256 * MIB), 1);
+        // Nothing seen yet: no estimate (`fits` guards the first pull).
+        assert_eq!(h.messages_within(256 * MIB), (256 * MIB) as usize);
         assert!(h.fits(300 * MIB, 256 * MIB), "anything fits an empty hold");
         h.insert(tag("a"), 8 * MIB);
         assert!(h.fits(248 * MIB, 256 * MIB));
