@@ -37,6 +37,9 @@ if ARGV[4] then
 else
   items = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
 end
+-- One HLEN per claim rather than an HGET per member while nothing was
+-- ever reclaimed (the common case).
+local reclaimed = redis.call('HLEN', KEYS[6]) > 0
 local out = {}
 for i = 1, #items, 2 do
   local member = items[i]
@@ -50,7 +53,7 @@ for i = 1, #items, 2 do
   out[#out + 1] = ck
   out[#out + 1] = member
   out[#out + 1] = score
-  out[#out + 1] = tonumber(redis.call('HGET', KEYS[6], ck) or '0')
+  out[#out + 1] = reclaimed and tonumber(redis.call('HGET', KEYS[6], ck) or '0') or 0
 end
 return out
 "#
@@ -180,6 +183,7 @@ end
 
 local picked
 if laned then picked = round_robin() else picked = head() end
+local reclaimed = redis.call('HLEN', KEYS[7]) > 0
 local out = {}
 for _, p in ipairs(picked) do
   local member, score = p[1], p[2]
@@ -193,7 +197,7 @@ for _, p in ipairs(picked) do
   out[#out + 1] = ck
   out[#out + 1] = member
   out[#out + 1] = score
-  out[#out + 1] = tonumber(redis.call('HGET', KEYS[7], ck) or '0')
+  out[#out + 1] = reclaimed and tonumber(redis.call('HGET', KEYS[7], ck) or '0') or 0
 end
 return out
 "#
