@@ -300,15 +300,21 @@ impl MetricGate for FeedbackGate {
     fn notes(&self) -> Vec<String> {
         let c = *self.state().aimd.config();
         vec![format!(
-            "AIMD window in [{}, {}]: +{} (±{:.0} %) per clean reading, ×{} on 429/503, preemption, attainment < {} or waiting > {} for {} readings",
+            "AIMD window in [{}, {}] from {}: +{} (±{:.0} %) per clean reading (attainment >= {} + {}, own in flight >= {} of the window), ×{} on 429/503, preemption, attainment < {} or waiting > {} per engine for {} readings; attainment of TTFT <= {} s and ITL <= {} s",
             c.min,
             c.max,
+            c.initial,
             c.increase,
             c.jitter * 100.0,
+            c.target,
+            c.margin,
+            c.use_fraction,
             c.decrease,
             c.target,
             c.waiting_threshold,
-            c.waiting_persist
+            c.waiting_persist,
+            self.ttft_slo,
+            self.itl_slo
         )]
     }
 
