@@ -361,12 +361,13 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
             .collect()
     };
     let at: Vec<f64> = samples.iter().map(|s| s.t).collect();
+    // Short enough for the chart's 1000 px width at its title size.
     let title = format!(
-        "sluicegate demo: feedback gate beside interactive waves; {}, {}",
+        "sluicegate demo (feedback): {}; {}",
         harvest.label(),
         rho.map_or_else(
             || "rho n/a".to_owned(),
-            |r| format!("rho {r:.2} (interactive TTFT p99 vs batch-free twin)")
+            |r| format!("rho {r:.2} (TTFT p99 / twin)")
         )
     );
     let chart = render_svg(
@@ -425,7 +426,7 @@ struct Harvest {
 impl Harvest {
     fn label(&self) -> String {
         format!(
-            "H {:.0} batch tokens/s ({:.1} req/s)",
+            "H {:.0} batch tokens/s, {:.1} req/s",
             self.tokens_per_s, self.requests_per_s
         )
     }
