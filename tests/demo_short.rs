@@ -53,7 +53,7 @@ fn demo_short_mode_runs_to_completion_with_report_and_chart() {
     for text in [
         "gate: feedback",
         "max_sys 48",
-        "AIMD window in [0, 48]",
+        "AIMD window in [0, 48] from 2.4:",
         "+3 (",
         "×0.5 on 429/503",
         "attainment < 0.983",
