@@ -4,9 +4,13 @@
 //! then a report and an SVG chart. No network, no services.
 //!
 //! The interactive cost is measured against a twin: a second simulated
-//! pool with the same seed and the same waves but no batch. Both get the
-//! same probe requests at the same moments, so "TTFT p99 vs baseline" is
-//! the same traffic with and without sluicegate's batch.
+//! pool with the same seed and the same waves but no batch. Both pools
+//! record the waves' own interactive requests (the load generator's, the
+//! traffic the batch could hurt); the same seed draws the same requests at
+//! the same moments, so pairing them by arrival makes "TTFT p99 vs the
+//! twin" (`ρ`) the same traffic with and without sluicegate's batch.
+
+mod ttft;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -20,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 use crate::batch::{BatchOptions, GateWatch, run_batch};
 use crate::chart::{Line, LineStyle, Panel, render_svg};
 use crate::sim::config::LoadMode;
-use crate::sim::{SimConfig, spawn_http};
+use crate::sim::{SimConfig, SimHandle, spawn_http};
+use ttft::{PairedTtft, rolling_p99};
 
 /// Flags of `sluicegate demo`.
 #[derive(Debug, Args)]
@@ -51,7 +56,7 @@ struct Sample {
     /// Seconds since the demo started.
     t: f64,
     /// Interactive requests the simulated pool's load generator has
-    /// submitted so far (the waves; probes and batch not counted).
+    /// submitted so far (the waves; batch not counted).
     arrivals: u64,
     /// Batch requests in flight (sent, not answered).
     in_flight: u64,
@@ -61,27 +66,21 @@ struct Sample {
     budget: Option<(f64, f64)>,
 }
 
-/// Sizes of one demo run.
-struct Plan {
-    lines: usize,
-    probe_every: Duration,
-}
+/// Over how long the live status and the chart take TTFT p99 (seconds of
+/// arrivals).
+const STATUS_SPAN_S: f64 = 10.0;
+const CHART_SPAN_S: f64 = 3.0;
 
-/// Probe TTFTs (ms) of the gated pool and its batch-free twin, by time.
-#[derive(Default)]
-struct Probes {
-    pool: Vec<(f64, f64)>,
-    twin: Vec<(f64, f64)>,
-}
+/// How long the report waits after the batch for the last requests of
+/// the window to get their first token (else they count with their wait).
+const SETTLE: Duration = Duration::from_secs(10);
 
-fn p99(values: impl Iterator<Item = f64>) -> Option<f64> {
-    let mut v: Vec<f64> = values.filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((v.len() as f64) * 0.99).ceil() as usize;
-    v.get(rank.saturating_sub(1).min(v.len() - 1)).copied()
+/// The waves' requests of both pools, paired over arrivals in `[from, to]`
+/// (simulated seconds).
+fn paired(pool: &SimHandle, twin: &SimHandle, from: f64, to: f64) -> PairedTtft {
+    let (pool_now, pool_t) = pool.interactive_timings();
+    let (twin_now, twin_t) = twin.interactive_timings();
+    PairedTtft::of((pool_now, &pool_t), (twin_now, &twin_t), from, to)
 }
 
 fn sim_config(seed: u64) -> SimConfig {
@@ -157,7 +156,9 @@ fn demo_panels(
             y_range: None,
         },
         Panel {
-            title: "interactive TTFT p99 (rolling 3 s)".into(),
+            title: format!(
+                "interactive TTFT p99 of the waves' requests (arrivals over the last {CHART_SPAN_S:.0} s)"
+            ),
             y_label: "ms".into(),
             lines: vec![
                 Line::new(
@@ -207,27 +208,6 @@ fn demo_panels(
     ]
 }
 
-/// Sends one tiny interactive request; its latency is the TTFT (one
-/// output token).
-async fn probe(client: &reqwest::Client, base: &str) -> Option<f64> {
-    let body = serde_json::json!({
-        "model": "sim-model",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 1
-    });
-    let start = Instant::now();
-    let r = client
-        .post(format!("{base}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .ok()?;
-    let ok = r.status().is_success();
-    let _ = r.bytes().await;
-    ok.then(|| start.elapsed().as_secs_f64() * 1000.0)
-}
-
 /// Runs the demo.
 pub(crate) async fn run(args: DemoArgs) -> ExitCode {
     crate::telemetry::logging::init(crate::config::LogFormat::Text, "warn");
@@ -241,69 +221,33 @@ pub(crate) async fn run(args: DemoArgs) -> ExitCode {
 }
 
 async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
-    let plan = if args.short {
-        Plan {
-            lines: 60,
-            probe_every: Duration::from_millis(100),
-        }
-    } else {
-        Plan {
-            lines: 300,
-            probe_every: Duration::from_millis(100),
-        }
-    };
+    let lines = if args.short { 60 } else { 300 };
     let dir = args.dir;
     let state = dir.join("state");
     let _ = std::fs::remove_dir_all(&state);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let input = dir.join("requests.jsonl");
     let output = dir.join("results.jsonl");
-    write_batch_file(&input, plan.lines).map_err(|e| format!("{}: {e}", input.display()))?;
+    write_batch_file(&input, lines).map_err(|e| format!("{}: {e}", input.display()))?;
 
-    let pool = spawn_http(sim_config(7)).await.map_err(|e| e.to_string())?;
-    let twin = spawn_http(sim_config(7)).await.map_err(|e| e.to_string())?;
+    let pool = Arc::new(spawn_http(sim_config(7)).await.map_err(|e| e.to_string())?);
+    let twin = Arc::new(spawn_http(sim_config(7)).await.map_err(|e| e.to_string())?);
+    // Recording starts a moment apart; pairing by arrival index keeps
+    // only requests both pools saw.
+    pool.record_interactive();
+    twin.record_interactive();
     let pool_url = pool.base_url();
-    let twin_url = twin.base_url();
     eprintln!(
-        "simulated pool (2 vLLM replicas, interactive waves) on {pool_url}; batch-free twin on {twin_url}"
+        "simulated pool (2 vLLM replicas, interactive waves) on {pool_url}; batch-free twin (same seed and waves) on {}",
+        twin.base_url()
     );
 
     let started = Instant::now();
-    let probes = Arc::new(Mutex::new(Probes::default()));
+    // The pool's simulated time at `started`: the chart's time zero.
+    let sim_zero = pool.sim_time();
     let stop = CancellationToken::new();
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .map_err(|e| e.to_string())?;
     // The demo's helpers run on a task tree too, so a panic is named.
     let tasks = crate::app::Tasks::new();
-    let prober = {
-        let (probes, stop, client) = (probes.clone(), stop.clone(), client.clone());
-        let (pool_url, twin_url) = (pool_url.clone(), twin_url.clone());
-        let probe_tasks = tasks.clone();
-        tasks.spawn("demo prober", async move {
-            let mut tick = tokio::time::interval(plan.probe_every);
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
-                let (probes, client) = (probes.clone(), client.clone());
-                let (pool_url, twin_url) = (pool_url.clone(), twin_url.clone());
-                probe_tasks.spawn("demo probe", async move {
-                    let t = started.elapsed().as_secs_f64();
-                    let (a, b) = tokio::join!(probe(&client, &pool_url), probe(&client, &twin_url));
-                    let mut p = probes.lock().unwrap_or_else(|e| e.into_inner());
-                    if let Some(a) = a {
-                        p.pool.push((t, a));
-                    }
-                    if let Some(b) = b {
-                        p.twin.push((t, b));
-                    }
-                });
-            }
-        })
-    };
 
     // A catalogue gate, built as `run` builds any queue's gate:
     // `feedback` on the pool's own /metrics grows its batch window while
@@ -324,8 +268,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
         .await
         .notes;
     eprintln!(
-        "batch: {} chat completions in {}; gate: feedback {params}, max_sys {MAX_IN_FLIGHT:.0}{}{}",
-        plan.lines,
+        "batch: {lines} chat completions in {}; gate: feedback {params}, max_sys {MAX_IN_FLIGHT:.0}{}{}",
         input.display(),
         if notes.is_empty() { "" } else { "; " },
         notes.join("; ")
@@ -333,7 +276,6 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     let (watched, gate_stats) = GateWatch::new(gate);
 
     let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
-    let pool = Arc::new(pool);
     let sampler = {
         let (samples, stop, stats) = (samples.clone(), stop.clone(), gate_stats.clone());
         let pool = pool.clone();
@@ -361,17 +303,16 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     };
 
     let status = {
-        let probes = probes.clone();
+        let (pool, twin) = (pool.clone(), twin.clone());
         Arc::new(move || {
-            let p = probes.lock().unwrap_or_else(|e| e.into_inner());
-            let now = started.elapsed().as_secs_f64();
-            let recent =
-                |v: &[(f64, f64)]| p99(v.iter().filter(|(t, _)| now - t < 10.0).map(|(_, x)| *x));
-            match (recent(&p.pool), recent(&p.twin)) {
-                (Some(a), Some(b)) => {
-                    format!("interactive TTFT p99 (10 s) {a:.0} ms vs {b:.0} ms baseline")
-                }
-                _ => "interactive TTFT: measuring".to_owned(),
+            let now = pool.sim_time();
+            match paired(&pool, &twin, now - STATUS_SPAN_S, now).p99() {
+                Some((a, b)) => format!(
+                    "interactive TTFT p99 ({STATUS_SPAN_S:.0} s) {:.0} ms vs {:.0} ms on the twin",
+                    a * 1000.0,
+                    b * 1000.0
+                ),
+                None => "interactive TTFT: measuring".to_owned(),
             }
         }) as crate::batch::StatusHook
     };
@@ -382,39 +323,61 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     options.poll_interval = Duration::from_millis(200);
     let shutdown = CancellationToken::new();
     super::spawn_signal_handler(shutdown.clone());
+    let batch_from = pool.sim_time();
     let result = run_batch(&options, Box::new(watched), Some(status), shutdown).await;
+    let batch_to = pool.sim_time();
     stop.cancel();
-    let _ = prober.await;
     let _ = sampler.await;
     tasks.stop().await;
     let (summary, _) = result.map_err(|e| e.to_string())?;
-    // The sampler has ended, so this is the last handle on the pool.
-    if let Ok(pool) = Arc::try_unwrap(pool) {
-        let _ = pool.shutdown().await;
-    }
-    let _ = twin.shutdown().await;
 
-    let probes = probes.lock().unwrap_or_else(|e| e.into_inner());
-    let with_batch = p99(probes.pool.iter().map(|(_, x)| *x));
-    let baseline = p99(probes.twin.iter().map(|(_, x)| *x));
+    // The interactive requests that arrived while the batch ran: wait
+    // (bounded) for the last of them to get a first token on both pools.
+    let settle_until = Instant::now() + SETTLE;
+    let mut cost = paired(&pool, &twin, batch_from, batch_to);
+    while !cost.settled() && Instant::now() < settle_until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        cost = paired(&pool, &twin, batch_from, batch_to);
+    }
+    // The sampler and the status hook have ended, so these are the last
+    // handles on the pools.
+    for sim in [pool, twin] {
+        if let Ok(sim) = Arc::try_unwrap(sim) {
+            let _ = sim.shutdown().await;
+        }
+    }
+
     let samples = samples.lock().unwrap_or_else(|e| e.into_inner());
-    // Rolling p99 over the last 3 s at each sample: raw probes are noise.
-    let rolling = |v: &[(f64, f64)]| -> Vec<(f64, f64)> {
-        samples
-            .iter()
-            .filter_map(|s| {
-                p99(v
-                    .iter()
-                    .filter(|(at, _)| *at <= s.t && s.t - at < 3.0)
-                    .map(|(_, x)| *x))
-                .map(|x| (s.t, x))
-            })
+    let elapsed = summary.elapsed.as_secs_f64().max(1e-9);
+    let harvest = Harvest {
+        tokens_per_s: summary.completion_tokens as f64 / elapsed,
+        requests_per_s: summary.completed as f64 / elapsed,
+    };
+    let rho = cost.rho();
+    // Chart times are seconds since `started`; TTFTs in ms.
+    let on_chart = |v: &[(f64, f64)]| -> Vec<(f64, f64)> {
+        v.iter()
+            .map(|(arrival, ttft)| (arrival - sim_zero, ttft * 1000.0))
             .collect()
     };
+    let at: Vec<f64> = samples.iter().map(|s| s.t).collect();
+    // Short enough for the chart's 1000 px width at its title size.
+    let title = format!(
+        "sluicegate demo (feedback): {}; {}",
+        harvest.label(),
+        rho.map_or_else(
+            || "rho n/a".to_owned(),
+            |r| format!("rho {r:.2} (TTFT p99 / twin)")
+        )
+    );
     let chart = render_svg(
-        "sluicegate demo: batch through the feedback gate beside interactive waves",
+        &title,
         "seconds since start",
-        &demo_panels(&samples, rolling(&probes.pool), rolling(&probes.twin)),
+        &demo_panels(
+            &samples,
+            rolling_p99(&on_chart(&cost.pool), &at, CHART_SPAN_S),
+            rolling_p99(&on_chart(&cost.twin), &at, CHART_SPAN_S),
+        ),
     )
     .map_err(|e| format!("chart: {e}"))?;
     let svg = dir.join("demo.svg");
@@ -422,24 +385,27 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
 
     eprintln!("{summary}");
     println!("demo report");
-    // "Held back" is the gate, its source or a congestion hold; a full
-    // window is the batch running at what the gate allows.
-    let elapsed = summary.elapsed.as_secs_f64();
+    // "Held back" is the gate (including an open gate whose window allows
+    // no request), its source or a congestion hold; a full window is the
+    // batch running at what the gate allows.
     println!(
-        "  batch harvest: {}/{} lines completed in {elapsed:.1} s ({:.1} requests/s beside the interactive waves); held back by the gate {:.1} s, window full {:.1} s",
+        "  batch harvest: {}/{} lines completed in {elapsed:.1} s beside the interactive waves; H = {:.0} batch output tokens/s ({:.1} requests/s); held back by the gate {:.1} s, window full {:.1} s",
         summary.completed,
         summary.lines,
-        summary.completed as f64 / elapsed.max(1e-9),
+        harvest.tokens_per_s,
+        harvest.requests_per_s,
         summary.states.held_back().as_secs_f64(),
         summary.states.window_full.as_secs_f64()
     );
-    match (with_batch, baseline) {
-        (Some(a), Some(b)) => println!(
-            "  interactive TTFT p99: {a:.0} ms with the batch vs {b:.0} ms on the batch-free twin (rho {:.2}; same waves); {} probes each",
-            a / b.max(1e-9),
-            probes.pool.len().min(probes.twin.len())
+    match (cost.p99(), rho) {
+        (Some((a, b)), Some(r)) => println!(
+            "  interactive TTFT p99: {:.0} ms with the batch vs {:.0} ms on the batch-free twin (rho {r:.2}); the waves' own {} requests that arrived while the batch ran, paired by arrival{}",
+            a * 1000.0,
+            b * 1000.0,
+            cost.requests,
+            cost.caveats()
         ),
-        _ => println!("  interactive TTFT: no probe answered"),
+        _ => println!("  interactive TTFT: no wave request arrived while the batch ran"),
     }
     println!("  results: {}", output.display());
     println!("  chart:   {}", svg.display());
@@ -448,4 +414,20 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `H` as the demo defines it: the batch's completion (output) tokens and
+/// completed requests per second of the run.
+struct Harvest {
+    tokens_per_s: f64,
+    requests_per_s: f64,
+}
+
+impl Harvest {
+    fn label(&self) -> String {
+        format!(
+            "H {:.0} batch tokens/s, {:.1} req/s",
+            self.tokens_per_s, self.requests_per_s
+        )
+    }
 }

@@ -95,7 +95,7 @@ pub struct Score {
 }
 
 /// Ratio of two tail figures; 1 when both are zero.
-fn ratio(with: f64, without: f64) -> f64 {
+pub(crate) fn ratio(with: f64, without: f64) -> f64 {
     if without > 0.0 {
         with / without
     } else if with > 0.0 {

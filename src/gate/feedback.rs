@@ -299,16 +299,27 @@ impl MetricGate for FeedbackGate {
 
     fn notes(&self) -> Vec<String> {
         let c = *self.state().aimd.config();
+        // Three decimals at most: `0.05 × 48` reads 2.4, not 2.4000000000000004.
+        let n = |x: f64| {
+            let s = format!("{x:.3}");
+            s.trim_end_matches('0').trim_end_matches('.').to_owned()
+        };
         vec![format!(
-            "AIMD window in [{}, {}]: +{} (±{:.0} %) per clean reading, ×{} on 429/503, preemption, attainment < {} or waiting > {} for {} readings",
-            c.min,
-            c.max,
-            c.increase,
+            "AIMD window in [{}, {}] from {}: +{} (±{:.0} %) per clean reading (attainment >= {} + {}, own in flight >= {} of the window), ×{} on 429/503, preemption, attainment < {} or waiting > {} per engine for {} readings; attainment of TTFT <= {} s and ITL <= {} s",
+            n(c.min),
+            n(c.max),
+            n(c.initial),
+            n(c.increase),
             c.jitter * 100.0,
-            c.decrease,
-            c.target,
-            c.waiting_threshold,
-            c.waiting_persist
+            n(c.target),
+            n(c.margin),
+            n(c.use_fraction),
+            n(c.decrease),
+            n(c.target),
+            n(c.waiting_threshold),
+            c.waiting_persist,
+            n(self.ttft_slo),
+            n(self.itl_slo)
         )]
     }
 

@@ -146,6 +146,22 @@ pub async fn serve(
     handle.shutdown().await
 }
 
+/// One request of the built-in interactive load generator, as recorded
+/// by [`SimHandle::record_interactive`]: enough for its TTFT.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InteractiveTiming {
+    /// Position among the generator's arrivals (0 = first). Two fronts
+    /// with the same seed and load draw the same arrivals, so equal
+    /// indexes are the same request in both (pairing a pool with its twin).
+    pub index: u64,
+    /// Arrival at the gateway, simulated seconds since the front started.
+    pub arrival: SimTime,
+    /// First token, if one was produced yet.
+    pub first_token_at: Option<SimTime>,
+    /// Refused by the gateway (429/503): it has no TTFT.
+    pub rejected: bool,
+}
+
 /// A running simulator front; dropping it stops the server.
 #[derive(Debug)]
 pub struct SimHandle {
@@ -172,6 +188,36 @@ impl SimHandle {
     /// the simulator advanced.
     pub fn interactive_arrivals(&self) -> u64 {
         self.shared.lock().background_arrivals
+    }
+
+    /// Simulated seconds since the front started.
+    pub fn sim_time(&self) -> SimTime {
+        self.shared.now()
+    }
+
+    /// From now on, records every arrival of the built-in interactive
+    /// load generator and its first token ([`Self::interactive_timings`]).
+    /// Off by default: a long-running `sim serve` would keep them all.
+    pub fn record_interactive(&self) {
+        let mut live = self.shared.lock();
+        if live.interactive_log.is_none() {
+            live.interactive_log = Some(InteractiveLog::default());
+        }
+    }
+
+    /// The current simulated time and the interactive requests recorded
+    /// since [`Self::record_interactive`], in arrival order.
+    pub fn interactive_timings(&self) -> (SimTime, Vec<InteractiveTiming>) {
+        let mut live = self.shared.lock();
+        let now = self.shared.now();
+        // Bring the pool to `now` so first tokens emitted until now count.
+        live.advance(now);
+        let timings = live
+            .interactive_log
+            .as_ref()
+            .map(|l| l.timings.clone())
+            .unwrap_or_default();
+        (now, timings)
     }
 
     /// Stops the server and waits for it (in-flight requests end with 503 or a
@@ -233,6 +279,37 @@ enum Ev {
     Done(Box<RequestRecord>),
 }
 
+/// Background interactive requests being recorded (see
+/// [`SimHandle::record_interactive`]).
+#[derive(Debug, Default)]
+struct InteractiveLog {
+    timings: Vec<InteractiveTiming>,
+    /// Position in `timings` of each request still waiting for its first
+    /// token or its end, by request id.
+    open: HashMap<u64, usize>,
+}
+
+impl InteractiveLog {
+    fn first_token(&mut self, id: u64, at: SimTime) {
+        if let Some(t) = self.open.get(&id).and_then(|&i| self.timings.get_mut(i)) {
+            t.first_token_at.get_or_insert(at);
+        }
+    }
+
+    fn finished(&mut self, r: &RequestRecord) {
+        if let Some(t) = self
+            .open
+            .remove(&r.id)
+            .and_then(|i| self.timings.get_mut(i))
+        {
+            if let Some(at) = r.first_token_at {
+                t.first_token_at.get_or_insert(at);
+            }
+            t.rejected = matches!(r.outcome, Outcome::Rejected429 | Outcome::Rejected503);
+        }
+    }
+}
+
 /// Mutable simulator state, behind one lock.
 #[derive(Debug)]
 struct Live {
@@ -245,6 +322,8 @@ struct Live {
     /// Background arrivals submitted so far (see
     /// [`SimHandle::interactive_arrivals`]).
     background_arrivals: u64,
+    /// Background requests with their first tokens, when recording.
+    interactive_log: Option<InteractiveLog>,
     /// Lagged `/metrics` history (only when `metrics.lag_s > 0`).
     history: Option<LaggedView<MetricsSnapshot>>,
     events: Vec<EngineEvent>,
@@ -271,6 +350,13 @@ impl Live {
     fn flush(&mut self) {
         let events = std::mem::take(&mut self.events);
         for e in events {
+            if let Some(log) = &mut self.interactive_log {
+                match &e {
+                    EngineEvent::Token { id, index: 0, at } => log.first_token(*id, *at),
+                    EngineEvent::Token { .. } => {}
+                    EngineEvent::Finished(r) => log.finished(r),
+                }
+            }
             match e {
                 EngineEvent::Token { id, index, .. } => self.deliver(id, Ev::Token(index)),
                 EngineEvent::Finished(r) => self.deliver(r.id, Ev::Done(r)),
@@ -284,10 +370,11 @@ impl Live {
                 } else {
                     Outcome::Rejected503
                 };
-                self.deliver(
-                    req.id,
-                    Ev::Done(Box::new(RequestRecord::rejected(&req, outcome))),
-                );
+                let record = RequestRecord::rejected(&req, outcome);
+                if let Some(log) = &mut self.interactive_log {
+                    log.finished(&record);
+                }
+                self.deliver(req.id, Ev::Done(Box::new(record)));
             }
         }
     }
@@ -299,8 +386,20 @@ impl Live {
                 .advance_to(a.at, &mut self.events, &mut self.released);
             let id = self.next_id;
             self.next_id += 1;
+            let index = self.background_arrivals;
             self.background_arrivals += 1;
-            self.pool.submit(SimRequest {
+            if let Some(log) = &mut self.interactive_log {
+                log.open.insert(id, log.timings.len());
+                log.timings.push(InteractiveTiming {
+                    index,
+                    arrival: a.at,
+                    first_token_at: None,
+                    rejected: false,
+                });
+            }
+            // A recorded request streams, so its first token is seen
+            // before it ends; nobody waits on the events otherwise.
+            let admission = self.pool.submit(SimRequest {
                 id,
                 class: RequestClass::Interactive,
                 arrival: a.at,
@@ -308,8 +407,13 @@ impl Live {
                 output_tokens: a.output_tokens,
                 max_tokens: a.max_tokens,
                 priority: a.priority,
-                stream: false,
+                stream: self.interactive_log.is_some(),
             });
+            if let (Admission::Rejected(_), Some(log)) = (admission, &mut self.interactive_log)
+                && let Some(t) = log.open.remove(&id).and_then(|i| log.timings.get_mut(i))
+            {
+                t.rejected = true;
+            }
             self.next_background = self
                 .background
                 .as_mut()
@@ -399,6 +503,7 @@ impl Shared {
                 background,
                 next_background,
                 background_arrivals: 0,
+                interactive_log: None,
                 history,
                 events: Vec::new(),
                 released: Vec::new(),
@@ -1075,6 +1180,65 @@ fn stream_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn waves(seed: u64) -> SimConfig {
+        let mut cfg = SimConfig {
+            seed,
+            ..SimConfig::default()
+        };
+        cfg.interactive.mode = LoadMode::Waves;
+        cfg
+    }
+
+    fn record(live: &mut Live) {
+        live.interactive_log = Some(InteractiveLog::default());
+    }
+
+    #[test]
+    fn recorded_interactive_requests_pair_by_index_across_fronts_of_one_seed() {
+        // Driven in simulated time, no clock: a front and its twin, the
+        // twin recording from t = 0 and the front only from t = 5.
+        let (a, b) = (
+            Shared::new(waves(7)).unwrap(),
+            Shared::new(waves(7)).unwrap(),
+        );
+        let (mut a, mut b) = (a.lock(), b.lock());
+        record(&mut b);
+        a.advance(5.0);
+        record(&mut a);
+        let skipped = a.background_arrivals;
+        assert!(skipped > 0);
+        a.advance(40.0);
+        b.advance(40.0);
+        let (ta, tb) = (
+            &a.interactive_log.as_ref().unwrap().timings,
+            &b.interactive_log.as_ref().unwrap().timings,
+        );
+        assert_eq!(tb.len() as u64, b.background_arrivals);
+        assert_eq!(ta.len() as u64, a.background_arrivals - skipped);
+        assert_eq!(ta.first().map(|t| t.index), Some(skipped));
+        // The same requests with the same first tokens: nothing else ran.
+        for t in ta {
+            assert_eq!(Some(t), tb.get(t.index as usize));
+        }
+        // Requests got first tokens before they finished (they stream
+        // while recorded), and TTFTs are positive.
+        assert!(ta.iter().filter(|t| t.first_token_at.is_some()).count() > ta.len() / 2);
+        for t in ta.iter().chain(tb) {
+            if let Some(at) = t.first_token_at {
+                assert!(at > t.arrival, "{t:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn interactive_requests_are_not_recorded_unless_asked() {
+        let s = Shared::new(waves(7)).unwrap();
+        let mut live = s.lock();
+        live.advance(20.0);
+        assert!(live.background_arrivals > 0);
+        assert!(live.interactive_log.is_none());
+    }
 
     #[test]
     fn parses_interactive_arg() {
