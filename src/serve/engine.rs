@@ -35,6 +35,8 @@ use crate::request::{MAX_ID_LEN, Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::BatchApiMetrics;
 
+/// The UTF-8 byte-order mark a file may start with.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
 /// Validation errors listed in a batch; further ones are only counted.
 const MAX_LISTED_ERRORS: usize = 100;
 /// Requests per enqueue round trip.
@@ -96,6 +98,22 @@ pub struct Engine {
     metrics: BatchApiMetrics,
     /// Batches with a step running in this process.
     running: Mutex<HashSet<String>>,
+}
+
+/// Whether `b` is `in_progress` with requests still to enqueue and no stop
+/// asked: pass 2 goes on only then.
+fn enqueuing(b: &BatchRecord) -> bool {
+    b.status == BatchStatus::InProgress && !b.enqueued && b.stop.is_none()
+}
+
+/// The error message of a request answered by the server itself.
+fn stop_message(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::DeadlineExceeded => {
+            "the batch's completion window ended before this request ran"
+        }
+        _ => "the batch was cancelled before this request ran",
+    }
 }
 
 fn line_error(code: &str, message: String, param: Option<&str>, line: Option<u64>) -> LineError {
@@ -205,6 +223,13 @@ impl Engine {
                 Some(n),
             )
         };
+        // Editors on Windows start files with a UTF-8 byte-order mark;
+        // OpenAI accepts such a file, so it is skipped on line 1.
+        let bytes: &[u8] = bytes;
+        let bytes = match n {
+            1 => bytes.strip_prefix(BOM).unwrap_or(bytes),
+            _ => bytes,
+        };
         let text =
             std::str::from_utf8(bytes).map_err(|e| invalid_json(format!("not UTF-8: {e}")))?;
         if text.trim().is_empty() {
@@ -269,16 +294,21 @@ impl Engine {
     }
 
     /// Validation (pass 1) then enqueuing (pass 2); see the module docs.
+    /// A batch whose enqueuing a dead server left unfinished (`in_progress`,
+    /// not `enqueued`) resumes at pass 2.
     async fn intake(&self, id: &str) -> Result<(), EngineError> {
         let Some(batch) = self
             .update(id, |b| {
                 b.touched_at = now();
-                b.status == BatchStatus::Validating
+                b.status == BatchStatus::Validating || enqueuing(b)
             })
             .await?
         else {
             return Ok(());
         };
+        if batch.status == BatchStatus::InProgress {
+            return self.enqueue_all(&batch).await;
+        }
         let (mut errors, mut omitted) = (Vec::new(), 0u64);
         let mut push = |e: LineError| {
             if errors.len() < MAX_LISTED_ERRORS {
@@ -333,7 +363,38 @@ impl Engine {
         if !errors.is_empty() {
             return self.refuse(id, errors, omitted).await;
         }
-        self.enqueue_all(&batch, count).await
+        // Every line is valid: the batch leaves `validating` with its
+        // total known before the first request is enqueued, so no result
+        // is ever counted against a total of 0 (issue 26: `completed 100,
+        // total 0` was read while the first chunks ran during pass 2).
+        let at = now();
+        let started = self
+            .update(id, |b| {
+                match b.status {
+                    BatchStatus::Validating => {
+                        b.status = BatchStatus::InProgress;
+                        b.in_progress_at = Some(at);
+                        b.total = count;
+                    }
+                    // Cancelled during validation: nothing was enqueued, so
+                    // it ends `cancelled` with no requests (the sweep
+                    // finalizes it).
+                    BatchStatus::Cancelling if !b.enqueued => {
+                        b.total = 0;
+                        b.enqueued = true;
+                    }
+                    _ => return false,
+                }
+                b.touched_at = at;
+                true
+            })
+            .await?;
+        match started {
+            Some(batch) if batch.status == BatchStatus::InProgress => {
+                self.enqueue_all(&batch).await
+            }
+            _ => Ok(()),
+        }
     }
 
     async fn refuse(
@@ -366,13 +427,17 @@ impl Engine {
     }
 
     /// Pass 2: every line (all valid now) into the queue, a chunk at a
-    /// time; a cancel that arrives meanwhile stops it between chunks.
-    async fn enqueue_all(&self, batch: &BatchRecord, count: u64) -> Result<(), EngineError> {
+    /// time, while the batch is `in_progress` with its total known. A
+    /// cancel or expiry that arrives meanwhile stops it between chunks:
+    /// the requests never enqueued are answered at once with the stop's
+    /// code (`batch_cancelled`, `batch_expired`), so the counts still
+    /// reach the total.
+    async fn enqueue_all(&self, batch: &BatchRecord) -> Result<(), EngineError> {
         let mut reader = self.open_input(batch).await?;
         let (mut n, mut enqueued) = (0u64, 0u64);
         let mut seen = HashSet::new();
         let mut chunk = Vec::with_capacity(CHUNK);
-        let mut stopped = false;
+        let mut stopped: Option<Stop> = None;
         loop {
             let line = read_line(&mut reader, self.limits.max_line_bytes).await?;
             let end = line.is_none();
@@ -385,44 +450,79 @@ impl Engine {
             if chunk.len() < CHUNK && !end {
                 continue;
             }
-            let still = self
-                .update(&batch.id, |b| {
-                    b.touched_at = now();
-                    b.status == BatchStatus::Validating
-                })
-                .await?;
-            if still.is_none() {
-                stopped = true;
-                break;
+            if stopped.is_none() {
+                let now_record = self
+                    .update(&batch.id, |b| {
+                        b.touched_at = now();
+                        enqueuing(b)
+                    })
+                    .await?;
+                if now_record.is_none() {
+                    let current = self.store.batch(&batch.id).await?;
+                    stopped = Some(current.and_then(|b| b.stop).unwrap_or(Stop::Cancel));
+                }
             }
-            enqueued += chunk.len() as u64;
-            self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+            match stopped {
+                None => {
+                    enqueued += chunk.len() as u64;
+                    self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+                }
+                Some(stop) => {
+                    let unsent = std::mem::take(&mut chunk);
+                    self.answer_unsent(batch, stop, unsent).await?;
+                }
+            }
             if end {
                 break;
             }
         }
-        let at = now();
-        self.update(&batch.id, |b| {
-            match b.status {
-                BatchStatus::Validating if !stopped => {
-                    b.status = BatchStatus::InProgress;
-                    b.in_progress_at = Some(at);
-                    b.total = count;
+        let done = self
+            .update(&batch.id, |b| {
+                if b.enqueued
+                    || !matches!(b.status, BatchStatus::InProgress | BatchStatus::Cancelling)
+                {
+                    return false;
                 }
-                // Cancelled while enqueuing: only what went in counts.
-                BatchStatus::Cancelling => b.total = enqueued,
-                _ => return false,
-            }
-            b.enqueued = true;
-            b.touched_at = at;
-            true
-        })
-        .await?;
-        if stopped {
+                b.enqueued = true;
+                b.touched_at = now();
+                true
+            })
+            .await?;
+        // A stop that arrived while the last chunk went in found nothing
+        // enqueued to stop: stop it here.
+        if stopped.is_some() || done.is_some_and(|b| b.stop.is_some()) {
             self.stop_requests(batch).await?;
         }
         tracing::info!(batch = %batch.id, requests = enqueued, "batch enqueued");
         Ok(())
+    }
+
+    /// Answers requests that were never enqueued because the batch stopped
+    /// first.
+    async fn answer_unsent(
+        &self,
+        batch: &BatchRecord,
+        stop: Stop,
+        unsent: Vec<Message>,
+    ) -> Result<(), EngineError> {
+        let code = match stop {
+            Stop::Cancel => ErrorCode::Cancelled,
+            Stop::Expire => ErrorCode::DeadlineExceeded,
+        };
+        let items = unsent
+            .iter()
+            .filter_map(|m| split_message_id(&m.request.id))
+            .map(|(_, custom_id)| {
+                let result = ResultRecord::error(
+                    &batch.message_id(custom_id),
+                    None,
+                    code,
+                    stop_message(code),
+                );
+                self.output_line(custom_id, result)
+            })
+            .collect();
+        self.record(&batch.id, items).await
     }
 
     /// Asks the queue to stop the batch's requests not yet sent.
@@ -490,12 +590,7 @@ impl Engine {
     /// Answers every request of the batch without a result yet with
     /// `code` (expired or cancelled), so it can be finalized.
     async fn fill_missing(&self, batch: &BatchRecord, code: ErrorCode) -> Result<(), EngineError> {
-        let message = match code {
-            ErrorCode::DeadlineExceeded => {
-                "the batch's completion window ended before this request ran"
-            }
-            _ => "the batch was cancelled before this request ran",
-        };
+        let message = stop_message(code);
         let ids = self.custom_ids(batch).await?;
         for chunk in ids.chunks(CHUNK) {
             let items = chunk
@@ -721,6 +816,10 @@ impl Engine {
                 BatchStatus::InProgress if at >= batch.expires_at && !mine => {
                     let (engine, id) = (self.clone(), batch.id.clone());
                     self.spawn_step(&batch.id, "expiry", async move { engine.expire(&id).await });
+                }
+                // Its server died while enqueuing: resume pass 2.
+                BatchStatus::InProgress if enqueuing(&batch) && !mine && stale => {
+                    self.start_intake(&batch.id);
                 }
                 // Cancelled while its validating server died: take over.
                 BatchStatus::Cancelling if !batch.enqueued && !mine && stale => {
