@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::redis::RedisServer;
-use support::serve::{Api, ServeSpec, completion_lines, expire_now, start, terminal};
+use support::serve::{
+    Api, HeldGateway, ServeSpec, completion_lines, expire_now, start, stored, terminal,
+};
 use support::sim::small_pool;
 
 const LONG: Duration = Duration::from_secs(60);
@@ -249,15 +251,24 @@ async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute
     api.wait_for(id, LONG, |b| b["status"] == "in_progress")
         .await;
 
-    // Each request waits in the queue with the tenant under `userid`.
+    // Each request waits in the queue with the tenant under `userid`
+    // (enqueuing runs in `in_progress`, with the total known).
+    assert_eq!(stored(&served.dir.0.join("data"), id).await.total, 4);
     let db = rusqlite::Connection::open(served.dir.0.join("queue.db")).expect("queue file");
-    let bodies: Vec<Vec<u8>> = db
-        .prepare("SELECT body FROM messages")
-        .expect("query")
-        .query_map([], |r| r.get(0))
-        .expect("rows")
-        .collect::<Result<_, _>>()
-        .expect("bodies");
+    let read = || -> Vec<Vec<u8>> {
+        db.prepare("SELECT body FROM messages")
+            .expect("query")
+            .query_map([], |r| r.get(0))
+            .expect("rows")
+            .collect::<Result<_, _>>()
+            .expect("bodies")
+    };
+    let give_up = std::time::Instant::now() + LONG;
+    let mut bodies = read();
+    while bodies.len() < 4 && std::time::Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        bodies = read();
+    }
     assert_eq!(bodies.len(), 4);
     for body in &bodies {
         let message: Value = serde_json::from_slice(body).expect("message JSON");
@@ -929,4 +940,53 @@ async fn request_counts_never_contradict_while_a_batch_runs() {
     }
     served.stop().await;
     sim.shutdown().await.expect("simulator stops");
+}
+
+/// A request in flight when the completion window ends keeps its real
+/// answer when it comes within the grace (`gateway.attempt_timeout`);
+/// before, it was recorded `batch_expired` at once and its answer dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_at_expiry_keeps_its_real_answer() {
+    let mut gateway = HeldGateway::start().await;
+    let served = start(&ServeSpec::new(&gateway.url), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(1, 4), "/v1/completions", "1m")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    tokio::time::timeout(LONG, gateway.arrived.recv())
+        .await
+        .expect("the request reaches the gateway");
+    let data = served.dir.0.join("data");
+    expire_now(&data, id).await;
+    // The sweep takes the expiry while the request is still held.
+    let give_up = std::time::Instant::now() + LONG;
+    while stored(&data, id).await.stop.is_none() {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the expiry was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, during) = api.get(&format!("/v1/batches/{id}")).await;
+    assert_eq!(
+        during["status"], "in_progress",
+        "waits for the request in flight: {during}"
+    );
+    gateway.release_all();
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "expired", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 1, "completed": 1, "failed": 0}),
+        "{done}"
+    );
+    let out = done["output_file_id"].as_str().expect("output file");
+    let (_, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    let lines = lines_of(&text);
+    assert_eq!(
+        lines[0]["response"]["body"]["choices"][0]["text"],
+        "held answer"
+    );
+    served.stop().await;
 }

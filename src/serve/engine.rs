@@ -44,10 +44,10 @@ const CHUNK: usize = 500;
 /// A step (validation, finalizing) untouched this long is taken over by
 /// another server: its server died.
 const STALE_SECS: i64 = 60;
-/// How long a cancelled batch waits for its requests in flight before the
-/// rest are answered `batch_cancelled` by the server itself (a cancelled
-/// message the dispatcher never takes again must not hold it forever).
-const CANCEL_GRACE_SECS: i64 = 30;
+/// Added to [`Limits::in_flight_grace`] before a stopped batch's missing
+/// results are answered by the server itself: the time a result takes
+/// from the dispatcher to the collector.
+const COLLECT_SLACK_SECS: i64 = 10;
 /// How often the sweep runs.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 /// How often an idle collector looks for new results.
@@ -57,9 +57,14 @@ const COLLECT_PAGE: usize = 500;
 /// Output lines per store read while writing the files.
 const FILE_PAGE: usize = 1000;
 
-/// The configured size limits.
+/// The configured limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// How long a request in flight when its batch stops (cancel or
+    /// expiry) may still take: the gateway's attempt timeout
+    /// (`gateway.attempt_timeout`), since the dispatcher does not retry a
+    /// cancelled request. Its real answer is kept if it comes within it.
+    pub in_flight_grace: Duration,
     /// Largest upload.
     pub max_file_bytes: u64,
     /// Largest input line.
@@ -98,6 +103,21 @@ pub struct Engine {
     metrics: BatchApiMetrics,
     /// Batches with a step running in this process.
     running: Mutex<HashSet<String>>,
+}
+
+/// When the server answers a stopped batch's missing results itself, and
+/// with which stop: its requests in flight had `grace_secs` (plus the
+/// collector's slack) to answer, counted from the cancel or from the end
+/// of the completion window. `None` while it runs unstopped.
+fn stop_cut(b: &BatchRecord, grace_secs: i64) -> Option<(Stop, i64)> {
+    let from = match b.stop? {
+        Stop::Cancel => b.cancelling_at.unwrap_or(b.touched_at),
+        Stop::Expire => b.expires_at,
+    };
+    let cut = from
+        .saturating_add(grace_secs)
+        .saturating_add(COLLECT_SLACK_SECS);
+    b.stop.map(|stop| (stop, cut))
 }
 
 /// Whether `b` is `in_progress` with requests still to enqueue and no stop
@@ -186,6 +206,13 @@ impl Engine {
         });
     }
 
+    /// [`Limits::in_flight_grace`] in whole seconds, rounded up.
+    fn grace_secs(&self) -> i64 {
+        let grace = self.limits.in_flight_grace;
+        let secs = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
+        i64::try_from(secs).unwrap_or(i64::MAX)
+    }
+
     fn lock_running(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -248,7 +275,11 @@ impl Engine {
                 Some(n),
             )
         };
-        let body = openai_request(text, batch.expires_at).map_err(|(_, why)| invalid(why, None))?;
+        // The deadline leaves room for a request sent just before expiry
+        // to get its answer; the server itself stops unsent requests at
+        // `expires_at` (`Engine::expire`).
+        let deadline = batch.expires_at.saturating_add(self.grace_secs());
+        let body = openai_request(text, deadline).map_err(|(_, why)| invalid(why, None))?;
         let mut message = parse_message(&body).map_err(|f| invalid(f.reason, None))?;
         if message.request.endpoint.as_deref() != Some(batch.endpoint.as_str()) {
             return Err(line_error(
@@ -569,7 +600,9 @@ impl Engine {
         let at = now();
         let Some(batch) = self
             .update(id, |b| {
-                if !matches!(b.status, BatchStatus::Validating | BatchStatus::InProgress) {
+                if !matches!(b.status, BatchStatus::Validating | BatchStatus::InProgress)
+                    || b.stop.is_some()
+                {
                     return false;
                 }
                 b.status = BatchStatus::Cancelling;
@@ -813,7 +846,9 @@ impl Engine {
             let stale = at - batch.touched_at >= STALE_SECS;
             match batch.status {
                 BatchStatus::Validating if !mine && stale => self.start_intake(&batch.id),
-                BatchStatus::InProgress if at >= batch.expires_at && !mine => {
+                BatchStatus::InProgress
+                    if at >= batch.expires_at && batch.stop.is_none() && !mine =>
+                {
                     let (engine, id) = (self.clone(), batch.id.clone());
                     self.spawn_step(&batch.id, "expiry", async move { engine.expire(&id).await });
                 }
@@ -828,18 +863,24 @@ impl Engine {
                         engine.adopt_cancelled(&b).await
                     });
                 }
-                BatchStatus::InProgress | BatchStatus::Cancelling if batch.enqueued && !mine => {
+                BatchStatus::InProgress | BatchStatus::Cancelling
+                    if (batch.enqueued || batch.stop == Some(Stop::Expire)) && !mine =>
+                {
                     let (ok, failed) = self.store.counts(&batch.id).await?;
                     let (engine, b) = (self.clone(), batch.clone());
-                    if ok + failed >= batch.total {
+                    if batch.enqueued && ok + failed >= batch.total {
                         self.spawn_step(&batch.id, "finalizing", async move {
                             engine.finalize(&b.id).await
                         });
-                    } else if batch.status == BatchStatus::Cancelling
-                        && at - batch.cancelling_at.unwrap_or(at) >= CANCEL_GRACE_SECS
+                    } else if let Some((stop, cut)) = stop_cut(&batch, self.grace_secs())
+                        && at >= cut
                     {
-                        self.spawn_step(&batch.id, "cancel", async move {
-                            engine.fill_missing(&b, ErrorCode::Cancelled).await?;
+                        let code = match stop {
+                            Stop::Cancel => ErrorCode::Cancelled,
+                            Stop::Expire => ErrorCode::DeadlineExceeded,
+                        };
+                        self.spawn_step(&batch.id, "stop", async move {
+                            engine.fill_missing(&b, code).await?;
                             engine.finalize(&b.id).await
                         });
                     }
@@ -878,13 +919,15 @@ impl Engine {
         Ok(())
     }
 
-    /// The completion window ended: requests not yet sent are stopped,
-    /// every request without a result ends `batch_expired`, and the batch
-    /// is finalized `expired` with the results so far.
+    /// The completion window ended: requests not yet sent are stopped
+    /// (answered `batch_expired`); those in flight keep their real answer
+    /// if it comes within the grace. The sweep finalizes the batch
+    /// `expired` once every request has a result, or at the grace's end
+    /// answering the rest `batch_expired` ([`stop_cut`]).
     async fn expire(&self, id: &str) -> Result<(), EngineError> {
         let Some(batch) = self
             .update(id, |b| {
-                if b.status != BatchStatus::InProgress {
+                if b.status != BatchStatus::InProgress || b.stop.is_some() {
                     return false;
                 }
                 b.stop = Some(Stop::Expire);
@@ -895,10 +938,10 @@ impl Engine {
         else {
             return Ok(());
         };
+        // Also when not all enqueued: a server whose intake died may have
+        // enqueued some; a live intake stops at its next chunk.
         self.stop_requests(&batch).await?;
-        self.fill_missing(&batch, ErrorCode::DeadlineExceeded)
-            .await?;
-        self.finalize(id).await
+        Ok(())
     }
 
     /// Writes the output and error files of a batch whose requests all
@@ -1026,6 +1069,7 @@ mod tests {
             Bodies::open(dir).expect("bodies"),
             Sink::Embedded(queue),
             Limits {
+                in_flight_grace: Duration::from_secs(120),
                 max_file_bytes: 1 << 20,
                 max_line_bytes: 1 << 10,
                 max_lines: 10,
@@ -1046,6 +1090,25 @@ mod tests {
         });
         batch.status = status;
         batch
+    }
+
+    #[test]
+    fn stopped_batches_wait_for_requests_in_flight_for_the_grace() {
+        let mut b = record(BatchStatus::InProgress);
+        assert_eq!(stop_cut(&b, 120), None, "a running batch is never cut");
+        b.stop = Some(Stop::Expire);
+        assert_eq!(
+            stop_cut(&b, 120),
+            Some((Stop::Expire, b.expires_at + 120 + COLLECT_SLACK_SECS))
+        );
+        b.status = BatchStatus::Cancelling;
+        b.stop = Some(Stop::Cancel);
+        b.cancelling_at = Some(b.created_at + 5);
+        // From the cancel, as long as an attempt may take: not a fixed 30 s.
+        assert_eq!(
+            stop_cut(&b, 600),
+            Some((Stop::Cancel, b.created_at + 5 + 600 + COLLECT_SLACK_SECS))
+        );
     }
 
     /// A cancel that lands while validation is refusing the file must
