@@ -990,3 +990,50 @@ async fn a_request_in_flight_at_expiry_keeps_its_real_answer() {
     );
     served.stop().await;
 }
+
+/// After a cancel, a request in flight keeps its answer however long it
+/// takes within `gateway.attempt_timeout`; before, the server answered it
+/// `batch_cancelled` itself 30 s after the cancel and dropped the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_cancel_an_answer_in_flight_past_30_seconds_is_kept() {
+    let mut gateway = HeldGateway::start().await;
+    let served = start(&ServeSpec::new(&gateway.url), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(1, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    tokio::time::timeout(LONG, gateway.arrived.recv())
+        .await
+        .expect("the request reaches the gateway");
+    let (status, cancelling) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{cancelling}");
+    let since = cancelling["cancelling_at"].as_i64().expect("cancelling_at");
+    // Hold the answer past the old fixed 30 s grace, by the server's
+    // clock (Unix seconds), while the batch keeps waiting for it.
+    loop {
+        let (_, b) = api.get(&format!("/v1/batches/{id}")).await;
+        assert_eq!(
+            b["status"], "cancelling",
+            "still waiting for the answer: {b}"
+        );
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        if now >= since + 32 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    gateway.release_all();
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 1, "completed": 1, "failed": 0}),
+        "{done}"
+    );
+    served.stop().await;
+}
