@@ -62,8 +62,9 @@ const FILE_PAGE: usize = 1000;
 pub struct Limits {
     /// How long a request in flight when its batch stops (cancel or
     /// expiry) may still take: the gateway's attempt timeout
-    /// (`gateway.attempt_timeout`), since the dispatcher does not retry a
-    /// cancelled request. Its real answer is kept if it comes within it.
+    /// (`gateway.attempt_timeout`), the longest one attempt runs. Its real
+    /// answer is kept if it comes within it; one still missing then (say,
+    /// retried after the stop) is answered by the server ([`stop_cut`]).
     pub in_flight_grace: Duration,
     /// Largest upload.
     pub max_file_bytes: u64,
