@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use support::redis::RedisServer;
-use support::serve::{Api, ServeSpec, completion_lines, start, terminal};
+use support::serve::{
+    Api, HeldGateway, ServeSpec, completion_lines, expire_now, start, stored, terminal,
+};
 use support::sim::small_pool;
 
 const LONG: Duration = Duration::from_secs(60);
@@ -202,15 +204,20 @@ async fn the_completion_window_expires_unfinished_requests() {
     let served = start(&spec, None).await;
     let api = Api::new(&served.base, None);
     let batch = api
-        .batch(&completion_lines(5, 4), "/v1/completions", "2s")
+        .batch(&completion_lines(5, 4), "/v1/completions", "1m")
         .await;
     assert_eq!(
         batch["expires_at"]
             .as_i64()
             .map(|e| e - batch["created_at"].as_i64().unwrap_or(0)),
-        Some(2)
+        Some(60)
     );
     let id = batch["id"].as_str().expect("id");
+    // The shortest window is a minute: move the deadline instead of
+    // waiting for it.
+    api.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    expire_now(&served.dir.0.join("data"), id).await;
     let done = api.wait_for(id, LONG, terminal).await;
     assert_eq!(done["status"], "expired", "{done}");
     assert!(done["expired_at"].as_i64().is_some());
@@ -244,15 +251,24 @@ async fn cancel_stops_waiting_requests_and_tenants_become_the_fairness_attribute
     api.wait_for(id, LONG, |b| b["status"] == "in_progress")
         .await;
 
-    // Each request waits in the queue with the tenant under `userid`.
+    // Each request waits in the queue with the tenant under `userid`
+    // (enqueuing runs in `in_progress`, with the total known).
+    assert_eq!(stored(&served.dir.0.join("data"), id).await.total, 4);
     let db = rusqlite::Connection::open(served.dir.0.join("queue.db")).expect("queue file");
-    let bodies: Vec<Vec<u8>> = db
-        .prepare("SELECT body FROM messages")
-        .expect("query")
-        .query_map([], |r| r.get(0))
-        .expect("rows")
-        .collect::<Result<_, _>>()
-        .expect("bodies");
+    let read = || -> Vec<Vec<u8>> {
+        db.prepare("SELECT body FROM messages")
+            .expect("query")
+            .query_map([], |r| r.get(0))
+            .expect("rows")
+            .collect::<Result<_, _>>()
+            .expect("bodies")
+    };
+    let give_up = std::time::Instant::now() + LONG;
+    let mut bodies = read();
+    while bodies.len() < 4 && std::time::Instant::now() < give_up {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        bodies = read();
+    }
     assert_eq!(bodies.len(), 4);
     for body in &bodies {
         let message: Value = serde_json::from_slice(body).expect("message JSON");
@@ -743,4 +759,281 @@ async fn a_server_killed_mid_batch_resumes_from_another_working_directory() {
     second.kill().expect("stop serve");
     second.wait().expect("reaped");
     sim.shutdown().await.expect("simulator stops");
+}
+
+/// Every bad query parameter of the list endpoints answers 400 in
+/// OpenAI's error shape naming the parameter (axum's extractor answered
+/// plain text before: issue 26).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_list_parameters_get_json_errors_naming_them() {
+    let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(1, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    for (path, param) in [
+        ("/v1/batches?limit=-1", "limit"),
+        ("/v1/batches?limit=abc", "limit"),
+        ("/v1/batches?limit=0", "limit"),
+        ("/v1/batches?limit=101", "limit"),
+        ("/v1/batches?order=sideways", "order"),
+        ("/v1/batches?after=batch_0000000000000000ffffffff", "after"),
+        ("/v1/files?limit=abc", "limit"),
+        ("/v1/files?limit=-5", "limit"),
+        ("/v1/files?after=file-nope", "after"),
+    ] {
+        let (status, body) = api.get(path).await;
+        assert_eq!(status, 400, "{path}: {body}");
+        assert_eq!(
+            body["error"]["type"], "invalid_request_error",
+            "{path}: {body}"
+        );
+        assert_eq!(body["error"]["param"], param, "{path}: {body}");
+        assert!(body["error"]["message"].is_string(), "{path}: {body}");
+        assert!(body["error"].get("code").is_some(), "{path}: {body}");
+    }
+    let (status, page) = api.get(&format!("/v1/batches?limit=100&after={id}")).await;
+    assert_eq!(
+        (status, page["data"].as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{page}"
+    );
+    served.stop().await;
+}
+
+/// OpenAI's metadata limits: 16 pairs, 64-character keys, 512-character
+/// values; over any of them is a 400 naming `metadata` (a 100 kB value was
+/// accepted before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_over_openai_limits_is_refused() {
+    let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
+    let api = Api::new(&served.base, None);
+    let (_, file) = api.upload("batch", completion_lines(1, 4).as_bytes()).await;
+    let create = |metadata: Value| {
+        json!({"input_file_id": file["id"], "endpoint": "/v1/completions",
+               "completion_window": "24h", "metadata": metadata})
+    };
+    let pairs = |n: usize, key: usize, value: usize| -> Value {
+        (0..n)
+            .map(|i| (format!("{i:0>key$}"), Value::String("v".repeat(value))))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let (status, ok) = api.post("/v1/batches", &create(pairs(16, 64, 512))).await;
+    assert_eq!(status, 200, "at the limits: {ok}");
+    for (n, key, value) in [(17, 2, 1), (1, 65, 1), (1, 2, 513), (1, 2, 100_000)] {
+        let (status, body) = api.post("/v1/batches", &create(pairs(n, key, value))).await;
+        assert_eq!(status, 400, "{n} pairs, key {key}, value {value}: {body}");
+        assert_eq!(body["error"]["param"], "metadata", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
+    served.stop().await;
+}
+
+/// `completion_window` is `24h` or, as an extension, a duration from a
+/// minute to a week; anything else is refused at creation (`"24"` ran as
+/// 24 seconds, `"100ms"` expired at once and `"100000h"` failed later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_windows_outside_a_minute_to_a_week_are_refused_at_creation() {
+    let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
+    let api = Api::new(&served.base, None);
+    let (_, file) = api.upload("batch", completion_lines(1, 4).as_bytes()).await;
+    let create = |window: &str| {
+        json!({"input_file_id": file["id"], "endpoint": "/v1/completions",
+               "completion_window": window})
+    };
+    for bad in ["24", "100ms", "59s", "100000h", "8d", "tomorrow", ""] {
+        let (status, body) = api.post("/v1/batches", &create(bad)).await;
+        assert_eq!(status, 400, "{bad:?}: {body}");
+        assert_eq!(body["error"]["param"], "completion_window", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
+    let (_, batches) = api.get("/v1/batches").await;
+    assert_eq!(batches["data"], json!([]), "nothing was created: {batches}");
+    for (good, secs) in [("24h", 86_400), ("1m", 60), ("7d", 604_800)] {
+        let (status, body) = api.post("/v1/batches", &create(good)).await;
+        assert_eq!(status, 200, "{good}: {body}");
+        let span =
+            body["expires_at"].as_i64().unwrap_or(0) - body["created_at"].as_i64().unwrap_or(0);
+        assert_eq!(span, secs, "{good}: {body}");
+    }
+    served.stop().await;
+}
+
+/// A file that starts with a UTF-8 byte-order mark is accepted (line 1
+/// failed as invalid JSON before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_starting_with_a_byte_order_mark_runs() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+    let text = format!("\u{feff}{}", completion_lines(3, 4));
+    let batch = api.batch(&text, "/v1/completions", "24h").await;
+    let id = batch["id"].as_str().expect("id");
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 3, "completed": 3, "failed": 0})
+    );
+    let out = done["output_file_id"].as_str().expect("output file");
+    let (_, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    let mut ids: Vec<String> = lines_of(&text)
+        .iter()
+        .filter_map(|l| l["custom_id"].as_str().map(str::to_owned))
+        .collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        ["r0", "r1", "r2"],
+        "the first custom_id is read without the mark"
+    );
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// At every poll `completed + failed <= total`, the counts never go down,
+/// and `total` is the number of requests once the batch left `validating`
+/// (`completed 100, total 0` was read during `validating` before: its
+/// first chunks ran while later ones were enqueued).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_counts_never_contradict_while_a_batch_runs() {
+    const N: u64 = 3000;
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(N as usize, 1), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    let give_up = std::time::Instant::now() + Duration::from_secs(300);
+    let mut last = (0u64, 0u64, 0u64);
+    let mut polls = Vec::new();
+    loop {
+        let (status, b) = api.get(&format!("/v1/batches/{id}")).await;
+        assert_eq!(status, 200, "{b}");
+        let c = &b["request_counts"];
+        let count = |k: &str| c[k].as_u64().unwrap_or(u64::MAX);
+        let now = (count("total"), count("completed"), count("failed"));
+        let state = b["status"].as_str().unwrap_or("").to_owned();
+        polls.push((state.clone(), now));
+        assert!(
+            now.1 + now.2 <= now.0,
+            "completed + failed > total at {state}: {c}; polls {polls:?}"
+        );
+        assert!(
+            now.0 >= last.0 && now.1 >= last.1 && now.2 >= last.2,
+            "counts went down at {state}: {last:?} -> {now:?}"
+        );
+        if state != "validating" {
+            assert_eq!(now.0, N, "total once {state}: {c}");
+        }
+        last = now;
+        if terminal(&b) {
+            assert_eq!(state, "completed", "{b}");
+            assert_eq!(now, (N, N, 0));
+            break;
+        }
+        assert!(std::time::Instant::now() < give_up, "batch stuck: {b}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// A request in flight when the completion window ends keeps its real
+/// answer when it comes within the grace (`gateway.attempt_timeout`);
+/// before, it was recorded `batch_expired` at once and its answer dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_at_expiry_keeps_its_real_answer() {
+    let mut gateway = HeldGateway::start().await;
+    let served = start(&ServeSpec::new(&gateway.url), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(1, 4), "/v1/completions", "1m")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    tokio::time::timeout(LONG, gateway.arrived.recv())
+        .await
+        .expect("the request reaches the gateway");
+    let data = served.dir.0.join("data");
+    expire_now(&data, id).await;
+    // The sweep takes the expiry while the request is still held.
+    let give_up = std::time::Instant::now() + LONG;
+    while stored(&data, id).await.stop.is_none() {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the expiry was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, during) = api.get(&format!("/v1/batches/{id}")).await;
+    assert_eq!(
+        during["status"], "in_progress",
+        "waits for the request in flight: {during}"
+    );
+    gateway.release_all();
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "expired", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 1, "completed": 1, "failed": 0}),
+        "{done}"
+    );
+    let out = done["output_file_id"].as_str().expect("output file");
+    let (_, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    let lines = lines_of(&text);
+    assert_eq!(
+        lines[0]["response"]["body"]["choices"][0]["text"],
+        "held answer"
+    );
+    served.stop().await;
+}
+
+/// After a cancel, a request in flight keeps its answer however long it
+/// takes within `gateway.attempt_timeout`; before, the server answered it
+/// `batch_cancelled` itself 30 s after the cancel and dropped the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_cancel_an_answer_in_flight_past_30_seconds_is_kept() {
+    let mut gateway = HeldGateway::start().await;
+    let served = start(&ServeSpec::new(&gateway.url), None).await;
+    let api = Api::new(&served.base, None);
+    let batch = api
+        .batch(&completion_lines(1, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id");
+    tokio::time::timeout(LONG, gateway.arrived.recv())
+        .await
+        .expect("the request reaches the gateway");
+    let (status, cancelling) = api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{cancelling}");
+    let since = cancelling["cancelling_at"].as_i64().expect("cancelling_at");
+    // Hold the answer past the old fixed 30 s grace, by the server's
+    // clock (Unix seconds), while the batch keeps waiting for it.
+    loop {
+        let (_, b) = api.get(&format!("/v1/batches/{id}")).await;
+        assert_eq!(
+            b["status"], "cancelling",
+            "still waiting for the answer: {b}"
+        );
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        if now >= since + 32 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    gateway.release_all();
+    let done = api.wait_for(id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": 1, "completed": 1, "failed": 0}),
+        "{done}"
+    );
+    served.stop().await;
 }

@@ -35,6 +35,8 @@ use crate::request::{MAX_ID_LEN, Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::BatchApiMetrics;
 
+/// The UTF-8 byte-order mark a file may start with.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
 /// Validation errors listed in a batch; further ones are only counted.
 const MAX_LISTED_ERRORS: usize = 100;
 /// Requests per enqueue round trip.
@@ -42,10 +44,10 @@ const CHUNK: usize = 500;
 /// A step (validation, finalizing) untouched this long is taken over by
 /// another server: its server died.
 const STALE_SECS: i64 = 60;
-/// How long a cancelled batch waits for its requests in flight before the
-/// rest are answered `batch_cancelled` by the server itself (a cancelled
-/// message the dispatcher never takes again must not hold it forever).
-const CANCEL_GRACE_SECS: i64 = 30;
+/// Added to [`Limits::in_flight_grace`] before a stopped batch's missing
+/// results are answered by the server itself: the time a result takes
+/// from the dispatcher to the collector.
+const COLLECT_SLACK_SECS: i64 = 10;
 /// How often the sweep runs.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 /// How often an idle collector looks for new results.
@@ -55,9 +57,15 @@ const COLLECT_PAGE: usize = 500;
 /// Output lines per store read while writing the files.
 const FILE_PAGE: usize = 1000;
 
-/// The configured size limits.
+/// The configured limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// How long a request in flight when its batch stops (cancel or
+    /// expiry) may still take: the gateway's attempt timeout
+    /// (`gateway.attempt_timeout`), the longest one attempt runs. Its real
+    /// answer is kept if it comes within it; one still missing then (say,
+    /// retried after the stop) is answered by the server ([`stop_cut`]).
+    pub in_flight_grace: Duration,
     /// Largest upload.
     pub max_file_bytes: u64,
     /// Largest input line.
@@ -96,6 +104,37 @@ pub struct Engine {
     metrics: BatchApiMetrics,
     /// Batches with a step running in this process.
     running: Mutex<HashSet<String>>,
+}
+
+/// When the server answers a stopped batch's missing results itself, and
+/// with which stop: its requests in flight had `grace_secs` (plus the
+/// collector's slack) to answer, counted from the cancel or from the end
+/// of the completion window. `None` while it runs unstopped.
+fn stop_cut(b: &BatchRecord, grace_secs: i64) -> Option<(Stop, i64)> {
+    let from = match b.stop? {
+        Stop::Cancel => b.cancelling_at.unwrap_or(b.touched_at),
+        Stop::Expire => b.expires_at,
+    };
+    let cut = from
+        .saturating_add(grace_secs)
+        .saturating_add(COLLECT_SLACK_SECS);
+    b.stop.map(|stop| (stop, cut))
+}
+
+/// Whether `b` is `in_progress` with requests still to enqueue and no stop
+/// asked: pass 2 goes on only then.
+fn enqueuing(b: &BatchRecord) -> bool {
+    b.status == BatchStatus::InProgress && !b.enqueued && b.stop.is_none()
+}
+
+/// The error message of a request answered by the server itself.
+fn stop_message(code: ErrorCode) -> &'static str {
+    match code {
+        ErrorCode::DeadlineExceeded => {
+            "the batch's completion window ended before this request ran"
+        }
+        _ => "the batch was cancelled before this request ran",
+    }
 }
 
 fn line_error(code: &str, message: String, param: Option<&str>, line: Option<u64>) -> LineError {
@@ -168,6 +207,13 @@ impl Engine {
         });
     }
 
+    /// [`Limits::in_flight_grace`] in whole seconds, rounded up.
+    fn grace_secs(&self) -> i64 {
+        let grace = self.limits.in_flight_grace;
+        let secs = grace.as_secs() + u64::from(grace.subsec_nanos() > 0);
+        i64::try_from(secs).unwrap_or(i64::MAX)
+    }
+
     fn lock_running(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -205,6 +251,13 @@ impl Engine {
                 Some(n),
             )
         };
+        // Editors on Windows start files with a UTF-8 byte-order mark;
+        // OpenAI accepts such a file, so it is skipped on line 1.
+        let bytes: &[u8] = bytes;
+        let bytes = match n {
+            1 => bytes.strip_prefix(BOM).unwrap_or(bytes),
+            _ => bytes,
+        };
         let text =
             std::str::from_utf8(bytes).map_err(|e| invalid_json(format!("not UTF-8: {e}")))?;
         if text.trim().is_empty() {
@@ -223,7 +276,11 @@ impl Engine {
                 Some(n),
             )
         };
-        let body = openai_request(text, batch.expires_at).map_err(|(_, why)| invalid(why, None))?;
+        // The deadline leaves room for a request sent just before expiry
+        // to get its answer; the server itself stops unsent requests at
+        // `expires_at` (`Engine::expire`).
+        let deadline = batch.expires_at.saturating_add(self.grace_secs());
+        let body = openai_request(text, deadline).map_err(|(_, why)| invalid(why, None))?;
         let mut message = parse_message(&body).map_err(|f| invalid(f.reason, None))?;
         if message.request.endpoint.as_deref() != Some(batch.endpoint.as_str()) {
             return Err(line_error(
@@ -269,16 +326,21 @@ impl Engine {
     }
 
     /// Validation (pass 1) then enqueuing (pass 2); see the module docs.
+    /// A batch whose enqueuing a dead server left unfinished (`in_progress`,
+    /// not `enqueued`) resumes at pass 2.
     async fn intake(&self, id: &str) -> Result<(), EngineError> {
         let Some(batch) = self
             .update(id, |b| {
                 b.touched_at = now();
-                b.status == BatchStatus::Validating
+                b.status == BatchStatus::Validating || enqueuing(b)
             })
             .await?
         else {
             return Ok(());
         };
+        if batch.status == BatchStatus::InProgress {
+            return self.enqueue_all(&batch).await;
+        }
         let (mut errors, mut omitted) = (Vec::new(), 0u64);
         let mut push = |e: LineError| {
             if errors.len() < MAX_LISTED_ERRORS {
@@ -333,7 +395,38 @@ impl Engine {
         if !errors.is_empty() {
             return self.refuse(id, errors, omitted).await;
         }
-        self.enqueue_all(&batch, count).await
+        // Every line is valid: the batch leaves `validating` with its
+        // total known before the first request is enqueued, so no result
+        // is ever counted against a total of 0 (issue 26: `completed 100,
+        // total 0` was read while the first chunks ran during pass 2).
+        let at = now();
+        let started = self
+            .update(id, |b| {
+                match b.status {
+                    BatchStatus::Validating => {
+                        b.status = BatchStatus::InProgress;
+                        b.in_progress_at = Some(at);
+                        b.total = count;
+                    }
+                    // Cancelled during validation: nothing was enqueued, so
+                    // it ends `cancelled` with no requests (the sweep
+                    // finalizes it).
+                    BatchStatus::Cancelling if !b.enqueued => {
+                        b.total = 0;
+                        b.enqueued = true;
+                    }
+                    _ => return false,
+                }
+                b.touched_at = at;
+                true
+            })
+            .await?;
+        match started {
+            Some(batch) if batch.status == BatchStatus::InProgress => {
+                self.enqueue_all(&batch).await
+            }
+            _ => Ok(()),
+        }
     }
 
     async fn refuse(
@@ -366,13 +459,17 @@ impl Engine {
     }
 
     /// Pass 2: every line (all valid now) into the queue, a chunk at a
-    /// time; a cancel that arrives meanwhile stops it between chunks.
-    async fn enqueue_all(&self, batch: &BatchRecord, count: u64) -> Result<(), EngineError> {
+    /// time, while the batch is `in_progress` with its total known. A
+    /// cancel or expiry that arrives meanwhile stops it between chunks:
+    /// the requests never enqueued are answered at once with the stop's
+    /// code (`batch_cancelled`, `batch_expired`), so the counts still
+    /// reach the total.
+    async fn enqueue_all(&self, batch: &BatchRecord) -> Result<(), EngineError> {
         let mut reader = self.open_input(batch).await?;
         let (mut n, mut enqueued) = (0u64, 0u64);
         let mut seen = HashSet::new();
         let mut chunk = Vec::with_capacity(CHUNK);
-        let mut stopped = false;
+        let mut stopped: Option<Stop> = None;
         loop {
             let line = read_line(&mut reader, self.limits.max_line_bytes).await?;
             let end = line.is_none();
@@ -385,44 +482,79 @@ impl Engine {
             if chunk.len() < CHUNK && !end {
                 continue;
             }
-            let still = self
-                .update(&batch.id, |b| {
-                    b.touched_at = now();
-                    b.status == BatchStatus::Validating
-                })
-                .await?;
-            if still.is_none() {
-                stopped = true;
-                break;
+            if stopped.is_none() {
+                let now_record = self
+                    .update(&batch.id, |b| {
+                        b.touched_at = now();
+                        enqueuing(b)
+                    })
+                    .await?;
+                if now_record.is_none() {
+                    let current = self.store.batch(&batch.id).await?;
+                    stopped = Some(current.and_then(|b| b.stop).unwrap_or(Stop::Cancel));
+                }
             }
-            enqueued += chunk.len() as u64;
-            self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+            match stopped {
+                None => {
+                    enqueued += chunk.len() as u64;
+                    self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+                }
+                Some(stop) => {
+                    let unsent = std::mem::take(&mut chunk);
+                    self.answer_unsent(batch, stop, unsent).await?;
+                }
+            }
             if end {
                 break;
             }
         }
-        let at = now();
-        self.update(&batch.id, |b| {
-            match b.status {
-                BatchStatus::Validating if !stopped => {
-                    b.status = BatchStatus::InProgress;
-                    b.in_progress_at = Some(at);
-                    b.total = count;
+        let done = self
+            .update(&batch.id, |b| {
+                if b.enqueued
+                    || !matches!(b.status, BatchStatus::InProgress | BatchStatus::Cancelling)
+                {
+                    return false;
                 }
-                // Cancelled while enqueuing: only what went in counts.
-                BatchStatus::Cancelling => b.total = enqueued,
-                _ => return false,
-            }
-            b.enqueued = true;
-            b.touched_at = at;
-            true
-        })
-        .await?;
-        if stopped {
+                b.enqueued = true;
+                b.touched_at = now();
+                true
+            })
+            .await?;
+        // A stop that arrived while the last chunk went in found nothing
+        // enqueued to stop: stop it here.
+        if stopped.is_some() || done.is_some_and(|b| b.stop.is_some()) {
             self.stop_requests(batch).await?;
         }
         tracing::info!(batch = %batch.id, requests = enqueued, "batch enqueued");
         Ok(())
+    }
+
+    /// Answers requests that were never enqueued because the batch stopped
+    /// first.
+    async fn answer_unsent(
+        &self,
+        batch: &BatchRecord,
+        stop: Stop,
+        unsent: Vec<Message>,
+    ) -> Result<(), EngineError> {
+        let code = match stop {
+            Stop::Cancel => ErrorCode::Cancelled,
+            Stop::Expire => ErrorCode::DeadlineExceeded,
+        };
+        let items = unsent
+            .iter()
+            .filter_map(|m| split_message_id(&m.request.id))
+            .map(|(_, custom_id)| {
+                let result = ResultRecord::error(
+                    &batch.message_id(custom_id),
+                    None,
+                    code,
+                    stop_message(code),
+                );
+                self.output_line(custom_id, result)
+            })
+            .collect();
+        self.record(&batch.id, items).await
     }
 
     /// Asks the queue to stop the batch's requests not yet sent.
@@ -469,7 +601,9 @@ impl Engine {
         let at = now();
         let Some(batch) = self
             .update(id, |b| {
-                if !matches!(b.status, BatchStatus::Validating | BatchStatus::InProgress) {
+                if !matches!(b.status, BatchStatus::Validating | BatchStatus::InProgress)
+                    || b.stop.is_some()
+                {
                     return false;
                 }
                 b.status = BatchStatus::Cancelling;
@@ -490,12 +624,7 @@ impl Engine {
     /// Answers every request of the batch without a result yet with
     /// `code` (expired or cancelled), so it can be finalized.
     async fn fill_missing(&self, batch: &BatchRecord, code: ErrorCode) -> Result<(), EngineError> {
-        let message = match code {
-            ErrorCode::DeadlineExceeded => {
-                "the batch's completion window ended before this request ran"
-            }
-            _ => "the batch was cancelled before this request ran",
-        };
+        let message = stop_message(code);
         let ids = self.custom_ids(batch).await?;
         for chunk in ids.chunks(CHUNK) {
             let items = chunk
@@ -718,9 +847,15 @@ impl Engine {
             let stale = at - batch.touched_at >= STALE_SECS;
             match batch.status {
                 BatchStatus::Validating if !mine && stale => self.start_intake(&batch.id),
-                BatchStatus::InProgress if at >= batch.expires_at && !mine => {
+                BatchStatus::InProgress
+                    if at >= batch.expires_at && batch.stop.is_none() && !mine =>
+                {
                     let (engine, id) = (self.clone(), batch.id.clone());
                     self.spawn_step(&batch.id, "expiry", async move { engine.expire(&id).await });
+                }
+                // Its server died while enqueuing: resume pass 2.
+                BatchStatus::InProgress if enqueuing(&batch) && !mine && stale => {
+                    self.start_intake(&batch.id);
                 }
                 // Cancelled while its validating server died: take over.
                 BatchStatus::Cancelling if !batch.enqueued && !mine && stale => {
@@ -729,18 +864,24 @@ impl Engine {
                         engine.adopt_cancelled(&b).await
                     });
                 }
-                BatchStatus::InProgress | BatchStatus::Cancelling if batch.enqueued && !mine => {
+                BatchStatus::InProgress | BatchStatus::Cancelling
+                    if (batch.enqueued || batch.stop == Some(Stop::Expire)) && !mine =>
+                {
                     let (ok, failed) = self.store.counts(&batch.id).await?;
                     let (engine, b) = (self.clone(), batch.clone());
-                    if ok + failed >= batch.total {
+                    if batch.enqueued && ok + failed >= batch.total {
                         self.spawn_step(&batch.id, "finalizing", async move {
                             engine.finalize(&b.id).await
                         });
-                    } else if batch.status == BatchStatus::Cancelling
-                        && at - batch.cancelling_at.unwrap_or(at) >= CANCEL_GRACE_SECS
+                    } else if let Some((stop, cut)) = stop_cut(&batch, self.grace_secs())
+                        && at >= cut
                     {
-                        self.spawn_step(&batch.id, "cancel", async move {
-                            engine.fill_missing(&b, ErrorCode::Cancelled).await?;
+                        let code = match stop {
+                            Stop::Cancel => ErrorCode::Cancelled,
+                            Stop::Expire => ErrorCode::DeadlineExceeded,
+                        };
+                        self.spawn_step(&batch.id, "stop", async move {
+                            engine.fill_missing(&b, code).await?;
                             engine.finalize(&b.id).await
                         });
                     }
@@ -779,13 +920,15 @@ impl Engine {
         Ok(())
     }
 
-    /// The completion window ended: requests not yet sent are stopped,
-    /// every request without a result ends `batch_expired`, and the batch
-    /// is finalized `expired` with the results so far.
+    /// The completion window ended: requests not yet sent are stopped
+    /// (answered `batch_expired`); those in flight keep their real answer
+    /// if it comes within the grace. The sweep finalizes the batch
+    /// `expired` once every request has a result, or at the grace's end
+    /// answering the rest `batch_expired` ([`stop_cut`]).
     async fn expire(&self, id: &str) -> Result<(), EngineError> {
         let Some(batch) = self
             .update(id, |b| {
-                if b.status != BatchStatus::InProgress {
+                if b.status != BatchStatus::InProgress || b.stop.is_some() {
                     return false;
                 }
                 b.stop = Some(Stop::Expire);
@@ -796,10 +939,10 @@ impl Engine {
         else {
             return Ok(());
         };
+        // Also when not all enqueued: a server whose intake died may have
+        // enqueued some; a live intake stops at its next chunk.
         self.stop_requests(&batch).await?;
-        self.fill_missing(&batch, ErrorCode::DeadlineExceeded)
-            .await?;
-        self.finalize(id).await
+        Ok(())
     }
 
     /// Writes the output and error files of a batch whose requests all
@@ -927,6 +1070,7 @@ mod tests {
             Bodies::open(dir).expect("bodies"),
             Sink::Embedded(queue),
             Limits {
+                in_flight_grace: Duration::from_secs(120),
                 max_file_bytes: 1 << 20,
                 max_line_bytes: 1 << 10,
                 max_lines: 10,
@@ -947,6 +1091,25 @@ mod tests {
         });
         batch.status = status;
         batch
+    }
+
+    #[test]
+    fn stopped_batches_wait_for_requests_in_flight_for_the_grace() {
+        let mut b = record(BatchStatus::InProgress);
+        assert_eq!(stop_cut(&b, 120), None, "a running batch is never cut");
+        b.stop = Some(Stop::Expire);
+        assert_eq!(
+            stop_cut(&b, 120),
+            Some((Stop::Expire, b.expires_at + 120 + COLLECT_SLACK_SECS))
+        );
+        b.status = BatchStatus::Cancelling;
+        b.stop = Some(Stop::Cancel);
+        b.cancelling_at = Some(b.created_at + 5);
+        // From the cancel, as long as an attempt may take: not a fixed 30 s.
+        assert_eq!(
+            stop_cut(&b, 600),
+            Some((Stop::Cancel, b.created_at + 5 + 600 + COLLECT_SLACK_SECS))
+        );
     }
 
     /// A cancel that lands while validation is refusing the file must

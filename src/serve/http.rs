@@ -8,13 +8,14 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{DefaultBodyLimit, FromRequestParts, Multipart, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Multipart, Path, RawQuery, State};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 use super::auth::Keys;
@@ -31,6 +32,18 @@ pub const ENDPOINTS: [&str; 4] = [
 ];
 /// Most `metadata` pairs on a batch (OpenAI's limit).
 const MAX_METADATA: usize = 16;
+/// Longest `metadata` key in characters (OpenAI's limit).
+const MAX_METADATA_KEY: usize = 64;
+/// Longest `metadata` value in characters (OpenAI's limit).
+const MAX_METADATA_VALUE: usize = 512;
+/// Shortest `completion_window` (an extension: OpenAI takes only `24h`).
+const MIN_WINDOW: Duration = Duration::from_secs(60);
+/// Longest `completion_window` (an extension: OpenAI takes only `24h`).
+const MAX_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Largest `limit` of `GET /v1/files`.
+const MAX_FILES_LIMIT: usize = 10_000;
+/// Largest `limit` of `GET /v1/batches` (OpenAI's).
+const MAX_BATCHES_LIMIT: usize = 100;
 /// Room for the multipart framing around the file itself.
 const MULTIPART_SLACK: u64 = 64 * 1024;
 
@@ -267,56 +280,95 @@ async fn upload(
     Ok(axum::Json(file.api()))
 }
 
-/// `after`, `limit`, `order` and `purpose` of the list endpoints.
-#[derive(Debug, Deserialize)]
+/// `after`, `limit`, `order` and `purpose` of the list endpoints, checked.
+#[derive(Debug, Default)]
 struct ListQuery {
     after: Option<String>,
-    limit: Option<usize>,
-    order: Option<String>,
+    limit: usize,
+    ascending: bool,
     purpose: Option<String>,
 }
 
-/// The page of `ids` (newest first) after `after`: its ids and whether
-/// more follow.
-fn page(
-    mut ids: Vec<String>,
-    q: &ListQuery,
+/// Parses a list endpoint's query string: `limit` an integer in
+/// `1..=max_limit` (`default_limit` when absent), `order` `asc` or `desc`;
+/// anything else is a 400 naming the parameter, in OpenAI's shape (axum's
+/// own extractor answers plain text). Unknown parameters are ignored.
+fn list_query(
+    raw: Option<&str>,
     default_limit: usize,
-) -> Result<(Vec<String>, bool), ApiError> {
-    let limit = q.limit.unwrap_or(default_limit);
-    if !(1..=10_000).contains(&limit) {
-        return Err(ApiError::invalid(
-            "limit must be between 1 and 10000",
-            Some("limit"),
-        ));
-    }
-    match q.order.as_deref() {
-        None | Some("desc") => {}
-        Some("asc") => ids.reverse(),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "order must be asc or desc",
-                Some("order"),
-            ));
+    max_limit: usize,
+) -> Result<ListQuery, ApiError> {
+    let mut q = ListQuery {
+        limit: default_limit,
+        ..ListQuery::default()
+    };
+    for (key, value) in url::form_urlencoded::parse(raw.unwrap_or_default().as_bytes()) {
+        match key.as_ref() {
+            "limit" => {
+                q.limit = value
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|l| (1..=max_limit).contains(l))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!(
+                                "Invalid 'limit': `{value}`; expected an integer between 1 and {max_limit}."
+                            ),
+                            Some("limit"),
+                        )
+                    })?;
+            }
+            "order" => {
+                q.ascending = match value.as_ref() {
+                    "asc" => true,
+                    "desc" => false,
+                    other => {
+                        return Err(ApiError::invalid(
+                            format!("Invalid 'order': `{other}`; expected `asc` or `desc`."),
+                            Some("order"),
+                        ));
+                    }
+                };
+            }
+            "after" => q.after = Some(value.into_owned()),
+            "purpose" => q.purpose = Some(value.into_owned()),
+            _ => {}
         }
+    }
+    Ok(q)
+}
+
+/// The page of `ids` (newest first) after `after`: its ids and whether
+/// more follow. An `after` that is not among `ids` is a 400.
+fn page(mut ids: Vec<String>, q: &ListQuery) -> Result<(Vec<String>, bool), ApiError> {
+    if q.ascending {
+        ids.reverse();
     }
     let start = match &q.after {
         Some(after) => ids
             .iter()
             .position(|id| id == after)
-            .map_or(ids.len(), |i| i + 1),
+            .map(|i| i + 1)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("Invalid 'after': no object `{after}` in this list."),
+                    Some("after"),
+                )
+            })?,
         None => 0,
     };
     let rest = ids.split_off(start.min(ids.len()));
-    let has_more = rest.len() > limit;
-    Ok((rest.into_iter().take(limit).collect(), has_more))
+    let has_more = rest.len() > q.limit;
+    Ok((rest.into_iter().take(q.limit).collect(), has_more))
 }
 
 async fn list_files(
     State(state): State<Shared>,
     Tenant(tenant): Tenant,
-    Query(q): Query<ListQuery>,
+    RawQuery(raw): RawQuery,
 ) -> Result<axum::Json<Value>, ApiError> {
+    let q = list_query(raw.as_deref(), MAX_FILES_LIMIT, MAX_FILES_LIMIT)?;
     let store = &state.engine.store;
     let mut ids = internal!(store.file_ids(&tenant).await);
     if let Some(purpose) = &q.purpose {
@@ -328,7 +380,7 @@ async fn list_files(
         }
         ids = kept;
     }
-    let (ids, has_more) = page(ids, &q, 10_000)?;
+    let (ids, has_more) = page(ids, &q)?;
     let mut data = Vec::with_capacity(ids.len());
     for id in ids {
         if let Some(f) = internal!(store.file(&id).await) {
@@ -433,31 +485,8 @@ async fn create_batch(
         ));
     }
     let window = req.completion_window.unwrap_or_else(|| "24h".to_owned());
-    let span = parse_duration(&window)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            ApiError::invalid(
-                format!("completion_window `{window}` is not a duration such as 24h"),
-                Some("completion_window"),
-            )
-        })?;
-    let mut metadata = BTreeMap::new();
-    for (key, value) in req.metadata.unwrap_or_default() {
-        let Value::String(value) = value else {
-            return Err(ApiError::invalid(
-                "metadata values must be strings",
-                Some("metadata"),
-            ));
-        };
-        metadata.insert(key, value);
-    }
-    if metadata.len() > MAX_METADATA {
-        return Err(ApiError::invalid(
-            format!("metadata has more than {MAX_METADATA} pairs"),
-            Some("metadata"),
-        ));
-    }
+    let span = completion_window(&window)?;
+    let metadata = metadata(req.metadata.unwrap_or_default())?;
     // Another tenant's file is as unknown as a missing one: 404, as every
     // other endpoint answers for it.
     let input = own_file(&state, &tenant, &input_file_id)
@@ -491,6 +520,66 @@ async fn create_batch(
     Ok(axum::Json(batch.api(0, 0)))
 }
 
+/// A batch's `completion_window`: `24h` (OpenAI's only value) or, as an
+/// extension, a duration with units between [`MIN_WINDOW`] and
+/// [`MAX_WINDOW`]. A bare number is refused rather than read as seconds.
+fn completion_window(text: &str) -> Result<Duration, ApiError> {
+    let refuse = |why: &str| {
+        ApiError::invalid(
+            format!(
+                "Invalid 'completion_window': `{text}`{why}; use 24h (or, as an extension, a duration such as 1h or 90m between 1m and 7d)."
+            ),
+            Some("completion_window"),
+        )
+    };
+    let t = text.trim();
+    if t.is_empty() || t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(refuse(" has no unit"));
+    }
+    let span = parse_duration(t).map_err(|_| refuse(" is not a duration"))?;
+    if span < MIN_WINDOW {
+        return Err(refuse(" is shorter than 1m"));
+    }
+    if span > MAX_WINDOW {
+        return Err(refuse(" is longer than 7d"));
+    }
+    Ok(span)
+}
+
+/// A batch's `metadata` within OpenAI's limits: string values, at most
+/// [`MAX_METADATA`] pairs, keys of at most [`MAX_METADATA_KEY`] and values
+/// of at most [`MAX_METADATA_VALUE`] characters.
+fn metadata(given: BTreeMap<String, Value>) -> Result<BTreeMap<String, String>, ApiError> {
+    let refuse =
+        |why: String| ApiError::invalid(format!("Invalid 'metadata': {why}."), Some("metadata"));
+    if given.len() > MAX_METADATA {
+        return Err(refuse(format!(
+            "{} pairs; at most {MAX_METADATA} are allowed",
+            given.len()
+        )));
+    }
+    let mut metadata = BTreeMap::new();
+    for (key, value) in given {
+        let Value::String(value) = value else {
+            return Err(refuse(format!("the value of `{key}` is not a string")));
+        };
+        let key_chars = key.chars().count();
+        if key_chars > MAX_METADATA_KEY {
+            return Err(refuse(format!(
+                "a key is {key_chars} characters long; at most {MAX_METADATA_KEY} are allowed"
+            )));
+        }
+        let value_chars = value.chars().count();
+        if value_chars > MAX_METADATA_VALUE {
+            return Err(refuse(format!(
+                "the value of `{key}` is {value_chars} characters long; at most {MAX_METADATA_VALUE} are allowed"
+            )));
+        }
+        metadata.insert(key, value);
+    }
+    Ok(metadata)
+}
+
 async fn batch_json(state: &AppState, batch: &BatchRecord) -> Result<Value, ApiError> {
     let (ok, failed) = internal!(state.engine.store.counts(&batch.id).await);
     Ok(batch.api(ok, failed))
@@ -515,20 +604,11 @@ async fn get_batch(
 async fn list_batches(
     State(state): State<Shared>,
     Tenant(tenant): Tenant,
-    Query(q): Query<ListQuery>,
+    RawQuery(raw): RawQuery,
 ) -> Result<axum::Json<Value>, ApiError> {
+    let q = list_query(raw.as_deref(), 20, MAX_BATCHES_LIMIT)?;
     let ids = internal!(state.engine.store.batch_ids(&tenant).await);
-    let q = ListQuery {
-        limit: Some(q.limit.unwrap_or(20)),
-        ..q
-    };
-    if q.limit.is_some_and(|l| l > 100) {
-        return Err(ApiError::invalid(
-            "limit must be between 1 and 100",
-            Some("limit"),
-        ));
-    }
-    let (ids, has_more) = page(ids, &q, 20)?;
+    let (ids, has_more) = page(ids, &q)?;
     let mut data = Vec::with_capacity(ids.len());
     for id in ids {
         if let Some(b) = internal!(state.engine.store.batch(&id).await) {
@@ -570,12 +650,11 @@ pub fn is_loopback(addr: &std::net::SocketAddr) -> bool {
 mod tests {
     use super::*;
 
-    fn q(after: Option<&str>, limit: Option<usize>) -> ListQuery {
+    fn q(after: Option<&str>, limit: usize) -> ListQuery {
         ListQuery {
             after: after.map(str::to_owned),
             limit,
-            order: None,
-            purpose: None,
+            ..ListQuery::default()
         }
     }
 
@@ -585,12 +664,86 @@ mod tests {
             .iter()
             .map(|s| s.to_string())
             .collect();
-        let (p, more) = page(ids.clone(), &q(None, Some(2)), 20).expect("page");
+        let (p, more) = page(ids.clone(), &q(None, 2)).expect("page");
         assert_eq!((p, more), (vec!["e".to_owned(), "d".to_owned()], true));
-        let (p, more) = page(ids.clone(), &q(Some("d"), Some(2)), 20).expect("page");
+        let (p, more) = page(ids.clone(), &q(Some("d"), 2)).expect("page");
         assert_eq!((p, more), (vec!["c".to_owned(), "b".to_owned()], true));
-        let (p, more) = page(ids, &q(Some("b"), Some(2)), 20).expect("page");
+        let (p, more) = page(ids.clone(), &q(Some("b"), 2)).expect("page");
         assert_eq!((p, more), (vec!["a".to_owned()], false));
+        let (p, more) = page(ids.clone(), &q(Some("a"), 2)).expect("page");
+        assert_eq!((p, more), (vec![], false));
+        let e = page(ids, &q(Some("zz"), 2)).expect_err("unknown cursor");
+        assert_eq!(
+            (e.status, e.param),
+            (StatusCode::BAD_REQUEST, Some("after"))
+        );
+    }
+
+    #[test]
+    fn list_queries_refuse_bad_parameters_by_name() {
+        for (raw, param) in [
+            ("limit=-1", "limit"),
+            ("limit=abc", "limit"),
+            ("limit=0", "limit"),
+            ("limit=101", "limit"),
+            ("limit=", "limit"),
+            ("limit=1.5", "limit"),
+            ("order=sideways", "order"),
+            ("order=ASC", "order"),
+        ] {
+            let e = list_query(Some(raw), 20, 100).expect_err(raw);
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{raw}");
+            assert_eq!(e.param, Some(param), "{raw}");
+        }
+        let q = list_query(Some("limit=100&order=asc&after=b%3Ax&x=1"), 20, 100).expect("valid");
+        assert_eq!(
+            (q.limit, q.ascending, q.after.as_deref()),
+            (100, true, Some("b:x"))
+        );
+        assert_eq!(list_query(None, 20, 100).expect("empty").limit, 20);
+    }
+
+    #[test]
+    fn completion_windows_are_24h_or_between_a_minute_and_a_week() {
+        for ok in ["24h", "1m", "60s", "90m", "7d", "168h", " 2h "] {
+            assert!(completion_window(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "24", "3600", "100ms", "59s", "100000h", "8d", "7d1s", "", "abc", "-1h", "24 hours",
+        ] {
+            let e = completion_window(bad).expect_err(bad);
+            assert_eq!(e.param, Some("completion_window"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn metadata_follows_openai_limits() {
+        let pairs = |n: usize, key: usize, value: usize| -> BTreeMap<String, Value> {
+            (0..n)
+                .map(|i| {
+                    (
+                        format!("{i:0>width$}", width = key),
+                        Value::String("v".repeat(value)),
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(
+            metadata(pairs(16, 64, 512)).expect("at the limits").len(),
+            16
+        );
+        for (n, key, value) in [(17, 2, 1), (1, 65, 1), (1, 2, 513)] {
+            let e = metadata(pairs(n, key, value)).expect_err("over a limit");
+            assert_eq!(
+                (e.status, e.param),
+                (StatusCode::BAD_REQUEST, Some("metadata"))
+            );
+        }
+        // Characters, not bytes: 512 two-byte characters are allowed.
+        let wide = BTreeMap::from([("k".to_owned(), Value::String("é".repeat(512)))]);
+        assert!(metadata(wide).is_ok());
+        let number = BTreeMap::from([("k".to_owned(), json!(1))]);
+        assert!(metadata(number).is_err());
     }
 
     #[test]

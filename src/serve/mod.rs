@@ -254,6 +254,7 @@ pub async fn start(
     };
 
     let limits = Limits {
+        in_flight_grace: config.gateway.attempt_timeout,
         max_file_bytes: serve.max_file_bytes,
         max_line_bytes: serve.max_line_bytes,
         max_lines: serve.max_lines_per_batch,

@@ -167,3 +167,87 @@ def test_files_can_be_deleted():
     assert deleted.deleted and deleted.id == f.id
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(f.id)
+
+
+def bad_request(call):
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    assert e.value.type == "invalid_request_error", e.value
+    return e.value.param
+
+
+def test_bad_list_parameters_are_json_errors_naming_them():
+    c = client()
+    assert bad_request(lambda: c.batches.list(limit=-1)) == "limit"
+    assert bad_request(lambda: c.batches.list(extra_query={"limit": "abc"})) == "limit"
+    assert bad_request(lambda: c.batches.list(limit=101)) == "limit"
+    assert bad_request(lambda: c.batches.list(after="batch_unknown")) == "after"
+    assert bad_request(lambda: c.files.list(order="sideways")) == "order"
+    assert bad_request(lambda: c.files.list(limit=0)) == "limit"
+
+
+def test_metadata_over_openai_limits_is_refused():
+    c = client()
+    f = upload(c, [line("m")])
+
+    def make(metadata):
+        return lambda: c.batches.create(
+            input_file_id=f.id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            metadata=metadata,
+        )
+
+    assert bad_request(make({f"k{i}": "v" for i in range(17)})) == "metadata"
+    assert bad_request(make({"k" * 65: "v"})) == "metadata"
+    assert bad_request(make({"k": "v" * 513})) == "metadata"
+    ok = make({f"{i:0>64}": "v" * 512 for i in range(16)})()
+    assert len(ok.metadata) == 16
+
+
+def test_completion_window_outside_a_minute_to_a_week_is_refused():
+    c = client()
+    f = upload(c, [line("w")])
+    for window in ["24", "100ms", "100000h"]:
+        param = bad_request(
+            lambda: c.batches.create(
+                input_file_id=f.id,
+                endpoint="/v1/completions",
+                completion_window=window,
+            )
+        )
+        assert param == "completion_window", window
+
+
+def test_a_file_with_a_byte_order_mark_runs():
+    c = client()
+    data = ("\ufeff" + "\n".join(line(f"bom{i}") for i in range(2)) + "\n").encode()
+    f = c.files.create(file=("bom.jsonl", io.BytesIO(data)), purpose="batch")
+    b = c.batches.create(
+        input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    assert sorted(o["custom_id"] for o in jsonl(c, done.output_file_id)) == ["bom0", "bom1"]
+
+
+def test_request_counts_never_contradict():
+    c = client()
+    n = 3000
+    b = create(c, [line(f"n{i}", max_tokens=1) for i in range(n)])
+    last = (0, 0, 0)
+    give_up = time.monotonic() + 300
+    while True:
+        now = c.batches.retrieve(b.id)
+        rc = now.request_counts
+        counts = (rc.total, rc.completed, rc.failed)
+        assert rc.completed + rc.failed <= rc.total, (now.status, counts)
+        assert all(x >= y for x, y in zip(counts, last)), (now.status, last, counts)
+        if now.status != "validating":
+            assert rc.total == n, (now.status, counts)
+        last = counts
+        if now.status in TERMINAL:
+            assert now.status == "completed" and counts == (n, n, 0), now
+            return
+        assert time.monotonic() < give_up, now
+        time.sleep(0.02)

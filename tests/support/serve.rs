@@ -133,6 +133,116 @@ pub async fn start_in(
         .expect("the server starts")
 }
 
+/// Moves the stored batch `id`'s deadline to now, as if its completion
+/// window (at least a minute) had passed: the embedded store in
+/// `data_dir`, written as another server would (compare-and-set).
+pub async fn expire_now(data_dir: &std::path::Path, id: &str) {
+    use sluicegate::serve::store::{SqliteStore, Store};
+    let store = Store::Sqlite(SqliteStore::open(&data_dir.join("batches.db")).expect("store"));
+    loop {
+        let old = store.batch(id).await.expect("read").expect("batch exists");
+        let mut new = old.clone();
+        new.expires_at = old.created_at;
+        if store.replace_batch(&old, &new).await.expect("write") {
+            return;
+        }
+    }
+}
+
+/// The stored record of batch `id` in the embedded store in `data_dir`
+/// (fields the API does not show, such as `stop`).
+pub async fn stored(data_dir: &std::path::Path, id: &str) -> sluicegate::serve::model::BatchRecord {
+    use sluicegate::serve::store::{SqliteStore, Store};
+    let store = Store::Sqlite(SqliteStore::open(&data_dir.join("batches.db")).expect("store"));
+    store.batch(id).await.expect("read").expect("batch exists")
+}
+
+/// A gateway that holds every request until released: requests in
+/// flight for as long as a test needs.
+#[derive(Debug)]
+pub struct HeldGateway {
+    /// `http://addr`.
+    pub url: String,
+    /// One item per request received.
+    pub arrived: tokio::sync::mpsc::Receiver<()>,
+    /// Releases every held request (and later ones at once).
+    pub release: std::sync::Arc<tokio::sync::Notify>,
+    released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HeldGateway {
+    /// Listens on a free loopback port.
+    pub async fn start() -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let (tx, arrived) = tokio::sync::mpsc::channel(64);
+        let release = std::sync::Arc::new(tokio::sync::Notify::new());
+        let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (r, done) = (release.clone(), released.clone());
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let (tx, r, done) = (tx.clone(), r.clone(), done.clone());
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    // Headers, then the body its length names.
+                    loop {
+                        let Ok(n) = socket.read(&mut buf).await else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        seen.extend_from_slice(&buf[..n]);
+                        let text = String::from_utf8_lossy(&seen).to_string();
+                        if let Some(end) = text.find("\r\n\r\n") {
+                            let length = text[..end]
+                                .lines()
+                                .find_map(|l| {
+                                    let (k, v) = l.split_once(':')?;
+                                    k.eq_ignore_ascii_case("content-length")
+                                        .then(|| v.trim().parse::<usize>().ok())?
+                                })
+                                .unwrap_or(0);
+                            if seen.len() >= end + 4 + length {
+                                break;
+                            }
+                        }
+                    }
+                    let _ = tx.send(()).await;
+                    let notified = r.notified();
+                    if !done.load(std::sync::atomic::Ordering::SeqCst) {
+                        notified.await;
+                    }
+                    let body = r#"{"id":"cmpl-held","object":"text_completion","model":"sim-model","choices":[{"index":0,"text":"held answer","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}"#;
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = socket.write_all(response.as_bytes()).await;
+                    let _ = socket.shutdown().await;
+                });
+            }
+        });
+        Self {
+            url,
+            arrived,
+            release,
+            released,
+        }
+    }
+
+    /// Answers every held request, and every later one at once.
+    pub fn release_all(&self) {
+        self.released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.release.notify_waiters();
+    }
+}
+
 /// A plain client of the OpenAI endpoints.
 #[derive(Debug, Clone)]
 pub struct Api {
