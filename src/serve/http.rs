@@ -46,6 +46,12 @@ const MAX_FILES_LIMIT: usize = 10_000;
 const MAX_BATCHES_LIMIT: usize = 100;
 /// Room for the multipart framing around the file itself.
 const MULTIPART_SLACK: u64 = 64 * 1024;
+/// How far over the file limit an upload is still read to its end (and
+/// discarded) before the 413: a client still sending its body then reads
+/// the answer, where closing the connection under it would reset it
+/// before the answer arrives (seen with reqwest as a broken pipe). Past
+/// this the body limit ends the upload and the connection.
+const OVERSIZE_DRAIN: u64 = 64 * 1024 * 1024;
 
 /// What the handlers share.
 #[derive(Debug)]
@@ -155,7 +161,8 @@ pub fn router(state: Shared) -> Router {
         .engine
         .limits
         .max_file_bytes
-        .saturating_add(MULTIPART_SLACK);
+        .saturating_add(MULTIPART_SLACK)
+        .saturating_add(OVERSIZE_DRAIN);
     Router::new()
         .route("/v1/files", post(upload).get(list_files))
         .route("/v1/files/{id}", get(get_file).delete(delete_file))
@@ -179,6 +186,8 @@ async fn upload(
     let max = state.engine.limits.max_file_bytes;
     let mut purpose = None;
     let mut stored: Option<(std::path::PathBuf, String, u64)> = None;
+    // The file went over `max`: the rest is read and discarded.
+    let mut oversize = false;
     let too_large = || ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
         message: format!("the file is larger than {max} bytes (serve.max_file_bytes)"),
@@ -186,9 +195,10 @@ async fn upload(
         param: Some("file"),
         code: Some("file_too_large"),
     };
-    // The body limit (the file limit plus the framing's slack) ends the
-    // stream with a 413 error: a file far over the limit is answered as
-    // one just over it, not as an interrupted upload (issue 22).
+    // The body limit (the file limit, the framing's slack and
+    // `OVERSIZE_DRAIN`) ends the stream with a 413 error: a file far over
+    // the limit is answered as one just over it, not as an interrupted
+    // upload (issue 22).
     let unreadable =
         |e: axum::extract::multipart::MultipartError, what: &str, param: Option<&'static str>| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
@@ -228,7 +238,9 @@ async fn upload(
                         };
                         *size += chunk.len() as u64;
                         if *size > max {
-                            return Err(too_large());
+                            // Read on, discarding (`OVERSIZE_DRAIN`).
+                            oversize = true;
+                            continue;
                         }
                         internal!(out.write_all(&chunk).await);
                     }
@@ -237,6 +249,9 @@ async fn upload(
                 }
                 _ => {}
             }
+        }
+        if oversize {
+            return Err(too_large());
         }
         Ok(())
     }
