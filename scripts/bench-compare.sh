@@ -39,6 +39,9 @@
 # A benchmark a revision does not have (e.g. `bench hold` before it
 # existed) is reported as n/a for that side.
 set -euo pipefail
+# `build_side` runs in a command substitution: without this a failed
+# build there went unnoticed and the script printed empty tables, exit 0.
+shopt -s inherit_errexit
 
 pairs=3
 only="redis,memory,hold,pubsub"
@@ -136,6 +139,12 @@ build_side() {
 
 bin_a="$(build_side a "${revs[0]}")"
 bin_b="$(build_side b "${revs[1]}")"
+for side_bin in "$bin_a" "$bin_b"; do
+  if [ ! -x "$side_bin/sluicegate" ]; then
+    echo "bench-compare: no sluicegate binary in $side_bin" >&2
+    exit 1
+  fi
+done
 
 # --- servers -------------------------------------------------------------------
 

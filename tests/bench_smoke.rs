@@ -98,6 +98,39 @@ fn bench_drain_pubsub_reads_back_every_result() {
     assert!(stdout.contains("messages/s"), "{stdout}");
 }
 
+/// A side that cannot be built stops the script with an error instead of
+/// empty tables and exit 0 (a revision that does not exist, and a
+/// prebuilt directory without a binary).
+#[test]
+fn bench_compare_stops_when_a_side_cannot_be_built() {
+    let work = TempDir::new("bench-compare-bad");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/bench-compare.sh");
+    let bad_rev = output(
+        Command::new("bash")
+            .arg(&script)
+            .args(["no-such-revision", "HEAD"])
+            .env("BENCH_COMPARE_DIR", &work.0),
+    );
+    assert!(!bad_rev.status.success(), "{}", text(&bad_rev.stdout));
+    assert!(!text(&bad_rev.stdout).contains("| benchmark |"));
+    let empty = work.0.join("empty");
+    std::fs::create_dir_all(&empty).expect("dir");
+    let no_binary = output(
+        Command::new("bash")
+            .arg(&script)
+            .args(["a", "b"])
+            .env("BENCH_COMPARE_DIR", &work.0)
+            .env("BENCH_COMPARE_BIN_A", &empty)
+            .env("BENCH_COMPARE_BIN_B", &empty),
+    );
+    assert!(!no_binary.status.success(), "{}", text(&no_binary.stdout));
+    assert!(
+        text(&no_binary.stderr).contains("no sluicegate binary"),
+        "{}",
+        text(&no_binary.stderr)
+    );
+}
+
 /// The compare script end to end with this build on both sides: it starts
 /// its own Redis and emulator, runs every benchmark A, B, A, B and prints
 /// one row per figure with both medians and the ratio, the within-build
