@@ -379,53 +379,32 @@ impl Inner {
         let expiry = now_secs() + lease.as_secs_f64();
         let mut conn = self.conn.clone();
         let k = &self.keys;
-        let raw = match (&self.settings.fairness_attribute, expired_by) {
-            (Some(attribute), None) => {
-                let mut claim = scripts::CLAIM_LANES.prepare_invoke();
-                claim
-                    .key(&k.pending)
-                    .key(&k.claimed)
-                    .key(&k.owners)
-                    .key(&k.idx)
-                    .key(&k.scores)
-                    .key(&k.lanes)
-                    .key(&k.reclaims)
-                    .arg(max)
-                    .arg(expiry)
-                    .arg(&owner)
-                    .arg(attribute)
-                    .arg(&k.lane_prefix);
-                for (tenant, weight) in &self.settings.tenant_weights {
-                    claim.arg(tenant).arg(*weight);
-                }
-                claim
-                    .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
-                    .await
-            }
-            // Without lanes, and for the deadline sweep (a lane entry of
-            // what it claims is dropped by the next lane claim).
-            (_, expired_by) => {
-                let mut claim = scripts::CLAIM.prepare_invoke();
-                claim
-                    .key(&k.pending)
-                    .key(&k.claimed)
-                    .key(&k.owners)
-                    .key(&k.idx)
-                    .key(&k.scores)
-                    .key(&k.reclaims)
-                    .arg(max)
-                    .arg(expiry)
-                    .arg(&owner);
-                if let Some(by) = expired_by {
-                    // Scores are the deadline plus a fraction below 1
-                    // (upstream writes the bare deadline).
-                    claim.arg(by.saturating_add(1));
-                }
-                claim
-                    .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
-                    .await
-            }
+        let mut claim = scripts::CLAIM.prepare_invoke();
+        claim
+            .key(&k.pending)
+            .key(&k.claimed)
+            .key(&k.owners)
+            .key(&k.idx)
+            .key(&k.scores)
+            .key(&k.reclaims)
+            .key(&k.lanes)
+            .arg(max)
+            .arg(expiry)
+            .arg(&owner)
+            .arg(self.lane_attribute())
+            .arg(&k.lane_prefix);
+        match expired_by {
+            // Scores are the deadline plus a fraction below 1 (upstream
+            // writes the bare deadline).
+            Some(by) => claim.arg(by.saturating_add(1)),
+            None => claim.arg(""),
         };
+        for (tenant, weight) in &self.settings.tenant_weights {
+            claim.arg(tenant).arg(*weight);
+        }
+        let raw = claim
+            .invoke_async::<Vec<(String, Vec<u8>, f64, u32)>>(&mut conn)
+            .await;
         let raw = self.observed("claim", raw)?;
         if raw.is_empty() {
             return Ok(Vec::new());

@@ -17,49 +17,6 @@ use std::sync::LazyLock;
 
 use redis::Script;
 
-/// CLAIM: moves up to `max` lowest-scored members from pending to claimed;
-/// with a fourth argument, only members scored below it (the deadline
-/// sweep: a score is the deadline plus a fraction, so "below now + 1"
-/// is "deadline at or before now").
-/// KEYS: pending, claimed, owners, idx, scores, reclaims. ARGV: max, lease
-/// expiry (Unix s), owner token[, score bound (exclusive)]. Returns flat
-/// `[claim_key, member, score, reclaims, ...]`: reclaims = how often the
-/// member's lease expired on an earlier holder (issue 22: each counts as
-/// an attempt).
-pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        "{CLAIM_KEY}{}",
-        r#"
-local items
-if ARGV[4] then
-  items = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'WITHSCORES',
-    'LIMIT', 0, tonumber(ARGV[1]))
-else
-  items = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
-end
--- One HLEN per claim rather than an HGET per member while nothing was
--- ever reclaimed (the common case).
-local reclaimed = redis.call('HLEN', KEYS[6]) > 0
-local out = {}
-for i = 1, #items, 2 do
-  local member = items[i]
-  local score = items[i + 1]
-  local ck = claim_key(member)
-  redis.call('ZREM', KEYS[1], member)
-  redis.call('HSET', KEYS[2], ck, member)
-  redis.call('HSET', KEYS[3], ck, ARGV[3])
-  redis.call('HSET', KEYS[5], ck, score)
-  redis.call('ZADD', KEYS[4], ARGV[2], ck)
-  out[#out + 1] = ck
-  out[#out + 1] = member
-  out[#out + 1] = score
-  out[#out + 1] = reclaimed and tonumber(redis.call('HGET', KEYS[6], ck) or '0') or 0
-end
-return out
-"#
-    ))
-});
-
 /// The claim key of a member: `id\0token`, `id` without a token, or
 /// `invalid\0<sha1>` for a member that cannot be decoded or whose id
 /// cannot be part of a key (too long, or holding the NUL separator; the
@@ -110,47 +67,65 @@ local function file_in_lane(member, score, attr, prefix, lanes)
 end
 "#;
 
-/// CLAIM_LANES: CLAIM for a queue with tenant lanes (issue 22): takes the
-/// head of every lane (up to 64 lanes, sampled at random when there are
-/// more) and the head of pending, round robin, so a tenant's work is seen
-/// however deep it sits behind another's. A lane entry whose member is no
-/// longer pending (claimed from the head, or by an upstream dispatcher) is
-/// dropped; an empty lane leaves the lane set. Claimed members leave their
-/// lane. Without lanes (producers that file into none) it claims as CLAIM
-/// does, at the same cost. KEYS: pending, claimed, owners, idx, scores,
-/// lanes, reclaims. ARGV: max, lease expiry, owner token, attribute, lane key prefix,
-/// then tenant / weight pairs (`dispatch.tenant_weights`). Returns what
-/// CLAIM returns.
-pub(super) static CLAIM_LANES: LazyLock<Script> = LazyLock::new(|| {
+/// CLAIM: moves up to `max` members from pending to claimed, the one
+/// claim of the transport:
+/// - plain (no attribute, or a queue without lanes): the lowest-scored;
+/// - with tenant lanes (issue 22): the heads of up to 64 lanes (sampled at
+///   random when there are more) and the head of pending, round robin, a
+///   lane's weight in members per round, so a tenant's work is seen
+///   however deep it sits behind another's. A lane entry whose member is
+///   no longer pending (claimed from the head, or by an upstream
+///   dispatcher) is dropped; an empty lane leaves the lane set;
+/// - with a score bound (the deadline sweep): only members scored below it
+///   (a score is the deadline plus a fraction, so "below now + 1" is
+///   "deadline at or before now"), whatever their tenant.
+///
+/// Claimed members leave their lane.
+/// KEYS: pending, claimed, owners, idx, scores, reclaims, lanes. ARGV:
+/// max, lease expiry (Unix s), owner token, attribute ("" = no lanes),
+/// lane key prefix, score bound ("" = none), then tenant / weight pairs
+/// (`dispatch.tenant_weights`). Returns flat `[claim_key, member, score,
+/// reclaims, ...]`: reclaims = how often the member's lease expired on an
+/// earlier holder (each counts as an attempt).
+pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         "{TENANT_OF}{CLAIM_KEY}{}",
         r#"
 local max = tonumber(ARGV[1])
-local attr, prefix = ARGV[4], ARGV[5]
-local laned = redis.call('SCARD', KEYS[6]) > 0
+local attr, prefix, bound = ARGV[4], ARGV[5], ARGV[6]
+-- Whether members are filed in lanes (then a claimed one leaves its lane),
+-- and whether this claim takes the lanes' heads.
+local filed = attr ~= '' and redis.call('SCARD', KEYS[7]) > 0
+local by_lane = filed and bound == ''
 
--- Without lanes: the head of pending, as CLAIM takes it.
+-- The head of pending (below the bound, if any).
 local function head()
   local picked = {}
-  local items = redis.call('ZRANGE', KEYS[1], 0, max - 1, 'WITHSCORES')
+  local items
+  if bound ~= '' then
+    items = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. bound, 'WITHSCORES',
+      'LIMIT', 0, max)
+  else
+    items = redis.call('ZRANGE', KEYS[1], 0, max - 1, 'WITHSCORES')
+  end
   for i = 1, #items, 2 do picked[#picked + 1] = {items[i], items[i + 1]} end
   return picked
 end
 
--- The tenants' weights (ARGV pairs after the prefix; 1 when not named).
+-- The tenants' weights (ARGV pairs after the bound; 1 when not named).
 local weights = {}
-for i = 6, #ARGV, 2 do weights[ARGV[i]] = tonumber(ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do weights[ARGV[i]] = tonumber(ARGV[i + 1]) end
 
--- With lanes: round robin over every lane and pending, each round taking
--- a lane's weight in members from its head (pending: one), so what the
+-- Round robin over every lane and pending, each round taking a lane's
+-- weight in members from its head (pending: one), so what the
 -- dispatcher's fair buffer receives keeps the shares it serves.
 local function round_robin()
   local sources = {}
-  for _, t in ipairs(redis.call('SRANDMEMBER', KEYS[6], 64)) do
+  for _, t in ipairs(redis.call('SRANDMEMBER', KEYS[7], 64)) do
     local key = prefix .. t
     local items = redis.call('ZRANGE', key, 0, max - 1)
     if #items == 0 then
-      redis.call('SREM', KEYS[6], t)
+      redis.call('SREM', KEYS[7], t)
     else
       sources[#sources + 1] = {key = key, items = items, at = 0, weight = weights[t] or 1}
     end
@@ -182,14 +157,16 @@ local function round_robin()
 end
 
 local picked
-if laned then picked = round_robin() else picked = head() end
-local reclaimed = redis.call('HLEN', KEYS[7]) > 0
+if by_lane then picked = round_robin() else picked = head() end
+-- One HLEN per claim rather than an HGET per member while nothing was
+-- ever reclaimed (the common case).
+local reclaimed = redis.call('HLEN', KEYS[6]) > 0
 local out = {}
 for _, p in ipairs(picked) do
   local member, score = p[1], p[2]
   local ck = claim_key(member)
   redis.call('ZREM', KEYS[1], member)
-  if laned then redis.call('ZREM', prefix .. tenant_of(member, attr), member) end
+  if filed then redis.call('ZREM', prefix .. tenant_of(member, attr), member) end
   redis.call('HSET', KEYS[2], ck, member)
   redis.call('HSET', KEYS[3], ck, ARGV[3])
   redis.call('HSET', KEYS[5], ck, score)
@@ -197,7 +174,7 @@ for _, p in ipairs(picked) do
   out[#out + 1] = ck
   out[#out + 1] = member
   out[#out + 1] = score
-  out[#out + 1] = reclaimed and tonumber(redis.call('HGET', KEYS[7], ck) or '0') or 0
+  out[#out + 1] = reclaimed and tonumber(redis.call('HGET', KEYS[6], ck) or '0') or 0
 end
 return out
 "#
