@@ -22,6 +22,17 @@ async fn start(server: &RedisServer, gateway: &str, dispatch: &str, queue: &str)
     support::start_app(&config).await
 }
 
+/// `head.2` lines of tenant `head.1` (ids `head.0-<i>`, deadlines from
+/// `base`), then `behind.2` of tenant `behind.1` with later deadlines.
+fn backlog(head: (&str, &str, usize), behind: (&str, &str, usize), base: i64) -> Vec<String> {
+    let mut lines = Vec::with_capacity(head.2 + behind.2);
+    for ((prefix, tenant, n), from) in [(head, base), (behind, base + 10_000)] {
+        lines
+            .extend((0..n).map(|i| tenant_line(&format!("{prefix}-{i}"), tenant, from + i as i64)));
+    }
+    lines
+}
+
 fn count(arrivals: &[Arrival], tenant: &str) -> usize {
     arrivals.iter().filter(|a| a.tenant == tenant).count()
 }
@@ -40,12 +51,7 @@ async fn a_tenant_over_quota_at_the_head_does_not_delay_the_others() {
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
     let base = unix_now() + 3600;
-    let mut lines: Vec<String> = (0..HOG)
-        .map(|i| tenant_line(&format!("hog-{i}"), "hog", base + i as i64))
-        .collect();
-    lines.extend(
-        (0..SMALL).map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
-    );
+    let lines = backlog(("hog", "hog", HOG), ("small", "small", SMALL), base);
     submit(&server, "fairq", &lines).await;
     let started = Instant::now();
     let app = start(
@@ -170,12 +176,7 @@ async fn a_small_tenant_behind_a_deep_backlog_is_served_from_the_start() {
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
     let base = unix_now() + 3600;
-    let mut lines: Vec<String> = (0..BIG)
-        .map(|i| tenant_line(&format!("big-{i}"), "big", base + i as i64))
-        .collect();
-    lines.extend(
-        (0..SMALL).map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
-    );
+    let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
     submit_in_lanes(&server, "deepq", &lines).await;
     let started = Instant::now();
     let app = start(
@@ -220,12 +221,7 @@ async fn a_small_tenant_behind_a_deep_backlog_on_the_embedded_store_is_served_fr
     let db = tmp.0.join("store.db");
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
     let base = unix_now() + 3600;
-    let mut lines: Vec<String> = (0..BIG)
-        .map(|i| tenant_line(&format!("big-{i}"), "big", base + i as i64))
-        .collect();
-    lines.extend(
-        (0..SMALL).map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
-    );
+    let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
     let bodies: Vec<Bytes> = lines.into_iter().map(Bytes::from).collect();
     EmbeddedQueue::open(&db, "deepe")
         .expect("store")
@@ -279,12 +275,7 @@ async fn weights_hold_behind_a_deep_backlog() {
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
     let base = unix_now() + 3600;
-    let mut lines: Vec<String> = (0..EACH)
-        .map(|i| tenant_line(&format!("g-{i}"), "gold", base + i as i64))
-        .collect();
-    lines.extend(
-        (0..EACH).map(|i| tenant_line(&format!("b-{i}"), "bronze", base + 10_000 + i as i64)),
-    );
+    let lines = backlog(("g", "gold", EACH), ("b", "bronze", EACH), base);
     submit_in_lanes(&server, "deepw", &lines).await;
     let app = start(
         &server,
