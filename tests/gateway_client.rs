@@ -2,6 +2,8 @@
 //! on loopback: classification, timeouts, body limits, headers, endpoint
 //! confinement and byte-for-byte forwarding.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use sluicegate::gateway::{
@@ -809,4 +811,196 @@ async fn http2_prior_knowledge_multiplexes_requests_over_one_connection() {
         1,
         "one shared connection"
     );
+}
+
+/// A raw HTTP/1.1 server on loopback for the client's own framing and
+/// keep-alive: the n-th accepted connection answers its requests with the
+/// n-th list of scripted answers (raw bytes, sent whole; an empty one
+/// closes the connection after reading the request), then closes.
+/// Returns the base URL and the number of connections accepted.
+async fn scripted(connections: Vec<Vec<&'static str>>) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        for answers in connections {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                for answer in answers {
+                    // An empty answer reads the request and closes unanswered.
+                    if read_request(&mut socket).await.is_none() || answer.is_empty() {
+                        return;
+                    }
+                    if socket.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+                // Dropping the socket closes the connection.
+            });
+        }
+    });
+    (url, accepted)
+}
+
+/// Reads one request (head and `content-length` body); `None` at the end.
+async fn read_request(socket: &mut tokio::net::TcpStream) -> Option<Vec<u8>> {
+    let mut bytes = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = bytes.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&bytes[..end]).to_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|line| line.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if bytes.len() >= end + 4 + length {
+                return Some(bytes);
+            }
+        }
+        let n = socket.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        bytes.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn send_plain(c: &GatewayClient, url: &str) -> AttemptOutcome {
+    let t = Target::new(url, "/v1/completions", None).expect("target");
+    let prepared = c.prepare(&t, &request_json("")).expect("prepares");
+    c.send(&prepared, soon()).await
+}
+
+fn success(body: &str) -> AttemptOutcome {
+    AttemptOutcome::Success {
+        status: 200,
+        body: body.to_owned(),
+    }
+}
+
+const OK_ANSWER: &str = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+#[tokio::test]
+async fn keep_alive_connections_are_reused_and_a_close_is_honoured() {
+    let closing = "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok";
+    let (url, accepted) =
+        scripted(vec![vec![OK_ANSWER, OK_ANSWER, closing], vec![OK_ANSWER]]).await;
+    let c = client();
+    for _ in 0..4 {
+        assert_eq!(send_plain(&c, &url).await, success("ok"));
+    }
+    // Three requests on the first connection (the third said close), the
+    // fourth on a new one.
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
+/// The keep-alive race: the server closed a pooled connection while it
+/// was idle. The request goes out again on a new connection instead of
+/// failing as a reset (which would hold the pool as congestion).
+#[tokio::test]
+async fn a_pooled_connection_the_server_closed_is_replaced_not_failed() {
+    let (url, accepted) = scripted(vec![vec![OK_ANSWER], vec![OK_ANSWER]]).await;
+    let c = client();
+    assert_eq!(send_plain(&c, &url).await, success("ok"));
+    // Let the server's close reach us; the pooled socket is now stale.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(send_plain(&c, &url).await, success("ok"));
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
+/// The race the liveness check cannot see: the server closes a pooled
+/// connection just as the request goes out, so not one answer byte comes.
+/// That exchange is made once more on a new connection.
+#[tokio::test]
+async fn a_pooled_connection_closed_under_the_request_is_retried_once() {
+    let (url, accepted) = scripted(vec![vec![OK_ANSWER, ""], vec![OK_ANSWER]]).await;
+    let c = client();
+    assert_eq!(send_plain(&c, &url).await, success("ok"));
+    assert_eq!(send_plain(&c, &url).await, success("ok"));
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn interim_answers_chunked_bodies_and_bodies_until_close_are_read() {
+    let (url, _) = scripted(vec![
+        vec![
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\nHTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4;x=y\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\nx-trailer: t\r\n\r\n",
+            OK_ANSWER,
+        ],
+        vec!["HTTP/1.1 200 OK\r\n\r\nuntil the end"],
+    ])
+    .await;
+    let c = client();
+    assert_eq!(send_plain(&c, &url).await, success("{\"a\":1}"));
+    // The chunked answer ended cleanly, so its connection serves the next.
+    assert_eq!(send_plain(&c, &url).await, success("ok"));
+    // Then the server closes that connection; the next answer has no
+    // length and ends with its connection.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(send_plain(&c, &url).await, success("until the end"));
+}
+
+#[tokio::test]
+async fn a_garbled_answer_is_a_reset_and_its_connection_is_dropped() {
+    let (url, accepted) =
+        scripted(vec![vec!["SSH-2.0-OpenSSH_9.2\r\n\r\n"], vec![OK_ANSWER]]).await;
+    let c = client();
+    match send_plain(&c, &url).await {
+        AttemptOutcome::Retryable {
+            failure: AttemptFailure::Reset(reason),
+            ..
+        } => assert!(reason.contains("invalid answer head"), "{reason}"),
+        other => panic!("expected a reset, got {other:?}"),
+    }
+    assert_eq!(send_plain(&c, &url).await, success("ok"));
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+}
+
+/// A gateway may refuse before it reads a large body (a 413, a 429 from
+/// the endpoint picker) and stop reading. The answer is taken as it
+/// comes, not after a body write that can never finish.
+#[tokio::test]
+async fn an_answer_before_the_body_is_read_is_taken() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.expect("accept");
+        let mut first = [0u8; 1024];
+        let _ = socket.read(&mut first).await;
+        let _ = socket
+            .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo long")
+            .await;
+        // Keep the connection open, reading nothing more, until the client
+        // gives up on it.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+    });
+    let c = client();
+    let t = Target::new(&url, "/v1/completions", None).expect("target");
+    let big: Request = serde_json::from_value(serde_json::json!({
+        "id": "big",
+        "deadline": 4_000_000_000u64,
+        "payload": {"model": "m", "prompt": "p".repeat(16 << 20)}
+    }))
+    .expect("valid request");
+    let prepared = c.prepare(&t, &big).expect("prepares");
+    let outcome = tokio::time::timeout(Duration::from_secs(20), c.send(&prepared, soon()))
+        .await
+        .expect("the answer is taken before the body is written");
+    assert_eq!(
+        outcome,
+        AttemptOutcome::Final {
+            status: 413,
+            body: "too long".into()
+        }
+    );
+    server.abort();
 }

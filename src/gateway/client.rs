@@ -1,5 +1,8 @@
-//! The HTTP client: one `reqwest::Client` (one connection pool) shared by
-//! every queue, and a single bounded attempt per call.
+//! The gateway client: a single bounded attempt per call, over one shared
+//! connection pool per protocol: our HTTP/1.1 client for `http://`
+//! gateways (`http1.rs`, a few KiB per request in flight instead of
+//! hyper's ~30), and one `reqwest::Client` for `https://` gateways and
+//! HTTP/2 with prior knowledge.
 
 use std::error::Error as _;
 use std::fmt;
@@ -14,11 +17,16 @@ use tokio::time::Instant;
 use crate::request::Request;
 
 use super::classify::{AttemptFailure, AttemptOutcome, StatusClass, classify_status};
+use super::http1::{ExchangeError, Http1Client};
 use super::target::{HeaderRules, is_forbidden};
 use super::{DROPPED_REASON_HEADER, GatewaySettings, PrepareError, PreparedRequest, Target};
 
 /// Longest dropped reason kept from the endpoint picker's header.
 const MAX_DROPPED_REASON_LEN: usize = 256;
+/// How long an idle connection is kept for reuse (reqwest's default).
+const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(90);
+/// Sent as `User-Agent` unless the message sets its own.
+const USER_AGENT: &str = concat!("sluicegate/", env!("CARGO_PKG_VERSION"));
 
 /// Sends requests to the inference gateway. Cheap to clone: every clone
 /// shares one connection pool.
@@ -29,7 +37,10 @@ pub struct GatewayClient {
 }
 
 struct Inner {
-    /// The one HTTP client and its connection pool.
+    /// The pool for plain `http://` gateways over HTTP/1.1; `None` with
+    /// `http2_prior_knowledge`, which reqwest speaks.
+    http1: Option<Http1Client>,
+    /// The client for `https://` gateways and HTTP/2, with its own pool.
     http: reqwest::Client,
     /// Per-attempt ceiling (also cut at the deadline).
     attempt_timeout: std::time::Duration,
@@ -133,16 +144,26 @@ impl GatewayClient {
             .pool_max_idle_per_host(settings.max_idle_per_host)
             .connect_timeout(settings.connect_timeout)
             .tcp_nodelay(true)
+            .pool_idle_timeout(IDLE_TIMEOUT)
             .redirect(redirect::Policy::none())
-            .user_agent(concat!("sluicegate/", env!("CARGO_PKG_VERSION")));
+            .user_agent(USER_AGENT);
         if settings.http2_prior_knowledge {
             http = http.http2_prior_knowledge();
         }
         let http = http
             .build()
             .map_err(|source| GatewayBuildError::Client { source })?;
+        let http1 = (!settings.http2_prior_knowledge).then(|| {
+            Http1Client::new(
+                settings.max_idle_per_host,
+                IDLE_TIMEOUT,
+                settings.connect_timeout,
+                USER_AGENT,
+            )
+        });
         Ok(Self {
             inner: Arc::new(Inner {
+                http1,
                 http,
                 attempt_timeout: settings.attempt_timeout,
                 max_response_bytes: settings.max_response_bytes,
@@ -206,6 +227,30 @@ impl GatewayClient {
     }
 
     async fn attempt(&self, request: &PreparedRequest) -> AttemptOutcome {
+        let limit = self.inner.max_response_bytes;
+        let plain = request.url().scheme() == "http";
+        let answer = match self.inner.http1.as_ref().filter(|_| plain) {
+            Some(http1) => {
+                let posted = http1
+                    .post(request.url(), request.headers(), request.body(), limit)
+                    .await;
+                match posted {
+                    Ok(answer) => answer,
+                    Err(error) => return exchange_outcome(error),
+                }
+            }
+            None => match self.attempt_with_reqwest(request).await {
+                Ok(answer) => answer,
+                Err(outcome) => return outcome,
+            },
+        };
+        outcome_of(answer, limit)
+    }
+
+    async fn attempt_with_reqwest(
+        &self,
+        request: &PreparedRequest,
+    ) -> Result<Answer, AttemptOutcome> {
         let sent = self
             .inner
             .http
@@ -214,72 +259,99 @@ impl GatewayClient {
             .body(request.body().clone())
             .send()
             .await;
-        let mut response = match sent {
-            Ok(response) => response,
-            Err(error) => return transport_outcome(error),
-        };
+        let mut response = sent.map_err(transport_outcome)?;
         let status = response.status().as_u16();
-        let class = classify_status(status);
-        let retry_after = match class {
-            StatusClass::Congested | StatusClass::Retryable => retry_after(response.headers()),
-            StatusClass::Success | StatusClass::Final => None,
-        };
-        let dropped_reason = match class {
-            StatusClass::Congested => dropped_reason(response.headers()),
-            _ => None,
-        };
+        let headers = std::mem::take(response.headers_mut());
         let body = read_body(&mut response, self.inner.max_response_bytes).await;
-        match class {
-            StatusClass::Success => match body {
-                Body::Complete(bytes) => AttemptOutcome::Success {
-                    status,
-                    body: lossy(bytes),
-                },
-                Body::TooLarge(_) => AttemptOutcome::Failed {
-                    failure: AttemptFailure::BodyTooLarge {
-                        limit: self.inner.max_response_bytes,
-                    },
-                },
-                Body::Broken(_, error) => AttemptOutcome::Retryable {
-                    failure: AttemptFailure::Body(render(&error)),
-                    retry_after: None,
-                },
-            },
-            // For answers that are not a success the status decides; a
-            // broken or oversized body keeps what was read.
-            StatusClass::Final => AttemptOutcome::Final {
-                status,
-                body: lossy(body.into_bytes()),
-            },
-            StatusClass::Congested => AttemptOutcome::Congested {
-                status,
-                body: lossy(body.into_bytes()),
-                retry_after,
-                dropped_reason,
-            },
-            StatusClass::Retryable => AttemptOutcome::Retryable {
-                failure: AttemptFailure::Http {
-                    status,
-                    body: lossy(body.into_bytes()),
-                },
-                retry_after,
-            },
-        }
+        Ok(Answer {
+            status,
+            headers,
+            body,
+        })
     }
 }
 
+/// What one answer means for the dispatch loop.
+fn outcome_of(answer: Answer, limit: usize) -> AttemptOutcome {
+    let Answer {
+        status,
+        headers,
+        body,
+    } = answer;
+    match classify_status(status) {
+        StatusClass::Success => match body {
+            Body::Complete(bytes) => AttemptOutcome::Success {
+                status,
+                body: lossy(bytes),
+            },
+            Body::TooLarge(_) => AttemptOutcome::Failed {
+                failure: AttemptFailure::BodyTooLarge { limit },
+            },
+            Body::Broken(_, error) => AttemptOutcome::Retryable {
+                failure: AttemptFailure::Body(error),
+                retry_after: None,
+            },
+        },
+        // For answers that are not a success the status decides; a broken
+        // or oversized body keeps what was read.
+        StatusClass::Final => AttemptOutcome::Final {
+            status,
+            body: lossy(body.into_bytes()),
+        },
+        StatusClass::Congested => AttemptOutcome::Congested {
+            status,
+            body: lossy(body.into_bytes()),
+            retry_after: retry_after(&headers),
+            dropped_reason: dropped_reason(&headers),
+        },
+        StatusClass::Retryable => AttemptOutcome::Retryable {
+            failure: AttemptFailure::Http {
+                status,
+                body: lossy(body.into_bytes()),
+            },
+            retry_after: retry_after(&headers),
+        },
+    }
+}
+
+/// An exchange of the HTTP/1.1 client that produced no answer.
+fn exchange_outcome(error: ExchangeError) -> AttemptOutcome {
+    let failure = match error {
+        ExchangeError::Connect(reason) => AttemptFailure::Connect(reason),
+        ExchangeError::Reset(reason) => AttemptFailure::Reset(reason),
+        ExchangeError::Request(reason) => {
+            return AttemptOutcome::Failed {
+                failure: AttemptFailure::Request(reason),
+            };
+        }
+    };
+    AttemptOutcome::Retryable {
+        failure,
+        retry_after: None,
+    }
+}
+
+/// The answer of one exchange: status, headers and the body read up to
+/// the limit.
+pub(super) struct Answer {
+    pub(super) status: u16,
+    pub(super) headers: HeaderMap,
+    pub(super) body: Body,
+}
+
 /// A response body read up to the limit.
-enum Body {
+pub(super) enum Body {
     /// The whole body, within the limit.
     Complete(Vec<u8>),
-    /// The first `limit` bytes of a longer body.
+    /// The first bytes (up to the limit) of a longer body; empty when a
+    /// success declared a length over the limit, which is not read.
     TooLarge(Vec<u8>),
-    /// What arrived before reading failed.
-    Broken(Vec<u8>, reqwest::Error),
+    /// What arrived before reading failed, and why it failed.
+    Broken(Vec<u8>, String),
 }
 
 impl Body {
-    fn into_bytes(self) -> Vec<u8> {
+    pub(super) fn into_bytes(self) -> Vec<u8> {
         match self {
             Self::Complete(bytes) | Self::TooLarge(bytes) | Self::Broken(bytes, _) => bytes,
         }
@@ -307,7 +379,7 @@ async fn read_body(response: &mut reqwest::Response, limit: usize) -> Body {
                 bytes.extend_from_slice(&chunk);
             }
             Ok(None) => return Body::Complete(bytes),
-            Err(error) => return Body::Broken(bytes, error),
+            Err(error) => return Body::Broken(bytes, render(&error)),
         }
     }
 }

@@ -33,6 +33,7 @@ use crate::config::{Config, GatewayConfig, Unit};
 
 mod classify;
 mod client;
+mod http1;
 mod target;
 mod time;
 
