@@ -1037,3 +1037,181 @@ async fn after_a_cancel_an_answer_in_flight_past_30_seconds_is_kept() {
     );
     served.stop().await;
 }
+
+/// One OpenAI batch line on `url` with `body`.
+fn line_on(custom_id: &str, url: &str, body: &Value) -> String {
+    json!({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).to_string()
+}
+
+/// The output lines of a finished batch, by `custom_id`.
+async fn outputs(api: &Api, done: &Value) -> std::collections::BTreeMap<String, Value> {
+    let out = done["output_file_id"].as_str().expect("an output file");
+    let (status, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    assert_eq!(status, 200);
+    lines_of(&text)
+        .into_iter()
+        .map(|l| (l["custom_id"].as_str().unwrap_or_default().to_owned(), l))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_responses_batches_run_through_the_pool() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+
+    let inputs = [
+        ("text", json!("the quick brown fox")),
+        ("strings", json!(["the quick brown fox", "a lazy dog"])),
+        ("tokens", json!([[101, 2023, 2003], [7]])),
+        ("again", json!("the quick brown fox")),
+    ];
+    let lines: Vec<String> = (inputs.iter())
+        .map(|(id, input)| {
+            line_on(
+                id,
+                "/v1/embeddings",
+                &json!({"model": "sim-model", "input": input}),
+            )
+        })
+        .collect();
+    let batch = api.batch(&lines.join("\n"), "/v1/embeddings", "24h").await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["request_counts"]["completed"], 4, "{done}");
+    let out = outputs(&api, &done).await;
+    for (id, input) in &inputs {
+        let line = &out[*id];
+        assert!(line["error"].is_null(), "{line}");
+        assert_eq!(line["response"]["status_code"], 200, "{line}");
+        let body = &line["response"]["body"];
+        assert_eq!(body["object"], "list", "{line}");
+        let items = input.as_array().map_or(1, Vec::len);
+        let data = body["data"].as_array().expect("data");
+        assert_eq!(data.len(), items, "one vector per input item: {line}");
+        for (i, d) in data.iter().enumerate() {
+            assert_eq!(
+                (d["object"].as_str(), d["index"].as_u64()),
+                (Some("embedding"), Some(i as u64))
+            );
+            assert_eq!(d["embedding"].as_array().map(Vec::len), Some(16), "{line}");
+        }
+        assert!(body["usage"]["prompt_tokens"].as_u64() > Some(0), "{line}");
+    }
+    // Deterministic: the same text gets the same vector, another text not.
+    let vector = |id: &str, i: usize| out[id]["response"]["body"]["data"][i]["embedding"].clone();
+    assert_eq!(vector("text", 0), vector("again", 0));
+    assert_eq!(vector("text", 0), vector("strings", 0));
+    assert_ne!(vector("strings", 0), vector("strings", 1));
+
+    let lines = [
+        line_on(
+            "plain",
+            "/v1/responses",
+            &json!({"model": "sim-model", "input": "hello", "max_output_tokens": 6}),
+        ),
+        line_on(
+            "items",
+            "/v1/responses",
+            &json!({"model": "sim-model", "instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], "max_output_tokens": 4}),
+        ),
+    ];
+    let batch = api.batch(&lines.join("\n"), "/v1/responses", "24h").await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let out = outputs(&api, &done).await;
+    for (id, max) in [("plain", 6), ("items", 4)] {
+        let body = &out[id]["response"]["body"];
+        assert_eq!(out[id]["response"]["status_code"], 200, "{body}");
+        assert_eq!(body["object"], "response", "{body}");
+        assert_eq!(body["output"][0]["type"], "message", "{body}");
+        assert_eq!(body["output"][0]["role"], "assistant", "{body}");
+        let text = body["output"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap_or("");
+        assert!(!text.is_empty(), "{body}");
+        assert_eq!(body["usage"]["output_tokens"], max, "{body}");
+        assert!(body["usage"]["input_tokens"].as_u64() > Some(0), "{body}");
+    }
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_responses_lines_are_checked_for_their_endpoint() {
+    let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
+    let api = Api::new(&served.base, None);
+    let cases = [
+        (
+            "/v1/embeddings",
+            json!({"model": "m", "input": "fine"}),
+            None,
+        ),
+        ("/v1/embeddings", json!({"model": "m"}), Some("body.input")),
+        (
+            "/v1/embeddings",
+            json!({"model": "m", "input": []}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": "m", "input": ["a", 1]}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"input": "no model"}),
+            Some("body.model"),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": "fine"}),
+            None,
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": ""}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": ["not an item"]}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "no model"}),
+            Some("body.model"),
+        ),
+    ];
+    for endpoint in ["/v1/embeddings", "/v1/responses"] {
+        let mine: Vec<_> = cases.iter().filter(|c| c.0 == endpoint).collect();
+        let lines: Vec<String> = (mine.iter().enumerate())
+            .map(|(i, (url, body, _))| line_on(&format!("l{i}"), url, body))
+            .collect();
+        let batch = api.batch(&lines.join("\n"), endpoint, "24h").await;
+        let done = api
+            .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+            .await;
+        assert_eq!(done["status"], "failed", "{done}");
+        let got: Vec<(u64, &str, &str)> =
+            (done["errors"]["data"].as_array().expect("errors").iter())
+                .map(|e| {
+                    (
+                        e["line"].as_u64().unwrap_or(0),
+                        e["code"].as_str().unwrap_or(""),
+                        e["param"].as_str().unwrap_or(""),
+                    )
+                })
+                .collect();
+        let want: Vec<(u64, &str, &str)> = (mine.iter().enumerate())
+            .filter_map(|(i, c)| c.2.map(|p| (i as u64 + 1, "invalid_request", p)))
+            .collect();
+        assert_eq!(got, want, "{done}");
+    }
+    served.stop().await;
+}

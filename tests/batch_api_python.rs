@@ -68,7 +68,7 @@ async fn the_openai_python_client_drives_the_batch_api() {
         output.status.success(),
         "the Python client suite failed:\n{text}"
     );
-    assert!(text.contains("11 passed"), "every Python test ran:\n{text}");
+    assert!(text.contains("12 passed"), "every Python test ran:\n{text}");
     open.stop().await;
     closed.stop().await;
     sim.shutdown().await.expect("simulator stops");

@@ -28,6 +28,7 @@ use super::model::{
 };
 use super::sink::{Sink, SinkError};
 use super::store::{Recorded, Store, StoreError};
+use crate::batch::endpoint::Endpoint;
 use crate::batch::input::openai_request;
 use crate::batch::output::openai_line;
 use crate::queue::embedded::EmbeddedQueue;
@@ -263,11 +264,11 @@ impl Engine {
         if text.trim().is_empty() {
             return Ok(None);
         }
-        match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(_)) => {}
+        let object = match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(object)) => object,
             Ok(_) => return Err(invalid_json("not a JSON object".into())),
             Err(e) => return Err(invalid_json(format!("not valid JSON: {e}"))),
-        }
+        };
         let invalid = |why: String, param: Option<&str>| {
             line_error(
                 "invalid_request",
@@ -293,6 +294,19 @@ impl Engine {
                 Some("url"),
                 Some(n),
             ));
+        }
+        // `openai_request` took only lines whose body is an object.
+        if let (Some(endpoint), Some(Value::Object(body))) =
+            (Endpoint::parse(&batch.endpoint), object.get("body"))
+        {
+            endpoint.check_body(body).map_err(|e| {
+                line_error(
+                    "invalid_request",
+                    format!("line {n}: {}", e.message),
+                    Some(e.param),
+                    Some(n),
+                )
+            })?;
         }
         let custom_id = message.request.id.clone();
         if batch.message_id(&custom_id).len() > MAX_ID_LEN {

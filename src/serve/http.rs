@@ -21,15 +21,9 @@ use tokio::io::AsyncWriteExt;
 use super::auth::Keys;
 use super::engine::Engine;
 use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id, now};
+use crate::batch::endpoint::Endpoint;
 use crate::config::parse_duration;
 
-/// Endpoints a batch may name (OpenAI's list).
-pub const ENDPOINTS: [&str; 4] = [
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-];
 /// Most `metadata` pairs on a batch (OpenAI's limit).
 const MAX_METADATA: usize = 16;
 /// Longest `metadata` key in characters (OpenAI's limit).
@@ -490,11 +484,12 @@ async fn create_batch(
     let endpoint = req
         .endpoint
         .ok_or_else(|| ApiError::invalid("endpoint is required", Some("endpoint")))?;
-    if !ENDPOINTS.contains(&endpoint.as_str()) {
+    if Endpoint::parse(&endpoint).is_none() {
+        let allowed: Vec<&str> = Endpoint::ALL.iter().map(|e| e.as_str()).collect();
         return Err(ApiError::invalid(
             format!(
                 "endpoint {endpoint} is not supported; allowed: {}",
-                ENDPOINTS.join(", ")
+                allowed.join(", ")
             ),
             Some("endpoint"),
         ));

@@ -251,3 +251,77 @@ def test_request_counts_never_contradict():
             return
         assert time.monotonic() < give_up, now
         time.sleep(0.02)
+
+def test_embeddings_and_responses_batches():
+    from openai.types import CreateEmbeddingResponse
+    from openai.types.responses import Response
+
+    c = client()
+    # Bodies as client.embeddings.create and client.responses.create send them.
+    emb = [
+        {"custom_id": "e-text", "input": "the quick brown fox"},
+        {"custom_id": "e-list", "input": ["the quick brown fox", "a lazy dog"]},
+        {"custom_id": "e-tokens", "input": [[101, 2023], [7, 8, 9]]},
+    ]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": e["custom_id"],
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "sim-model", "input": e["input"], "encoding_format": "float"},
+            }
+        )
+        for e in emb
+    ]
+    f = upload(c, lines)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    out = {o["custom_id"]: o for o in jsonl(c, done.output_file_id)}
+    vectors = {}
+    for e in emb:
+        o = out[e["custom_id"]]
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        parsed = CreateEmbeddingResponse.model_validate(o["response"]["body"])
+        n = len(e["input"]) if isinstance(e["input"], list) else 1
+        assert [d.index for d in parsed.data] == list(range(n))
+        assert all(len(d.embedding) == 16 for d in parsed.data)
+        assert parsed.usage.prompt_tokens > 0
+        vectors[e["custom_id"]] = [d.embedding for d in parsed.data]
+    # The same text, the same vector.
+    assert vectors["e-text"][0] == vectors["e-list"][0]
+    assert vectors["e-list"][0] != vectors["e-list"][1]
+
+    lines = [
+        json.dumps(
+            {
+                "custom_id": "r1",
+                "method": "POST",
+                "url": "/v1/responses",
+                "body": {
+                    "model": "sim-model",
+                    "input": [{"role": "user", "content": "Say hello"}],
+                    "max_output_tokens": 5,
+                },
+            }
+        )
+    ]
+    f = upload(c, lines)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    [o] = jsonl(c, done.output_file_id)
+    r = Response.model_validate(o["response"]["body"])
+    assert r.output_text
+    assert r.usage.output_tokens == 5 and r.usage.input_tokens > 0
+
+    # A line without its endpoint's required field fails the batch by line.
+    bad = json.dumps(
+        {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {"model": "sim-model"}}
+    )
+    f = upload(c, [bad])
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done, _ = poll(c, b.id)
+    assert done.status == "failed"
+    assert [(e.line, e.code, e.param) for e in done.errors.data] == [(1, "invalid_request", "body.input")]
