@@ -1215,3 +1215,194 @@ async fn embeddings_and_responses_lines_are_checked_for_their_endpoint() {
     }
     served.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_expire_by_expires_after_output_expires_after_or_the_default() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+    let lines = completion_lines(2, 4);
+    let expiry = |seconds: &'static str| {
+        [
+            ("expires_after[anchor]", "created_at"),
+            ("expires_after[seconds]", seconds),
+        ]
+    };
+
+    let (status, file) = api
+        .upload_with("batch", lines.as_bytes(), &expiry("3600"))
+        .await;
+    assert_eq!(status, 200, "{file}");
+    assert_eq!(
+        file["expires_at"].as_i64(),
+        file["created_at"].as_i64().map(|c| c + 3600)
+    );
+    let (_, again) = api
+        .get(&format!("/v1/files/{}", file["id"].as_str().unwrap_or("")))
+        .await;
+    assert_eq!(again["expires_at"], file["expires_at"]);
+    // The default, 30 days (OpenAI's for purpose=batch).
+    let (_, plain) = api.upload("batch", lines.as_bytes()).await;
+    assert_eq!(
+        plain["expires_at"].as_i64(),
+        plain["created_at"].as_i64().map(|c| c + 2_592_000)
+    );
+    for fields in [
+        expiry("3599").to_vec(),
+        expiry("2592001").to_vec(),
+        expiry("soon").to_vec(),
+        vec![
+            ("expires_after[anchor]", "last_active_at"),
+            ("expires_after[seconds]", "3600"),
+        ],
+        vec![("expires_after[seconds]", "3600")],
+    ] {
+        let (status, body) = api.upload_with("batch", lines.as_bytes(), &fields).await;
+        assert_eq!(status, 400, "{fields:?}: {body}");
+        assert_eq!(body["error"]["param"], "expires_after", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
+
+    let create = |extra: Value| {
+        let mut body = json!({"input_file_id": plain["id"], "endpoint": "/v1/completions", "completion_window": "24h"});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body
+    };
+    for bad in [
+        json!({"anchor": "created_at", "seconds": 60}),
+        json!({"anchor": "created_at"}),
+        json!({"anchor": "batch_created_at", "seconds": 3600}),
+        json!("1h"),
+    ] {
+        let (status, body) = api
+            .post("/v1/batches", &create(json!({"output_expires_after": bad})))
+            .await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["param"], "output_expires_after", "{body}");
+    }
+    let (status, batch) = api
+        .post(
+            "/v1/batches",
+            &create(json!({"output_expires_after": {"anchor": "created_at", "seconds": 7200}})),
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let out = done["output_file_id"].as_str().expect("output");
+    let (_, output) = api.get(&format!("/v1/files/{out}")).await;
+    // Anchored at the output file's creation.
+    assert_eq!(
+        output["expires_at"].as_i64(),
+        output["created_at"].as_i64().map(|c| c + 7200),
+        "{output}"
+    );
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// With a 2 s `serve.file_retention`: an upload answers 404 once expired,
+/// leaves the list, and the sweeper deletes its body and record while the
+/// gauge follows; the input of a running batch is kept until the batch
+/// ends, then (with `end_batch`) swept with the batch's own output files.
+/// (On Redis the cancel of requests a closed gate holds is answered only
+/// when the dispatcher takes them, so that run leaves the batch running.)
+async fn expired_files_are_swept(
+    spec: &mut ServeSpec,
+    data_dir: Option<&std::path::Path>,
+    end_batch: bool,
+) {
+    spec.closed_gate = true;
+    spec.file_retention = Some(Duration::from_secs(2));
+    let served = start(spec, data_dir).await;
+    let bodies = data_dir
+        .map_or_else(|| served.dir.0.join("data"), std::path::Path::to_path_buf)
+        .join("files");
+    let api = Api::new(&served.base, None);
+    let lines = completion_lines(2, 4);
+    let (_, loose) = api.upload("batch", lines.as_bytes()).await;
+    let loose_id = loose["id"].as_str().expect("id").to_owned();
+    let batch = api.batch(&lines, "/v1/completions", "24h").await;
+    let batch_id = batch["id"].as_str().expect("id").to_owned();
+    let input_id = batch["input_file_id"].as_str().expect("input").to_owned();
+    assert_eq!(
+        loose["expires_at"].as_i64(),
+        loose["created_at"].as_i64().map(|c| c + 2)
+    );
+    let gauge = |bytes: u64| format!("sluicegate_batch_file_bytes{{queue=\"batch-api\"}} {bytes}");
+    let size = lines.len() as u64;
+    support::wait_until(LONG, "the gauge counts both uploads", || {
+        served.server.metrics.encode().contains(&gauge(2 * size))
+    })
+    .await;
+
+    let give_up = std::time::Instant::now() + LONG;
+    while api.get(&format!("/v1/files/{loose_id}")).await.0 != 404 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the file never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, body) = api.text(&format!("/v1/files/{loose_id}/content")).await;
+    assert_eq!(status, 404, "{body}");
+    let (_, listed) = api.get("/v1/files").await;
+    assert_eq!(listed["data"], json!([]), "expired files leave the list");
+
+    support::wait_until(LONG, "the expired upload is deleted", || {
+        !bodies.join(&loose_id).exists()
+    })
+    .await;
+    support::wait_until(LONG, "the gauge drops", || {
+        served.server.metrics.encode().contains(&gauge(size))
+    })
+    .await;
+    // The running batch still reads its input (expired: 404 to clients).
+    assert!(
+        bodies.join(&input_id).exists(),
+        "a running batch's input is kept"
+    );
+    assert_eq!(api.get(&format!("/v1/files/{input_id}")).await.0, 404);
+    if !end_batch {
+        served.stop().await;
+        return;
+    }
+
+    let (status, _) = api
+        .post(&format!("/v1/batches/{batch_id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let done = api.wait_for(&batch_id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let errors = done["error_file_id"]
+        .as_str()
+        .expect("error file")
+        .to_owned();
+    support::wait_until(LONG, "the ended batch's files are deleted", || {
+        !bodies.join(&input_id).exists() && !bodies.join(&errors).exists()
+    })
+    .await;
+    support::wait_until(LONG, "the gauge reaches 0", || {
+        served.server.metrics.encode().contains(&gauge(0))
+    })
+    .await;
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_deletes_expired_files_and_keeps_running_inputs() {
+    expired_files_are_swept(&mut ServeSpec::new("http://127.0.0.1:9"), None, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_deletes_expired_files_on_redis() {
+    let redis = RedisServer::start();
+    let shared = support::TempDir::new("serve-retention");
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.redis_port = Some(redis.port);
+    expired_files_are_swept(&mut spec, Some(&shared.0), false).await;
+}

@@ -26,6 +26,7 @@ use super::files::{Bodies, Line, read_line};
 use super::model::{
     BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
 };
+use super::retention::Retention;
 use super::sink::{Sink, SinkError};
 use super::store::{Recorded, Store, StoreError};
 use crate::batch::endpoint::Endpoint;
@@ -73,6 +74,8 @@ pub struct Limits {
     pub max_line_bytes: u64,
     /// Most requests per batch.
     pub max_lines: u64,
+    /// How long files are kept when they name no expiry.
+    pub retention: Retention,
 }
 
 /// A lifecycle step that failed (logged; the sweep tries again).
@@ -1059,13 +1062,17 @@ impl Engine {
             return Ok(None);
         }
         self.bodies.commit(temp, &id).await?;
+        // Anchored at the file's creation, not the batch's (as OpenAI
+        // anchors `output_expires_after`).
+        let created_at = now();
         let file = FileRecord {
             id: id.clone(),
             tenant: batch.tenant.clone(),
             bytes,
-            created_at: now(),
+            created_at,
             filename: format!("{}_{name}.jsonl", batch.id),
             purpose: "batch_output".into(),
+            expires_at: (self.limits.retention).expires_at(created_at, batch.output_expires_after),
         };
         self.store.put_file(&file).await?;
         Ok(Some(id))
@@ -1088,6 +1095,7 @@ mod tests {
                 max_file_bytes: 1 << 20,
                 max_line_bytes: 1 << 10,
                 max_lines: 10,
+                retention: Retention::new(Duration::ZERO),
             },
             Some("userid".into()),
             crate::telemetry::Metrics::new().batch_api("q"),
@@ -1102,6 +1110,7 @@ mod tests {
             completion_window: "1h".into(),
             window_secs: 3600,
             metadata: Default::default(),
+            output_expires_after: None,
         });
         batch.status = status;
         batch
