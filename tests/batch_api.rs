@@ -547,6 +547,32 @@ fn bad_serve_keys_stop_check_config_and_serve_naming_the_key() {
     }
 }
 
+#[test]
+fn a_bad_file_retention_stops_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-retention-config");
+    let file = dir.0.join("bad.toml");
+    std::fs::write(
+        &file,
+        "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n[serve]\nfile_retention = \"100ms\"\n",
+    )
+    .expect("write config");
+    let path = file.to_str().expect("utf-8 path");
+    for args in [
+        ["check-config", "--config", path],
+        ["serve", "--config", path],
+    ] {
+        let out = support::cli::output(&mut support::cli::sluicegate(&args));
+        let err = support::cli::text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(
+                "serve.file_retention: must be 0 (keep files until deleted) or at least 1s, got 100ms"
+            ),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_far_over_the_limit_gets_413_file_too_large() {
     // Issue 22: 2 MiB against a 1 MiB limit ran into the body limit (the

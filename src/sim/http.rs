@@ -1357,4 +1357,37 @@ mod tests {
         }
         assert!(parse(Api::Chat, br#"{"messages": []}"#, &cfg).is_err());
     }
+
+    #[test]
+    fn embeddings_are_prefill_only_and_responses_take_max_output_tokens() {
+        let cfg = SimConfig::default();
+        // `max_tokens` and `stream` mean nothing to embeddings: one token,
+        // the prefill's, ends them.
+        let p = parse(
+            Api::Embeddings,
+            br#"{"model":"e","input":["abcd","efgh"],"max_tokens":50,"stream":true}"#,
+            &cfg,
+        )
+        .unwrap();
+        assert_eq!((p.prompt_tokens, p.max_tokens, p.stream), (2, 1, false));
+        assert_eq!(p.embed.map(|e| e.seeds.len()), Some(2));
+        let p = parse(
+            Api::Responses,
+            br#"{"input":"abcdefgh","max_output_tokens":7,"max_tokens":99}"#,
+            &cfg,
+        )
+        .unwrap();
+        assert_eq!((p.prompt_tokens, p.max_tokens), (2, 7));
+        for bad in [
+            &br#"{"input":"x","stream":true}"#[..],
+            br#"{"input":[]}"#,
+            br#"{"input":"x","max_output_tokens":0}"#,
+        ] {
+            let r = parse(Api::Responses, bad, &cfg)
+                .unwrap_err()
+                .into_response();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        }
+        assert!(parse(Api::Embeddings, br#"{"input":[]}"#, &cfg).is_err());
+    }
 }
