@@ -547,6 +547,32 @@ fn bad_serve_keys_stop_check_config_and_serve_naming_the_key() {
     }
 }
 
+#[test]
+fn a_bad_file_retention_stops_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-retention-config");
+    let file = dir.0.join("bad.toml");
+    std::fs::write(
+        &file,
+        "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n[serve]\nfile_retention = \"100ms\"\n",
+    )
+    .expect("write config");
+    let path = file.to_str().expect("utf-8 path");
+    for args in [
+        ["check-config", "--config", path],
+        ["serve", "--config", path],
+    ] {
+        let out = support::cli::output(&mut support::cli::sluicegate(&args));
+        let err = support::cli::text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(
+                "serve.file_retention: must be 0 (keep files until deleted) or at least 1s, got 100ms"
+            ),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_far_over_the_limit_gets_413_file_too_large() {
     // Issue 22: 2 MiB against a 1 MiB limit ran into the body limit (the
@@ -1036,4 +1062,373 @@ async fn after_a_cancel_an_answer_in_flight_past_30_seconds_is_kept() {
         "{done}"
     );
     served.stop().await;
+}
+
+/// One OpenAI batch line on `url` with `body`.
+fn line_on(custom_id: &str, url: &str, body: &Value) -> String {
+    json!({"custom_id": custom_id, "method": "POST", "url": url, "body": body}).to_string()
+}
+
+/// The output lines of a finished batch, by `custom_id`.
+async fn outputs(api: &Api, done: &Value) -> std::collections::BTreeMap<String, Value> {
+    let out = done["output_file_id"].as_str().expect("an output file");
+    let (status, text) = api.text(&format!("/v1/files/{out}/content")).await;
+    assert_eq!(status, 200);
+    lines_of(&text)
+        .into_iter()
+        .map(|l| (l["custom_id"].as_str().unwrap_or_default().to_owned(), l))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_responses_batches_run_through_the_pool() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+
+    let inputs = [
+        ("text", json!("the quick brown fox")),
+        ("strings", json!(["the quick brown fox", "a lazy dog"])),
+        ("tokens", json!([[101, 2023, 2003], [7]])),
+        ("again", json!("the quick brown fox")),
+    ];
+    let lines: Vec<String> = (inputs.iter())
+        .map(|(id, input)| {
+            line_on(
+                id,
+                "/v1/embeddings",
+                &json!({"model": "sim-model", "input": input}),
+            )
+        })
+        .collect();
+    let batch = api.batch(&lines.join("\n"), "/v1/embeddings", "24h").await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["request_counts"]["completed"], 4, "{done}");
+    let out = outputs(&api, &done).await;
+    for (id, input) in &inputs {
+        let line = &out[*id];
+        assert!(line["error"].is_null(), "{line}");
+        assert_eq!(line["response"]["status_code"], 200, "{line}");
+        let body = &line["response"]["body"];
+        assert_eq!(body["object"], "list", "{line}");
+        let items = input.as_array().map_or(1, Vec::len);
+        let data = body["data"].as_array().expect("data");
+        assert_eq!(data.len(), items, "one vector per input item: {line}");
+        for (i, d) in data.iter().enumerate() {
+            assert_eq!(
+                (d["object"].as_str(), d["index"].as_u64()),
+                (Some("embedding"), Some(i as u64))
+            );
+            assert_eq!(d["embedding"].as_array().map(Vec::len), Some(16), "{line}");
+        }
+        assert!(body["usage"]["prompt_tokens"].as_u64() > Some(0), "{line}");
+    }
+    // Deterministic: the same text gets the same vector, another text not.
+    let vector = |id: &str, i: usize| out[id]["response"]["body"]["data"][i]["embedding"].clone();
+    assert_eq!(vector("text", 0), vector("again", 0));
+    assert_eq!(vector("text", 0), vector("strings", 0));
+    assert_ne!(vector("strings", 0), vector("strings", 1));
+
+    let lines = [
+        line_on(
+            "plain",
+            "/v1/responses",
+            &json!({"model": "sim-model", "input": "hello", "max_output_tokens": 6}),
+        ),
+        line_on(
+            "items",
+            "/v1/responses",
+            &json!({"model": "sim-model", "instructions": "be brief", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}], "max_output_tokens": 4}),
+        ),
+    ];
+    let batch = api.batch(&lines.join("\n"), "/v1/responses", "24h").await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let out = outputs(&api, &done).await;
+    for (id, max) in [("plain", 6), ("items", 4)] {
+        let body = &out[id]["response"]["body"];
+        assert_eq!(out[id]["response"]["status_code"], 200, "{body}");
+        assert_eq!(body["object"], "response", "{body}");
+        assert_eq!(body["output"][0]["type"], "message", "{body}");
+        assert_eq!(body["output"][0]["role"], "assistant", "{body}");
+        let text = body["output"][0]["content"][0]["text"]
+            .as_str()
+            .unwrap_or("");
+        assert!(!text.is_empty(), "{body}");
+        assert_eq!(body["usage"]["output_tokens"], max, "{body}");
+        assert!(body["usage"]["input_tokens"].as_u64() > Some(0), "{body}");
+    }
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_responses_lines_are_checked_for_their_endpoint() {
+    let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
+    let api = Api::new(&served.base, None);
+    let cases = [
+        (
+            "/v1/embeddings",
+            json!({"model": "m", "input": "fine"}),
+            None,
+        ),
+        ("/v1/embeddings", json!({"model": "m"}), Some("body.input")),
+        (
+            "/v1/embeddings",
+            json!({"model": "m", "input": []}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"model": "m", "input": ["a", 1]}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/embeddings",
+            json!({"input": "no model"}),
+            Some("body.model"),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": "fine"}),
+            None,
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": ""}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": ["not an item"]}),
+            Some("body.input"),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "no model"}),
+            Some("body.model"),
+        ),
+    ];
+    for endpoint in ["/v1/embeddings", "/v1/responses"] {
+        let mine: Vec<_> = cases.iter().filter(|c| c.0 == endpoint).collect();
+        let lines: Vec<String> = (mine.iter().enumerate())
+            .map(|(i, (url, body, _))| line_on(&format!("l{i}"), url, body))
+            .collect();
+        let batch = api.batch(&lines.join("\n"), endpoint, "24h").await;
+        let done = api
+            .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+            .await;
+        assert_eq!(done["status"], "failed", "{done}");
+        let got: Vec<(u64, &str, &str)> =
+            (done["errors"]["data"].as_array().expect("errors").iter())
+                .map(|e| {
+                    (
+                        e["line"].as_u64().unwrap_or(0),
+                        e["code"].as_str().unwrap_or(""),
+                        e["param"].as_str().unwrap_or(""),
+                    )
+                })
+                .collect();
+        let want: Vec<(u64, &str, &str)> = (mine.iter().enumerate())
+            .filter_map(|(i, c)| c.2.map(|p| (i as u64 + 1, "invalid_request", p)))
+            .collect();
+        assert_eq!(got, want, "{done}");
+    }
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_expire_by_expires_after_output_expires_after_or_the_default() {
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&served.base, None);
+    let lines = completion_lines(2, 4);
+    let expiry = |seconds: &'static str| {
+        [
+            ("expires_after[anchor]", "created_at"),
+            ("expires_after[seconds]", seconds),
+        ]
+    };
+
+    let (status, file) = api
+        .upload_with("batch", lines.as_bytes(), &expiry("3600"))
+        .await;
+    assert_eq!(status, 200, "{file}");
+    assert_eq!(
+        file["expires_at"].as_i64(),
+        file["created_at"].as_i64().map(|c| c + 3600)
+    );
+    let (_, again) = api
+        .get(&format!("/v1/files/{}", file["id"].as_str().unwrap_or("")))
+        .await;
+    assert_eq!(again["expires_at"], file["expires_at"]);
+    // The default, 30 days (OpenAI's for purpose=batch).
+    let (_, plain) = api.upload("batch", lines.as_bytes()).await;
+    assert_eq!(
+        plain["expires_at"].as_i64(),
+        plain["created_at"].as_i64().map(|c| c + 2_592_000)
+    );
+    for fields in [
+        expiry("3599").to_vec(),
+        expiry("2592001").to_vec(),
+        expiry("soon").to_vec(),
+        vec![
+            ("expires_after[anchor]", "last_active_at"),
+            ("expires_after[seconds]", "3600"),
+        ],
+        vec![("expires_after[seconds]", "3600")],
+    ] {
+        let (status, body) = api.upload_with("batch", lines.as_bytes(), &fields).await;
+        assert_eq!(status, 400, "{fields:?}: {body}");
+        assert_eq!(body["error"]["param"], "expires_after", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    }
+
+    let create = |extra: Value| {
+        let mut body = json!({"input_file_id": plain["id"], "endpoint": "/v1/completions", "completion_window": "24h"});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body
+    };
+    for bad in [
+        json!({"anchor": "created_at", "seconds": 60}),
+        json!({"anchor": "created_at"}),
+        json!({"anchor": "batch_created_at", "seconds": 3600}),
+        json!("1h"),
+    ] {
+        let (status, body) = api
+            .post("/v1/batches", &create(json!({"output_expires_after": bad})))
+            .await;
+        assert_eq!(status, 400, "{body}");
+        assert_eq!(body["error"]["param"], "output_expires_after", "{body}");
+    }
+    let (status, batch) = api
+        .post(
+            "/v1/batches",
+            &create(json!({"output_expires_after": {"anchor": "created_at", "seconds": 7200}})),
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let out = done["output_file_id"].as_str().expect("output");
+    let (_, output) = api.get(&format!("/v1/files/{out}")).await;
+    // Anchored at the output file's creation.
+    assert_eq!(
+        output["expires_at"].as_i64(),
+        output["created_at"].as_i64().map(|c| c + 7200),
+        "{output}"
+    );
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// With a 2 s `serve.file_retention`: an upload answers 404 once expired,
+/// leaves the list, and the sweeper deletes its body and record while the
+/// gauge follows; the input of a running batch is kept until the batch
+/// ends, then (with `end_batch`) swept with the batch's own output files.
+/// (On Redis the cancel of requests a closed gate holds is answered only
+/// when the dispatcher takes them, so that run leaves the batch running.)
+async fn expired_files_are_swept(
+    spec: &mut ServeSpec,
+    data_dir: Option<&std::path::Path>,
+    end_batch: bool,
+) {
+    spec.closed_gate = true;
+    spec.file_retention = Some(Duration::from_secs(2));
+    let served = start(spec, data_dir).await;
+    let bodies = data_dir
+        .map_or_else(|| served.dir.0.join("data"), std::path::Path::to_path_buf)
+        .join("files");
+    let api = Api::new(&served.base, None);
+    let lines = completion_lines(2, 4);
+    let (_, loose) = api.upload("batch", lines.as_bytes()).await;
+    let loose_id = loose["id"].as_str().expect("id").to_owned();
+    let batch = api.batch(&lines, "/v1/completions", "24h").await;
+    let batch_id = batch["id"].as_str().expect("id").to_owned();
+    let input_id = batch["input_file_id"].as_str().expect("input").to_owned();
+    assert_eq!(
+        loose["expires_at"].as_i64(),
+        loose["created_at"].as_i64().map(|c| c + 2)
+    );
+    let gauge = |bytes: u64| format!("sluicegate_batch_file_bytes{{queue=\"batch-api\"}} {bytes}");
+    let size = lines.len() as u64;
+    support::wait_until(LONG, "the gauge counts both uploads", || {
+        served.server.metrics.encode().contains(&gauge(2 * size))
+    })
+    .await;
+
+    let give_up = std::time::Instant::now() + LONG;
+    while api.get(&format!("/v1/files/{loose_id}")).await.0 != 404 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the file never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, body) = api.text(&format!("/v1/files/{loose_id}/content")).await;
+    assert_eq!(status, 404, "{body}");
+    let (_, listed) = api.get("/v1/files").await;
+    assert_eq!(listed["data"], json!([]), "expired files leave the list");
+
+    support::wait_until(LONG, "the expired upload is deleted", || {
+        !bodies.join(&loose_id).exists()
+    })
+    .await;
+    support::wait_until(LONG, "the gauge drops", || {
+        served.server.metrics.encode().contains(&gauge(size))
+    })
+    .await;
+    // The running batch still reads its input (expired: 404 to clients).
+    assert!(
+        bodies.join(&input_id).exists(),
+        "a running batch's input is kept"
+    );
+    assert_eq!(api.get(&format!("/v1/files/{input_id}")).await.0, 404);
+    if !end_batch {
+        served.stop().await;
+        return;
+    }
+
+    let (status, _) = api
+        .post(&format!("/v1/batches/{batch_id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200);
+    let done = api.wait_for(&batch_id, LONG, terminal).await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let errors = done["error_file_id"]
+        .as_str()
+        .expect("error file")
+        .to_owned();
+    support::wait_until(LONG, "the ended batch's files are deleted", || {
+        !bodies.join(&input_id).exists() && !bodies.join(&errors).exists()
+    })
+    .await;
+    support::wait_until(LONG, "the gauge reaches 0", || {
+        served.server.metrics.encode().contains(&gauge(0))
+    })
+    .await;
+    served.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_deletes_expired_files_and_keeps_running_inputs() {
+    expired_files_are_swept(&mut ServeSpec::new("http://127.0.0.1:9"), None, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_deletes_expired_files_on_redis() {
+    let redis = RedisServer::start();
+    let shared = support::TempDir::new("serve-retention");
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.redis_port = Some(redis.port);
+    expired_files_are_swept(&mut spec, Some(&shared.0), false).await;
 }

@@ -35,7 +35,11 @@ async fn the_openai_python_client_drives_the_batch_api() {
     let open = start(&spec, None).await;
     spec.closed_gate = true;
     let closed = start(&spec, None).await;
-    let (open_base, closed_base) = (open.base.clone(), closed.base.clone());
+    spec.closed_gate = false;
+    spec.file_retention = Some(std::time::Duration::from_secs(2));
+    let short = start(&spec, None).await;
+    let (open_base, closed_base, short_base) =
+        (open.base.clone(), closed.base.clone(), short.base.clone());
     let output = tokio::task::spawn_blocking(move || {
         Command::new(python)
             .args([
@@ -49,6 +53,7 @@ async fn the_openai_python_client_drives_the_batch_api() {
             .current_dir(root)
             .env("SLUICEGATE_API_BASE", open_base)
             .env("SLUICEGATE_API_BASE_CLOSED", closed_base)
+            .env("SLUICEGATE_API_BASE_SHORT", short_base)
             .env("SLUICEGATE_KEY_A", "key-alice")
             .env("SLUICEGATE_KEY_B", "key-bob")
             .env_remove("OPENAI_API_KEY")
@@ -68,8 +73,9 @@ async fn the_openai_python_client_drives_the_batch_api() {
         output.status.success(),
         "the Python client suite failed:\n{text}"
     );
-    assert!(text.contains("11 passed"), "every Python test ran:\n{text}");
+    assert!(text.contains("14 passed"), "every Python test ran:\n{text}");
     open.stop().await;
     closed.stop().await;
+    short.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }

@@ -2,7 +2,8 @@
 //! lines) through a gate into the gateway, results in the OpenAI batch
 //! output shape, resumable after Ctrl-C or a crash.
 //!
-//! Files: `input.rs` parses and converts input lines; `output.rs` writes
+//! Files: `endpoint.rs` names the endpoints a batch may use and checks
+//! their request bodies; `input.rs` parses and converts input lines; `output.rs` writes
 //! output lines; `watch.rs` records what the gate said; `status.rs` tells
 //! apart what holds the batch back (gate closed, source unavailable,
 //! congestion hold, window full) for the progress line and summary (the
@@ -18,6 +19,7 @@
 //! result is sent again. The output file is rewritten from the store, in
 //! input order, at the end of every run.
 
+pub mod endpoint;
 pub mod input;
 pub mod output;
 pub mod status;

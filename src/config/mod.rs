@@ -54,7 +54,7 @@ use serde_json::{Map, Value};
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
     constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_i64,
-    optional_string, path, pool_name, redis_url, socket_addr, tenant_weights, url_path,
+    optional_string, path, pool_name, redis_url, retention, socket_addr, tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -511,6 +511,12 @@ section! {
         max_line_bytes: u64 = 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
         /// Most requests in one batch.
         max_lines_per_batch: u64 = 50_000, |v| as_u64_in(v, 1, u64::MAX);
+        /// How long a file is kept when it names no expiry (an upload
+        /// without `expires_after`, the output of a batch without
+        /// `output_expires_after`); `0` keeps it until deleted. 30 days
+        /// is OpenAI's default for `purpose=batch` files.
+        #[serde(serialize_with = "render::duration")]
+        file_retention: Duration = Duration::from_secs(30 * 86_400), retention;
         /// Redis transport: the list the batch requests' results go to
         /// (unless the queue sets `result_queue_name`); only serve reads it.
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;

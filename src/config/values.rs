@@ -221,6 +221,18 @@ pub(crate) fn duration_min(min: Duration) -> impl Fn(&Value) -> Result<Duration,
     }
 }
 
+/// A retention: `0` (keep until deleted) or at least one second (expiry
+/// times are whole Unix seconds).
+pub(crate) fn retention(v: &Value) -> Result<Duration, String> {
+    match as_duration(v)? {
+        d if d.is_zero() || d >= Duration::from_secs(1) => Ok(d),
+        d => Err(format!(
+            "must be 0 (keep files until deleted) or at least 1s, got {}",
+            format_duration(d)
+        )),
+    }
+}
+
 /// One of an enum's spellings (`CHOICES` of a `spelled!` enum).
 pub(crate) fn choice<T: Copy>(choices: &[(&str, T)]) -> impl Fn(&Value) -> Result<T, String> {
     move |v| {

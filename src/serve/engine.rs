@@ -26,8 +26,10 @@ use super::files::{Bodies, Line, read_line};
 use super::model::{
     BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
 };
+use super::retention::Retention;
 use super::sink::{Sink, SinkError};
 use super::store::{Recorded, Store, StoreError};
+use crate::batch::endpoint::Endpoint;
 use crate::batch::input::openai_request;
 use crate::batch::output::openai_line;
 use crate::queue::embedded::EmbeddedQueue;
@@ -72,6 +74,8 @@ pub struct Limits {
     pub max_line_bytes: u64,
     /// Most requests per batch.
     pub max_lines: u64,
+    /// How long files are kept when they name no expiry.
+    pub retention: Retention,
 }
 
 /// A lifecycle step that failed (logged; the sweep tries again).
@@ -263,11 +267,11 @@ impl Engine {
         if text.trim().is_empty() {
             return Ok(None);
         }
-        match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(_)) => {}
+        let object = match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(object)) => object,
             Ok(_) => return Err(invalid_json("not a JSON object".into())),
             Err(e) => return Err(invalid_json(format!("not valid JSON: {e}"))),
-        }
+        };
         let invalid = |why: String, param: Option<&str>| {
             line_error(
                 "invalid_request",
@@ -293,6 +297,19 @@ impl Engine {
                 Some("url"),
                 Some(n),
             ));
+        }
+        // `openai_request` took only lines whose body is an object.
+        if let (Some(endpoint), Some(Value::Object(body))) =
+            (Endpoint::parse(&batch.endpoint), object.get("body"))
+        {
+            endpoint.check_body(body).map_err(|e| {
+                line_error(
+                    "invalid_request",
+                    format!("line {n}: {}", e.message),
+                    Some(e.param),
+                    Some(n),
+                )
+            })?;
         }
         let custom_id = message.request.id.clone();
         if batch.message_id(&custom_id).len() > MAX_ID_LEN {
@@ -1045,13 +1062,17 @@ impl Engine {
             return Ok(None);
         }
         self.bodies.commit(temp, &id).await?;
+        // Anchored at the file's creation, not the batch's (as OpenAI
+        // anchors `output_expires_after`).
+        let created_at = now();
         let file = FileRecord {
             id: id.clone(),
             tenant: batch.tenant.clone(),
             bytes,
-            created_at: now(),
+            created_at,
             filename: format!("{}_{name}.jsonl", batch.id),
             purpose: "batch_output".into(),
+            expires_at: (self.limits.retention).expires_at(created_at, batch.output_expires_after),
         };
         self.store.put_file(&file).await?;
         Ok(Some(id))
@@ -1074,6 +1095,7 @@ mod tests {
                 max_file_bytes: 1 << 20,
                 max_line_bytes: 1 << 10,
                 max_lines: 10,
+                retention: Retention::new(Duration::ZERO),
             },
             Some("userid".into()),
             crate::telemetry::Metrics::new().batch_api("q"),
@@ -1088,6 +1110,7 @@ mod tests {
             completion_window: "1h".into(),
             window_secs: 3600,
             metadata: Default::default(),
+            output_expires_after: None,
         });
         batch.status = status;
         batch

@@ -3,7 +3,7 @@
 //! code}}`). A tenant sees only its own objects: another tenant's id
 //! answers 404, exactly like an id that does not exist.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use axum::Router;
@@ -21,15 +21,10 @@ use tokio::io::AsyncWriteExt;
 use super::auth::Keys;
 use super::engine::Engine;
 use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id, now};
+use super::retention::ExpiresAfter;
+use crate::batch::endpoint::Endpoint;
 use crate::config::parse_duration;
 
-/// Endpoints a batch may name (OpenAI's list).
-pub const ENDPOINTS: [&str; 4] = [
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-];
 /// Most `metadata` pairs on a batch (OpenAI's limit).
 const MAX_METADATA: usize = 16;
 /// Longest `metadata` key in characters (OpenAI's limit).
@@ -185,6 +180,9 @@ async fn upload(
     let bodies = &state.engine.bodies;
     let max = state.engine.limits.max_file_bytes;
     let mut purpose = None;
+    // `expires_after[anchor]` and `expires_after[seconds]`: how the
+    // OpenAI clients send the nested object in a multipart form.
+    let (mut expiry_anchor, mut expiry_seconds) = (None, None);
     let mut stored: Option<(std::path::PathBuf, String, u64)> = None;
     // The file went over `max`: the rest is read and discarded.
     let mut oversize = false;
@@ -219,6 +217,19 @@ async fn upload(
                         ApiError::invalid(format!("unreadable purpose: {e}"), Some("purpose"))
                     })?;
                     purpose = Some(text);
+                }
+                Some(name @ ("expires_after[anchor]" | "expires_after[seconds]")) => {
+                    let anchor = name == "expires_after[anchor]";
+                    let text = field.text().await.map_err(|e| {
+                        ApiError::invalid(
+                            format!("unreadable expires_after: {e}"),
+                            Some("expires_after"),
+                        )
+                    })?;
+                    match anchor {
+                        true => expiry_anchor = Some(text),
+                        false => expiry_seconds = Some(text),
+                    }
                 }
                 Some("file") => {
                     if stored.is_some() {
@@ -279,16 +290,27 @@ async fn upload(
             return Err(ApiError::invalid("purpose is required", Some("purpose")));
         }
     };
+    let expires_after =
+        match ExpiresAfter::from_form(expiry_anchor.as_deref(), expiry_seconds.as_deref()) {
+            Ok(e) => e,
+            Err(message) => {
+                discard(&stored);
+                return Err(ApiError::invalid(message, Some("expires_after")));
+            }
+        };
     let Some((temp, filename, bytes)) = stored else {
         return Err(ApiError::invalid("file is required", Some("file")));
     };
+    let created_at = now();
     let file = FileRecord {
         id: new_id("file-"),
         tenant,
         bytes,
-        created_at: now(),
+        created_at,
         filename,
         purpose,
+        expires_at: (state.engine.limits.retention)
+            .expires_at(created_at, expires_after.map(ExpiresAfter::seconds)),
     };
     internal!(bodies.commit(&temp, &file.id).await);
     internal!(state.engine.store.put_file(&file).await);
@@ -385,29 +407,35 @@ async fn list_files(
 ) -> Result<axum::Json<Value>, ApiError> {
     let q = list_query(raw.as_deref(), MAX_FILES_LIMIT, MAX_FILES_LIMIT)?;
     let store = &state.engine.store;
-    let mut ids = internal!(store.file_ids(&tenant).await);
-    if let Some(purpose) = &q.purpose {
-        let mut kept = Vec::with_capacity(ids.len());
-        for id in ids {
-            if internal!(store.file(&id).await).is_some_and(|f| &f.purpose == purpose) {
-                kept.push(id);
-            }
+    // Every record is read before paging: an expired file (404 from its
+    // `expires_at` on, before the sweeper deletes it) and, when asked, one
+    // of another purpose must not count towards a page.
+    let at = now();
+    let mut files = HashMap::new();
+    let mut ids = Vec::new();
+    for id in internal!(store.file_ids(&tenant).await) {
+        let Some(f) = internal!(store.file(&id).await) else {
+            continue;
+        };
+        if f.expired(at) || q.purpose.as_ref().is_some_and(|p| &f.purpose != p) {
+            continue;
         }
-        ids = kept;
+        ids.push(id.clone());
+        files.insert(id, f);
     }
     let (ids, has_more) = page(ids, &q)?;
-    let mut data = Vec::with_capacity(ids.len());
-    for id in ids {
-        if let Some(f) = internal!(store.file(&id).await) {
-            data.push(f.api());
-        }
-    }
+    let data = (ids.iter())
+        .filter_map(|id| files.get(id).map(FileRecord::api))
+        .collect();
     Ok(axum::Json(list(data, has_more)))
 }
 
+/// The tenant's file `id`; another tenant's, or one past its
+/// `expires_at` (as OpenAI answers, even before the sweeper deleted it),
+/// is a 404.
 async fn own_file(state: &AppState, tenant: &str, id: &str) -> Result<FileRecord, ApiError> {
     match internal!(state.engine.store.file(id).await) {
-        Some(f) if f.tenant == tenant => Ok(f),
+        Some(f) if f.tenant == tenant && !f.expired(now()) => Ok(f),
         _ => Err(ApiError::not_found("File", id)),
     }
 }
@@ -475,6 +503,8 @@ struct CreateBatch {
     completion_window: Option<String>,
     #[serde(default)]
     metadata: Option<BTreeMap<String, Value>>,
+    #[serde(default)]
+    output_expires_after: Option<Value>,
 }
 
 async fn create_batch(
@@ -490,11 +520,12 @@ async fn create_batch(
     let endpoint = req
         .endpoint
         .ok_or_else(|| ApiError::invalid("endpoint is required", Some("endpoint")))?;
-    if !ENDPOINTS.contains(&endpoint.as_str()) {
+    if Endpoint::parse(&endpoint).is_none() {
+        let allowed: Vec<&str> = Endpoint::ALL.iter().map(|e| e.as_str()).collect();
         return Err(ApiError::invalid(
             format!(
                 "endpoint {endpoint} is not supported; allowed: {}",
-                ENDPOINTS.join(", ")
+                allowed.join(", ")
             ),
             Some("endpoint"),
         ));
@@ -502,6 +533,14 @@ async fn create_batch(
     let window = req.completion_window.unwrap_or_else(|| "24h".to_owned());
     let span = completion_window(&window)?;
     let metadata = metadata(req.metadata.unwrap_or_default())?;
+    let output_expires_after = match &req.output_expires_after {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            ExpiresAfter::from_json("output_expires_after", v)
+                .map_err(|m| ApiError::invalid(m, Some("output_expires_after")))?
+                .seconds(),
+        ),
+    };
     // Another tenant's file is as unknown as a missing one: 404, as every
     // other endpoint answers for it.
     let input = own_file(&state, &tenant, &input_file_id)
@@ -529,6 +568,7 @@ async fn create_batch(
         completion_window: window,
         window_secs: i64::try_from(span.as_secs()).unwrap_or(i64::MAX),
         metadata,
+        output_expires_after,
     });
     internal!(state.engine.store.insert_batch(&batch).await);
     state.engine.start_intake(&batch.id);

@@ -8,7 +8,8 @@
 //! (API keys → tenants), `files` (bodies on disk, bounded line reads),
 //! `store` (records and results: SQLite or Redis), `sink` (enqueue and
 //! cancel on the configured queue), `engine` (validation, collection,
-//! expiry, cancel, finalizing), `http` (the endpoints). This file wires
+//! expiry, cancel, finalizing), `retention` (file expiry and its
+//! sweeper), `http` (the endpoints). This file wires
 //! them for [`start`].
 
 pub mod auth;
@@ -16,6 +17,7 @@ pub mod engine;
 pub mod files;
 pub mod http;
 pub mod model;
+pub mod retention;
 pub mod sink;
 pub mod store;
 
@@ -37,6 +39,7 @@ use crate::telemetry::{Health, Metrics};
 use self::auth::{Keys, KeysError};
 use self::engine::{Engine, Limits};
 use self::files::Bodies;
+use self::retention::{Retention, Sweeper};
 use self::sink::Sink;
 use self::store::{RedisStore, SqliteStore, Store, StoreError};
 
@@ -258,6 +261,7 @@ pub async fn start(
         max_file_bytes: serve.max_file_bytes,
         max_line_bytes: serve.max_line_bytes,
         max_lines: serve.max_lines_per_batch,
+        retention: Retention::new(serve.file_retention),
     };
     let fairness = config.gateway.fairness_attribute.clone();
     let queue_name = queue_config.queue_name.clone();
@@ -310,6 +314,13 @@ pub async fn start(
         }
     }
     tasks.push(tokio::spawn(engine.clone().run_sweeps(stop.clone())));
+    let sweeper = Sweeper {
+        store: engine.store.clone(),
+        bodies: engine.bodies.clone(),
+        metrics: metrics.batch_api(&queue_config.queue_name),
+        every: limits.retention.sweep_every(),
+    };
+    tasks.push(tokio::spawn(sweeper.run(stop.clone())));
 
     let listener = TcpListener::bind(serve.listen)
         .await

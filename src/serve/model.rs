@@ -90,6 +90,11 @@ pub struct FileRecord {
     pub filename: String,
     /// `batch` or `batch_output`.
     pub purpose: String,
+    /// Unix seconds after which the retention sweep deletes it and it
+    /// answers 404; `None` keeps it until deleted (also every record
+    /// written before retention existed).
+    #[serde(default)]
+    pub expires_at: Option<i64>,
 }
 
 impl FileRecord {
@@ -104,8 +109,13 @@ impl FileRecord {
             "purpose": self.purpose,
             "status": "processed",
             "status_details": null,
-            "expires_at": null,
+            "expires_at": self.expires_at,
         })
+    }
+
+    /// Whether its retention ended by `now` (Unix seconds).
+    pub fn expired(&self, now: i64) -> bool {
+        self.expires_at.is_some_and(|at| at <= now)
     }
 }
 
@@ -156,6 +166,10 @@ pub struct BatchRecord {
     pub error_file_id: Option<String>,
     /// The tenant's own key/value pairs.
     pub metadata: BTreeMap<String, String>,
+    /// `output_expires_after.seconds`: the output and error files expire
+    /// this long after they are written; `None` = `serve.file_retention`.
+    #[serde(default)]
+    pub output_expires_after: Option<i64>,
     /// Unix seconds of each step.
     pub created_at: i64,
     /// Each request's deadline, and the batch's.
@@ -194,6 +208,8 @@ pub struct NewBatch {
     pub window_secs: i64,
     /// The tenant's own key/value pairs.
     pub metadata: BTreeMap<String, String>,
+    /// `output_expires_after.seconds`, when given.
+    pub output_expires_after: Option<i64>,
 }
 
 impl BatchRecord {
@@ -215,6 +231,7 @@ impl BatchRecord {
             output_file_id: None,
             error_file_id: None,
             metadata: new.metadata,
+            output_expires_after: new.output_expires_after,
             created_at,
             expires_at: created_at.saturating_add(new.window_secs),
             in_progress_at: None,

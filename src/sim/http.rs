@@ -29,6 +29,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::config::{LoadMode, SimConfig};
+use super::endpoints::{
+    EmbedRequest, ResponseIds, embed_request, embeddings_body, response_body,
+    response_prompt_tokens,
+};
 use super::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest, SimTime};
 use super::error::SimError;
 use super::load::{Arrival, LoadGenerator};
@@ -562,6 +566,8 @@ fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route("/health", get(health))
@@ -590,7 +596,7 @@ fn error(
 
 /// A 400 answer, kept small so `Result`s carrying it stay cheap.
 #[derive(Debug)]
-struct BadRequest {
+pub(super) struct BadRequest {
     message: String,
     param: Option<&'static str>,
 }
@@ -606,7 +612,7 @@ impl IntoResponse for BadRequest {
     }
 }
 
-fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
+pub(super) fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
     BadRequest {
         message: message.into(),
         param,
@@ -690,6 +696,8 @@ async fn state(State(s): State<Arc<Shared>>) -> Response {
 enum Api {
     Completions,
     Chat,
+    Embeddings,
+    Responses,
 }
 
 /// A parsed and validated OpenAI request.
@@ -701,6 +709,8 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     priority: i32,
+    /// Embeddings only: the vectors to answer with.
+    embed: Option<EmbedRequest>,
 }
 
 fn text_tokens(text: &str, chars_per_token: f64) -> u64 {
@@ -719,7 +729,15 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, BadRequest> {
         Some(_) => return Err(bad_request("model must be a string", Some("model"))),
     };
     let cpt = cfg.http.chars_per_token;
+    let mut embed = None;
     let prompt_tokens: u64 = match api {
+        Api::Embeddings => {
+            let e = embed_request(obj, |s| text_tokens(s, cpt))?;
+            let n = e.tokens;
+            embed = Some(e);
+            n
+        }
+        Api::Responses => response_prompt_tokens(obj, |s| text_tokens(s, cpt))?,
         Api::Completions => match obj.get("prompt") {
             Some(Value::String(s)) => text_tokens(s, cpt),
             Some(Value::Array(items)) if !items.is_empty() => {
@@ -791,12 +809,15 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, BadRequest> {
             n
         }
     };
-    let max_key = if api == Api::Chat && obj.contains_key("max_completion_tokens") {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
+    let max_key = match api {
+        Api::Chat if obj.contains_key("max_completion_tokens") => "max_completion_tokens",
+        Api::Responses => "max_output_tokens",
+        _ => "max_tokens",
     };
     let max_tokens = match obj.get(max_key) {
+        // An embedding is its prefill: the one token the engine emits at
+        // the end of the prefill step ends it, and no decode step runs.
+        _ if api == Api::Embeddings => 1,
         None | Some(Value::Null) => cfg.http.default_max_tokens,
         Some(v) => match v.as_u64() {
             Some(n) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
@@ -810,6 +831,13 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, BadRequest> {
     };
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
+        _ if api == Api::Embeddings => false,
+        Some(Value::Bool(true)) if api == Api::Responses => {
+            return Err(bad_request(
+                "stream is not supported on /v1/responses by the simulator",
+                Some("stream"),
+            ));
+        }
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad_request("stream must be a boolean", Some("stream"))),
     };
@@ -847,6 +875,7 @@ fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, BadRequest> {
         stream,
         include_usage,
         priority,
+        embed,
     })
 }
 
@@ -856,6 +885,14 @@ async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
 
 async fn chat_completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     handle(s, Api::Chat, body).await
+}
+
+async fn embeddings(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    handle(s, Api::Embeddings, body).await
+}
+
+async fn responses(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    handle(s, Api::Responses, body).await
 }
 
 /// Aborts the simulated request if the handler (or stream) goes away early.
@@ -956,6 +993,8 @@ async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
         id: match api {
             Api::Completions => format!("cmpl-{id}"),
             Api::Chat => format!("chatcmpl-{id}"),
+            Api::Embeddings => format!("embd-{id}"),
+            Api::Responses => format!("resp_{id}"),
         },
         created: s.created,
         model: p.model.clone(),
@@ -971,12 +1010,6 @@ async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
         resp.headers_mut().insert("x-sim-replica", v);
     }
     resp
-}
-
-struct ResponseIds {
-    id: String,
-    created: u64,
-    model: String,
 }
 
 fn usage(prompt: u32, completion: u32) -> Value {
@@ -1051,6 +1084,28 @@ async fn unary_response(
             "logprobs": null,
             "finish_reason": reason,
         }),
+        Api::Embeddings => {
+            let Some(embed) = &p.embed else {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "embeddings request without its vectors",
+                    "server_error",
+                    None,
+                );
+            };
+            return axum::Json(embeddings_body(&ids.model, embed, rec.prompt_tokens))
+                .into_response();
+        }
+        Api::Responses => {
+            let body = response_body(
+                &ids,
+                &text,
+                rec.prompt_tokens,
+                rec.output_tokens,
+                p.max_tokens,
+            );
+            return axum::Json(body).into_response();
+        }
     };
     axum::Json(json!({
         "id": ids.id,
@@ -1130,7 +1185,9 @@ fn stream_response(
                     Value::Null
                 };
                 let choice = match api {
-                    Api::Completions => {
+                    // `parse` refuses streaming for responses and ignores
+                    // it for embeddings: only completions and chat stream.
+                    Api::Completions | Api::Embeddings | Api::Responses => {
                         json!({"index": 0, "text": word, "logprobs": null, "finish_reason": reason})
                     }
                     Api::Chat => {
@@ -1299,5 +1356,38 @@ mod tests {
             assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         }
         assert!(parse(Api::Chat, br#"{"messages": []}"#, &cfg).is_err());
+    }
+
+    #[test]
+    fn embeddings_are_prefill_only_and_responses_take_max_output_tokens() {
+        let cfg = SimConfig::default();
+        // `max_tokens` and `stream` mean nothing to embeddings: one token,
+        // the prefill's, ends them.
+        let p = parse(
+            Api::Embeddings,
+            br#"{"model":"e","input":["abcd","efgh"],"max_tokens":50,"stream":true}"#,
+            &cfg,
+        )
+        .unwrap();
+        assert_eq!((p.prompt_tokens, p.max_tokens, p.stream), (2, 1, false));
+        assert_eq!(p.embed.map(|e| e.seeds.len()), Some(2));
+        let p = parse(
+            Api::Responses,
+            br#"{"input":"abcdefgh","max_output_tokens":7,"max_tokens":99}"#,
+            &cfg,
+        )
+        .unwrap();
+        assert_eq!((p.prompt_tokens, p.max_tokens), (2, 7));
+        for bad in [
+            &br#"{"input":"x","stream":true}"#[..],
+            br#"{"input":[]}"#,
+            br#"{"input":"x","max_output_tokens":0}"#,
+        ] {
+            let r = parse(Api::Responses, bad, &cfg)
+                .unwrap_err()
+                .into_response();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        }
+        assert!(parse(Api::Embeddings, br#"{"input":[]}"#, &cfg).is_err());
     }
 }

@@ -12,10 +12,13 @@
 //! - [`runner`]: the virtual-time runner that evaluates batch policies.
 //! - [`sweep`]: a closed-loop concurrency sweep against published figures
 //!   (`sluicegate sim sweep`).
-//! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`).
+//! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`);
+//!   `endpoints.rs` reads `/v1/embeddings` and `/v1/responses` bodies and
+//!   shapes their answers.
 //! - [`error`]: the error type, [`SimError`].
 
 pub mod config;
+mod endpoints;
 pub mod engine;
 pub mod error;
 pub mod http;

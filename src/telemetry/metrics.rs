@@ -78,9 +78,19 @@ pub struct BatchApiMetrics {
     queue: String,
     batches: Family<StatusLabels, Gauge>,
     requests: Family<OutcomeLabels, Counter>,
+    file_bytes: Family<QueueLabel, Gauge>,
 }
 
 impl BatchApiMetrics {
+    /// Sets the bytes of file bodies the store holds (all servers of the
+    /// store).
+    pub fn set_file_bytes(&self, bytes: u64) {
+        let labels = QueueLabel {
+            queue: self.queue.clone(),
+        };
+        (self.file_bytes.get_or_create(&labels)).set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
     /// Sets how many batches are in `status` (all servers of the store).
     pub fn set_batches(&self, status: &'static str, n: u64) {
         let labels = StatusLabels {
@@ -132,6 +142,7 @@ pub struct Metrics {
     dispatch_delay: HistogramFamily,
     batches: Family<StatusLabels, Gauge>,
     batch_requests: Family<OutcomeLabels, Counter>,
+    batch_file_bytes: Family<QueueLabel, Gauge>,
     shared_held: Family<PoolLabel, Gauge>,
     shared_total: Family<PoolLabel, Gauge>,
     shared_all_held: Family<PoolLabel, Gauge>,
@@ -254,6 +265,7 @@ impl Metrics {
             dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
             batches: Family::default(),
             batch_requests: Family::default(),
+            batch_file_bytes: Family::default(),
             pubsub: PubSubFamilies {
                 in_flight: Family::default(),
                 acks: Family::default(),
@@ -279,6 +291,11 @@ impl Metrics {
             "sluicegate_batch_requests",
             "Batch API requests settled, by outcome (sluicegate serve)",
             m.batch_requests.clone(),
+        );
+        m.registry.register(
+            "sluicegate_batch_file_bytes",
+            "Bytes of Batch API file bodies held, by their records (sluicegate serve)",
+            m.batch_file_bytes.clone(),
         );
         let r = &mut m.registry;
         r.register(
@@ -591,10 +608,14 @@ impl Metrics {
                 status: status.as_str(),
             });
         }
+        let _ = self.batch_file_bytes.get_or_create_owned(&QueueLabel {
+            queue: queue.to_owned(),
+        });
         BatchApiMetrics {
             queue: queue.to_owned(),
             batches: self.batches.clone(),
             requests: self.batch_requests.clone(),
+            file_bytes: self.batch_file_bytes.clone(),
         }
     }
 
@@ -783,6 +804,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_dispatch_delay_seconds",
     "sluicegate_batches",
     "sluicegate_batch_requests_total",
+    "sluicegate_batch_file_bytes",
     "sluicegate_pubsub_in_flight_messages",
     "sluicegate_pubsub_acks_total",
     "sluicegate_pubsub_nacks_total",

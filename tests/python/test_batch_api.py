@@ -5,6 +5,8 @@ servers (our simulator as the pool) and sets:
 - SLUICEGATE_API_BASE: a server whose gate is open (alice and bob's keys);
 - SLUICEGATE_API_BASE_CLOSED: a server whose gate stays closed, so its
   batches wait (for cancel);
+- SLUICEGATE_API_BASE_SHORT: a server keeping files 2 s
+  (`serve.file_retention`), for expiry;
 - SLUICEGATE_KEY_A / SLUICEGATE_KEY_B: alice's and bob's API keys.
 """
 
@@ -18,6 +20,7 @@ import pytest
 
 BASE = os.environ["SLUICEGATE_API_BASE"] + "/v1"
 CLOSED = os.environ["SLUICEGATE_API_BASE_CLOSED"] + "/v1"
+SHORT = os.environ["SLUICEGATE_API_BASE_SHORT"] + "/v1"
 KEY_A = os.environ["SLUICEGATE_KEY_A"]
 KEY_B = os.environ["SLUICEGATE_KEY_B"]
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -251,3 +254,139 @@ def test_request_counts_never_contradict():
             return
         assert time.monotonic() < give_up, now
         time.sleep(0.02)
+
+
+def test_embeddings_and_responses_batches():
+    from openai.types import CreateEmbeddingResponse
+    from openai.types.responses import Response
+
+    c = client()
+    # Bodies as client.embeddings.create and client.responses.create send them.
+    emb = [
+        {"custom_id": "e-text", "input": "the quick brown fox"},
+        {"custom_id": "e-list", "input": ["the quick brown fox", "a lazy dog"]},
+        {"custom_id": "e-tokens", "input": [[101, 2023], [7, 8, 9]]},
+    ]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": e["custom_id"],
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "sim-model", "input": e["input"], "encoding_format": "float"},
+            }
+        )
+        for e in emb
+    ]
+    f = upload(c, lines)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    out = {o["custom_id"]: o for o in jsonl(c, done.output_file_id)}
+    vectors = {}
+    for e in emb:
+        o = out[e["custom_id"]]
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        parsed = CreateEmbeddingResponse.model_validate(o["response"]["body"])
+        n = len(e["input"]) if isinstance(e["input"], list) else 1
+        assert [d.index for d in parsed.data] == list(range(n))
+        assert all(len(d.embedding) == 16 for d in parsed.data)
+        assert parsed.usage.prompt_tokens > 0
+        vectors[e["custom_id"]] = [d.embedding for d in parsed.data]
+    # The same text, the same vector.
+    assert vectors["e-text"][0] == vectors["e-list"][0]
+    assert vectors["e-list"][0] != vectors["e-list"][1]
+
+    lines = [
+        json.dumps(
+            {
+                "custom_id": "r1",
+                "method": "POST",
+                "url": "/v1/responses",
+                "body": {
+                    "model": "sim-model",
+                    "input": [{"role": "user", "content": "Say hello"}],
+                    "max_output_tokens": 5,
+                },
+            }
+        )
+    ]
+    f = upload(c, lines)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    [o] = jsonl(c, done.output_file_id)
+    r = Response.model_validate(o["response"]["body"])
+    assert r.output_text
+    assert r.usage.output_tokens == 5 and r.usage.input_tokens > 0
+
+    # A line without its endpoint's required field fails the batch by line.
+    bad = json.dumps(
+        {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {"model": "sim-model"}}
+    )
+    f = upload(c, [bad])
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    done, _ = poll(c, b.id)
+    assert done.status == "failed"
+    assert [(e.line, e.code, e.param) for e in done.errors.data] == [(1, "invalid_request", "body.input")]
+
+
+def test_expires_after_on_uploads_and_batch_outputs():
+    c = client()
+    data = ("\n".join([line("x0"), line("x1")]) + "\n").encode()
+    f = c.files.create(
+        file=("in.jsonl", io.BytesIO(data)),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    assert f.expires_at == f.created_at + 3600
+    assert c.files.retrieve(f.id).expires_at == f.expires_at
+    for seconds in (3599, 2592001):
+        param = bad_request(
+            lambda: c.files.create(
+                file=("in.jsonl", io.BytesIO(data)),
+                purpose="batch",
+                expires_after={"anchor": "created_at", "seconds": seconds},
+            )
+        )
+        assert param == "expires_after", seconds
+    assert (
+        bad_request(
+            lambda: c.batches.create(
+                input_file_id=f.id,
+                endpoint="/v1/completions",
+                completion_window="24h",
+                output_expires_after={"anchor": "created_at", "seconds": 60},
+            )
+        )
+        == "output_expires_after"
+    )
+    b = c.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    done, _ = poll(c, b.id)
+    assert done.status == "completed", done
+    out = c.files.retrieve(done.output_file_id)
+    assert out.expires_at == out.created_at + 7200
+
+
+def test_an_expired_file_answers_404_and_leaves_the_list():
+    # SLUICEGATE_API_BASE_SHORT keeps files 2 s (serve.file_retention).
+    c = client(SHORT)
+    f = upload(c, [line("gone")])
+    assert f.expires_at == f.created_at + 2
+    assert f.id in {x.id for x in c.files.list()}
+    give_up = time.monotonic() + 30
+    while True:
+        try:
+            c.files.retrieve(f.id)
+        except openai.NotFoundError:
+            break
+        assert time.monotonic() < give_up, "the file never expired"
+        time.sleep(0.2)
+    with pytest.raises(openai.NotFoundError):
+        c.files.content(f.id)
+    assert f.id not in {x.id for x in c.files.list()}

@@ -30,6 +30,8 @@ pub struct ServeSpec {
     pub max_line_bytes: Option<u64>,
     /// `serve.max_lines_per_batch`.
     pub max_lines: Option<u64>,
+    /// `serve.file_retention`, the default when `None`.
+    pub file_retention: Option<Duration>,
 }
 
 impl ServeSpec {
@@ -44,6 +46,7 @@ impl ServeSpec {
             max_file_bytes: None,
             max_line_bytes: None,
             max_lines: None,
+            file_retention: None,
         }
     }
 }
@@ -127,6 +130,9 @@ pub async fn start_in(
     }
     if let Some(n) = spec.max_lines {
         serve.max_lines_per_batch = n;
+    }
+    if let Some(d) = spec.file_retention {
+        serve.file_retention = d;
     }
     sluicegate::serve::start(&config, &serve, std::future::pending())
         .await
@@ -284,9 +290,28 @@ impl Api {
 
     /// `POST /v1/files` with `purpose` and a file of `bytes`.
     pub async fn upload(&self, purpose: &str, bytes: &[u8]) -> (u16, Value) {
+        self.upload_with(purpose, bytes, &[]).await
+    }
+
+    /// [`Api::upload`] with more form fields before the file, e.g.
+    /// `("expires_after[seconds]", "3600")`.
+    pub async fn upload_with(
+        &self,
+        purpose: &str,
+        bytes: &[u8],
+        fields: &[(&str, &str)],
+    ) -> (u16, Value) {
         let boundary = "sluicegate-test-boundary";
         let mut body = format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"input.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n"
+        );
+        for (name, value) in fields {
+            body.push_str(&format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n"
+            ));
+        }
+        let mut body = format!(
+            "{body}--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"input.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
         )
         .into_bytes();
         body.extend_from_slice(bytes);

@@ -108,6 +108,16 @@ impl Store {
         both!(self, s => s.delete_file(id).await)
     }
 
+    /// Files whose `expires_at` is at or before `now` (Unix seconds).
+    pub async fn expired_files(&self, now: i64) -> Result<Vec<FileRecord>, StoreError> {
+        both!(self, s => s.expired_files(now).await)
+    }
+
+    /// Bytes of every stored file's body, by their records.
+    pub async fn file_bytes(&self) -> Result<u64, StoreError> {
+        both!(self, s => s.file_bytes().await)
+    }
+
     /// A tenant's file ids, newest first.
     pub async fn file_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
         both!(self, s => s.file_ids(tenant).await)

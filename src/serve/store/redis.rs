@@ -4,6 +4,9 @@
 //! - `P file:<id>`, `P batch:<id>`: the records as JSON;
 //! - `P files:<tenant>`, `P batches:<tenant>`: sorted sets of ids, scored
 //!   by a creation sequence (`P seq`) for newest-first listing;
+//! - `P file-bytes`: a hash of each file's body size, `P bytes` their sum
+//!   (the `batch_file_bytes` gauge), `P expiring`: file ids scored by
+//!   `expires_at` (the retention sweep);
 //! - `P active`: ids of batches not yet terminal; `P status`: a hash of
 //!   batches per status (the `batches` gauge);
 //! - `P results:<batch>`: the output lines in arrival order (list),
@@ -28,6 +31,37 @@ if ARGV[4] ~= ARGV[5] then
   redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
 end
 if ARGV[6] == '1' then redis.call('SREM', KEYS[2], ARGV[3]) end
+return 1
+";
+
+/// KEYS: file, tenant index, file-bytes, bytes, expiring. ARGV: record,
+/// id, seq, bytes, expires_at (empty: none). A file written again (an
+/// output file a take-over rewrites) replaces its size in the sum.
+const PUT_FILE: &str = r"
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+local old = redis.call('HGET', KEYS[3], ARGV[2])
+if old then redis.call('DECRBY', KEYS[4], old) end
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[4])
+redis.call('INCRBY', KEYS[4], ARGV[4])
+if ARGV[5] == '' then
+  redis.call('ZREM', KEYS[5], ARGV[2])
+else
+  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[2])
+end
+return 1
+";
+
+/// KEYS: file, tenant index, file-bytes, bytes, expiring. ARGV: id.
+const DELETE_FILE: &str = r"
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+local old = redis.call('HGET', KEYS[3], ARGV[1])
+if old then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('DECRBY', KEYS[4], old)
+end
+redis.call('ZREM', KEYS[5], ARGV[1])
 return 1
 ";
 
@@ -108,9 +142,52 @@ impl RedisStore {
     }
 
     pub(super) async fn put_file(&self, file: &FileRecord) -> Result<(), StoreError> {
-        let key = self.key(&["file:", &file.id]);
-        let index = self.key(&["files:", &file.tenant]);
-        self.put_listed(&key, &index, &file.id, encode(file)).await
+        let mut conn = self.conn.clone();
+        let seq: i64 = redis::cmd("INCR")
+            .arg(self.key(&["seq"]))
+            .query_async(&mut conn)
+            .await?;
+        redis::Script::new(PUT_FILE)
+            .key(self.key(&["file:", &file.id]))
+            .key(self.key(&["files:", &file.tenant]))
+            .key(self.key(&["file-bytes"]))
+            .key(self.key(&["bytes"]))
+            .key(self.key(&["expiring"]))
+            .arg(encode(file))
+            .arg(&file.id)
+            .arg(seq)
+            .arg(file.bytes)
+            .arg(
+                file.expires_at
+                    .map_or_else(String::new, |at| at.to_string()),
+            )
+            .invoke_async::<i64>(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    pub(super) async fn expired_files(&self, now: i64) -> Result<Vec<FileRecord>, StoreError> {
+        let ids: Vec<String> = redis::cmd("ZRANGEBYSCORE")
+            .arg(self.key(&["expiring"]))
+            .arg("-inf")
+            .arg(now)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(file) = self.file(&id).await? {
+                out.push(file);
+            }
+        }
+        Ok(out)
+    }
+
+    pub(super) async fn file_bytes(&self) -> Result<u64, StoreError> {
+        let n: Option<i64> = redis::cmd("GET")
+            .arg(self.key(&["bytes"]))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(u64::try_from(n.unwrap_or(0)).unwrap_or(0))
     }
 
     pub(super) async fn file(&self, id: &str) -> Result<Option<FileRecord>, StoreError> {
@@ -121,16 +198,14 @@ impl RedisStore {
         let Some(file) = self.file(id).await? else {
             return Ok(());
         };
-        redis::pipe()
-            .atomic()
-            .cmd("DEL")
-            .arg(self.key(&["file:", id]))
-            .ignore()
-            .cmd("ZREM")
-            .arg(self.key(&["files:", &file.tenant]))
+        redis::Script::new(DELETE_FILE)
+            .key(self.key(&["file:", id]))
+            .key(self.key(&["files:", &file.tenant]))
+            .key(self.key(&["file-bytes"]))
+            .key(self.key(&["bytes"]))
+            .key(self.key(&["expiring"]))
             .arg(id)
-            .ignore()
-            .query_async::<()>(&mut self.conn.clone())
+            .invoke_async::<i64>(&mut self.conn.clone())
             .await?;
         Ok(())
     }

@@ -19,6 +19,9 @@ CREATE TABLE IF NOT EXISTS files (
     tenant TEXT NOT NULL,
     record TEXT NOT NULL
 );
+-- The retention sweep's lookup; records without `expires_at` are NULL
+-- here and never match.
+CREATE INDEX IF NOT EXISTS files_expires_at ON files (json_extract(record, '$.expires_at'));
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT NOT NULL UNIQUE,
@@ -109,6 +112,31 @@ impl SqliteStore {
         let id = id.to_owned();
         self.run(move |c| c.execute("DELETE FROM files WHERE id = ?1", [id]).map(drop))
             .await
+    }
+
+    pub(super) async fn expired_files(&self, now: i64) -> Result<Vec<FileRecord>, StoreError> {
+        let rows: Vec<(String, String)> = self
+            .run(move |c| {
+                let mut s = c.prepare_cached(
+                    "SELECT id, record FROM files WHERE json_extract(record, '$.expires_at') <= ?1 ORDER BY seq",
+                )?;
+                s.query_map([now], |r| Ok((r.get(0)?, r.get(1)?)))?.collect()
+            })
+            .await?;
+        rows.iter().map(|(id, t)| decode(id, t)).collect()
+    }
+
+    pub(super) async fn file_bytes(&self) -> Result<u64, StoreError> {
+        let n: i64 = self
+            .run(|c| {
+                c.query_row(
+                    "SELECT COALESCE(SUM(json_extract(record, '$.bytes')), 0) FROM files",
+                    [],
+                    |r| r.get(0),
+                )
+            })
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     pub(super) async fn file_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
