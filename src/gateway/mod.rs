@@ -9,8 +9,11 @@
 //!
 //! Files and their roles:
 //!
-//! - `client.rs`: [`GatewayClient`], the one `reqwest::Client`, a bounded
-//!   attempt ([`GatewayClient::send`]) and the bounded body read.
+//! - `client.rs`: [`GatewayClient`], a bounded attempt
+//!   ([`GatewayClient::send`]) and what its answer means; `reqwest` for
+//!   `https://` and HTTP/2 gateways.
+//! - `http1.rs`: the HTTP/1.1 client of `http://` gateways (keep-alive
+//!   pool, framing, nothing buffered while a request waits).
 //! - `target.rs`: [`Target`] (a queue's gateway URL and objective),
 //!   endpoint resolution that cannot leave the gateway origin, and the
 //!   request headers of docs/architecture.md ("Headers sent to the gateway") ([`PreparedRequest`]).
@@ -68,9 +71,8 @@ pub struct GatewaySettings {
     pub max_response_bytes: usize,
     /// Idle connections kept per host in the shared pool.
     pub max_idle_per_host: usize,
-    /// HTTP/2 without negotiation: requests share connections as streams.
-    /// About 25 KiB of HTTP/1 client state per request in flight (one
-    /// connection each) shrinks to the stream's own.
+    /// HTTP/2 without negotiation: requests share connections as streams
+    /// (spoken by reqwest; plain HTTP/1.1 by `http1.rs`).
     pub http2_prior_knowledge: bool,
     /// Sent as `Authorization: Bearer <token>`; never logged or printed.
     pub bearer_token: Option<String>,
