@@ -594,3 +594,76 @@ async fn crash_recovery_time_after_sigkill_with_the_default_lease() {
     );
     server.wait_for_len("result-list", N as i64).await;
 }
+
+/// Issue 22, item 5 on a real Redis: ten 8 MiB messages at once, a byte
+/// budget of 32 MiB (`dispatch.max_buffered_bytes`), a gateway that
+/// answers each after 300 ms. Every one gets its 200, never more than
+/// four are at the gateway at once, and nothing is left behind: pending,
+/// claims and the retry set end empty (the issue's run had one still in
+/// the retry set after 60 s).
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_8_mib_messages_within_the_byte_budget_all_answered_none_left_in_retry() {
+    const MIB: usize = 1 << 20;
+    const N: usize = 10;
+    let server = RedisServer::start();
+    let (url, peak) = support::counting_gateway(Duration::from_millis(300)).await;
+    let prompt = "x".repeat(8 * MIB - 200);
+    let deadline = unix_now() + 3600;
+    let lines: Vec<String> = (0..N)
+        .map(|i| {
+            serde_json::json!({"id": format!("big-{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": prompt, "max_tokens": 1}})
+            .to_string()
+        })
+        .collect();
+    submit(&server, "bigq", &lines).await;
+    let mut settings = RedisQueueSettings::new("bigq");
+    settings.result_list = Some("bigq:results".into());
+    let app = start_dispatcher(
+        &server,
+        &url,
+        settings,
+        &format!("max_buffered_bytes = {}", 32 * MIB),
+    )
+    .await;
+    let give_up = Instant::now() + Duration::from_secs(120);
+    while server.int(&["LLEN", "bigq:results"]) < N as i64 {
+        assert!(
+            Instant::now() < give_up,
+            "{} of {N} answered after 120 s; pending {}, claimed {}, retry set {}",
+            server.int(&["LLEN", "bigq:results"]),
+            server.int(&["ZCARD", "bigq"]),
+            server.int(&["HLEN", "bigq:claimed"]),
+            server.int(&["ZCARD", "retry-sortedset"]),
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    app.stop().await;
+    let results: Vec<serde_json::Value> = server
+        .cli(&["LRANGE", "bigq:results", "0", "-1"])
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("result is JSON"))
+        .collect();
+    assert_eq!(results.len(), N);
+    let mut ids: Vec<&str> = results.iter().filter_map(|r| r["id"].as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), N, "one result per id: {ids:?}");
+    for r in &results {
+        assert_eq!(r["status_code"], 200, "{}", r["id"]);
+        assert_eq!(r["attempts"], 1, "{}", r["id"]);
+    }
+    assert_eq!(server.int(&["ZCARD", "bigq"]), 0, "left pending");
+    assert_eq!(server.int(&["HLEN", "bigq:claimed"]), 0, "left claimed");
+    assert_eq!(
+        server.int(&["ZCARD", "retry-sortedset"]),
+        0,
+        "left in retry"
+    );
+    let peak = peak.load(Ordering::SeqCst);
+    println!("ten 8 MiB messages, budget 32 MiB: peak {peak} at the gateway");
+    assert!(
+        peak <= 4,
+        "peak at the gateway {peak}: over the byte budget"
+    );
+}
