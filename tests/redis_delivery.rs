@@ -661,7 +661,7 @@ async fn ten_8_mib_messages_within_the_byte_budget_all_answered_none_left_in_ret
         "left in retry"
     );
     let peak = peak.load(Ordering::SeqCst);
-    println!("ten 8 MiB messages, budget 32 MiB: peak {peak} at the gateway");
+    eprintln!("ten 8 MiB messages, budget 32 MiB: peak {peak} at the gateway");
     assert!(
         peak <= 4,
         "peak at the gateway {peak}: over the byte budget"
