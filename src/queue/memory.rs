@@ -59,6 +59,8 @@ struct State {
     /// Every waiting message; only [`State::wait`] and [`State::unwait`]
     /// change it, so the lanes stay in step.
     pending: BTreeMap<OrderKey, Item>,
+    /// Whether waiting messages are filed in `lanes`.
+    laned: bool,
     /// With lanes: each tenant's waiting messages, in queue order (a
     /// tenant leaves when it has none).
     lanes: BTreeMap<String, BTreeSet<OrderKey>>,
@@ -70,8 +72,8 @@ struct State {
 
 impl State {
     /// Puts a message among the waiting (and in its lane).
-    fn wait(&mut self, key: OrderKey, item: Item, lanes: bool) {
-        if lanes {
+    fn wait(&mut self, key: OrderKey, item: Item) {
+        if self.laned {
             self.lanes
                 .entry(item.tenant.clone())
                 .or_default()
@@ -155,8 +157,11 @@ impl MemoryQueue {
     pub fn with_lanes(name: impl Into<String>, lanes: Option<TenantLanes>) -> Self {
         Self {
             name: name.into(),
+            state: Mutex::new(State {
+                laned: lanes.is_some(),
+                ..State::default()
+            }),
             lanes,
-            state: Mutex::new(State::default()),
             arrived: Notify::new(),
         }
     }
@@ -177,7 +182,6 @@ impl MemoryQueue {
                 visible_at: Instant::now(),
                 tenant,
             },
-            self.lanes.is_some(),
         );
         drop(state);
         self.arrived.notify_waiters();
@@ -259,7 +263,7 @@ impl MemoryQueue {
             .collect();
         for tag in expired {
             if let Some(l) = state.leased.remove(&tag) {
-                state.wait(l.key, l.item, self.lanes.is_some());
+                state.wait(l.key, l.item);
             }
         }
         let (chosen, next_visible) = match expired_by {
@@ -376,7 +380,7 @@ impl Queue for MemoryQueue {
                 leased.item.retry_count += 1;
             }
             leased.item.visible_at = Instant::now() + delay;
-            state.wait(leased.key, leased.item, self.lanes.is_some());
+            state.wait(leased.key, leased.item);
         }
         drop(state);
         self.arrived.notify_waiters();
