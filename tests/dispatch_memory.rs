@@ -1,6 +1,8 @@
 //! The whole request path against the in-memory queue and a real HTTP
 //! server (wiremock scripts the gateway's answers).
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -626,36 +628,9 @@ async fn earliest_deadline_goes_first() {
     h.stop().await;
 }
 
-/// A gateway that counts how many requests it holds at once.
-async fn counting_gateway(delay: Duration) -> (String, Arc<AtomicUsize>) {
-    use axum::routing::post;
-    let now = Arc::new(AtomicUsize::new(0));
-    let peak = Arc::new(AtomicUsize::new(0));
-    let (n, p) = (now.clone(), peak.clone());
-    let app = axum::Router::new().route(
-        "/v1/completions",
-        post(move || {
-            let (n, p) = (n.clone(), p.clone());
-            async move {
-                let current = n.fetch_add(1, Ordering::SeqCst) + 1;
-                p.fetch_max(current, Ordering::SeqCst);
-                tokio::time::sleep(delay).await;
-                n.fetch_sub(1, Ordering::SeqCst);
-                "{}"
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (format!("http://{addr}"), peak)
-}
-
 #[tokio::test]
 async fn a_blind_gate_never_has_more_than_max_sys_in_flight() {
-    let (url, peak) = counting_gateway(Duration::from_millis(50)).await;
+    let (url, peak) = support::counting_gateway(Duration::from_millis(50)).await;
     let settings = DispatchSettings {
         max_sys: 4.0,
         ..fast_settings()
@@ -727,7 +702,7 @@ async fn local_max_concurrency_alone_fills_its_limit() {
     // equal request durations, also reached the limit before the gate was
     // marked as seeing our load; the unit test in local_concurrency.rs is
     // the one that pins that change.)
-    let (url, peak) = counting_gateway(Duration::from_millis(200)).await;
+    let (url, peak) = support::counting_gateway(Duration::from_millis(200)).await;
     let h = Harness::start(
         &url,
         Box::new(LocalMaxConcurrencyGate::new(6, GatingMode::Blocking)),
@@ -937,7 +912,7 @@ async fn a_full_window_is_not_read_again_and_again_while_nothing_moves() {
 #[tokio::test]
 async fn large_bodies_stay_within_the_byte_budget() {
     const MIB: usize = 1 << 20;
-    let (url, peak) = counting_gateway(Duration::from_millis(300)).await;
+    let (url, peak) = support::counting_gateway(Duration::from_millis(300)).await;
     let settings = DispatchSettings {
         max_sys: 100.0,
         max_buffered_bytes: 32 * MIB as u64,

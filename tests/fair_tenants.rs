@@ -1,5 +1,6 @@
 //! Fair tenants on one Redis queue (real `redis-server`, a recording
-//! gateway; the deep backlog also on the embedded store): a tenant over quota at the head of the queue does not delay
+//! gateway; the deep backlog, plain and weighted, also on the embedded
+//! store, and plain on the in-memory queue): a tenant over quota at the head of the queue does not delay
 //! another tenant's messages (measured at the gateway), under a window of
 //! one request the tenants share it by their weights, and with tenant
 //! lanes a small tenant behind a deep backlog is served from the start, by
@@ -208,22 +209,21 @@ gate_type = "constant""#,
     app.stop().await;
 }
 
-/// The deep backlog of the test above on the embedded store: its claims
-/// file every message into its tenant's lane themselves (no producer
-/// flag), and `small`'s 50 go out within the first 120 dispatches.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_small_tenant_behind_a_deep_backlog_on_the_embedded_store_is_served_from_the_start() {
+/// Enqueues `lines` into the embedded store at `db` (queue `queue`) and
+/// starts a dispatcher on it, window 8, with `dispatch` added to
+/// `[dispatch]`. The store is filed into lanes by its own claims (no
+/// producer flag).
+async fn start_embedded(
+    db: &std::path::Path,
+    queue: &str,
+    lines: Vec<String>,
+    gateway: &str,
+    dispatch: &str,
+) -> support::App {
     use bytes::Bytes;
     use sluicegate::queue::embedded::EmbeddedQueue;
-    const BIG: usize = 2000;
-    const SMALL: usize = 50;
-    let tmp = support::TempDir::new("deep-embedded");
-    let db = tmp.0.join("store.db");
-    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
-    let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
     let bodies: Vec<Bytes> = lines.into_iter().map(Bytes::from).collect();
-    EmbeddedQueue::open(&db, "deepe")
+    EmbeddedQueue::open(db, queue)
         .expect("store")
         .enqueue(&bodies, &[])
         .expect("enqueued");
@@ -233,22 +233,36 @@ transport = "embedded"
 [embedded]
 path = "{}"
 [gateway]
-url = "{}"
+url = "{gateway}"
 [dispatch]
 poll_interval = "100ms"
 receive_wait = "100ms"
+{dispatch}
 [telemetry]
 listen = "127.0.0.1:0"
 [[queue]]
-queue_name = "deepe"
+queue_name = "{queue}"
 max_sys = 8
 gate_type = "constant"
 "#,
         db.display(),
-        gateway.uri()
     );
     let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
-    let app = support::start_app(&config).await;
+    support::start_app(&config).await
+}
+
+/// The deep backlog of the test above on the embedded store: its claims
+/// file every message into its tenant's lane themselves (no producer
+/// flag), and `small`'s 50 go out within the first 120 dispatches.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_tenant_behind_a_deep_backlog_on_the_embedded_store_is_served_from_the_start() {
+    const BIG: usize = 2000;
+    const SMALL: usize = 50;
+    let tmp = support::TempDir::new("deep-embedded");
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let base = unix_now() + 3600;
+    let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
+    let app = start_embedded(&tmp.0.join("store.db"), "deepe", lines, &gateway.uri(), "").await;
     support::wait_until(Duration::from_secs(60), "every small message sent", || {
         count(&seen(&arrivals), "small") == SMALL
     })
@@ -261,6 +275,70 @@ gate_type = "constant"
         position <= 120,
         "`small`'s last request was dispatch {position}"
     );
+    app.stop().await;
+}
+
+/// The deep backlog on the in-memory transport, loaded as `run --input`
+/// loads a file (before the dispatcher starts): the queue files each
+/// message into its tenant's lane itself, and `small`'s 50 go out within
+/// the first 120 dispatches (without lanes: dispatch 2 049 of 2 050).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_tenant_behind_a_deep_backlog_in_memory_is_served_from_the_start() {
+    const BIG: usize = 2000;
+    const SMALL: usize = 50;
+    let tmp = support::TempDir::new("deep-memory");
+    let input = tmp.0.join("backlog.jsonl");
+    let base = unix_now() + 3600;
+    let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
+    std::fs::write(&input, lines.join("\n")).expect("write the backlog");
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let toml = format!(
+        r#"
+transport = "memory"
+[gateway]
+url = "{}"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "100ms"
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "deepm"
+max_sys = 8
+gate_type = "constant"
+"#,
+        gateway.uri()
+    );
+    let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = sluicegate::app::start(
+        &config,
+        sluicegate::app::RunOptions {
+            input: Some(input),
+            ..Default::default()
+        },
+        shutdown.clone().cancelled_owned(),
+    )
+    .await
+    .expect("the application starts");
+    let app = support::App { running, shutdown };
+    let queue = app.running.transports().memory()[0].clone();
+    support::wait_until(Duration::from_secs(60), "every small message sent", || {
+        count(&seen(&arrivals), "small") == SMALL
+    })
+    .await;
+    let position = last_position(&seen(&arrivals), "small");
+    eprintln!(
+        "deep backlog, memory: {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position}"
+    );
+    assert!(
+        position <= 120,
+        "`small`'s last request was dispatch {position}"
+    );
+    support::wait_until(Duration::from_secs(60), "every message answered", || {
+        queue.result_count() == BIG + SMALL
+    })
+    .await;
     app.stop().await;
 }
 
@@ -294,6 +372,39 @@ gate_type = "constant""#,
     let gold = count(&first, "gold");
     eprintln!(
         "deep weighted shares: first {FIRST} dispatches gold {gold}, bronze {} (weights 3 : 1)",
+        FIRST - gold
+    );
+    assert!((270..=330).contains(&gold), "gold {gold} of {FIRST}");
+    app.stop().await;
+}
+
+/// The weighted deep backlog of the test above on the embedded store:
+/// `gold` (weight 3) 1 000 at the head, `bronze` (weight 1) 1 000 behind,
+/// window 8; the first 400 dispatches split 3 : 1 within 10 %.
+#[tokio::test(flavor = "multi_thread")]
+async fn weights_hold_behind_a_deep_backlog_on_the_embedded_store() {
+    const EACH: usize = 1000;
+    const FIRST: usize = 400;
+    let tmp = support::TempDir::new("deep-weights-embedded");
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let base = unix_now() + 3600;
+    let lines = backlog(("g", "gold", EACH), ("b", "bronze", EACH), base);
+    let app = start_embedded(
+        &tmp.0.join("store.db"),
+        "deepwe",
+        lines,
+        &gateway.uri(),
+        "tenant_weights = { gold = 3 }",
+    )
+    .await;
+    support::wait_until(Duration::from_secs(60), "first dispatches", || {
+        seen(&arrivals).len() >= FIRST
+    })
+    .await;
+    let first: Vec<Arrival> = seen(&arrivals).into_iter().take(FIRST).collect();
+    let gold = count(&first, "gold");
+    eprintln!(
+        "deep weighted shares, embedded: first {FIRST} dispatches gold {gold}, bronze {} (weights 3 : 1)",
         FIRST - gold
     );
     assert!((270..=330).contains(&gold), "gold {gold} of {FIRST}");

@@ -1,7 +1,8 @@
 //! The Redis transport on a real three-node Redis Cluster: producer tools,
 //! a `sluicegate run` process against the simulator, retries through the
-//! queue's own retry set, SIGKILLs mid-drain, and the start-up check that
-//! keeps the result list in the queue's slot.
+//! queue's own retry set, SIGKILLs mid-drain, tenant lanes (a small tenant
+//! behind a deep backlog), and the start-up check that keeps the result
+//! list in the queue's slot.
 
 mod support;
 
@@ -295,6 +296,96 @@ async fn sigkilled_dispatchers_on_a_cluster_leave_exactly_one_result_per_id() {
     assert_eq!(cluster.int(&["ZCARD", QUEUE]), 0);
     assert_eq!(cluster.int(&["HLEN", "{jobs}:claimed"]), 0);
     drop(run);
+}
+
+/// Issue 22's deep backlog on a cluster: `big` has 2 000 messages at the
+/// head of queue `deep` and `small` 50 behind them, submitted with
+/// `--fairness-attribute`, window 8. The queue name has no hash tag, so
+/// the lanes (`{deep}:tenant-lane:<tenant>`, `{deep}:tenant-lanes`) get
+/// the queue's slot from the tag the transport adds, and the claim script
+/// reads them there: `small`'s last request reaches the gateway within the
+/// first 120 dispatches (without lanes it would be dispatch 2 050). Every
+/// id is answered once, and the queue and its lanes end empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_tenant_behind_a_deep_backlog_on_a_cluster_is_served_from_the_start() {
+    use support::tenants::{recording_gateway, seen, tenant_line};
+    const BIG: usize = 2000;
+    const SMALL: usize = 50;
+    const DEEP: &str = "deep";
+    const DEEP_RESULTS: &str = "{deep}:results";
+    let cluster = RedisCluster::start();
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+    let base = unix_now() + 3600;
+    let lines: Vec<String> = (0..BIG)
+        .map(|i| tenant_line(&format!("big-{i}"), "big", base + i as i64))
+        .chain(
+            (0..SMALL)
+                .map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
+        )
+        .collect();
+    let dir = TempDir::new("cluster-lanes");
+    let file = dir.0.join("tenants.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").expect("write requests");
+    let out = output(
+        sluicegate(&["submit", "--redis-cluster", "--queue", DEEP])
+            .args(["--fairness-attribute", "userid"])
+            .arg("--redis-url")
+            .arg(cluster.url())
+            .arg(&file),
+    );
+    assert!(out.status.success(), "submit failed: {}", text(&out.stderr));
+    let lane = |t: &str| cluster.int(&["ZCARD", &format!("{{deep}}:tenant-lane:{t}")]);
+    assert_eq!((lane("big"), lane("small")), (BIG as i64, SMALL as i64));
+    assert_eq!(cluster.int(&["SCARD", "{deep}:tenant-lanes"]), 2);
+    assert_eq!(
+        cluster.nodes_owning(&[DEEP, "{deep}:tenant-lanes", "{deep}:tenant-lane:small"]),
+        1,
+        "the lanes share the queue's node"
+    );
+    let _run = run_process(&cluster, &gateway.uri(), Some(DEEP_RESULTS))
+        .env("SLUICEGATE_QUEUE", DEEP)
+        .env("SLUICEGATE_QUEUE_MAX_SYS", "8")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map(Process)
+        .expect("sluicegate run starts");
+    wait_until(Duration::from_secs(60), "every small message sent", || {
+        seen(&arrivals)
+            .iter()
+            .filter(|a| a.tenant == "small")
+            .count()
+            == SMALL
+    })
+    .await;
+    let all = seen(&arrivals);
+    let position = all
+        .iter()
+        .rposition(|a| a.tenant == "small")
+        .map_or(0, |i| i + 1);
+    eprintln!(
+        "deep backlog, cluster: {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position}"
+    );
+    assert!(
+        position <= 120,
+        "`small`'s last request was dispatch {position}"
+    );
+    wait_until(Duration::from_secs(120), "every request answered", || {
+        cluster.int(&["LLEN", DEEP_RESULTS]) >= (BIG + SMALL) as i64
+    })
+    .await;
+    let counts = per_id(
+        &cluster
+            .cli(&["LRANGE", DEEP_RESULTS, "0", "-1"])
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("result is JSON"))
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(counts.len(), BIG + SMALL);
+    assert!(counts.values().all(|&c| c == 1), "an id answered twice");
+    assert_eq!(cluster.int(&["ZCARD", DEEP]), 0);
+    assert_eq!((lane("big"), lane("small")), (0, 0));
+    assert_eq!(cluster.int(&["HLEN", "{deep}:claimed"]), 0);
 }
 
 /// On a cluster the result list must be named on the queue and share its

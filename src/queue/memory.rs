@@ -1,8 +1,16 @@
 //! In-memory queue: the reference implementation of the [`Queue`]
 //! contract, with real leases and redelivery. Used by tests and examples;
 //! it keeps nothing across restarts.
+//!
+//! With tenant lanes (a dispatcher with a fairness attribute, issue 22)
+//! every waiting message is also indexed under its tenant, and a receive
+//! takes the heads of all lanes round robin, a tenant's weight in messages
+//! per round, as the embedded and Redis lanes do: a small tenant behind
+//! another's deep backlog is received from the start. Messages without
+//! the attribute share the lane `""`. There is no producer outside this
+//! process, so unlike Redis no message sits outside a lane.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -11,6 +19,7 @@ use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::lanes::{TenantLanes, interleave, tenant_of};
 use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
 use crate::request::parse_message;
 use crate::result::ResultRecord;
@@ -23,6 +32,8 @@ struct Item {
     body: Bytes,
     retry_count: u32,
     visible_at: Instant,
+    /// Its lane (`""` without lanes or without the attribute).
+    tenant: String,
 }
 
 #[derive(Debug)]
@@ -45,42 +56,131 @@ pub struct DeadLetter {
 struct State {
     next_seq: u64,
     next_tag: u64,
+    /// Every waiting message; only [`State::wait`] and [`State::unwait`]
+    /// change it, so the lanes stay in step.
     pending: BTreeMap<OrderKey, Item>,
+    /// Whether waiting messages are filed in `lanes`.
+    laned: bool,
+    /// With lanes: each tenant's waiting messages, in queue order (a
+    /// tenant leaves when it has none).
+    lanes: BTreeMap<String, BTreeSet<OrderKey>>,
     leased: HashMap<DeliveryTag, Leased>,
     results: Vec<ResultRecord>,
     answered: HashSet<(String, Option<String>)>,
     dead: Vec<DeadLetter>,
 }
 
+impl State {
+    /// Puts a message among the waiting (and in its lane).
+    fn wait(&mut self, key: OrderKey, item: Item) {
+        if self.laned {
+            self.lanes
+                .entry(item.tenant.clone())
+                .or_default()
+                .insert(key);
+        }
+        self.pending.insert(key, item);
+    }
+
+    /// Takes a message from the waiting (and from its lane).
+    fn unwait(&mut self, key: &OrderKey) -> Option<Item> {
+        let item = self.pending.remove(key)?;
+        if let Some(lane) = self.lanes.get_mut(&item.tenant) {
+            lane.remove(key);
+            if lane.is_empty() {
+                self.lanes.remove(&item.tenant);
+            }
+        }
+        Some(item)
+    }
+
+    /// Up to `max` visible waiting messages, in queue order; with `lanes`,
+    /// the heads of every lane round robin by weight. Also the earliest
+    /// instant a delayed message it passed becomes visible (every delayed
+    /// one when it found nothing).
+    fn visible(
+        &self,
+        max: usize,
+        now: Instant,
+        lanes: Option<&TenantLanes>,
+    ) -> (Vec<OrderKey>, Option<Instant>) {
+        let mut next_visible: Option<Instant> = None;
+        let mut heads = |keys: &mut dyn Iterator<Item = &OrderKey>, n: usize| {
+            let mut chosen = Vec::new();
+            for key in keys {
+                if chosen.len() >= n {
+                    break;
+                }
+                let at = self.pending[key].visible_at;
+                if at <= now {
+                    chosen.push(*key);
+                } else {
+                    next_visible = Some(next_visible.map_or(at, |v| v.min(at)));
+                }
+            }
+            chosen
+        };
+        let chosen = match lanes {
+            None => heads(&mut self.pending.keys(), max),
+            Some(lanes) => {
+                let sources = (self.lanes.iter())
+                    .map(|(tenant, keys)| {
+                        let weight = lanes.weight(tenant);
+                        let n = max.saturating_mul(weight as usize);
+                        (weight, heads(&mut keys.iter(), n))
+                    })
+                    .collect();
+                interleave(sources, max, |key| *key)
+            }
+        };
+        (chosen, next_visible)
+    }
+}
+
 /// A queue in process memory.
 #[derive(Debug)]
 pub struct MemoryQueue {
     name: String,
+    lanes: Option<TenantLanes>,
     state: Mutex<State>,
     arrived: Notify,
 }
 
 impl MemoryQueue {
-    /// An empty queue.
+    /// An empty queue without tenant lanes (queue order only).
     pub fn new(name: impl Into<String>) -> Self {
+        Self::with_lanes(name, None)
+    }
+
+    /// An empty queue; with `lanes`, receives take the heads of the
+    /// tenants' lanes round robin by weight (see the module docs).
+    pub fn with_lanes(name: impl Into<String>, lanes: Option<TenantLanes>) -> Self {
         Self {
             name: name.into(),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                laned: lanes.is_some(),
+                ..State::default()
+            }),
+            lanes,
             arrived: Notify::new(),
         }
     }
 
     /// Enqueues raw message bytes ordered by `deadline` (Unix seconds).
     pub fn push(&self, body: impl Into<Bytes>, deadline: i64) {
+        let body = body.into();
+        let tenant =
+            (self.lanes.as_ref()).map_or_else(String::new, |l| tenant_of(&body, &l.attribute));
         let mut state = self.lock();
         let seq = state.next_seq;
         state.next_seq += 1;
-        state.pending.insert(
+        state.wait(
             (deadline, seq),
             Item {
-                body: body.into(),
+                body,
                 retry_count: 0,
                 visible_at: Instant::now(),
+                tenant,
             },
         );
         drop(state);
@@ -141,10 +241,11 @@ impl MemoryQueue {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Leases up to `max` visible messages (with `expired_by`, only those
-    /// whose deadline is at or before it, visible or not); returns the
-    /// earliest instant a delayed message becomes visible, for the caller
-    /// to wait on.
+    /// Leases up to `max` visible messages (with lanes, the heads of every
+    /// lane round robin by weight; with `expired_by`, only those whose
+    /// deadline is at or before it, visible or not, whatever tenant);
+    /// returns the earliest instant a delayed message becomes visible, for
+    /// the caller to wait on.
     fn take(
         &self,
         max: usize,
@@ -162,31 +263,24 @@ impl MemoryQueue {
             .collect();
         for tag in expired {
             if let Some(l) = state.leased.remove(&tag) {
-                state.pending.insert(l.key, l.item);
+                state.wait(l.key, l.item);
             }
         }
-        let mut chosen = Vec::new();
-        let mut next_visible: Option<Instant> = None;
-        for (key, item) in &state.pending {
-            if chosen.len() >= max {
-                break;
-            }
-            if let Some(by) = expired_by {
-                // Ordered by deadline: nothing further has expired.
-                if key.0 > by {
-                    break;
-                }
-                chosen.push(*key);
-            } else if item.visible_at <= now {
-                chosen.push(*key);
-            } else {
-                next_visible =
-                    Some(next_visible.map_or(item.visible_at, |n| n.min(item.visible_at)));
-            }
-        }
+        let (chosen, next_visible) = match expired_by {
+            // Ordered by deadline: nothing further has expired.
+            Some(by) => (
+                (state.pending.keys())
+                    .take_while(|key| key.0 <= by)
+                    .take(max)
+                    .copied()
+                    .collect(),
+                None,
+            ),
+            None => state.visible(max, now, self.lanes.as_ref()),
+        };
         let mut deliveries = Vec::with_capacity(chosen.len());
         for key in chosen {
-            let Some(item) = state.pending.remove(&key) else {
+            let Some(item) = state.unwait(&key) else {
                 continue;
             };
             let tag = DeliveryTag(format!("{}#{}", key.1, state.next_tag));
@@ -286,7 +380,7 @@ impl Queue for MemoryQueue {
                 leased.item.retry_count += 1;
             }
             leased.item.visible_at = Instant::now() + delay;
-            state.pending.insert(leased.key, leased.item);
+            state.wait(leased.key, leased.item);
         }
         drop(state);
         self.arrived.notify_waiters();
@@ -497,6 +591,103 @@ mod tests {
                 .is_empty()
         );
         assert_eq!(q.pending_len(), 1, "the unexpired one stays");
+    }
+
+    fn tenant(id: &str, tenant: Option<&str>) -> String {
+        let metadata = tenant.map_or(serde_json::json!({}), |t| serde_json::json!({"userid": t}));
+        serde_json::json!({"id": id, "metadata": metadata}).to_string()
+    }
+
+    fn ids(deliveries: &[Delivery]) -> Vec<String> {
+        deliveries
+            .iter()
+            .map(|d| {
+                let v: serde_json::Value = serde_json::from_slice(&d.body).expect("json");
+                v["id"].as_str().expect("id").to_owned()
+            })
+            .collect()
+    }
+
+    fn laned(weights: &[(&str, u32)]) -> MemoryQueue {
+        MemoryQueue::with_lanes(
+            "q",
+            Some(TenantLanes {
+                attribute: "userid".into(),
+                weights: weights.iter().map(|(t, w)| ((*t).to_owned(), *w)).collect(),
+            }),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lanes_take_every_tenants_head_round_robin_by_weight() {
+        let q = laned(&[("big", 2)]);
+        for i in 0..10 {
+            q.push(tenant(&format!("b{i}"), Some("big")), i);
+        }
+        for i in 0..3 {
+            q.push(tenant(&format!("s{i}"), Some("small")), 100 + i);
+        }
+        // Messages without the attribute share the lane "".
+        q.push(tenant("a0", None), 50);
+        q.push(tenant("a1", None), 51);
+        let got = q.receive(8, LEASE, NO_WAIT).await.expect("ok");
+        // Lanes in tenant order: "" (1 per round), big (2), small (1).
+        assert_eq!(ids(&got), ["a0", "b0", "b1", "s0", "a1", "b2", "b3", "s1"]);
+        // Without lanes the same queue is served by deadline alone.
+        let plain = MemoryQueue::new("q");
+        for i in 0..10 {
+            plain.push(tenant(&format!("b{i}"), Some("big")), i);
+        }
+        plain.push(tenant("s0", Some("small")), 100);
+        let got = plain.receive(8, LEASE, NO_WAIT).await.expect("ok");
+        assert!(ids(&got).iter().all(|id| id.starts_with('b')));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn messages_back_from_a_lease_are_back_in_their_lane() {
+        let q = laned(&[]);
+        for i in 0..4 {
+            q.push(tenant(&format!("b{i}"), Some("big")), i);
+        }
+        q.push(tenant("s0", Some("small")), 100);
+        let first = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+        assert_eq!(ids(&first), ["b0", "s0"]);
+        // Handed back with a delay: not visible until it ends, then in
+        // its lane again, at its place.
+        q.nack(
+            first[1].tag.clone(),
+            Duration::from_secs(5),
+            NackReason::Failed,
+        )
+        .await
+        .expect("ok");
+        assert_eq!(
+            ids(&q.receive(1, LEASE, NO_WAIT).await.expect("ok")),
+            ["b1"]
+        );
+        tokio::time::advance(Duration::from_secs(6)).await;
+        let again = q.receive(2, LEASE, NO_WAIT).await.expect("ok");
+        assert_eq!(ids(&again), ["b2", "s0"]);
+        assert_eq!(again[1].retry_count, 1);
+        // A lapsed lease comes back into its lane too.
+        tokio::time::advance(LEASE + Duration::from_secs(1)).await;
+        let after = q.receive(10, LEASE, NO_WAIT).await.expect("ok");
+        assert_eq!(ids(&after), ["b0", "s0", "b1", "b2", "b3"]);
+        assert!(q.lock().lanes.is_empty(), "no lane outlives its messages");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_expired_sweep_takes_passed_deadlines_whatever_the_lane() {
+        let q = laned(&[]);
+        q.push(tenant("b0", Some("big")), 100);
+        q.push(tenant("b1", Some("big")), 110);
+        q.push(tenant("s0", Some("small")), 300);
+        let got = q.receive_expired(10, LEASE, 200).await.expect("ok");
+        assert_eq!(ids(&got), ["b0", "b1"]);
+        assert_eq!(
+            ids(&q.receive(10, LEASE, NO_WAIT).await.expect("ok")),
+            ["s0"]
+        );
     }
 
     #[tokio::test(start_paused = true)]

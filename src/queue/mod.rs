@@ -7,6 +7,7 @@
 //! builds the configured transport's queues.
 
 pub mod embedded;
+mod lanes;
 mod memory;
 mod open;
 pub mod pubsub;
@@ -22,6 +23,7 @@ use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
 
 use embedded::EmbeddedError;
+pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
 pub use open::{OpenError, Transports, default_redis_config, open};
 

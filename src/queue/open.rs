@@ -12,7 +12,7 @@ use crate::telemetry::Metrics;
 use super::embedded::{EmbeddedError, EmbeddedQueue};
 use super::pubsub::{PubSubError, PubSubQueue};
 use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, connection, hash_tag, key_slot};
-use super::{MemoryQueue, Queue};
+use super::{MemoryQueue, Queue, TenantLanes};
 
 /// Store file of the embedded transport when `[embedded]` names none.
 const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";
@@ -114,12 +114,18 @@ pub async fn open(
     tasks: &Tasks,
     metrics: &Metrics,
 ) -> Result<Transports, OpenError> {
+    // Tenant lanes where the transport files them itself (Redis reads the
+    // same settings in `open_redis`; Pub/Sub has none).
+    let lanes = (config.gateway.fairness_attribute.clone()).map(|attribute| TenantLanes {
+        attribute,
+        weights: config.dispatch.tenant_weights.clone(),
+    });
     match config.transport {
         TransportKind::Memory => Ok(Transports::Memory(
             config
                 .queues
                 .iter()
-                .map(|q| Arc::new(MemoryQueue::new(q.queue_name.clone())))
+                .map(|q| Arc::new(MemoryQueue::with_lanes(q.queue_name.clone(), lanes.clone())))
                 .collect(),
         )),
         TransportKind::Redis => open_redis(config, tasks).await,
@@ -128,12 +134,6 @@ pub async fn open(
                 .embedded
                 .as_ref()
                 .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
-            let lanes = (config.gateway.fairness_attribute.clone()).map(|attribute| {
-                super::embedded::TenantLanes {
-                    attribute,
-                    weights: config.dispatch.tenant_weights.clone(),
-                }
-            });
             let mut queues = Vec::with_capacity(config.queues.len());
             for q in &config.queues {
                 let queue =

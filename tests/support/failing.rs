@@ -3,8 +3,11 @@
 //! reads the request and never answers, one that resets the first few and
 //! then answers 200. Each counts the attempts it saw (a request read from
 //! a connection), with the instant of each, so a test can assert rates at
-//! the server itself.
+//! the server itself. A failing gateway can recover (answer 200 from then
+//! on), and one can be started on a given port, so a test can let a port
+//! that refused connections start answering.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,17 +33,25 @@ pub struct FailingGateway {
     /// `http://127.0.0.1:<port>`.
     pub url: String,
     attempts: Arc<Mutex<Vec<Instant>>>,
+    recovered: Arc<AtomicBool>,
     stop: CancellationToken,
 }
 
 impl FailingGateway {
     /// Listens on a free loopback port and fails every request with `failure`.
     pub async fn start(failure: Failure) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        Self::start_on(0, failure).await
+    }
+
+    /// Listens on loopback `port` (0: a free one) and fails every request
+    /// with `failure`.
+    pub async fn start_on(port: u16, failure: Failure) -> Self {
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("address"));
         let attempts = Arc::new(Mutex::new(Vec::new()));
+        let recovered = Arc::new(AtomicBool::new(false));
         let stop = CancellationToken::new();
-        let (seen, token) = (attempts.clone(), stop.clone());
+        let (seen, up, token) = (attempts.clone(), recovered.clone(), stop.clone());
         tokio::spawn(async move {
             loop {
                 let stream = tokio::select! {
@@ -50,15 +61,21 @@ impl FailingGateway {
                         Err(_) => continue,
                     },
                 };
-                let (seen, token) = (seen.clone(), token.clone());
-                tokio::spawn(serve(stream, failure, seen, token));
+                let (seen, up, token) = (seen.clone(), up.clone(), token.clone());
+                tokio::spawn(serve(stream, failure, seen, up, token));
             }
         });
         Self {
             url,
             attempts,
+            recovered,
             stop,
         }
+    }
+
+    /// From now on, answers every request 200 (still counting it).
+    pub fn recover(&self) {
+        self.recovered.store(true, Ordering::SeqCst);
     }
 
     /// Requests seen so far.
@@ -84,6 +101,7 @@ async fn serve(
     mut stream: TcpStream,
     failure: Failure,
     seen: Arc<Mutex<Vec<Instant>>>,
+    recovered: Arc<AtomicBool>,
     stop: CancellationToken,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
@@ -109,8 +127,10 @@ async fn serve(
             seen.push(Instant::now());
             seen.len()
         };
+        let answers = recovered.load(Ordering::SeqCst)
+            || matches!(failure, Failure::ResetThenOk(n) if nth > n);
         let failure = match failure {
-            Failure::ResetThenOk(n) if nth > n => {
+            _ if answers => {
                 let body = r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
                 let answer = format!(
                     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",

@@ -20,6 +20,38 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local address").port()
 }
 
+/// A gateway on a free loopback port that answers `POST /v1/completions`
+/// with `{}` after `delay` and counts how many requests it holds at once;
+/// returns its URL and the peak.
+pub async fn counting_gateway(
+    delay: std::time::Duration,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let now = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let (n, p) = (now.clone(), peak.clone());
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        axum::routing::post(move || {
+            let (n, p) = (n.clone(), p.clone());
+            async move {
+                let current = n.fetch_add(1, Ordering::SeqCst) + 1;
+                p.fetch_max(current, Ordering::SeqCst);
+                tokio::time::sleep(delay).await;
+                n.fetch_sub(1, Ordering::SeqCst);
+                "{}"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), peak)
+}
+
 /// A fresh directory under the system temp dir, removed on drop.
 #[derive(Debug)]
 pub struct TempDir(pub std::path::PathBuf);

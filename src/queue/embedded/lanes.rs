@@ -8,21 +8,14 @@
 //! it (its value of the fairness attribute, `""` without one), and the
 //! `lanes` table lists the tenants with messages. A claim also takes the
 //! head of the queue itself, so rows not filed yet (more than one claim
-//! files) are never stranded.
-
-use std::collections::{BTreeMap, HashSet};
+//! files) are never stranded. The tenant of a message and the round robin
+//! are shared with the in-memory queue (`queue/lanes.rs`).
 
 use rusqlite::{Transaction, params};
-use serde::Deserialize;
 
-/// The dispatcher's fairness settings, for the claim.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TenantLanes {
-    /// `[gateway] fairness_attribute`: the metadata key naming the tenant.
-    pub attribute: String,
-    /// `dispatch.tenant_weights`: members taken per round (1 when not named).
-    pub weights: BTreeMap<String, u32>,
-}
+pub use crate::queue::lanes::TenantLanes;
+use crate::queue::lanes::interleave;
+pub(super) use crate::queue::lanes::tenant_of;
 
 /// Most rows one claim files into lanes (the rest: the next claims).
 const FILE_PER_CLAIM: i64 = 10_000;
@@ -35,66 +28,6 @@ pub(super) type Row = (i64, Vec<u8>, u32);
 /// Rows a claim may take: never leased, or leased and expired, and due.
 pub(super) const CLAIMABLE: &str = "((lease_tag IS NULL AND visible_at_ms <= ?2)
     OR (lease_tag IS NOT NULL AND lease_expires_ms <= ?2))";
-
-/// The tenant of a message: `metadata[attribute]` of the request (bare or
-/// in an envelope's `data`); `""` without one or when it cannot be read.
-pub(super) fn tenant_of(body: &[u8], attribute: &str) -> String {
-    #[derive(Deserialize)]
-    struct Request {
-        #[serde(default)]
-        metadata: BTreeMap<String, serde_json::Value>,
-    }
-    #[derive(Deserialize)]
-    struct Message {
-        data: Option<Request>,
-        #[serde(default)]
-        metadata: BTreeMap<String, serde_json::Value>,
-    }
-    let Ok(message) = serde_json::from_slice::<Message>(body) else {
-        return String::new();
-    };
-    let metadata = match message.data {
-        Some(data) => data.metadata,
-        None => message.metadata,
-    };
-    match metadata.get(attribute) {
-        Some(serde_json::Value::String(tenant)) => tenant.clone(),
-        _ => String::new(),
-    }
-}
-
-/// Round robin over `sources` (each with its weight: members taken per
-/// round), skipping keys already taken, up to `max`.
-pub(super) fn interleave<T>(
-    sources: Vec<(u32, Vec<T>)>,
-    max: usize,
-    key: impl Fn(&T) -> i64,
-) -> Vec<T> {
-    let mut sources: Vec<(u32, std::vec::IntoIter<T>)> = sources
-        .into_iter()
-        .map(|(weight, items)| (weight, items.into_iter()))
-        .collect();
-    let mut taken = HashSet::new();
-    let mut out = Vec::new();
-    loop {
-        let mut any = false;
-        for (weight, items) in &mut sources {
-            for _ in 0..*weight {
-                if out.len() >= max {
-                    return out;
-                }
-                let Some(item) = items.next() else { break };
-                any = true;
-                if taken.insert(key(&item)) {
-                    out.push(item);
-                }
-            }
-        }
-        if !any {
-            return out;
-        }
-    }
-}
 
 /// Files rows not yet in a lane (tenant NULL) into their tenant's lane.
 fn file_new_rows(tx: &Transaction<'_>, queue: &str, attribute: &str) -> rusqlite::Result<()> {
@@ -157,7 +90,7 @@ pub(super) fn heads(
     );
     let mut sources = Vec::with_capacity(tenants.len() + 1);
     for tenant in tenants {
-        let weight = lanes.weights.get(&tenant).copied().unwrap_or(1);
+        let weight = lanes.weight(&tenant);
         let rows = read(
             &lane_sql,
             Some(&tenant),
@@ -176,37 +109,4 @@ pub(super) fn heads(
     }
     sources.push((1, read(&head_sql, None, limit)?));
     Ok(interleave(sources, max, |row| row.0))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_tenant_is_the_attribute_of_a_bare_request_or_an_envelope() {
-        let bare = br#"{"id":"a","metadata":{"userid":"alice"}}"#;
-        let envelope = br#"{"data":{"id":"a","metadata":{"userid":"bob"}},"internal":{}}"#;
-        assert_eq!(tenant_of(bare, "userid"), "alice");
-        assert_eq!(tenant_of(envelope, "userid"), "bob");
-        assert_eq!(tenant_of(bare, "team"), "");
-        assert_eq!(tenant_of(br#"{"metadata":{"userid":7}}"#, "userid"), "");
-        assert_eq!(tenant_of(b"not json", "userid"), "");
-    }
-
-    #[test]
-    fn interleave_takes_each_weight_per_round_and_skips_repeats() {
-        let got = interleave(
-            vec![
-                (3, vec![1, 2, 3, 4, 5, 6]),
-                (1, vec![10, 11]),
-                (1, vec![1, 2, 10]),
-            ],
-            8,
-            |x| *x,
-        );
-        assert_eq!(got, vec![1, 2, 3, 10, 4, 5, 6, 11]);
-        let all = interleave(vec![(1, vec![1, 2]), (2, vec![3])], 10, |x| *x);
-        assert_eq!(all, vec![1, 3, 2]);
-        assert!(interleave(vec![(1, vec![1])], 0, |x| *x).is_empty());
-    }
 }
