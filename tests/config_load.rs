@@ -582,6 +582,7 @@ fn secret_errors_do_not_echo_the_secret() {
 fn upstream_json_queue_config_carries_over_verbatim() {
     // The upstream shape: every gate param a string, nested gates as JSON text.
     let upstream = r#"[{
+        "id": "batch-queue",
         "queue_name": "request-sortedset",
         "igw_base_url": "http://gateway:80",
         "request_path_url": "/v1/completions",
@@ -610,6 +611,8 @@ fn upstream_json_queue_config_carries_over_verbatim() {
     assert_eq!(q.queue_name, "request-sortedset");
     assert_eq!(q.inference_objective.as_deref(), Some("batch"));
     assert_eq!(q.worker_pool_id, "pool-a");
+    // Upstream's queue id (its metric label) loads and is kept, unused.
+    assert_eq!(q.id.as_deref(), Some("batch-queue"));
     assert_eq!(q.labels.get("tier").map(String::as_str), Some("batch"));
     assert_eq!(q.result_ttl_seconds, 3600);
     assert_eq!(

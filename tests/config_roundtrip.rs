@@ -271,11 +271,13 @@ fn queue() -> impl Strategy<Value = QueueConfig> {
                 queue_name,
                 igw_base_url: endpoint(&url),
                 request_path_url,
-                inference_objective,
+                inference_objective: inference_objective.clone(),
                 engine_priority,
                 // A pool named like the result list: any valid name.
                 pool: Some(result_queue_name.clone()),
                 worker_pool_id,
+                // Any optional name: the objective's will do.
+                id: inference_objective.clone(),
                 labels,
                 result_queue_name: Some(result_queue_name),
                 result_ttl_seconds,

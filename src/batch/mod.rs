@@ -541,6 +541,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
             engine_priority: None,
             pool: None,
             worker_pool_id: String::new(),
+            id: None,
             labels: BTreeMap::new(),
             result_queue_name: None,
             result_ttl_seconds: 0,

@@ -552,6 +552,10 @@ section! {
         pool: Option<String> = None, pool_name;
         /// Worker pool id (upstream label).
         worker_pool_id: String = "default".to_owned(), as_nonempty_string;
+        /// Upstream's queue id, there only the `queue_id` metric label:
+        /// accepted so an upstream queue array loads unchanged; our
+        /// metrics label a queue by `queue_name`.
+        id: Option<String> = None, optional_string;
         /// Labels copied onto messages (e.g. `tier`).
         labels: BTreeMap<String, String> = BTreeMap::new(), as_string_map;
         /// Redis list results go to, when the queue sets one: it wins over the
