@@ -1432,3 +1432,157 @@ async fn the_sweeper_deletes_expired_files_on_redis() {
     spec.redis_port = Some(redis.port);
     expired_files_are_swept(&mut spec, Some(&shared.0), false).await;
 }
+
+/// Where a killed intake's queue lives, to see how far it got.
+enum IntakeQueue<'a> {
+    /// The embedded queue file under the data directory.
+    Embedded(std::path::PathBuf),
+    /// The Redis queue `batch-api`.
+    Redis(&'a RedisServer),
+}
+
+impl IntakeQueue<'_> {
+    /// Messages waiting in the queue (the gate is closed: none leave).
+    fn waiting(&self) -> i64 {
+        match self {
+            Self::Embedded(path) => rusqlite::Connection::open(path)
+                .and_then(|db| db.query_row("SELECT COUNT(*) FROM messages", [], |r| r.get(0)))
+                .unwrap_or(0),
+            Self::Redis(redis) => redis.int(&["ZCARD", "batch-api"]),
+        }
+    }
+}
+
+/// `sluicegate serve --config <file>` in `cwd`: the API and telemetry on
+/// the given ports, `data` as its data directory, `transport` (TOML
+/// lines) and, when `closed`, a gate that never opens (an unreadable
+/// scrape: zero budget), so enqueued requests stay queued.
+fn serve_with_config(
+    cwd: &std::path::Path,
+    data: &std::path::Path,
+    transport: &str,
+    gateway: &str,
+    closed: bool,
+    ports: (u16, u16),
+) -> support::cli::Background {
+    let gate = match closed {
+        true => format!(
+            "gate_type = \"endpoint-scrape\"\n[queue.gate_params]\nurl = \"http://127.0.0.1:{}/metrics\"\nmetric = \"m\"\nmax_count_per_pod = 4\n",
+            support::free_port()
+        ),
+        false => "gate_type = \"constant\"\n".to_owned(),
+    };
+    let text = format!(
+        "{transport}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:{}\"\n[serve]\nlisten = \"127.0.0.1:{}\"\ndata_dir = \"{}\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 64\n{gate}",
+        ports.1,
+        ports.0,
+        data.display()
+    );
+    let file = cwd.join(if closed { "closed.toml" } else { "open.toml" });
+    std::fs::write(&file, text).expect("config file");
+    support::cli::Background::spawn(
+        support::cli::sluicegate(&["serve", "--config"])
+            .arg(&file)
+            .current_dir(cwd),
+    )
+}
+
+/// A gateway answering every completion at once and keeping every request
+/// (wiremock records them), to count how often each prompt arrived.
+async fn counting_gateway() -> wiremock::MockServer {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let gateway = MockServer::start().await;
+    let body = r#"{"id":"cmpl-count","object":"text_completion","model":"sim-model","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .insert_header("content-type", "application/json")
+                .set_body_string(body),
+        )
+        .mount(&gateway)
+        .await;
+    gateway
+}
+
+/// Issue 26: `serve` SIGKILLed while a batch's lines are being enqueued
+/// (some chunks in the queue, not all) resumes the intake after the last
+/// chunk it enqueued: the gateway gets each line exactly once, and the
+/// output has each `custom_id` once. Before, the intake restarted at line
+/// 1 and the chunks enqueued before the kill were sent twice.
+async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue<'_>) {
+    const N: usize = 20_000;
+    let dir = support::TempDir::new("serve-intake");
+    let data = dir.0.join("data");
+    let ports = (support::free_port(), support::free_port());
+    let api = Api::new(&format!("http://127.0.0.1:{}", ports.0), None);
+    let gateway = counting_gateway().await;
+    let mut first = serve_with_config(&dir.0, &data, transport, &gateway.uri(), true, ports);
+    answered(&api).await;
+    let queue = match queue {
+        IntakeQueue::Embedded(_) => IntakeQueue::Embedded(data.join("sluicegate.db")),
+        redis => redis,
+    };
+    let batch = api
+        .batch(&completion_lines(N, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    // Killed as soon as the first chunk is in the queue: the intake is
+    // then mid-way (it enqueues 500 lines per chunk).
+    let give_up = std::time::Instant::now() + Duration::from_secs(120);
+    while queue.waiting() == 0 {
+        assert!(std::time::Instant::now() < give_up, "intake never began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    first.kill();
+    let at_kill = queue.waiting();
+    assert!(
+        at_kill > 0 && at_kill < N as i64,
+        "killed mid-intake: {at_kill} of {N} enqueued"
+    );
+    let _second = serve_with_config(&dir.0, &data, transport, &gateway.uri(), false, ports);
+    answered(&api).await;
+    let done = api.wait_for(&id, Duration::from_secs(600), terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": N, "completed": N, "failed": 0})
+    );
+    let mut arrivals = std::collections::BTreeMap::<String, usize>::new();
+    for request in gateway.received_requests().await.expect("recorded") {
+        let body: Value = serde_json::from_slice(&request.body).expect("request JSON");
+        let prompt = body["prompt"].as_str().expect("prompt").to_owned();
+        *arrivals.entry(prompt).or_default() += 1;
+    }
+    let twice: Vec<_> = arrivals.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "{} lines sent more than once (killed at {at_kill} enqueued), e.g. {:?}",
+        twice.len(),
+        twice.iter().take(3).collect::<Vec<_>>()
+    );
+    assert_eq!(arrivals.len(), N, "every line sent");
+    let out = done["output_file_id"].as_str().expect("output");
+    let lines = lines_of(&api.text(&format!("/v1/files/{out}/content")).await.1);
+    let ids: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .filter_map(|l| l["custom_id"].as_str())
+        .collect();
+    assert_eq!((lines.len(), ids.len()), (N, N), "each custom_id once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_intake_sends_no_line_twice() {
+    let transport = "transport = \"embedded\"\n";
+    a_killed_intake_sends_no_line_twice(transport, IntakeQueue::Embedded(Default::default())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_intake_on_redis_sends_no_line_twice() {
+    let redis = RedisServer::start();
+    let transport = format!(
+        "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
+        redis.port
+    );
+    a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis)).await;
+}

@@ -27,7 +27,7 @@ use super::model::{
     BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
 };
 use super::retention::Retention;
-use super::sink::{Sink, SinkError};
+use super::sink::{Progress, Sink, SinkError};
 use super::store::{Recorded, Store, StoreError};
 use crate::batch::endpoint::Endpoint;
 use crate::batch::input::openai_request;
@@ -481,8 +481,13 @@ impl Engine {
     /// the requests never enqueued are answered at once with the stop's
     /// code (`batch_cancelled`, `batch_expired`), so the counts still
     /// reach the total.
+    ///
+    /// Each chunk goes in with the number of lines read through it
+    /// (`Sink::enqueue`), so an intake resumed after its server died
+    /// skips what is already enqueued and no request is sent twice.
     async fn enqueue_all(&self, batch: &BatchRecord) -> Result<(), EngineError> {
         let mut reader = self.open_input(batch).await?;
+        let done_lines = self.sink.progress(&batch.id).await?;
         let (mut n, mut enqueued) = (0u64, 0u64);
         let mut seen = HashSet::new();
         let mut chunk = Vec::with_capacity(CHUNK);
@@ -492,6 +497,9 @@ impl Engine {
             let end = line.is_none();
             if let Some(line) = line {
                 n += 1;
+                if n <= done_lines {
+                    continue;
+                }
                 if let Ok(Some(message)) = self.check_line(batch, n, &line, &mut seen) {
                     chunk.push(message);
                 }
@@ -514,7 +522,13 @@ impl Engine {
             match stopped {
                 None => {
                     enqueued += chunk.len() as u64;
-                    self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+                    let progress = Progress {
+                        batch: &batch.id,
+                        lines: n,
+                    };
+                    self.sink
+                        .enqueue(std::mem::take(&mut chunk), progress)
+                        .await?;
                 }
                 Some(stop) => {
                     let unsent = std::mem::take(&mut chunk);
@@ -542,7 +556,9 @@ impl Engine {
         if stopped.is_some() || done.is_some_and(|b| b.stop.is_some()) {
             self.stop_requests(batch).await?;
         }
-        tracing::info!(batch = %batch.id, requests = enqueued, "batch enqueued");
+        // `enqueued` is set: no intake resumes, the progress has served.
+        self.sink.forget_progress(&batch.id).await?;
+        tracing::info!(batch = %batch.id, requests = enqueued, resumed_after = done_lines, "batch enqueued");
         Ok(())
     }
 

@@ -283,6 +283,7 @@ pub async fn start(
                 queue: queue_name,
                 result_list: list.clone(),
                 fairness_attribute: fairness.clone(),
+                key_prefix: serve.key_prefix.clone(),
             };
             let store = Store::Redis(RedisStore::new(conn.clone(), serve.key_prefix.clone()));
             engine = Arc::new(Engine::new(
