@@ -1586,3 +1586,149 @@ async fn a_server_killed_during_intake_on_redis_sends_no_line_twice() {
     );
     a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis)).await;
 }
+
+/// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.
+fn tenant_limits() -> sluicegate::serve::quota::TenantLimits {
+    use sluicegate::serve::quota::{TenantLimit, TenantLimits};
+    TenantLimits {
+        default: TenantLimit {
+            requests: Some(10),
+            tokens: None,
+        },
+        tenants: [(
+            "beta".to_owned(),
+            TenantLimit {
+                requests: None,
+                tokens: Some(50),
+            },
+        )]
+        .into(),
+    }
+}
+
+/// Issue 26 item 6: a batch that would pass its tenant's limit on
+/// enqueued requests or estimated tokens is refused at creation with 429
+/// in OpenAI's error shape (nothing saved); other tenants are not
+/// affected; the limit frees as the tenant's batches end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_over_a_tenant_limit_get_429_at_creation_until_work_finishes() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    spec.keys = Some("acme:key-acme,beta:key-beta".into());
+    spec.tenant_limits = Some(tenant_limits());
+    let served = start(&spec, None).await;
+    let acme = Api::new(&served.base, Some("key-acme"));
+    let beta = Api::new(&served.base, Some("key-beta"));
+
+    let (status, first) = acme.try_batch(&completion_lines(6, 8)).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, refused) = acme.try_batch(&completion_lines(6, 8)).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "request_limit_exceeded",
+        "{refused}"
+    );
+    assert_eq!(refused["error"]["type"], "requests");
+    assert!(refused["error"]["param"].is_null());
+    let message = refused["error"]["message"].as_str().expect("message");
+    assert!(
+        message.starts_with("Enqueued request limit reached for tenant acme. Limit: 10"),
+        "{message}"
+    );
+    assert_eq!(
+        acme.get("/v1/batches").await.1["data"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    // 4 more fit exactly.
+    let (status, body) = acme.try_batch(&completion_lines(4, 8)).await;
+    assert_eq!(status, 200, "{body}");
+
+    // beta: no request limit of its own beyond the default 10, but 50
+    // tokens: "hello N" is 2 tokens + max_tokens 8 = 10 per line.
+    let (status, body) = beta.try_batch(&completion_lines(3, 8)).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, refused) = beta.try_batch(&completion_lines(3, 8)).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "token_limit_exceeded",
+        "{refused}"
+    );
+    assert_eq!(refused["error"]["type"], "tokens");
+
+    // Cancelling acme's first batch ends it: its 6 requests are released.
+    let id = first["id"].as_str().expect("id");
+    acme.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    let (status, _) = acme
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200);
+    acme.wait_for(id, LONG, terminal).await;
+    let (status, body) = acme.try_batch(&completion_lines(6, 8)).await;
+    assert_eq!(status, 200, "freed by the cancel: {body}");
+    served.stop().await;
+}
+
+/// Creations racing for the last room under a limit cannot overshoot it:
+/// 8 batches of 3 requests at once against a limit of 10 → exactly 3 are
+/// created (the reservation is a compare-and-set in the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creations_cannot_overshoot_a_tenant_limit() {
+    for redis in [None, Some(RedisServer::start())] {
+        let mut spec = ServeSpec::new("http://127.0.0.1:9");
+        spec.closed_gate = true;
+        spec.redis_port = redis.as_ref().map(|r| r.port);
+        spec.keys = Some("acme:key-acme,beta:key-beta".into());
+        spec.tenant_limits = Some(tenant_limits());
+        let served = start(&spec, None).await;
+        let api = Api::new(&served.base, Some("key-acme"));
+        let tries = (0..8).map(|_| {
+            let api = api.clone();
+            async move { api.try_batch(&completion_lines(3, 8)).await.0 }
+        });
+        let mut statuses = futures_util::future::join_all(tries).await;
+        statuses.sort_unstable();
+        assert_eq!(
+            statuses,
+            [200, 200, 200, 429, 429, 429, 429, 429],
+            "redis: {}",
+            redis.is_some()
+        );
+        served.stop().await;
+    }
+}
+
+#[test]
+fn a_bad_tenant_limit_stops_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-limits-config");
+    let base = "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n[serve]\napi_keys = \"acme:k\"\n";
+    for (table, says) in [
+        (
+            "[serve.tenant_limits]\ntokens = 0\n",
+            "serve.tenant_limits: tokens: ",
+        ),
+        (
+            "[serve.tenant_limits]\nmax_tokens = 5\n",
+            "serve.tenant_limits: unknown key \"max_tokens\"; allowed: requests, tokens, tenants",
+        ),
+        (
+            "[serve.tenant_limits.tenants.acmee]\nrequests = 5\n",
+            "serve.tenant_limits.tenants: no API key has tenant `acmee`; the tenants are: acme",
+        ),
+    ] {
+        let file = dir.0.join("bad.toml");
+        std::fs::write(&file, format!("{base}{table}")).expect("write config");
+        let path = file.to_str().expect("utf-8 path");
+        for args in [
+            ["check-config", "--config", path],
+            ["serve", "--config", path],
+        ] {
+            let out = support::cli::output(&mut support::cli::sluicegate(&args));
+            let err = support::cli::text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
+    }
+}

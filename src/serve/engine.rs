@@ -26,6 +26,7 @@ use super::files::{Bodies, Line, read_line};
 use super::model::{
     BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
 };
+use super::quota::{Estimate, Exceeded, TenantLimits};
 use super::retention::Retention;
 use super::sink::{Progress, Sink, SinkError};
 use super::store::{Recorded, Store, StoreError};
@@ -92,6 +93,23 @@ pub enum EngineError {
     Io(#[from] std::io::Error),
 }
 
+/// Why a batch could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// It would pass its tenant's limit on enqueued work.
+    #[error("the batch would pass its tenant's limit ({:?} {} of {})", .0.kind, .0.held.saturating_add(.0.asked), .0.limit)]
+    Limit(Exceeded),
+    /// The store or the input file failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl From<StoreError> for CreateError {
+    fn from(e: StoreError) -> Self {
+        Self::Engine(e.into())
+    }
+}
+
 /// The lifecycle runner of one server.
 #[derive(Debug)]
 pub struct Engine {
@@ -108,6 +126,8 @@ pub struct Engine {
     metrics: BatchApiMetrics,
     /// Batches with a step running in this process.
     running: Mutex<HashSet<String>>,
+    /// `serve.tenant_limits`: checked at creation (`Engine::create`).
+    tenant_limits: TenantLimits,
 }
 
 /// When the server answers a stopped batch's missing results itself, and
@@ -168,7 +188,93 @@ impl Engine {
             fairness,
             metrics,
             running: Mutex::new(HashSet::new()),
+            tenant_limits: TenantLimits::default(),
         }
+    }
+
+    /// This engine with `serve.tenant_limits` enforced at creation.
+    pub fn with_tenant_limits(mut self, limits: TenantLimits) -> Self {
+        self.tenant_limits = limits;
+        self
+    }
+
+    /// Saves a new batch and starts its intake, unless it would pass its
+    /// tenant's limits on enqueued work: then nothing is saved. The input
+    /// file is read once here to count its requests and estimate their
+    /// tokens (validation reads it again), and the reservation is a
+    /// compare-and-set on the tenant's version ([`Store::insert_batch_if`]),
+    /// so creations racing on any server cannot overshoot the limit.
+    pub async fn create(
+        self: &Arc<Self>,
+        mut batch: BatchRecord,
+    ) -> Result<BatchRecord, CreateError> {
+        let limit = self.tenant_limits.of(&batch.tenant);
+        if limit.is_unlimited() {
+            self.store.insert_batch(&batch).await?;
+        } else {
+            let asked = self.estimate(&batch.input_file_id).await?;
+            batch.held = Some(asked);
+            loop {
+                let version = self.store.tenant_version(&batch.tenant).await?;
+                let held = self.held_by(&batch.tenant).await?;
+                limit.admit(held, asked).map_err(CreateError::Limit)?;
+                if self.store.insert_batch_if(&batch, version).await? {
+                    break;
+                }
+            }
+        }
+        self.start_intake(&batch.id);
+        Ok(batch)
+    }
+
+    /// The requests of an input file and their estimated tokens, counted
+    /// as validation counts them (blank lines skipped, a leading
+    /// byte-order mark ignored). A file that cannot be read holds nothing:
+    /// validation refuses it.
+    async fn estimate(&self, file_id: &str) -> Result<Estimate, EngineError> {
+        /// The one field of a batch line the estimate reads.
+        #[derive(serde::Deserialize)]
+        struct Body<'a> {
+            #[serde(borrow)]
+            body: Option<&'a serde_json::value::RawValue>,
+        }
+        let mut estimate = Estimate::default();
+        let Ok(file) = tokio::fs::File::open(self.bodies.path(file_id)).await else {
+            return Ok(estimate);
+        };
+        let mut reader = BufReader::new(file);
+        let mut n = 0u64;
+        while let Some(line) = read_line(&mut reader, self.limits.max_line_bytes).await? {
+            n += 1;
+            let Line::Text(bytes) = line else {
+                estimate.add_line(None);
+                continue;
+            };
+            let bytes: &[u8] = &bytes;
+            let bytes = match n {
+                1 => bytes.strip_prefix(BOM).unwrap_or(bytes),
+                _ => bytes,
+            };
+            if bytes.trim_ascii().is_empty() {
+                continue;
+            }
+            let body = serde_json::from_slice::<Body<'_>>(bytes).ok();
+            estimate.add_line(body.and_then(|b| b.body));
+        }
+        Ok(estimate)
+    }
+
+    /// What `tenant`'s unfinished batches hold against its limits now.
+    async fn held_by(&self, tenant: &str) -> Result<Estimate, EngineError> {
+        let mut sum = Estimate::default();
+        for batch in self.store.active_batches().await? {
+            let Some(held) = batch.held.filter(|_| batch.tenant == tenant) else {
+                continue;
+            };
+            let (ok, failed) = self.store.counts(&batch.id).await?;
+            sum = sum.plus(held.remaining(ok + failed));
+        }
+        Ok(sum)
     }
 
     /// Applies `change` to the stored batch with compare-and-set, reading
