@@ -487,8 +487,7 @@ fn framing(head: &Head) -> Result<Framing, Exchange> {
             .filter_map(|value| value.to_str().ok())
             .flat_map(|text| text.split(','))
             .map(str::trim)
-            .filter(|coding| !coding.is_empty())
-            .next_back()
+            .rfind(|coding| !coding.is_empty())
             .is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"));
         return Ok(if last_is_chunked {
             Framing::Chunked
@@ -730,7 +729,7 @@ mod tests {
             parse_head(b"HTTP/1.1 200 OK\r\ncontent-"),
             Ok(None)
         ));
-        assert!(matches!(parse_head(b"SSH-2.0-OpenSSH\r\n\r\n"), Err(_)));
+        assert!(parse_head(b"SSH-2.0-OpenSSH\r\n\r\n").is_err());
     }
 
     #[test]
