@@ -358,7 +358,8 @@ pub(crate) fn tenant_limits(v: &Value) -> Result<TenantLimits, String> {
 /// Sets `limit`'s `key` (`requests` or `tokens`) from `value`; `at` names
 /// it in errors.
 fn set_limit(limit: &mut TenantLimit, key: &str, value: &Value, at: &str) -> Result<(), String> {
-    let n = as_u64_in(value, 1, u64::MAX).map_err(|e| format!("{at}: {e}"))?;
+    let n = (as_u64(value).ok().filter(|n| *n >= 1))
+        .ok_or_else(|| format!("{at}: must be a whole number >= 1, got {}", show(value)))?;
     match key {
         "requests" => limit.requests = Some(n),
         "tokens" => limit.tokens = Some(n),

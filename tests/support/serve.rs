@@ -34,6 +34,10 @@ pub struct ServeSpec {
     pub file_retention: Option<Duration>,
     /// `serve.tenant_limits`, none when `None`.
     pub tenant_limits: Option<sluicegate::serve::quota::TenantLimits>,
+    /// More `[dispatch]` lines (e.g. `tenant_weights`).
+    pub dispatch: String,
+    /// The queue's `max_sys` (the window).
+    pub max_sys: u32,
 }
 
 impl ServeSpec {
@@ -50,6 +54,8 @@ impl ServeSpec {
             max_lines: None,
             file_retention: None,
             tenant_limits: None,
+            dispatch: String::new(),
+            max_sys: 8,
         }
     }
 }
@@ -92,8 +98,8 @@ pub fn config(spec: &ServeSpec, dir: &std::path::Path) -> Config {
         false => "gate_type = \"constant\"\n".to_owned(),
     };
     let text = format!(
-        "{transport}[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 8\n{gate}",
-        spec.gateway_url
+        "{transport}[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n{}\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = {}\n{gate}",
+        spec.gateway_url, spec.dispatch, spec.max_sys
     );
     Config::from_toml_str(&text, &Default::default()).expect("test config loads")
 }
