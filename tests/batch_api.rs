@@ -1656,6 +1656,16 @@ async fn batches_over_a_tenant_limit_get_429_at_creation_until_work_finishes() {
         "{refused}"
     );
     assert_eq!(refused["error"]["type"], "tokens");
+    // The sweep reports what each tenant holds.
+    let gauge = |name: &str, tenant: &str, n: u64| {
+        format!("sluicegate_batch_enqueued_{name}{{queue=\"batch-api\",tenant=\"{tenant}\"}} {n}")
+    };
+    let metrics = || served.server.metrics.encode();
+    support::wait_until(Duration::from_secs(10), "holdings reported", || {
+        let text = metrics();
+        text.contains(&gauge("requests", "acme", 10)) && text.contains(&gauge("tokens", "beta", 30))
+    })
+    .await;
 
     // Cancelling acme's first batch ends it: its 6 requests are released.
     let id = first["id"].as_str().expect("id");
@@ -1666,6 +1676,10 @@ async fn batches_over_a_tenant_limit_get_429_at_creation_until_work_finishes() {
         .await;
     assert_eq!(status, 200);
     acme.wait_for(id, LONG, terminal).await;
+    support::wait_until(Duration::from_secs(10), "acme's holding falls", || {
+        metrics().contains(&gauge("requests", "acme", 4))
+    })
+    .await;
     let (status, body) = acme.try_batch(&completion_lines(6, 8)).await;
     assert_eq!(status, 200, "freed by the cancel: {body}");
     served.stop().await;

@@ -128,6 +128,9 @@ pub struct Engine {
     running: Mutex<HashSet<String>>,
     /// `serve.tenant_limits`: checked at creation (`Engine::create`).
     tenant_limits: TenantLimits,
+    /// Tenants whose enqueued-work gauges are non-zero, to zero them
+    /// when their batches end.
+    reported: Mutex<HashSet<String>>,
 }
 
 /// When the server answers a stopped batch's missing results itself, and
@@ -189,6 +192,7 @@ impl Engine {
             metrics,
             running: Mutex::new(HashSet::new()),
             tenant_limits: TenantLimits::default(),
+            reported: Mutex::new(HashSet::new()),
         }
     }
 
@@ -981,7 +985,9 @@ impl Engine {
     /// the `batches` gauge.
     pub async fn sweep(self: &Arc<Self>) -> Result<(), EngineError> {
         let at = now();
-        for batch in self.store.active_batches().await? {
+        let active = self.store.active_batches().await?;
+        self.report_holdings(&active).await?;
+        for batch in active {
             let mine = self.lock_running().contains(&batch.id);
             let stale = at - batch.touched_at >= STALE_SECS;
             match batch.status {
@@ -1037,6 +1043,31 @@ impl Engine {
         for (status, n) in self.store.status_counts().await? {
             self.metrics.set_batches(status.as_str(), n);
         }
+        Ok(())
+    }
+
+    /// Sets the enqueued-work gauges of every tenant whose batches hold
+    /// a reservation (`serve.tenant_limits`), and 0 for those reported
+    /// before whose batches have all ended.
+    async fn report_holdings(&self, active: &[BatchRecord]) -> Result<(), EngineError> {
+        let mut held: HashMap<String, Estimate> = HashMap::new();
+        for batch in active {
+            let Some(reserved) = batch.held else {
+                continue;
+            };
+            let (ok, failed) = self.store.counts(&batch.id).await?;
+            let sum = held.entry(batch.tenant.clone()).or_default();
+            *sum = sum.plus(reserved.remaining(ok + failed));
+        }
+        let mut reported = self.reported.lock().unwrap_or_else(|p| p.into_inner());
+        for tenant in reported.iter().filter(|t| !held.contains_key(*t)) {
+            self.metrics.set_tenant_enqueued(tenant, 0, 0);
+        }
+        for (tenant, e) in &held {
+            self.metrics
+                .set_tenant_enqueued(tenant, e.requests, e.tokens);
+        }
+        *reported = held.into_keys().collect();
         Ok(())
     }
 
