@@ -1087,6 +1087,8 @@ impl Engine {
             true
         })
         .await?;
+        // No intake resumes now: drop the dead one's progress.
+        self.sink.forget_progress(&batch.id).await?;
         Ok(())
     }
 
