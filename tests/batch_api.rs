@@ -1432,3 +1432,365 @@ async fn the_sweeper_deletes_expired_files_on_redis() {
     spec.redis_port = Some(redis.port);
     expired_files_are_swept(&mut spec, Some(&shared.0), false).await;
 }
+
+/// Where a killed intake's queue lives, to see how far it got.
+enum IntakeQueue<'a> {
+    /// The embedded queue file under the data directory.
+    Embedded(std::path::PathBuf),
+    /// The Redis queue `batch-api`.
+    Redis(&'a RedisServer),
+}
+
+impl IntakeQueue<'_> {
+    /// Messages waiting in the queue (the gate is closed: none leave).
+    fn waiting(&self) -> i64 {
+        match self {
+            Self::Embedded(path) => rusqlite::Connection::open(path)
+                .and_then(|db| db.query_row("SELECT COUNT(*) FROM messages", [], |r| r.get(0)))
+                .unwrap_or(0),
+            Self::Redis(redis) => redis.int(&["ZCARD", "batch-api"]),
+        }
+    }
+}
+
+/// `sluicegate serve --config <file>` in `cwd`: the API and telemetry on
+/// the given ports, `data` as its data directory, `transport` (TOML
+/// lines) and, when `closed`, a gate that never opens (an unreadable
+/// scrape: zero budget), so enqueued requests stay queued.
+fn serve_with_config(
+    cwd: &std::path::Path,
+    data: &std::path::Path,
+    transport: &str,
+    gateway: &str,
+    closed: bool,
+    ports: (u16, u16),
+) -> support::cli::Background {
+    let gate = match closed {
+        true => format!(
+            "gate_type = \"endpoint-scrape\"\n[queue.gate_params]\nurl = \"http://127.0.0.1:{}/metrics\"\nmetric = \"m\"\nmax_count_per_pod = 4\n",
+            support::free_port()
+        ),
+        false => "gate_type = \"constant\"\n".to_owned(),
+    };
+    let text = format!(
+        "{transport}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:{}\"\n[serve]\nlisten = \"127.0.0.1:{}\"\ndata_dir = \"{}\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 64\n{gate}",
+        ports.1,
+        ports.0,
+        data.display()
+    );
+    let file = cwd.join(if closed { "closed.toml" } else { "open.toml" });
+    std::fs::write(&file, text).expect("config file");
+    support::cli::Background::spawn(
+        support::cli::sluicegate(&["serve", "--config"])
+            .arg(&file)
+            .current_dir(cwd),
+    )
+}
+
+/// A gateway answering every completion at once and keeping every request
+/// (wiremock records them), to count how often each prompt arrived.
+async fn counting_gateway() -> wiremock::MockServer {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let gateway = MockServer::start().await;
+    let body = r#"{"id":"cmpl-count","object":"text_completion","model":"sim-model","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .insert_header("content-type", "application/json")
+                .set_body_string(body),
+        )
+        .mount(&gateway)
+        .await;
+    gateway
+}
+
+/// Issue 26: `serve` SIGKILLed while a batch's lines are being enqueued
+/// (some chunks in the queue, not all) resumes the intake after the last
+/// chunk it enqueued: the gateway gets each line exactly once, and the
+/// output has each `custom_id` once. Before, the intake restarted at line
+/// 1 and the chunks enqueued before the kill were sent twice.
+async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue<'_>) {
+    const N: usize = 20_000;
+    let dir = support::TempDir::new("serve-intake");
+    let data = dir.0.join("data");
+    let ports = (support::free_port(), support::free_port());
+    let api = Api::new(&format!("http://127.0.0.1:{}", ports.0), None);
+    let gateway = counting_gateway().await;
+    let mut first = serve_with_config(&dir.0, &data, transport, &gateway.uri(), true, ports);
+    answered(&api).await;
+    let queue = match queue {
+        IntakeQueue::Embedded(_) => IntakeQueue::Embedded(data.join("sluicegate.db")),
+        redis => redis,
+    };
+    let batch = api
+        .batch(&completion_lines(N, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    // Killed as soon as the first chunk is in the queue: the intake is
+    // then mid-way (it enqueues 500 lines per chunk).
+    let give_up = std::time::Instant::now() + Duration::from_secs(120);
+    while queue.waiting() == 0 {
+        assert!(std::time::Instant::now() < give_up, "intake never began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    first.kill();
+    let at_kill = queue.waiting();
+    assert!(
+        at_kill > 0 && at_kill < N as i64,
+        "killed mid-intake: {at_kill} of {N} enqueued"
+    );
+    let _second = serve_with_config(&dir.0, &data, transport, &gateway.uri(), false, ports);
+    answered(&api).await;
+    let done = api.wait_for(&id, Duration::from_secs(600), terminal).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": N, "completed": N, "failed": 0})
+    );
+    let mut arrivals = std::collections::BTreeMap::<String, usize>::new();
+    for request in gateway.received_requests().await.expect("recorded") {
+        let body: Value = serde_json::from_slice(&request.body).expect("request JSON");
+        let prompt = body["prompt"].as_str().expect("prompt").to_owned();
+        *arrivals.entry(prompt).or_default() += 1;
+    }
+    let twice: Vec<_> = arrivals.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "{} lines sent more than once (killed at {at_kill} enqueued), e.g. {:?}",
+        twice.len(),
+        twice.iter().take(3).collect::<Vec<_>>()
+    );
+    assert_eq!(arrivals.len(), N, "every line sent");
+    let out = done["output_file_id"].as_str().expect("output");
+    let lines = lines_of(&api.text(&format!("/v1/files/{out}/content")).await.1);
+    let ids: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .filter_map(|l| l["custom_id"].as_str())
+        .collect();
+    assert_eq!((lines.len(), ids.len()), (N, N), "each custom_id once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_intake_sends_no_line_twice() {
+    let transport = "transport = \"embedded\"\n";
+    a_killed_intake_sends_no_line_twice(transport, IntakeQueue::Embedded(Default::default())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_intake_on_redis_sends_no_line_twice() {
+    let redis = RedisServer::start();
+    let transport = format!(
+        "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
+        redis.port
+    );
+    a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis)).await;
+}
+
+/// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.
+fn tenant_limits() -> sluicegate::serve::quota::TenantLimits {
+    use sluicegate::serve::quota::{TenantLimit, TenantLimits};
+    TenantLimits {
+        default: TenantLimit {
+            requests: Some(10),
+            tokens: None,
+        },
+        tenants: [(
+            "beta".to_owned(),
+            TenantLimit {
+                requests: None,
+                tokens: Some(50),
+            },
+        )]
+        .into(),
+    }
+}
+
+/// Issue 26 item 6: a batch that would pass its tenant's limit on
+/// enqueued requests or estimated tokens is refused at creation with 429
+/// in OpenAI's error shape (nothing saved); other tenants are not
+/// affected; the limit frees as the tenant's batches end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_over_a_tenant_limit_get_429_at_creation_until_work_finishes() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    spec.keys = Some("acme:key-acme,beta:key-beta".into());
+    spec.tenant_limits = Some(tenant_limits());
+    let served = start(&spec, None).await;
+    let acme = Api::new(&served.base, Some("key-acme"));
+    let beta = Api::new(&served.base, Some("key-beta"));
+
+    let (status, first) = acme.try_batch(&completion_lines(6, 8)).await;
+    assert_eq!(status, 200, "{first}");
+    let (status, refused) = acme.try_batch(&completion_lines(6, 8)).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "request_limit_exceeded",
+        "{refused}"
+    );
+    assert_eq!(refused["error"]["type"], "requests");
+    assert!(refused["error"]["param"].is_null());
+    let message = refused["error"]["message"].as_str().expect("message");
+    assert!(
+        message.starts_with("Enqueued request limit reached for tenant acme. Limit: 10"),
+        "{message}"
+    );
+    assert_eq!(
+        acme.get("/v1/batches").await.1["data"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    // 4 more fit exactly.
+    let (status, body) = acme.try_batch(&completion_lines(4, 8)).await;
+    assert_eq!(status, 200, "{body}");
+
+    // beta: no request limit of its own beyond the default 10, but 50
+    // tokens: "hello N" is 2 tokens + max_tokens 8 = 10 per line.
+    let (status, body) = beta.try_batch(&completion_lines(3, 8)).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, refused) = beta.try_batch(&completion_lines(3, 8)).await;
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(
+        refused["error"]["code"], "token_limit_exceeded",
+        "{refused}"
+    );
+    assert_eq!(refused["error"]["type"], "tokens");
+    // The sweep reports what each tenant holds.
+    let gauge = |name: &str, tenant: &str, n: u64| {
+        format!("sluicegate_batch_enqueued_{name}{{queue=\"batch-api\",tenant=\"{tenant}\"}} {n}")
+    };
+    let metrics = || served.server.metrics.encode();
+    support::wait_until(Duration::from_secs(10), "holdings reported", || {
+        let text = metrics();
+        text.contains(&gauge("requests", "acme", 10)) && text.contains(&gauge("tokens", "beta", 30))
+    })
+    .await;
+
+    // Cancelling acme's first batch ends it: its 6 requests are released.
+    let id = first["id"].as_str().expect("id");
+    acme.wait_for(id, LONG, |b| b["status"] == "in_progress")
+        .await;
+    let (status, _) = acme
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200);
+    acme.wait_for(id, LONG, terminal).await;
+    support::wait_until(Duration::from_secs(10), "acme's holding falls", || {
+        metrics().contains(&gauge("requests", "acme", 4))
+    })
+    .await;
+    let (status, body) = acme.try_batch(&completion_lines(6, 8)).await;
+    assert_eq!(status, 200, "freed by the cancel: {body}");
+    served.stop().await;
+}
+
+/// Creations racing for the last room under a limit cannot overshoot it:
+/// 8 batches of 3 requests at once against a limit of 10 → exactly 3 are
+/// created (the reservation is a compare-and-set in the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_creations_cannot_overshoot_a_tenant_limit() {
+    for redis in [None, Some(RedisServer::start())] {
+        let mut spec = ServeSpec::new("http://127.0.0.1:9");
+        spec.closed_gate = true;
+        spec.redis_port = redis.as_ref().map(|r| r.port);
+        spec.keys = Some("acme:key-acme,beta:key-beta".into());
+        spec.tenant_limits = Some(tenant_limits());
+        let served = start(&spec, None).await;
+        let api = Api::new(&served.base, Some("key-acme"));
+        let tries = (0..8).map(|_| {
+            let api = api.clone();
+            async move { api.try_batch(&completion_lines(3, 8)).await.0 }
+        });
+        let mut statuses = futures_util::future::join_all(tries).await;
+        statuses.sort_unstable();
+        assert_eq!(
+            statuses,
+            [200, 200, 200, 429, 429, 429, 429, 429],
+            "redis: {}",
+            redis.is_some()
+        );
+        served.stop().await;
+    }
+}
+
+#[test]
+fn a_bad_tenant_limit_stops_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-limits-config");
+    let base = "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n[serve]\napi_keys = \"acme:k\"\n";
+    for (table, says) in [
+        (
+            "[serve.tenant_limits]\ntokens = 0\n",
+            "serve.tenant_limits: tokens: ",
+        ),
+        (
+            "[serve.tenant_limits]\nmax_tokens = 5\n",
+            "serve.tenant_limits: unknown key \"max_tokens\"; allowed: requests, tokens, tenants",
+        ),
+        (
+            "[serve.tenant_limits.tenants.acmee]\nrequests = 5\n",
+            "serve.tenant_limits.tenants: no API key has tenant `acmee`; the tenants are: acme",
+        ),
+    ] {
+        let file = dir.0.join("bad.toml");
+        std::fs::write(&file, format!("{base}{table}")).expect("write config");
+        let path = file.to_str().expect("utf-8 path");
+        for args in [
+            ["check-config", "--config", path],
+            ["serve", "--config", path],
+        ] {
+            let out = support::cli::output(&mut support::cli::sluicegate(&args));
+            let err = support::cli::text(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
+    }
+}
+
+/// Issue 26 item 6: a batch request carries its tenant as the fairness
+/// attribute, so two tenants' batches share the window by their
+/// `tenant_weights` (the dispatcher's tenant lanes): with one request in
+/// flight at a time and weights 3 : 1, 60 dispatches while both batches
+/// wait split about 45 : 15, and the gateway sees each tenant's name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tenants_batches_share_the_window_by_their_weights() {
+    use support::tenants::{recording_gateway, seen};
+    const EACH: usize = 100;
+    let (gateway, arrivals) = recording_gateway(Duration::from_millis(20)).await;
+    let mut spec = ServeSpec::new(&gateway.uri());
+    spec.keys = Some("gold:key-gold,bronze:key-bronze".into());
+    spec.dispatch = "tenant_weights = { gold = 3 }".into();
+    spec.max_sys = 1;
+    let served = start(&spec, None).await;
+    let gold = Api::new(&served.base, Some("key-gold"));
+    let bronze = Api::new(&served.base, Some("key-bronze"));
+    let lines = completion_lines(EACH, 4);
+    let (g, b) = tokio::join!(gold.try_batch(&lines), bronze.try_batch(&lines));
+    assert_eq!((g.0, b.0), (200, 200), "{g:?} {b:?}");
+    // The first dispatches may run before the other batch is enqueued:
+    // the share is measured on the 60 after them, while both wait.
+    const SKIP: usize = 20;
+    const WINDOW: usize = 60;
+    support::wait_until(Duration::from_secs(120), "dispatches", || {
+        seen(&arrivals).len() >= SKIP + WINDOW
+    })
+    .await;
+    let window: Vec<String> = seen(&arrivals)
+        .into_iter()
+        .skip(SKIP)
+        .take(WINDOW)
+        .map(|a| a.tenant)
+        .collect();
+    let gold_n = window.iter().filter(|t| *t == "gold").count();
+    let bronze_n = window.iter().filter(|t| *t == "bronze").count();
+    eprintln!(
+        "dispatches {SKIP}..{}: gold {gold_n}, bronze {bronze_n} (weights 3 : 1)",
+        SKIP + WINDOW
+    );
+    assert_eq!(gold_n + bronze_n, WINDOW, "{window:?}");
+    assert!(
+        (40..=50).contains(&gold_n),
+        "gold {gold_n}, bronze {bronze_n}"
+    );
+    served.stop().await;
+}

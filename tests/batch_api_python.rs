@@ -38,8 +38,22 @@ async fn the_openai_python_client_drives_the_batch_api() {
     spec.closed_gate = false;
     spec.file_retention = Some(std::time::Duration::from_secs(2));
     let short = start(&spec, None).await;
-    let (open_base, closed_base, short_base) =
-        (open.base.clone(), closed.base.clone(), short.base.clone());
+    spec.file_retention = None;
+    spec.closed_gate = true;
+    spec.tenant_limits = Some(sluicegate::serve::quota::TenantLimits {
+        default: sluicegate::serve::quota::TenantLimit {
+            requests: Some(3),
+            tokens: None,
+        },
+        tenants: Default::default(),
+    });
+    let limited = start(&spec, None).await;
+    let (open_base, closed_base, short_base, limited_base) = (
+        open.base.clone(),
+        closed.base.clone(),
+        short.base.clone(),
+        limited.base.clone(),
+    );
     let output = tokio::task::spawn_blocking(move || {
         Command::new(python)
             .args([
@@ -54,6 +68,7 @@ async fn the_openai_python_client_drives_the_batch_api() {
             .env("SLUICEGATE_API_BASE", open_base)
             .env("SLUICEGATE_API_BASE_CLOSED", closed_base)
             .env("SLUICEGATE_API_BASE_SHORT", short_base)
+            .env("SLUICEGATE_API_BASE_LIMITED", limited_base)
             .env("SLUICEGATE_KEY_A", "key-alice")
             .env("SLUICEGATE_KEY_B", "key-bob")
             .env_remove("OPENAI_API_KEY")
@@ -73,9 +88,10 @@ async fn the_openai_python_client_drives_the_batch_api() {
         output.status.success(),
         "the Python client suite failed:\n{text}"
     );
-    assert!(text.contains("14 passed"), "every Python test ran:\n{text}");
+    assert!(text.contains("15 passed"), "every Python test ran:\n{text}");
     open.stop().await;
     closed.stop().await;
     short.stop().await;
+    limited.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }

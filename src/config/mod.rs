@@ -51,10 +51,13 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::serve::quota::TenantLimits;
+
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
     constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_i64,
-    optional_string, path, pool_name, redis_url, retention, socket_addr, tenant_weights, url_path,
+    optional_string, path, pool_name, redis_url, retention, socket_addr, tenant_limits,
+    tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};
@@ -517,6 +520,11 @@ section! {
         /// is OpenAI's default for `purpose=batch` files.
         #[serde(serialize_with = "render::duration")]
         file_retention: Duration = Duration::from_secs(30 * 86_400), retention;
+        /// Limits on each tenant's enqueued work (requests without a
+        /// result, and their estimated tokens): `requests` and `tokens`
+        /// for every tenant, `tenants.<name>` to override them; a batch
+        /// that would pass one is refused with 429 at creation.
+        tenant_limits: TenantLimits = TenantLimits::default(), tenant_limits;
         /// Redis transport: the list the batch requests' results go to
         /// (unless the queue sets `result_queue_name`); only serve reads it.
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;

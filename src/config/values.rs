@@ -14,6 +14,7 @@ use url::Url;
 use super::duration::{format_duration, parse_duration};
 use super::error::ConfigError;
 use super::secret::{EndpointUrl, Secret};
+use crate::serve::quota::{TenantLimit, TenantLimits};
 
 /// Collects errors and knows where overridden keys came from.
 #[derive(Default)]
@@ -296,6 +297,81 @@ pub(crate) fn tenant_weights(v: &Value) -> Result<BTreeMap<String, u32>, String>
         .collect()
 }
 
+/// `serve.tenant_limits`: a table (or, from the environment, a JSON
+/// object in a string) of `requests` and `tokens` (the default of every
+/// tenant) and `tenants`, a table of per-tenant tables of the same two
+/// keys. Each limit is a whole number >= 1; a limit left out is none.
+pub(crate) fn tenant_limits(v: &Value) -> Result<TenantLimits, String> {
+    const KEYS: &str = "requests, tokens, tenants";
+    let map = match v {
+        Value::Object(m) => m.clone(),
+        Value::String(s) => match serde_json::from_str(s) {
+            Ok(Value::Object(m)) => m,
+            _ => {
+                return Err(format!(
+                    "expected a JSON object with keys {KEYS}, got {s:?}"
+                ));
+            }
+        },
+        other => {
+            return Err(format!(
+                "expected a table with keys {KEYS}, got {}",
+                kind(other)
+            ));
+        }
+    };
+    let mut limits = TenantLimits::default();
+    for (key, value) in &map {
+        match key.as_str() {
+            "requests" | "tokens" => set_limit(&mut limits.default, key, value, key)?,
+            "tenants" => {
+                let Value::Object(tenants) = value else {
+                    return Err(format!(
+                        "tenants: expected a table of tenant tables, got {}",
+                        kind(value)
+                    ));
+                };
+                for (tenant, table) in tenants {
+                    let at = format!("tenants.{tenant}");
+                    if tenant.is_empty() {
+                        return Err("tenants: a tenant name must not be empty".to_owned());
+                    }
+                    let Value::Object(table) = table else {
+                        return Err(format!(
+                            "{at}: expected a table with keys requests, tokens, got {}",
+                            kind(table)
+                        ));
+                    };
+                    let mut limit = TenantLimit::default();
+                    for (key, value) in table {
+                        set_limit(&mut limit, key, value, &format!("{at}.{key}"))?;
+                    }
+                    limits.tenants.insert(tenant.clone(), limit);
+                }
+            }
+            other => return Err(format!("unknown key {other:?}; allowed: {KEYS}")),
+        }
+    }
+    Ok(limits)
+}
+
+/// Sets `limit`'s `key` (`requests` or `tokens`) from `value`; `at` names
+/// it in errors.
+fn set_limit(limit: &mut TenantLimit, key: &str, value: &Value, at: &str) -> Result<(), String> {
+    let n = (as_u64(value).ok().filter(|n| *n >= 1))
+        .ok_or_else(|| format!("{at}: must be a whole number >= 1, got {}", show(value)))?;
+    match key {
+        "requests" => limit.requests = Some(n),
+        "tokens" => limit.tokens = Some(n),
+        other => {
+            return Err(format!(
+                "{at}: unknown key {other:?}; allowed: requests, tokens"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A list of strings: an array, a JSON array in a string, or comma-separated
 /// text.
 pub(crate) fn as_string_list(v: &Value) -> Result<Vec<String>, String> {
@@ -417,6 +493,43 @@ mod tests {
         assert!(as_u64(&json!(1.5)).is_err());
         assert!(as_f64(&json!("NaN")).is_err());
         assert!(as_f64(&json!([1])).is_err());
+    }
+
+    #[test]
+    fn tenant_limits_take_a_default_and_overrides_and_refuse_the_rest() {
+        let v = serde_json::json!({"tokens": 100, "tenants": {"acme": {"requests": "5"}}});
+        let limits = tenant_limits(&v).expect("valid");
+        assert_eq!(limits.default.tokens, Some(100));
+        assert_eq!(limits.of("acme").requests, Some(5));
+        assert_eq!(limits.of("acme").tokens, Some(100));
+        let text = Value::from(r#"{"requests": 3}"#);
+        assert_eq!(
+            tenant_limits(&text).expect("json text").default.requests,
+            Some(3)
+        );
+        for (bad, says) in [
+            (
+                serde_json::json!({"request": 1}),
+                "unknown key \"request\"; allowed: requests, tokens, tenants",
+            ),
+            (serde_json::json!({"tokens": 0}), "tokens: "),
+            (
+                serde_json::json!({"tenants": {"acme": {"tokens": -1}}}),
+                "tenants.acme.tokens: ",
+            ),
+            (
+                serde_json::json!({"tenants": {"acme": {"max": 1}}}),
+                "allowed: requests, tokens",
+            ),
+            (
+                serde_json::json!({"tenants": {"acme": 5}}),
+                "tenants.acme: expected a table",
+            ),
+            (Value::from("requests=1"), "expected a JSON object"),
+        ] {
+            let error = tenant_limits(&bad).expect_err("refused");
+            assert!(error.contains(says), "{bad}: {error}");
+        }
     }
 
     #[test]

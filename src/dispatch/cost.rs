@@ -21,10 +21,16 @@ struct CostFields<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<&'a RawValue>,
+    /// `/v1/responses` and `/v1/embeddings` carry their text here.
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
     max_completion_tokens: Option<u64>,
+    /// `/v1/responses`' output cap.
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
 }
 
 /// Cost of a request with this payload in `unit`: 1 for requests; prompt
@@ -40,6 +46,7 @@ pub fn request_cost(unit: Unit, payload: &RawValue) -> u64 {
             let output = fields
                 .max_tokens
                 .or(fields.max_completion_tokens)
+                .or(fields.max_output_tokens)
                 .unwrap_or(DEFAULT_MAX_TOKENS);
             (prompt_tokens + output).max(1)
         }
@@ -58,6 +65,7 @@ fn prompt_estimate(fields: &CostFields<'_>) -> u64 {
     let prompt_chars = fields
         .prompt
         .or(fields.messages)
+        .or(fields.input)
         .map_or(0, |raw| text_chars(raw.get()));
     prompt_chars.div_ceil(CHARS_PER_TOKEN) as u64
 }
@@ -103,6 +111,9 @@ mod tests {
         let c = raw(r#"{"messages":[{"role":"user","content":"abcd"}],"max_completion_tokens":5}"#);
         // "user" + "abcd" = 8 chars = 2 tokens.
         assert_eq!(request_cost(Unit::Tokens, &c), 2 + 5);
+        // `/v1/responses`: text in `input`, cap in `max_output_tokens`.
+        let r = raw(r#"{"input":"abcdefgh","max_output_tokens":7}"#);
+        assert_eq!(request_cost(Unit::Tokens, &r), 2 + 7);
         let none = raw(r#"{"model":"m"}"#);
         assert_eq!(request_cost(Unit::Tokens, &none), DEFAULT_MAX_TOKENS);
     }

@@ -103,6 +103,18 @@ impl Keys {
         self.entries.is_empty()
     }
 
+    /// Every tenant a request can have, sorted: the keys' tenants, or
+    /// [`ANONYMOUS_TENANT`] without keys.
+    pub fn tenants(&self) -> Vec<String> {
+        if self.entries.is_empty() {
+            return vec![ANONYMOUS_TENANT.to_owned()];
+        }
+        let mut tenants: Vec<String> = self.entries.iter().map(|(_, t)| t.clone()).collect();
+        tenants.sort();
+        tenants.dedup();
+        tenants
+    }
+
     /// The tenant of a presented key; `None` when it matches no key.
     /// Without keys every caller is [`ANONYMOUS_TENANT`].
     pub fn tenant(&self, presented: Option<&str>) -> Option<String> {

@@ -26,8 +26,9 @@ use super::files::{Bodies, Line, read_line};
 use super::model::{
     BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
 };
+use super::quota::{Estimate, Exceeded, TenantLimits};
 use super::retention::Retention;
-use super::sink::{Sink, SinkError};
+use super::sink::{Progress, Sink, SinkError};
 use super::store::{Recorded, Store, StoreError};
 use crate::batch::endpoint::Endpoint;
 use crate::batch::input::openai_request;
@@ -92,6 +93,23 @@ pub enum EngineError {
     Io(#[from] std::io::Error),
 }
 
+/// Why a batch could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// It would pass its tenant's limit on enqueued work.
+    #[error("the batch would pass its tenant's limit ({:?} {} of {})", .0.kind, .0.held.saturating_add(.0.asked), .0.limit)]
+    Limit(Exceeded),
+    /// The store or the input file failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl From<StoreError> for CreateError {
+    fn from(e: StoreError) -> Self {
+        Self::Engine(e.into())
+    }
+}
+
 /// The lifecycle runner of one server.
 #[derive(Debug)]
 pub struct Engine {
@@ -108,6 +126,11 @@ pub struct Engine {
     metrics: BatchApiMetrics,
     /// Batches with a step running in this process.
     running: Mutex<HashSet<String>>,
+    /// `serve.tenant_limits`: checked at creation (`Engine::create`).
+    tenant_limits: TenantLimits,
+    /// Tenants whose enqueued-work gauges are non-zero, to zero them
+    /// when their batches end.
+    reported: Mutex<HashSet<String>>,
 }
 
 /// When the server answers a stopped batch's missing results itself, and
@@ -168,7 +191,94 @@ impl Engine {
             fairness,
             metrics,
             running: Mutex::new(HashSet::new()),
+            tenant_limits: TenantLimits::default(),
+            reported: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// This engine with `serve.tenant_limits` enforced at creation.
+    pub fn with_tenant_limits(mut self, limits: TenantLimits) -> Self {
+        self.tenant_limits = limits;
+        self
+    }
+
+    /// Saves a new batch and starts its intake, unless it would pass its
+    /// tenant's limits on enqueued work: then nothing is saved. The input
+    /// file is read once here to count its requests and estimate their
+    /// tokens (validation reads it again), and the reservation is a
+    /// compare-and-set on the tenant's version ([`Store::insert_batch_if`]),
+    /// so creations racing on any server cannot overshoot the limit.
+    pub async fn create(
+        self: &Arc<Self>,
+        mut batch: BatchRecord,
+    ) -> Result<BatchRecord, CreateError> {
+        let limit = self.tenant_limits.of(&batch.tenant);
+        if limit.is_unlimited() {
+            self.store.insert_batch(&batch).await?;
+        } else {
+            let asked = self.estimate(&batch.input_file_id).await?;
+            batch.held = Some(asked);
+            loop {
+                let version = self.store.tenant_version(&batch.tenant).await?;
+                let held = self.held_by(&batch.tenant).await?;
+                limit.admit(held, asked).map_err(CreateError::Limit)?;
+                if self.store.insert_batch_if(&batch, version).await? {
+                    break;
+                }
+            }
+        }
+        self.start_intake(&batch.id);
+        Ok(batch)
+    }
+
+    /// The requests of an input file and their estimated tokens, counted
+    /// as validation counts them (blank lines skipped, a leading
+    /// byte-order mark ignored). A file that cannot be read holds nothing:
+    /// validation refuses it.
+    async fn estimate(&self, file_id: &str) -> Result<Estimate, EngineError> {
+        /// The one field of a batch line the estimate reads.
+        #[derive(serde::Deserialize)]
+        struct Body<'a> {
+            #[serde(borrow)]
+            body: Option<&'a serde_json::value::RawValue>,
+        }
+        let mut estimate = Estimate::default();
+        let Ok(file) = tokio::fs::File::open(self.bodies.path(file_id)).await else {
+            return Ok(estimate);
+        };
+        let mut reader = BufReader::new(file);
+        let mut n = 0u64;
+        while let Some(line) = read_line(&mut reader, self.limits.max_line_bytes).await? {
+            n += 1;
+            let Line::Text(bytes) = line else {
+                estimate.add_line(None);
+                continue;
+            };
+            let bytes: &[u8] = &bytes;
+            let bytes = match n {
+                1 => bytes.strip_prefix(BOM).unwrap_or(bytes),
+                _ => bytes,
+            };
+            if bytes.trim_ascii().is_empty() {
+                continue;
+            }
+            let body = serde_json::from_slice::<Body<'_>>(bytes).ok();
+            estimate.add_line(body.and_then(|b| b.body));
+        }
+        Ok(estimate)
+    }
+
+    /// What `tenant`'s unfinished batches hold against its limits now.
+    async fn held_by(&self, tenant: &str) -> Result<Estimate, EngineError> {
+        let mut sum = Estimate::default();
+        for batch in self.store.active_batches().await? {
+            let Some(held) = batch.held.filter(|_| batch.tenant == tenant) else {
+                continue;
+            };
+            let (ok, failed) = self.store.counts(&batch.id).await?;
+            sum = sum.plus(held.remaining(ok + failed));
+        }
+        Ok(sum)
     }
 
     /// Applies `change` to the stored batch with compare-and-set, reading
@@ -481,8 +591,13 @@ impl Engine {
     /// the requests never enqueued are answered at once with the stop's
     /// code (`batch_cancelled`, `batch_expired`), so the counts still
     /// reach the total.
+    ///
+    /// Each chunk goes in with the number of lines read through it
+    /// (`Sink::enqueue`), so an intake resumed after its server died
+    /// skips what is already enqueued and no request is sent twice.
     async fn enqueue_all(&self, batch: &BatchRecord) -> Result<(), EngineError> {
         let mut reader = self.open_input(batch).await?;
+        let done_lines = self.sink.progress(&batch.id).await?;
         let (mut n, mut enqueued) = (0u64, 0u64);
         let mut seen = HashSet::new();
         let mut chunk = Vec::with_capacity(CHUNK);
@@ -492,6 +607,9 @@ impl Engine {
             let end = line.is_none();
             if let Some(line) = line {
                 n += 1;
+                if n <= done_lines {
+                    continue;
+                }
                 if let Ok(Some(message)) = self.check_line(batch, n, &line, &mut seen) {
                     chunk.push(message);
                 }
@@ -514,7 +632,13 @@ impl Engine {
             match stopped {
                 None => {
                     enqueued += chunk.len() as u64;
-                    self.sink.enqueue(std::mem::take(&mut chunk)).await?;
+                    let progress = Progress {
+                        batch: &batch.id,
+                        lines: n,
+                    };
+                    self.sink
+                        .enqueue(std::mem::take(&mut chunk), progress)
+                        .await?;
                 }
                 Some(stop) => {
                     let unsent = std::mem::take(&mut chunk);
@@ -542,7 +666,9 @@ impl Engine {
         if stopped.is_some() || done.is_some_and(|b| b.stop.is_some()) {
             self.stop_requests(batch).await?;
         }
-        tracing::info!(batch = %batch.id, requests = enqueued, "batch enqueued");
+        // `enqueued` is set: no intake resumes, the progress has served.
+        self.sink.forget_progress(&batch.id).await?;
+        tracing::info!(batch = %batch.id, requests = enqueued, resumed_after = done_lines, "batch enqueued");
         Ok(())
     }
 
@@ -859,7 +985,9 @@ impl Engine {
     /// the `batches` gauge.
     pub async fn sweep(self: &Arc<Self>) -> Result<(), EngineError> {
         let at = now();
-        for batch in self.store.active_batches().await? {
+        let active = self.store.active_batches().await?;
+        self.report_holdings(&active).await?;
+        for batch in active {
             let mine = self.lock_running().contains(&batch.id);
             let stale = at - batch.touched_at >= STALE_SECS;
             match batch.status {
@@ -918,6 +1046,31 @@ impl Engine {
         Ok(())
     }
 
+    /// Sets the enqueued-work gauges of every tenant whose batches hold
+    /// a reservation (`serve.tenant_limits`), and 0 for those reported
+    /// before whose batches have all ended.
+    async fn report_holdings(&self, active: &[BatchRecord]) -> Result<(), EngineError> {
+        let mut held: HashMap<String, Estimate> = HashMap::new();
+        for batch in active {
+            let Some(reserved) = batch.held else {
+                continue;
+            };
+            let (ok, failed) = self.store.counts(&batch.id).await?;
+            let sum = held.entry(batch.tenant.clone()).or_default();
+            *sum = sum.plus(reserved.remaining(ok + failed));
+        }
+        let mut reported = self.reported.lock().unwrap_or_else(|p| p.into_inner());
+        for tenant in reported.iter().filter(|t| !held.contains_key(*t)) {
+            self.metrics.set_tenant_enqueued(tenant, 0, 0);
+        }
+        for (tenant, e) in &held {
+            self.metrics
+                .set_tenant_enqueued(tenant, e.requests, e.tokens);
+        }
+        *reported = held.into_keys().collect();
+        Ok(())
+    }
+
     /// A batch cancelled while its validating server died: whatever that
     /// server enqueued is stopped, and every valid line counts, so the
     /// cancel grace answers the rest and finalizes it.
@@ -934,6 +1087,8 @@ impl Engine {
             true
         })
         .await?;
+        // No intake resumes now: drop the dead one's progress.
+        self.sink.forget_progress(&batch.id).await?;
         Ok(())
     }
 

@@ -19,8 +19,9 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 use super::auth::Keys;
-use super::engine::Engine;
+use super::engine::{CreateError, Engine};
 use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id, now};
+use super::quota::{Exceeded, LimitKind};
 use super::retention::ExpiresAfter;
 use crate::batch::endpoint::Endpoint;
 use crate::config::parse_duration;
@@ -87,6 +88,25 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("id"),
             code: None,
+        }
+    }
+
+    /// 429 for a batch over its tenant's limit on enqueued work, worded
+    /// as OpenAI words its enqueued-token limit.
+    fn limit(tenant: &str, e: Exceeded) -> Self {
+        let (what, kind, code) = match e.kind {
+            LimitKind::Requests => ("request", "requests", "request_limit_exceeded"),
+            LimitKind::Tokens => ("token", "tokens", "token_limit_exceeded"),
+        };
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!(
+                "Enqueued {what} limit reached for tenant {tenant}. Limit: {} enqueued {what}s; {} are enqueued and this batch adds {} (serve.tenant_limits). Please try again once some in_progress batches have been completed.",
+                e.limit, e.held, e.asked
+            ),
+            kind,
+            param: None,
+            code: Some(code),
         }
     }
 
@@ -561,6 +581,7 @@ async fn create_batch(
             Some("input_file_id"),
         ));
     }
+    let tenant_of = tenant.clone();
     let batch = BatchRecord::new(NewBatch {
         tenant,
         endpoint,
@@ -570,8 +591,11 @@ async fn create_batch(
         metadata,
         output_expires_after,
     });
-    internal!(state.engine.store.insert_batch(&batch).await);
-    state.engine.start_intake(&batch.id);
+    let batch = match state.engine.create(batch).await {
+        Ok(batch) => batch,
+        Err(CreateError::Limit(e)) => return Err(ApiError::limit(&tenant_of, e)),
+        Err(CreateError::Engine(e)) => return Err(ApiError::internal(e)),
+    };
     Ok(axum::Json(batch.api(0, 0)))
 }
 

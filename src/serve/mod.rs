@@ -8,7 +8,8 @@
 //! (API keys → tenants), `files` (bodies on disk, bounded line reads),
 //! `store` (records and results: SQLite or Redis), `sink` (enqueue and
 //! cancel on the configured queue), `engine` (validation, collection,
-//! expiry, cancel, finalizing), `retention` (file expiry and its
+//! expiry, cancel, finalizing), `quota` (per-tenant limits on enqueued
+//! work), `retention` (file expiry and its
 //! sweeper), `http` (the endpoints). This file wires
 //! them for [`start`].
 
@@ -17,6 +18,7 @@ pub mod engine;
 pub mod files;
 pub mod http;
 pub mod model;
+pub mod quota;
 pub mod retention;
 pub mod sink;
 pub mod store;
@@ -59,6 +61,17 @@ pub enum ServeError {
     /// The key list is unusable.
     #[error(transparent)]
     Keys(#[from] KeysError),
+    /// `serve.tenant_limits` overrides a tenant no API key has (a typo
+    /// would leave the real tenant on the default limits).
+    #[error(
+        "serve.tenant_limits.tenants: no API key has tenant `{tenant}`; the tenants are: {known}"
+    )]
+    LimitTenant {
+        /// The tenant named.
+        tenant: String,
+        /// The tenants of the keys.
+        known: String,
+    },
     /// The transport cannot carry batches.
     #[error(
         "transport: `{0}` cannot serve the Batch API; allowed: embedded (one node), redis (replicas)"
@@ -137,7 +150,8 @@ pub struct Server {
 }
 
 /// The API keys, and the rule that without keys only a loopback address
-/// may serve: checked by `serve` at start and by `check-config`, so the
+/// may serve, and that `serve.tenant_limits` overrides name tenants the
+/// keys have: checked by `serve` at start and by `check-config`, so the
 /// two never disagree (issue 22).
 pub fn check_access(serve: &ServeConfig) -> Result<Keys, ServeError> {
     let keys = Keys::load(
@@ -146,6 +160,13 @@ pub fn check_access(serve: &ServeConfig) -> Result<Keys, ServeError> {
     )?;
     if keys.is_empty() && !http::is_loopback(&serve.listen) {
         return Err(ServeError::Unauthenticated(serve.listen));
+    }
+    let known = keys.tenants();
+    if let Some(tenant) = (serve.tenant_limits.tenants.keys()).find(|t| !known.contains(t)) {
+        return Err(ServeError::LimitTenant {
+            tenant: tenant.clone(),
+            known: known.join(", "),
+        });
     }
     Ok(keys)
 }
@@ -283,16 +304,20 @@ pub async fn start(
                 queue: queue_name,
                 result_list: list.clone(),
                 fairness_attribute: fairness.clone(),
+                key_prefix: serve.key_prefix.clone(),
             };
             let store = Store::Redis(RedisStore::new(conn.clone(), serve.key_prefix.clone()));
-            engine = Arc::new(Engine::new(
-                store,
-                bodies,
-                sink,
-                limits,
-                fairness,
-                metrics.batch_api(&queue_config.queue_name),
-            ));
+            engine = Arc::new(
+                Engine::new(
+                    store,
+                    bodies,
+                    sink,
+                    limits,
+                    fairness,
+                    metrics.batch_api(&queue_config.queue_name),
+                )
+                .with_tenant_limits(serve.tenant_limits.clone()),
+            );
             let collector = engine.clone().collect_redis(conn, list, stop.clone());
             tasks.push(tokio::spawn(collector));
         }
@@ -301,14 +326,17 @@ pub async fn start(
                 .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
             let queue = EmbeddedQueue::open(&path, queue_name)?;
             let sqlite = SqliteStore::open(&serve.data_dir.join(STORE_FILE))?;
-            engine = Arc::new(Engine::new(
-                Store::Sqlite(sqlite.clone()),
-                bodies,
-                Sink::Embedded(queue.clone()),
-                limits,
-                fairness,
-                metrics.batch_api(&queue_config.queue_name),
-            ));
+            engine = Arc::new(
+                Engine::new(
+                    Store::Sqlite(sqlite.clone()),
+                    bodies,
+                    Sink::Embedded(queue.clone()),
+                    limits,
+                    fairness,
+                    metrics.batch_api(&queue_config.queue_name),
+                )
+                .with_tenant_limits(serve.tenant_limits.clone()),
+            );
             let collector = engine.clone().collect_embedded(queue, sqlite, stop.clone());
             tasks.push(tokio::spawn(collector));
         }

@@ -191,6 +191,13 @@ pub struct BatchRecord {
     /// When a server last took a step on it (validation or finalizing),
     /// so another replica can take over a step whose server died.
     pub touched_at: i64,
+    /// The requests and estimated tokens reserved against its tenant's
+    /// `serve.tenant_limits` at creation (released as results come,
+    /// `super::quota`); `None` when the tenant had no limit. Left out of
+    /// the stored JSON when `None`, so records written before limits
+    /// existed read back byte for byte (the compare-and-set compares it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<super::quota::Estimate>,
 }
 
 /// What a new batch is made of (`POST /v1/batches`).
@@ -242,6 +249,7 @@ impl BatchRecord {
             cancelling_at: None,
             cancelled_at: None,
             touched_at: created_at,
+            held: None,
         }
     }
 

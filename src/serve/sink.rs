@@ -3,12 +3,19 @@
 //! embedded store's enqueue and cancel; Redis `enqueue` and the upstream
 //! cancel protocol). The dispatcher and its gate are untouched: to them a
 //! batch request is a message like any other.
+//!
+//! Intake progress: each chunk is enqueued together with the number of
+//! input lines read through it, in one transaction (a `meta` row of the
+//! embedded queue file; a key under `serve.key_prefix` set in the same
+//! `MULTI` on Redis). A server killed mid-intake therefore left either the
+//! chunk and its progress or neither, and the intake that resumes skips
+//! exactly the lines already enqueued: no request is sent twice (issue 26).
 
 use crate::queue::redis::RedisConnection;
 use bytes::Bytes;
 
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
-use crate::queue::redis::{Submission, cancel, enqueue};
+use crate::queue::redis::{Mark, Submission, cancel, enqueue_marked};
 use crate::request::Message;
 
 /// Why requests could not be enqueued or cancelled.
@@ -41,12 +48,40 @@ pub enum Sink {
         /// The dispatcher's fairness attribute: messages are also filed in
         /// their tenant's lane (`Submission::in_lane`).
         fairness_attribute: Option<String>,
+        /// `serve.key_prefix`: intake progress keys live beside the batch
+        /// records.
+        key_prefix: String,
     },
 }
 
+/// How far a batch's intake got: the input lines read through the last
+/// enqueued chunk.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    /// The batch.
+    pub batch: &'a str,
+    /// Input lines (1-based line numbers) read through this chunk.
+    pub lines: u64,
+}
+
+/// How long a Redis progress key outlives its last chunk: longer than any
+/// completion window (at most 7 days), so it is there for every resume; it
+/// is deleted when the intake ends, the TTL only bounds a leak.
+const PROGRESS_TTL_SECS: u64 = 8 * 86_400;
+
+/// The embedded queue's `meta` key of a batch's intake progress.
+fn progress_meta_key(batch: &str) -> String {
+    format!("serve.intake.{batch}")
+}
+
 impl Sink {
-    /// Enqueues `messages` (in order) in one round trip.
-    pub async fn enqueue(&self, messages: Vec<Message>) -> Result<(), SinkError> {
+    /// Enqueues `messages` (in order) in one round trip, recording
+    /// `progress` in the same transaction (see the module docs).
+    pub async fn enqueue(
+        &self,
+        messages: Vec<Message>,
+        progress: Progress<'_>,
+    ) -> Result<(), SinkError> {
         match self {
             Self::Embedded(queue) => {
                 let items: Vec<(Bytes, i64)> = messages
@@ -59,14 +94,21 @@ impl Sink {
                     })
                     .collect();
                 let queue = queue.clone();
-                tokio::task::spawn_blocking(move || queue.enqueue_with_deadlines(&items, &[]))
-                    .await??;
+                let (key, lines) = (
+                    progress_meta_key(progress.batch),
+                    progress.lines.to_string(),
+                );
+                tokio::task::spawn_blocking(move || {
+                    queue.enqueue_with_deadlines(&items, &[(&key, &lines)])
+                })
+                .await??;
             }
             Self::Redis {
                 conn,
                 queue,
                 result_list,
                 fairness_attribute,
+                key_prefix,
             } => {
                 let now_ms = chrono_ms();
                 let submissions: Vec<Submission> = messages
@@ -81,7 +123,52 @@ impl Sink {
                             .in_lane(tenant)
                     })
                     .collect();
-                enqueue(&mut conn.clone(), queue, &submissions).await?;
+                let mark = Mark {
+                    key: progress_key(key_prefix, progress.batch),
+                    value: progress.lines.to_string(),
+                    ttl_secs: PROGRESS_TTL_SECS,
+                };
+                enqueue_marked(&mut conn.clone(), queue, &submissions, Some(&mark)).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The input lines of `batch` already enqueued (0 before the first
+    /// chunk): where a resumed intake starts.
+    pub async fn progress(&self, batch: &str) -> Result<u64, SinkError> {
+        let text: Option<String> = match self {
+            Self::Embedded(queue) => {
+                let (queue, key) = (queue.clone(), progress_meta_key(batch));
+                tokio::task::spawn_blocking(move || queue.meta(&key)).await??
+            }
+            Self::Redis {
+                conn, key_prefix, ..
+            } => {
+                redis::cmd("GET")
+                    .arg(progress_key(key_prefix, batch))
+                    .query_async(&mut conn.clone())
+                    .await?
+            }
+        };
+        // Only this module writes it, as a decimal number.
+        Ok(text.and_then(|t| t.parse().ok()).unwrap_or(0))
+    }
+
+    /// Forgets `batch`'s intake progress once every line is enqueued.
+    pub async fn forget_progress(&self, batch: &str) -> Result<(), SinkError> {
+        match self {
+            Self::Embedded(queue) => {
+                let (queue, key) = (queue.clone(), progress_meta_key(batch));
+                tokio::task::spawn_blocking(move || queue.remove_meta(&key)).await??;
+            }
+            Self::Redis {
+                conn, key_prefix, ..
+            } => {
+                redis::cmd("DEL")
+                    .arg(progress_key(key_prefix, batch))
+                    .query_async::<()>(&mut conn.clone())
+                    .await?;
             }
         }
         Ok(())
@@ -117,6 +204,11 @@ impl Sink {
     pub fn needs_ids(&self) -> bool {
         matches!(self, Self::Redis { .. })
     }
+}
+
+/// The Redis key of a batch's intake progress.
+fn progress_key(prefix: &str, batch: &str) -> String {
+    format!("{prefix}intake:{batch}")
 }
 
 fn chrono_ms() -> i64 {

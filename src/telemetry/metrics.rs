@@ -66,6 +66,16 @@ pub struct StatusLabels {
     pub status: &'static str,
 }
 
+/// Label set `{queue, tenant}` (Batch API tenant holdings; tenants are
+/// the configured API keys' tenants, so bounded).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TenantLabels {
+    /// The queue the batches' requests go into.
+    pub queue: String,
+    /// The tenant.
+    pub tenant: String,
+}
+
 /// Outcomes of a Batch API request: a 2xx answer (`completed`), any
 /// other answer or error (`failed`), stopped by the completion window
 /// (`expired`) or by a cancel (`cancelled`).
@@ -79,6 +89,8 @@ pub struct BatchApiMetrics {
     batches: Family<StatusLabels, Gauge>,
     requests: Family<OutcomeLabels, Counter>,
     file_bytes: Family<QueueLabel, Gauge>,
+    enqueued_requests: Family<TenantLabels, Gauge>,
+    enqueued_tokens: Family<TenantLabels, Gauge>,
 }
 
 impl BatchApiMetrics {
@@ -98,6 +110,18 @@ impl BatchApiMetrics {
             status,
         };
         (self.batches.get_or_create(&labels)).set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Sets what `tenant`'s unfinished batches hold against its
+    /// `serve.tenant_limits` (all servers of the store).
+    pub fn set_tenant_enqueued(&self, tenant: &str, requests: u64, tokens: u64) {
+        let labels = TenantLabels {
+            queue: self.queue.clone(),
+            tenant: tenant.to_owned(),
+        };
+        let n = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
+        (self.enqueued_requests.get_or_create(&labels)).set(n(requests));
+        (self.enqueued_tokens.get_or_create(&labels)).set(n(tokens));
     }
 
     /// Counts one batch request settled with `outcome` (of [`BATCH_OUTCOMES`]).
@@ -143,6 +167,8 @@ pub struct Metrics {
     batches: Family<StatusLabels, Gauge>,
     batch_requests: Family<OutcomeLabels, Counter>,
     batch_file_bytes: Family<QueueLabel, Gauge>,
+    batch_enqueued_requests: Family<TenantLabels, Gauge>,
+    batch_enqueued_tokens: Family<TenantLabels, Gauge>,
     shared_held: Family<PoolLabel, Gauge>,
     shared_total: Family<PoolLabel, Gauge>,
     shared_all_held: Family<PoolLabel, Gauge>,
@@ -266,6 +292,8 @@ impl Metrics {
             batches: Family::default(),
             batch_requests: Family::default(),
             batch_file_bytes: Family::default(),
+            batch_enqueued_requests: Family::default(),
+            batch_enqueued_tokens: Family::default(),
             pubsub: PubSubFamilies {
                 in_flight: Family::default(),
                 acks: Family::default(),
@@ -296,6 +324,16 @@ impl Metrics {
             "sluicegate_batch_file_bytes",
             "Bytes of Batch API file bodies held, by their records (sluicegate serve)",
             m.batch_file_bytes.clone(),
+        );
+        m.registry.register(
+            "sluicegate_batch_enqueued_requests",
+            "Batch API requests of a tenant's unfinished batches without a result, held against serve.tenant_limits (sluicegate serve)",
+            m.batch_enqueued_requests.clone(),
+        );
+        m.registry.register(
+            "sluicegate_batch_enqueued_tokens",
+            "Estimated tokens of those requests, held against serve.tenant_limits (sluicegate serve)",
+            m.batch_enqueued_tokens.clone(),
         );
         let r = &mut m.registry;
         r.register(
@@ -616,6 +654,8 @@ impl Metrics {
             batches: self.batches.clone(),
             requests: self.batch_requests.clone(),
             file_bytes: self.batch_file_bytes.clone(),
+            enqueued_requests: self.batch_enqueued_requests.clone(),
+            enqueued_tokens: self.batch_enqueued_tokens.clone(),
         }
     }
 
@@ -805,6 +845,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_batches",
     "sluicegate_batch_requests_total",
     "sluicegate_batch_file_bytes",
+    "sluicegate_batch_enqueued_requests",
+    "sluicegate_batch_enqueued_tokens",
     "sluicegate_pubsub_in_flight_messages",
     "sluicegate_pubsub_acks_total",
     "sluicegate_pubsub_nacks_total",

@@ -7,9 +7,12 @@ servers (our simulator as the pool) and sets:
   batches wait (for cancel);
 - SLUICEGATE_API_BASE_SHORT: a server keeping files 2 s
   (`serve.file_retention`), for expiry;
+- SLUICEGATE_API_BASE_LIMITED: a server whose gate stays closed and whose
+  tenants may each have 3 requests enqueued (`serve.tenant_limits`);
 - SLUICEGATE_KEY_A / SLUICEGATE_KEY_B: alice's and bob's API keys.
 """
 
+import asyncio
 import io
 import json
 import os
@@ -21,6 +24,7 @@ import pytest
 BASE = os.environ["SLUICEGATE_API_BASE"] + "/v1"
 CLOSED = os.environ["SLUICEGATE_API_BASE_CLOSED"] + "/v1"
 SHORT = os.environ["SLUICEGATE_API_BASE_SHORT"] + "/v1"
+LIMITED = os.environ["SLUICEGATE_API_BASE_LIMITED"] + "/v1"
 KEY_A = os.environ["SLUICEGATE_KEY_A"]
 KEY_B = os.environ["SLUICEGATE_KEY_B"]
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -390,3 +394,32 @@ def test_an_expired_file_answers_404_and_leaves_the_list():
     with pytest.raises(openai.NotFoundError):
         c.files.content(f.id)
     assert f.id not in {x.id for x in c.files.list()}
+
+
+def test_a_batch_over_the_tenant_limit_raises_rate_limit_error():
+    c = client(LIMITED)
+    held = create(c, [line("r0"), line("r1"), line("r2")])
+    assert held.status == "validating"
+    with pytest.raises(openai.RateLimitError) as refused:
+        create(c, [line("r3")])
+    assert refused.value.status_code == 429
+    assert refused.value.code == "request_limit_exceeded"
+    assert "Enqueued request limit reached for tenant alice" in refused.value.message
+    assert [b.id for b in c.batches.list()] == [held.id]
+
+    async def refused_async():
+        a = openai.AsyncOpenAI(base_url=LIMITED, api_key=KEY_A, max_retries=0, timeout=30)
+        f = await a.files.create(file=("input.jsonl", io.BytesIO((line("r4") + "\n").encode())), purpose="batch")
+        with pytest.raises(openai.RateLimitError):
+            await a.batches.create(
+                input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+            )
+        await a.close()
+
+    asyncio.run(refused_async())
+    # Another tenant has its own room.
+    assert create(client(LIMITED, KEY_B), [line("r0"), line("r1"), line("r2")]).id
+    # Cancelling the held batch frees its requests.
+    c.batches.cancel(held.id)
+    poll(c, held.id)
+    assert create(c, [line("r3")]).status == "validating"

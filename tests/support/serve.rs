@@ -32,6 +32,12 @@ pub struct ServeSpec {
     pub max_lines: Option<u64>,
     /// `serve.file_retention`, the default when `None`.
     pub file_retention: Option<Duration>,
+    /// `serve.tenant_limits`, none when `None`.
+    pub tenant_limits: Option<sluicegate::serve::quota::TenantLimits>,
+    /// More `[dispatch]` lines (e.g. `tenant_weights`).
+    pub dispatch: String,
+    /// The queue's `max_sys` (the window).
+    pub max_sys: u32,
 }
 
 impl ServeSpec {
@@ -47,6 +53,9 @@ impl ServeSpec {
             max_line_bytes: None,
             max_lines: None,
             file_retention: None,
+            tenant_limits: None,
+            dispatch: String::new(),
+            max_sys: 8,
         }
     }
 }
@@ -89,8 +98,8 @@ pub fn config(spec: &ServeSpec, dir: &std::path::Path) -> Config {
         false => "gate_type = \"constant\"\n".to_owned(),
     };
     let text = format!(
-        "{transport}[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 8\n{gate}",
-        spec.gateway_url
+        "{transport}[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n{}\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = {}\n{gate}",
+        spec.gateway_url, spec.dispatch, spec.max_sys
     );
     Config::from_toml_str(&text, &Default::default()).expect("test config loads")
 }
@@ -133,6 +142,9 @@ pub async fn start_in(
     }
     if let Some(d) = spec.file_retention {
         serve.file_retention = d;
+    }
+    if let Some(limits) = &spec.tenant_limits {
+        serve.tenant_limits = limits.clone();
     }
     sluicegate::serve::start(&config, &serve, std::future::pending())
         .await
@@ -354,6 +366,21 @@ impl Api {
             .header("content-type", "application/json")
             .body(body.to_string());
         Self::send(r).await
+    }
+
+    /// Uploads `lines` and asks for a batch on `/v1/completions`: the
+    /// status and body of the creation (which may be refused).
+    pub async fn try_batch(&self, lines: &str) -> (u16, Value) {
+        let (status, file) = self.upload("batch", lines.as_bytes()).await;
+        assert_eq!(status, 200, "upload: {file}");
+        self.post(
+            "/v1/batches",
+            &serde_json::json!({
+                "input_file_id": file["id"], "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            }),
+        )
+        .await
     }
 
     /// Uploads `lines` and creates a batch on `endpoint` with `window`.

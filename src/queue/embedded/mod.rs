@@ -272,6 +272,14 @@ impl EmbeddedQueue {
         })
     }
 
+    /// Forgets a `meta` key (nothing when it is absent).
+    pub fn remove_meta(&self, key: &str) -> Result<(), EmbeddedError> {
+        self.inner.write(|tx, _| {
+            tx.execute("DELETE FROM meta WHERE key = ?1", [key])
+                .map(drop)
+        })
+    }
+
     /// Results written so far for this queue, in write order.
     pub fn results(&self) -> Result<Vec<ResultRecord>, EmbeddedError> {
         let rows: Vec<String> = self.inner.read(|c, queue| {

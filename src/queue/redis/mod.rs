@@ -38,7 +38,7 @@ pub use connect::{
     ConnectError, RedisConnection, blocking, blocking_connection, client, cluster_connection,
     connection, hash_tag, key_slot, manager, masked_addr,
 };
-pub use producer::{CancelOutcome, Submission, cancel, enqueue, queue_score};
+pub use producer::{CancelOutcome, Mark, Submission, cancel, enqueue, enqueue_marked, queue_score};
 
 /// Upstream's retry set, shared by every queue.
 pub const RETRY_SET: &str = "retry-sortedset";

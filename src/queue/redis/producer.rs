@@ -104,6 +104,43 @@ pub async fn enqueue(
     queue: &str,
     batch: &[Submission],
 ) -> redis::RedisResult<()> {
+    enqueue_marked(conn, queue, batch, None).await
+}
+
+/// A key set to a value together with an enqueue ([`enqueue_marked`]),
+/// with a TTL in seconds.
+#[derive(Debug, Clone)]
+pub struct Mark {
+    /// The key.
+    pub key: String,
+    /// Its value.
+    pub value: String,
+    /// Its TTL in seconds.
+    pub ttl_secs: u64,
+}
+
+/// [`enqueue`], also setting `mark` in the same `MULTI`/`EXEC` on a
+/// single server, so a crash leaves either both or neither: a producer
+/// that records its progress in the mark never enqueues a message twice
+/// (the Batch API's intake). On a cluster the mark is set after the
+/// messages (a transaction cannot span slots); the Batch API, the one
+/// user of marks, refuses a cluster for its records.
+pub async fn enqueue_marked(
+    conn: &mut RedisConnection,
+    queue: &str,
+    batch: &[Submission],
+    mark: Option<&Mark>,
+) -> redis::RedisResult<()> {
+    let set_mark = |pipe: &mut redis::Pipeline| {
+        if let Some(m) = mark {
+            pipe.cmd("SET")
+                .arg(&m.key)
+                .arg(&m.value)
+                .arg("EX")
+                .arg(m.ttl_secs.max(1))
+                .ignore();
+        }
+    };
     let active = |s: &Submission| {
         let mut cmd = redis::cmd("SET");
         cmd.arg(format!("request-active:{}", s.id))
@@ -136,24 +173,34 @@ pub async fn enqueue(
         for set in futures_util::future::join_all(sets).await {
             set?;
         }
-        if batch.is_empty() {
+        if batch.is_empty() && mark.is_none() {
             return Ok(());
         }
-        let mut zadd = redis::cmd("ZADD");
-        zadd.arg(queue);
-        for s in batch {
-            zadd.arg(s.score).arg(&s.member);
+        if !batch.is_empty() {
+            let mut zadd = redis::cmd("ZADD");
+            zadd.arg(queue);
+            for s in batch {
+                zadd.arg(s.score).arg(&s.member);
+            }
+            zadd.query_async::<()>(conn).await?;
         }
-        zadd.query_async::<()>(conn).await?;
         // The lanes share the queue's slot.
         if batch.iter().any(|s| s.lane.is_some()) {
             let mut pipe = redis::pipe();
             add_lanes(&mut pipe);
             pipe.query_async::<()>(conn).await?;
         }
+        if mark.is_some() {
+            let mut pipe = redis::pipe();
+            set_mark(&mut pipe);
+            pipe.query_async::<()>(conn).await?;
+        }
         return Ok(());
     }
     let mut pipe = redis::pipe();
+    if mark.is_some() {
+        pipe.atomic();
+    }
     for s in batch {
         pipe.cmd("ZADD")
             .arg(queue)
@@ -163,6 +210,7 @@ pub async fn enqueue(
         pipe.add_command(active(s)).ignore();
     }
     add_lanes(&mut pipe);
+    set_mark(&mut pipe);
     pipe.query_async::<()>(conn).await
 }
 

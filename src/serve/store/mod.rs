@@ -128,6 +128,26 @@ impl Store {
         both!(self, s => s.insert_batch(batch).await)
     }
 
+    /// How many batches of `tenant` were inserted with
+    /// [`Store::insert_batch_if`]: read before summing what the tenant's
+    /// batches hold, so a reservation can be made conditional on it.
+    pub async fn tenant_version(&self, tenant: &str) -> Result<u64, StoreError> {
+        both!(self, s => s.tenant_version(tenant).await)
+    }
+
+    /// Saves a new batch only if its tenant's version is still `version`
+    /// (and bumps it); `false` when another batch of the tenant was
+    /// inserted meanwhile. Only insertions raise what a tenant holds, so
+    /// a limit checked against the batches seen at `version` holds for
+    /// the batch inserted here: concurrent creations cannot overshoot.
+    pub async fn insert_batch_if(
+        &self,
+        batch: &BatchRecord,
+        version: u64,
+    ) -> Result<bool, StoreError> {
+        both!(self, s => s.insert_batch_if(batch, version).await)
+    }
+
     /// A batch record by id, any tenant.
     pub async fn batch(&self, id: &str) -> Result<Option<BatchRecord>, StoreError> {
         both!(self, s => s.batch(id).await)

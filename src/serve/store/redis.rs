@@ -7,6 +7,8 @@
 //! - `P file-bytes`: a hash of each file's body size, `P bytes` their sum
 //!   (the `batch_file_bytes` gauge), `P expiring`: file ids scored by
 //!   `expires_at` (the retention sweep);
+//! - `P tenant-version:<tenant>`: bumped by each batch inserted against
+//!   the tenant's limits (`serve.tenant_limits`), their compare-and-set;
 //! - `P active`: ids of batches not yet terminal; `P status`: a hash of
 //!   batches per status (the `batches` gauge);
 //! - `P results:<batch>`: the output lines in arrival order (list),
@@ -70,6 +72,21 @@ const RECORD: &str = r"
 if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+return 1
+";
+
+/// KEYS: tenant version, batch, tenant index, seq, active, status. ARGV:
+/// expected version, record, id, status. The batch is inserted only if
+/// no other batch of the tenant was inserted against its limit since the
+/// version was read, and bumps it (`Store::insert_batch_if`).
+const INSERT_IF: &str = r"
+if (tonumber(redis.call('GET', KEYS[1])) or 0) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('INCR', KEYS[1])
+local seq = redis.call('INCR', KEYS[4])
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('ZADD', KEYS[3], seq, ARGV[3])
+redis.call('SADD', KEYS[5], ARGV[3])
+redis.call('HINCRBY', KEYS[6], ARGV[4], 1)
 return 1
 ";
 
@@ -233,6 +250,35 @@ impl RedisStore {
             .query_async::<()>(&mut self.conn.clone())
             .await?;
         Ok(())
+    }
+
+    pub(super) async fn tenant_version(&self, tenant: &str) -> Result<u64, StoreError> {
+        let v: Option<u64> = redis::cmd("GET")
+            .arg(self.key(&["tenant-version:", tenant]))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    pub(super) async fn insert_batch_if(
+        &self,
+        batch: &BatchRecord,
+        version: u64,
+    ) -> Result<bool, StoreError> {
+        let done: i64 = redis::Script::new(INSERT_IF)
+            .key(self.key(&["tenant-version:", &batch.tenant]))
+            .key(self.key(&["batch:", &batch.id]))
+            .key(self.key(&["batches:", &batch.tenant]))
+            .key(self.key(&["seq"]))
+            .key(self.key(&["active"]))
+            .key(self.key(&["status"]))
+            .arg(version)
+            .arg(encode(batch))
+            .arg(&batch.id)
+            .arg(batch.status.as_str())
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(done == 1)
     }
 
     pub(super) async fn batch(&self, id: &str) -> Result<Option<BatchRecord>, StoreError> {

@@ -39,6 +39,9 @@ CREATE TABLE IF NOT EXISTS results (
     UNIQUE (batch, custom_id)
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- Bumped by every batch inserted against a tenant limit: the limit's
+-- compare-and-set (`Store::insert_batch_if`).
+CREATE TABLE IF NOT EXISTS tenant_versions (tenant TEXT PRIMARY KEY, version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS counts (
     batch TEXT PRIMARY KEY,
     ok INTEGER NOT NULL DEFAULT 0,
@@ -167,6 +170,61 @@ impl SqliteStore {
                 params![id, tenant, status, record],
             )
             .map(drop)
+        })
+        .await
+    }
+
+    pub(super) async fn tenant_version(&self, tenant: &str) -> Result<u64, StoreError> {
+        let tenant = tenant.to_owned();
+        let v: i64 = self
+            .run(move |c| {
+                c.query_row(
+                    "SELECT version FROM tenant_versions WHERE tenant = ?1",
+                    [tenant],
+                    |r| r.get(0),
+                )
+                .optional()
+                .map(Option::unwrap_or_default)
+            })
+            .await?;
+        Ok(u64::try_from(v).unwrap_or(0))
+    }
+
+    pub(super) async fn insert_batch_if(
+        &self,
+        batch: &BatchRecord,
+        version: u64,
+    ) -> Result<bool, StoreError> {
+        let (id, tenant, status, record) = (
+            batch.id.clone(),
+            batch.tenant.clone(),
+            batch.status.as_str(),
+            encode(batch),
+        );
+        let version = i64::try_from(version).unwrap_or(i64::MAX);
+        self.run(move |c| {
+            let tx = c.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+            let now: i64 = tx
+                .query_row(
+                    "SELECT version FROM tenant_versions WHERE tenant = ?1",
+                    [&tenant],
+                    |r| r.get(0),
+                )
+                .optional()?
+                .unwrap_or_default();
+            if now != version {
+                return Ok(false);
+            }
+            tx.execute(
+                "INSERT INTO tenant_versions (tenant, version) VALUES (?1, 1) ON CONFLICT(tenant) DO UPDATE SET version = version + 1",
+                [&tenant],
+            )?;
+            tx.execute(
+                "INSERT INTO batches (id, tenant, status, record) VALUES (?1, ?2, ?3, ?4)",
+                params![id, tenant, status, record],
+            )?;
+            tx.commit()?;
+            Ok(true)
         })
         .await
     }
