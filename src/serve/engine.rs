@@ -1290,6 +1290,55 @@ mod tests {
         );
     }
 
+    /// A batch record written by an older build lacks fields added since
+    /// (`enqueued`, `output_expires_after`): read back, it re-encodes with
+    /// their defaults, so a compare-and-set by text never matched it and
+    /// every update of that batch lost the race forever.
+    #[tokio::test]
+    async fn a_record_written_before_a_field_was_added_can_still_be_replaced() {
+        let dir =
+            std::env::temp_dir().join(format!("sluicegate-engine-{:x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let db = dir.join("batches.db");
+        let store = Store::Sqlite(SqliteStore::open(&db).expect("store"));
+        let batch = record(BatchStatus::InProgress);
+        store.insert_batch(&batch).await.expect("insert");
+        // Rewrite the stored text the way the older build wrote it.
+        let stored: String = {
+            let c = rusqlite::Connection::open(&db).expect("open");
+            let text: String = c
+                .query_row(
+                    "SELECT record FROM batches WHERE id = ?1",
+                    [&batch.id],
+                    |r| r.get(0),
+                )
+                .expect("row");
+            let mut old: serde_json::Map<String, Value> =
+                serde_json::from_str(&text).expect("json");
+            old.remove("enqueued");
+            old.remove("output_expires_after");
+            let old = serde_json::to_string(&old).expect("text");
+            c.execute(
+                "UPDATE batches SET record = ?1 WHERE id = ?2",
+                [&old, &batch.id],
+            )
+            .expect("rewrite");
+            old
+        };
+        let read = store.batch(&batch.id).await.expect("read").expect("there");
+        assert_ne!(serde_json::to_string(&read).expect("text"), stored);
+        let mut next = read.clone();
+        next.total = 7;
+        assert!(store.replace_batch(&read, &next).await.expect("replace"));
+        let after = store.batch(&batch.id).await.expect("read").expect("there");
+        assert_eq!(after.total, 7);
+        // A record someone else changed still loses.
+        let mut stale = read.clone();
+        stale.total = 9;
+        assert!(!store.replace_batch(&read, &stale).await.expect("replace"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A cancel that lands while validation is refusing the file must
     /// still let the batch end (`cancelled`, nothing enqueued), not leave
     /// it `cancelling` forever.

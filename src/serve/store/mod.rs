@@ -160,12 +160,30 @@ impl Store {
 
     /// Replaces `old` by `new` only if the stored record is still `old`
     /// (compare-and-set); `false` when another writer changed it first.
+    ///
+    /// The stores compare text. A record written by an older build encodes
+    /// differently from the same record written now (a field added since
+    /// is written with its default), so its text never equals `old`'s and
+    /// every update of it would lose the race forever. When the text
+    /// differs, the stored record still counts as `old` if it decodes to
+    /// it, and is replaced from its own text.
     pub async fn replace_batch(
         &self,
         old: &BatchRecord,
         new: &BatchRecord,
     ) -> Result<bool, StoreError> {
-        both!(self, s => s.replace_batch(old, new).await)
+        let expected = encode(old);
+        if both!(self, s => s.replace_batch(&expected, old.status, new).await)? {
+            return Ok(true);
+        }
+        let Some(stored) = both!(self, s => s.batch_text(&new.id).await)? else {
+            return Ok(false);
+        };
+        if stored == expected || decode::<BatchRecord>(&new.id, &stored).ok().as_ref() != Some(old)
+        {
+            return Ok(false);
+        }
+        both!(self, s => s.replace_batch(&stored, old.status, new).await)
     }
 
     /// Every batch not in a terminal status.

@@ -289,19 +289,28 @@ impl RedisStore {
         self.ids(&self.key(&["batches:", tenant])).await
     }
 
+    pub(super) async fn batch_text(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let text = redis::cmd("GET")
+            .arg(self.key(&["batch:", id]))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(text)
+    }
+
     pub(super) async fn replace_batch(
         &self,
-        old: &BatchRecord,
+        old_text: &str,
+        old_status: BatchStatus,
         new: &BatchRecord,
     ) -> Result<bool, StoreError> {
         let done: i64 = redis::Script::new(REPLACE)
             .key(self.key(&["batch:", &new.id]))
             .key(self.key(&["active"]))
             .key(self.key(&["status"]))
-            .arg(encode(old))
+            .arg(old_text)
             .arg(encode(new))
             .arg(&new.id)
-            .arg(old.status.as_str())
+            .arg(old_status.as_str())
             .arg(new.status.as_str())
             .arg(if new.status.is_terminal() { "1" } else { "0" })
             .invoke_async(&mut self.conn.clone())

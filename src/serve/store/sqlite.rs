@@ -230,16 +230,19 @@ impl SqliteStore {
     }
 
     pub(super) async fn batch(&self, id: &str) -> Result<Option<BatchRecord>, StoreError> {
-        let key = id.to_owned();
-        let text: Option<String> = self
-            .run(move |c| {
-                c.query_row("SELECT record FROM batches WHERE id = ?1", [key], |r| {
-                    r.get(0)
-                })
-                .optional()
-            })
-            .await?;
+        let text = self.batch_text(id).await?;
         text.map(|t| decode(id, &t)).transpose()
+    }
+
+    pub(super) async fn batch_text(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let key = id.to_owned();
+        self.run(move |c| {
+            c.query_row("SELECT record FROM batches WHERE id = ?1", [key], |r| {
+                r.get(0)
+            })
+            .optional()
+        })
+        .await
     }
 
     pub(super) async fn batch_ids(&self, tenant: &str) -> Result<Vec<String>, StoreError> {
@@ -248,12 +251,13 @@ impl SqliteStore {
 
     pub(super) async fn replace_batch(
         &self,
-        old: &BatchRecord,
+        old_text: &str,
+        _old_status: BatchStatus,
         new: &BatchRecord,
     ) -> Result<bool, StoreError> {
         let (id, old, status, new) = (
             new.id.clone(),
-            encode(old),
+            old_text.to_owned(),
             new.status.as_str(),
             encode(new),
         );
