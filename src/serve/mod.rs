@@ -29,10 +29,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::app::{AppError, RunOptions, Running};
+use crate::app::{AppError, RunOptions, Running, Tasks};
 use crate::config::{Config, ServeConfig, ServeDispatcher, TransportKind};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
 use crate::queue::redis::ConnectError;
@@ -145,7 +144,7 @@ pub struct Server {
     /// The process metrics (the Batch API's among them).
     pub metrics: Arc<Metrics>,
     stop: CancellationToken,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Tasks,
     app: Option<Running>,
 }
 
@@ -227,17 +226,20 @@ pub async fn start(
     std::fs::create_dir_all(&serve.data_dir).map_err(data_dir_error)?;
     let bodies = Bodies::open(&serve.data_dir).map_err(data_dir_error)?;
 
-    let stop = CancellationToken::new();
+    // Every loop runs on the task tree: one that panics is logged by name
+    // and stops the server (its drain token is `stop`), instead of the API
+    // answering while, say, the collector is dead.
+    let tasks = Tasks::new();
+    let stop = tasks.drain_token().clone();
     {
         let stop = stop.clone();
-        tokio::spawn(async move {
+        tasks.spawn("serve: shutdown signal", async move {
             tokio::select! {
                 () = shutdown => stop.cancel(),
                 () = stop.cancelled() => {}
             }
         });
     }
-    let mut tasks = Vec::new();
     let (app, metrics, telemetry_addr) = match serve.dispatcher {
         ServeDispatcher::InProcess => {
             let running = crate::app::start(
@@ -268,11 +270,11 @@ pub async fn start(
                 health,
                 stop.clone().cancelled_owned(),
             );
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn("serve: telemetry server", async move {
                 if let Err(error) = server.await {
                     tracing::error!(%error, "telemetry server failed");
                 }
-            }));
+            });
             (None, metrics, local)
         }
     };
@@ -319,7 +321,7 @@ pub async fn start(
                 .with_tenant_limits(serve.tenant_limits.clone()),
             );
             let collector = engine.clone().collect_redis(conn, list, stop.clone());
-            tasks.push(tokio::spawn(collector));
+            tasks.spawn("serve: result collector", collector);
         }
         _ => {
             let path = (config.embedded.as_ref())
@@ -338,17 +340,20 @@ pub async fn start(
                 .with_tenant_limits(serve.tenant_limits.clone()),
             );
             let collector = engine.clone().collect_embedded(queue, sqlite, stop.clone());
-            tasks.push(tokio::spawn(collector));
+            tasks.spawn("serve: result collector", collector);
         }
     }
-    tasks.push(tokio::spawn(engine.clone().run_sweeps(stop.clone())));
+    tasks.spawn(
+        "serve: batch sweeps",
+        engine.clone().run_sweeps(stop.clone()),
+    );
     let sweeper = Sweeper {
         store: engine.store.clone(),
         bodies: engine.bodies.clone(),
         metrics: metrics.batch_api(&queue_config.queue_name),
         every: limits.retention.sweep_every(),
     };
-    tasks.push(tokio::spawn(sweeper.run(stop.clone())));
+    tasks.spawn("serve: retention sweeper", sweeper.run(stop.clone()));
 
     let listener = TcpListener::bind(serve.listen)
         .await
@@ -360,14 +365,14 @@ pub async fn start(
     let addr = listener.local_addr().unwrap_or(serve.listen);
     let router = http::router(Arc::new(http::AppState { engine, keys }));
     let graceful = stop.clone().cancelled_owned();
-    tasks.push(tokio::spawn(async move {
+    tasks.spawn("serve: batch api server", async move {
         if let Err(error) = axum::serve(listener, router)
             .with_graceful_shutdown(graceful)
             .await
         {
             tracing::error!(%error, "batch api server failed");
         }
-    }));
+    });
     tracing::info!(%addr, %telemetry_addr, "batch api serving");
     Ok(Server {
         addr,
@@ -385,15 +390,18 @@ impl Server {
         self.stop.cancel();
     }
 
-    /// Runs until shutdown, then stops the API and the loops and drains
-    /// the in-process dispatcher.
+    /// Runs until shutdown (or a loop panicked), then stops the API and
+    /// the loops and drains the in-process dispatcher. A panic is an
+    /// error naming the task.
     pub async fn wait(self) -> Result<(), ServeError> {
         self.stop.cancelled().await;
-        for task in self.tasks {
-            let _ = task.await;
-        }
+        self.tasks.stop().await;
         if let Some(app) = self.app {
             app.wait().await?;
+        }
+        let panicked = self.tasks.panicked();
+        if !panicked.is_empty() {
+            return Err(AppError::Panicked(panicked).into());
         }
         Ok(())
     }
