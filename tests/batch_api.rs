@@ -1794,3 +1794,70 @@ async fn two_tenants_batches_share_the_window_by_their_weights() {
     );
     served.stop().await;
 }
+
+/// Issue 26: `serve.pass_headers` copies the named headers of a batch's
+/// creation (an SLO hint for the endpoint picker) onto every request of
+/// the batch; a header not listed stays behind, as does the caller's key.
+#[tokio::test]
+async fn configured_headers_of_the_creation_reach_the_gateway_with_every_request() {
+    let gateway = counting_gateway().await;
+    let spec = ServeSpec {
+        pass_headers: vec!["X-SLO-TTFT-ms".into()],
+        keys: Some("acme:k1".into()),
+        ..ServeSpec::new(&gateway.uri())
+    };
+    let served = support::serve::start(&spec, None).await;
+    let api = Api::new(&served.base, Some("k1"));
+    let (status, file) = api
+        .upload("batch", support::serve::completion_lines(6, 4).as_bytes())
+        .await;
+    assert_eq!(status, 200, "{file}");
+    let (status, batch) = api
+        .post_with(
+            "/v1/batches",
+            &serde_json::json!({
+                "input_file_id": file["id"], "endpoint": "/v1/completions",
+                "completion_window": "24h",
+            }),
+            &[("x-slo-ttft-ms", "250"), ("x-not-listed", "1")],
+        )
+        .await;
+    assert_eq!(status, 200, "{batch}");
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["request_counts"]["completed"], 6, "{done}");
+    let received = gateway.received_requests().await.expect("recorded");
+    assert_eq!(received.len(), 6);
+    for request in received {
+        let header = |name: &str| request.headers.get(name).and_then(|v| v.to_str().ok());
+        assert_eq!(header("x-slo-ttft-ms"), Some("250"));
+        assert_eq!(header("x-not-listed"), None);
+        assert_eq!(header("authorization"), None, "the caller's key stays here");
+    }
+    served.stop().await;
+}
+
+/// A header the gateway client sets or refuses, or a credential, cannot
+/// be configured for passing: `serve` (and `check-config`) stop naming
+/// the key.
+#[tokio::test]
+async fn a_pass_header_the_gateway_cannot_take_stops_the_server_naming_the_key() {
+    for name in [
+        "authorization",
+        "content-length",
+        "content-type",
+        "bad header",
+    ] {
+        let serve = sluicegate::config::ServeConfig {
+            pass_headers: vec![name.to_owned()],
+            ..sluicegate::config::ServeConfig::default()
+        };
+        let error = sluicegate::serve::check_access(&serve)
+            .err()
+            .unwrap_or_else(|| panic!("{name} was accepted"));
+        let text = error.to_string();
+        assert!(text.starts_with("serve.pass_headers: `"), "{text}");
+        assert!(text.contains(name), "{text}");
+    }
+}

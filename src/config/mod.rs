@@ -525,6 +525,11 @@ section! {
         /// for every tenant, `tenants.<name>` to override them; a batch
         /// that would pass one is refused with 429 at creation.
         tenant_limits: TenantLimits = TenantLimits::default(), tenant_limits;
+        /// Headers of `POST /v1/batches` copied onto every request of
+        /// the batch (an SLO hint such as a TTFT target for the endpoint
+        /// picker); names, case-insensitive. Checked at start: a header
+        /// the gateway client sets or refuses cannot be listed.
+        pass_headers: Vec<String> = Vec::new(), as_string_list;
         /// Redis transport: the list the batch requests' results go to
         /// (unless the queue sets `result_queue_name`); only serve reads it.
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;

@@ -498,6 +498,15 @@ pub(super) fn is_forbidden(name: &HeaderName, bearer_configured: bool) -> bool {
         || (bearer_configured && name == AUTHORIZATION.as_str())
 }
 
+/// Whether a header of a client's request may be passed on to the gateway
+/// with every request of its batch (`serve.pass_headers`): not one the
+/// client sets itself or refuses from a message (framing, routing), not a
+/// credential (the Batch API's own `Authorization` is the caller's key),
+/// and not `Content-Type`, which is the body's.
+pub fn may_pass_through(name: &HeaderName) -> bool {
+    !is_forbidden(name, true) && !is_secret(name) && name != CONTENT_TYPE
+}
+
 /// Headers whose values are credentials and must print as "Sensitive".
 fn is_secret(name: &HeaderName) -> bool {
     matches!(

@@ -438,6 +438,9 @@ impl Engine {
             ));
         }
         message.request.id = batch.message_id(&custom_id);
+        // A batch line has no headers of its own (OpenAI's format): the
+        // ones passed from the creation are all it carries.
+        message.request.headers.clone_from(&batch.headers);
         if let Some(key) = &self.fairness {
             message
                 .request

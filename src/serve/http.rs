@@ -56,6 +56,9 @@ pub struct AppState {
     pub engine: Arc<Engine>,
     /// API keys; empty means one anonymous tenant (loopback only).
     pub keys: Keys,
+    /// `serve.pass_headers`: copied from a batch's creation onto each of
+    /// its requests.
+    pub pass_headers: Vec<axum::http::HeaderName>,
 }
 
 type Shared = Arc<AppState>;
@@ -530,6 +533,7 @@ struct CreateBatch {
 async fn create_batch(
     State(state): State<Shared>,
     Tenant(tenant): Tenant,
+    headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<axum::Json<Value>, ApiError> {
     let req: CreateBatch = serde_json::from_slice(&body)
@@ -582,7 +586,7 @@ async fn create_batch(
         ));
     }
     let tenant_of = tenant.clone();
-    let batch = BatchRecord::new(NewBatch {
+    let mut batch = BatchRecord::new(NewBatch {
         tenant,
         endpoint,
         input_file_id,
@@ -591,12 +595,32 @@ async fn create_batch(
         metadata,
         output_expires_after,
     });
+    batch.headers = passed_headers(&state.pass_headers, &headers)?;
     let batch = match state.engine.create(batch).await {
         Ok(batch) => batch,
         Err(CreateError::Limit(e)) => return Err(ApiError::limit(&tenant_of, e)),
         Err(CreateError::Engine(e)) => return Err(ApiError::internal(e)),
     };
     Ok(axum::Json(batch.api(0, 0)))
+}
+
+/// The configured pass-through headers the creation carries, by name.
+/// A value that is not visible ASCII is refused (it could not be sent on).
+fn passed_headers(
+    names: &[axum::http::HeaderName],
+    headers: &axum::http::HeaderMap,
+) -> Result<BTreeMap<String, String>, ApiError> {
+    let mut passed = BTreeMap::new();
+    for name in names {
+        let Some(value) = headers.get(name) else {
+            continue;
+        };
+        let text = value
+            .to_str()
+            .map_err(|_| ApiError::invalid(format!("header {name} is not visible ASCII"), None))?;
+        passed.insert(name.as_str().to_owned(), text.to_owned());
+    }
+    Ok(passed)
 }
 
 /// A batch's `completion_window`: `24h` (OpenAI's only value) or, as an

@@ -28,6 +28,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use reqwest::header::HeaderName;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -70,6 +71,16 @@ pub enum ServeError {
         tenant: String,
         /// The tenants of the keys.
         known: String,
+    },
+    /// A `serve.pass_headers` entry that cannot be passed to the gateway.
+    #[error(
+        "serve.pass_headers: `{name}` cannot be passed to the gateway ({why}); allowed: legal header names other than framing, routing, credential and content-type headers"
+    )]
+    PassHeader {
+        /// The entry.
+        name: String,
+        /// Why not.
+        why: &'static str,
     },
     /// The transport cannot carry batches.
     #[error(
@@ -160,6 +171,7 @@ pub fn check_access(serve: &ServeConfig) -> Result<Keys, ServeError> {
     if keys.is_empty() && !http::is_loopback(&serve.listen) {
         return Err(ServeError::Unauthenticated(serve.listen));
     }
+    pass_headers(serve)?;
     let known = keys.tenants();
     if let Some(tenant) = (serve.tenant_limits.tenants.keys()).find(|t| !known.contains(t)) {
         return Err(ServeError::LimitTenant {
@@ -168,6 +180,27 @@ pub fn check_access(serve: &ServeConfig) -> Result<Keys, ServeError> {
         });
     }
     Ok(keys)
+}
+
+/// `serve.pass_headers` as header names, each one the gateway client may
+/// send.
+fn pass_headers(serve: &ServeConfig) -> Result<Vec<HeaderName>, ServeError> {
+    serve
+        .pass_headers
+        .iter()
+        .map(|name| {
+            let refuse = |why| ServeError::PassHeader {
+                name: name.clone(),
+                why,
+            };
+            let header = HeaderName::from_bytes(name.trim().as_bytes())
+                .map_err(|_| refuse("not a header name"))?;
+            if !crate::gateway::may_pass_through(&header) {
+                return Err(refuse("the gateway client sets or refuses it"));
+            }
+            Ok(header)
+        })
+        .collect()
 }
 
 /// `config` with a relative `[embedded] path` taken inside
@@ -363,7 +396,12 @@ pub async fn start(
             source,
         })?;
     let addr = listener.local_addr().unwrap_or(serve.listen);
-    let router = http::router(Arc::new(http::AppState { engine, keys }));
+    let pass_headers = pass_headers(serve)?;
+    let router = http::router(Arc::new(http::AppState {
+        engine,
+        keys,
+        pass_headers,
+    }));
     let graceful = stop.clone().cancelled_owned();
     tasks.spawn("serve: batch api server", async move {
         if let Err(error) = axum::serve(listener, router)

@@ -198,6 +198,10 @@ pub struct BatchRecord {
     /// existed read back byte for byte (the compare-and-set compares it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held: Option<super::quota::Estimate>,
+    /// `serve.pass_headers` the creation carried, sent with each of its
+    /// requests; left out of the stored JSON when empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
 }
 
 /// What a new batch is made of (`POST /v1/batches`).
@@ -250,6 +254,7 @@ impl BatchRecord {
             cancelled_at: None,
             touched_at: created_at,
             held: None,
+            headers: BTreeMap::new(),
         }
     }
 

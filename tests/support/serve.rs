@@ -38,6 +38,8 @@ pub struct ServeSpec {
     pub dispatch: String,
     /// The queue's `max_sys` (the window).
     pub max_sys: u32,
+    /// `serve.pass_headers`.
+    pub pass_headers: Vec<String>,
 }
 
 impl ServeSpec {
@@ -56,6 +58,7 @@ impl ServeSpec {
             tenant_limits: None,
             dispatch: String::new(),
             max_sys: 8,
+            pass_headers: Vec::new(),
         }
     }
 }
@@ -126,6 +129,7 @@ pub async fn start_in(
         listen: "127.0.0.1:0".parse().expect("address"),
         data_dir: data_dir.to_path_buf(),
         api_keys: spec.keys.clone().map(sluicegate::config::Secret::new),
+        pass_headers: spec.pass_headers.clone(),
         ..ServeConfig::default()
     };
     if !spec.in_process {
@@ -357,6 +361,23 @@ impl Api {
             .expect("request answered");
         let status = response.status().as_u16();
         (status, response.text().await.expect("body"))
+    }
+
+    /// `POST path` with a JSON body and extra headers.
+    pub async fn post_with(
+        &self,
+        path: &str,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> (u16, Value) {
+        let mut r = self
+            .request(reqwest::Method::POST, path)
+            .header("content-type", "application/json")
+            .body(body.to_string());
+        for (name, value) in headers {
+            r = r.header(*name, *value);
+        }
+        Self::send(r).await
     }
 
     /// `POST path` with a JSON body.
