@@ -41,6 +41,7 @@ mod gate;
 mod layer;
 mod render;
 mod secret;
+mod tenant_limits;
 mod values;
 
 use std::collections::BTreeMap;
@@ -50,8 +51,6 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::{Map, Value};
-
-use crate::serve::quota::TenantLimits;
 
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
@@ -69,6 +68,7 @@ pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_e
 pub use secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
+pub use tenant_limits::{TenantLimit, TenantLimits};
 // Loose value conversions the gates' parameter adapters share.
 pub(crate) use values::{
     as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in, kind, show,

@@ -14,7 +14,7 @@ use url::Url;
 use super::duration::{format_duration, parse_duration};
 use super::error::ConfigError;
 use super::secret::{EndpointUrl, Secret};
-use crate::serve::quota::{TenantLimit, TenantLimits};
+use super::tenant_limits::{TenantLimit, TenantLimits};
 
 /// Collects errors and knows where overridden keys came from.
 #[derive(Default)]

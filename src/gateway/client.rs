@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::request::Request;
 
 use super::classify::{AttemptFailure, AttemptOutcome, StatusClass, classify_status};
-use super::http1::{ExchangeError, Http1Client};
+use super::http1::{Answer, Body, ExchangeError, Http1Client};
 use super::target::{HeaderRules, is_forbidden};
 use super::{DROPPED_REASON_HEADER, GatewaySettings, PrepareError, PreparedRequest, Target};
 
@@ -328,33 +328,6 @@ fn exchange_outcome(error: ExchangeError) -> AttemptOutcome {
     AttemptOutcome::Retryable {
         failure,
         retry_after: None,
-    }
-}
-
-/// The answer of one exchange: status, headers and the body read up to
-/// the limit.
-pub(super) struct Answer {
-    pub(super) status: u16,
-    pub(super) headers: HeaderMap,
-    pub(super) body: Body,
-}
-
-/// A response body read up to the limit.
-pub(super) enum Body {
-    /// The whole body, within the limit.
-    Complete(Vec<u8>),
-    /// The first bytes (up to the limit) of a longer body; empty when a
-    /// success declared a length over the limit, which is not read.
-    TooLarge(Vec<u8>),
-    /// What arrived before reading failed, and why it failed.
-    Broken(Vec<u8>, String),
-}
-
-impl Body {
-    pub(super) fn into_bytes(self) -> Vec<u8> {
-        match self {
-            Self::Complete(bytes) | Self::TooLarge(bytes) | Self::Broken(bytes, _) => bytes,
-        }
     }
 }
 

@@ -31,8 +31,6 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::client::{Answer, Body};
-
 /// Longest answer head (status line and headers) read; a longer one is a
 /// protocol error, as it is for hyper.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -44,6 +42,33 @@ const READ_CHUNK: usize = 8 * 1024;
 /// one write (one packet with `TCP_NODELAY`); a larger one is written
 /// from the shared bytes without a copy.
 const COALESCE_BODY_BYTES: usize = 16 * 1024;
+
+/// The answer of one exchange (this client's or reqwest's): status,
+/// headers and the body read up to the limit.
+pub(super) struct Answer {
+    pub(super) status: u16,
+    pub(super) headers: HeaderMap,
+    pub(super) body: Body,
+}
+
+/// A response body read up to the limit.
+pub(super) enum Body {
+    /// The whole body, within the limit.
+    Complete(Vec<u8>),
+    /// The first bytes (up to the limit) of a longer body; empty when a
+    /// success declared a length over the limit, which is not read.
+    TooLarge(Vec<u8>),
+    /// What arrived before reading failed, and why it failed.
+    Broken(Vec<u8>, String),
+}
+
+impl Body {
+    pub(super) fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Self::Complete(bytes) | Self::TooLarge(bytes) | Self::Broken(bytes, _) => bytes,
+        }
+    }
+}
 
 /// Why an exchange produced no answer head.
 #[derive(Debug)]

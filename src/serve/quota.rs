@@ -11,12 +11,11 @@
 //! failure, expiry, cancel) releases one request and its share of the
 //! tokens, and a batch that ends (or fails validation) releases the rest.
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use crate::config::Unit;
+pub use crate::config::{TenantLimit, TenantLimits};
 use crate::dispatch::cost::request_cost;
 
 /// Requests and estimated tokens: what a batch holds against its tenant's
@@ -64,40 +63,6 @@ impl Estimate {
     }
 }
 
-/// One tenant's limits; `None` is no limit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct TenantLimit {
-    /// Most requests without a result.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub requests: Option<u64>,
-    /// Most estimated tokens of requests without a result.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tokens: Option<u64>,
-}
-
-/// `serve.tenant_limits`: a default for every tenant and per-tenant
-/// overrides (a field an override leaves out is the default's).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct TenantLimits {
-    /// Every tenant's limits unless overridden.
-    #[serde(flatten)]
-    pub default: TenantLimit,
-    /// Overrides by tenant.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub tenants: BTreeMap<String, TenantLimit>,
-}
-
-impl TenantLimits {
-    /// The limits of `tenant`.
-    pub fn of(&self, tenant: &str) -> TenantLimit {
-        let over = self.tenants.get(tenant).copied().unwrap_or_default();
-        TenantLimit {
-            requests: over.requests.or(self.default.requests),
-            tokens: over.tokens.or(self.default.tokens),
-        }
-    }
-}
-
 /// Which limit a new batch would pass, with the figures for the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Exceeded {
@@ -121,11 +86,6 @@ pub enum LimitKind {
 }
 
 impl TenantLimit {
-    /// Whether neither limit is set (nothing to reserve).
-    pub fn is_unlimited(&self) -> bool {
-        self.requests.is_none() && self.tokens.is_none()
-    }
-
     /// Whether a batch asking `asked` fits beside `held`. A batch alone
     /// larger than a limit never fits: it is refused, not queued.
     pub fn admit(&self, held: Estimate, asked: Estimate) -> Result<(), Exceeded> {

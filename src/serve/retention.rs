@@ -11,10 +11,9 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::EngineError;
 use super::files::Bodies;
 use super::model::now;
-use super::store::Store;
+use super::store::{Store, StoreError};
 use crate::telemetry::BatchApiMetrics;
 
 /// Shortest `expires_after.seconds` OpenAI accepts (1 hour).
@@ -177,7 +176,7 @@ impl Sweeper {
     /// a body no record names. The input of a batch that has not ended is
     /// kept until it ends (the server reads it again to enqueue, cancel
     /// and expire). Returns how many were deleted.
-    pub async fn sweep(&self, now: i64) -> Result<u64, EngineError> {
+    pub async fn sweep(&self, now: i64) -> Result<u64, SweepError> {
         let expired = self
             .store
             .expired_files(now.saturating_sub(DELETE_SLACK_SECS))
@@ -197,6 +196,17 @@ impl Sweeper {
         self.metrics.set_file_bytes(self.store.file_bytes().await?);
         Ok(deleted)
     }
+}
+
+/// Why a retention sweep stopped (it is tried again at the next period).
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A file body could not be deleted.
+    #[error("file body: {0}")]
+    Io(#[from] std::io::Error),
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value, json};
 
-use super::http::{BadRequest, bad_request};
+use super::bad_request::{BadRequest, bad_request};
 
 /// Vector length when the request names no `dimensions` (small, so batch
 /// output files stay small; real models have hundreds).

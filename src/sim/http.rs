@@ -28,6 +28,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::bad_request::{BadRequest, bad_request};
 use super::config::{LoadMode, SimConfig};
 use super::endpoints::{
     EmbedRequest, ResponseIds, embed_request, embeddings_body, response_body,
@@ -594,13 +595,6 @@ fn error(
     (status, axum::Json(body)).into_response()
 }
 
-/// A 400 answer, kept small so `Result`s carrying it stay cheap.
-#[derive(Debug)]
-pub(super) struct BadRequest {
-    message: String,
-    param: Option<&'static str>,
-}
-
 impl IntoResponse for BadRequest {
     fn into_response(self) -> Response {
         error(
@@ -609,13 +603,6 @@ impl IntoResponse for BadRequest {
             "invalid_request_error",
             self.param,
         )
-    }
-}
-
-pub(super) fn bad_request(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
-    BadRequest {
-        message: message.into(),
-        param,
     }
 }
 

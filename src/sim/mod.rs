@@ -14,9 +14,10 @@
 //!   (`sluicegate sim sweep`).
 //! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`);
 //!   `endpoints.rs` reads `/v1/embeddings` and `/v1/responses` bodies and
-//!   shapes their answers.
+//!   shapes their answers; `bad_request.rs` is the 400 every parser returns.
 //! - [`error`]: the error type, [`SimError`].
 
+mod bad_request;
 pub mod config;
 mod endpoints;
 pub mod engine;
