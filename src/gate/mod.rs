@@ -166,6 +166,16 @@ pub struct Observation {
     /// but moves by a fraction of a request per request of ours: refilling
     /// on it ratchets the window up by `N` per reading.
     pub counts_own_requests: bool,
+    /// Whether `N` is the most of our own work to have in flight, counted
+    /// by the gate itself from its dispatch events (`feedback`'s window `W`,
+    /// `slo-headroom`'s admitted amount), not a reading of the pool's room.
+    /// Blind (`sees_own_load` false), so the window is `N` itself; a
+    /// request of ours that finishes frees its room at once instead of
+    /// waiting for the next fresh reading (`dispatch::window`, "Caps on
+    /// own in-flight"). Without it, at most `N` went out per fresh reading:
+    /// in-flight drained between readings and refilled in one burst, a
+    /// cohort that finished together and came back as the next burst.
+    pub caps_own_in_flight: bool,
     /// Whether the gate's data source answered usably.
     pub source_available: bool,
     /// Whether `D` is only this process's free share of a local limit
@@ -188,6 +198,7 @@ impl Observation {
             max_sys: None,
             sees_own_load: false,
             counts_own_requests: false,
+            caps_own_in_flight: false,
             source_available: true,
             local_limit: false,
             reason: String::new(),
@@ -203,6 +214,7 @@ impl Observation {
             max_sys: None,
             sees_own_load: false,
             counts_own_requests: false,
+            caps_own_in_flight: false,
             source_available: false,
             local_limit: false,
             reason: reason.into(),

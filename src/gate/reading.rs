@@ -213,6 +213,7 @@ pub(crate) fn pool_reading(
         // Opt-in per gate where its metric counts requests one for one
         // (`Observation::counts_own_requests`).
         counts_own_requests: false,
+        caps_own_in_flight: false,
         source_available: true,
         local_limit: false,
         reason,
@@ -238,6 +239,7 @@ pub(crate) fn with_fallback(
             max_sys: None,
             sees_own_load: false,
             counts_own_requests: false,
+            caps_own_in_flight: false,
             source_available: false,
             local_limit: false,
             reason: format!("fallback {f} because {e}"),

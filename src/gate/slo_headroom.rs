@@ -334,7 +334,7 @@ impl MetricGate for SloHeadroomGate {
             .last
             .clone()
             .unwrap_or_else(|| (0.0, "no reading yet".to_owned()));
-        Ok(pool_reading(
+        let mut observation = pool_reading(
             m / self.max_sys,
             0.0,
             taken_at,
@@ -342,7 +342,9 @@ impl MetricGate for SloHeadroomGate {
             // M is an amount of our own work, not a reading that counts it.
             false,
             reason,
-        ))
+        );
+        observation.caps_own_in_flight = true;
+        Ok(observation)
     }
 
     fn on_event(&self, event: DispatchEvent) {
