@@ -118,9 +118,12 @@ pub const TRAIN_SEEDS: [u64; 10] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9];
 pub const TEST_SEEDS: [u64; 5] = [100, 101, 102, 103, 104];
 
 /// Interactive requests per second per replica in steady state: about
-/// 40 % of a replica's SLO-feasible token throughput, so there is slack
-/// to harvest and the baseline meets its SLO.
-const STEADY_RATE: f64 = 4.0;
+/// 40 % of a replica's SLO-feasible token throughput (`Θ` / replicas, 2 718
+/// tokens/s on the calibrated engine, 128 output tokens a request), so
+/// there is slack to harvest, the baseline meets its SLO and 3× the rate
+/// (`waves`, `step`) saturates the pool. It was 4.0 on the first step
+/// constants, whose `Θ` was 1 270 tokens/s per replica.
+const STEADY_RATE: f64 = 8.5;
 
 /// One scenario: a pool, an interactive load and what disturbs it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -207,12 +210,14 @@ impl Scenario {
                 sc.disturbance = Some(window);
             }
             Shape::LongContext => {
-                // A minute: 8× prompts at the steady rate nearly saturate
-                // prefill even without batch work.
+                // A minute: 5.5× prompts at the steady rate nearly
+                // saturate prefill even without batch work (8.5 × 2 816
+                // tokens × 0.0345 ms ≈ 0.83 s of prefill a second, as 8×
+                // at 4/s was on the first step constants).
                 let start = (sc.duration_s / 2.0).floor();
                 let window = [start, start + 60.0];
                 load.long_prompt_window_s = Some(window);
-                load.long_prompt_factor = 8.0;
+                load.long_prompt_factor = 5.5;
                 sc.disturbance = Some(window);
             }
         }

@@ -228,6 +228,9 @@ pub struct AimdConfig {
     pub waiting_persist: u32,
     /// Growth needs own in-flight of at least this fraction of the window.
     pub use_fraction: f64,
+    /// Cut by how far a reading misses (see [`Aimd::cut_factor`]) instead
+    /// of by `decrease` on any miss.
+    pub graded: bool,
 }
 
 /// What one reading tells the window.
@@ -311,6 +314,9 @@ pub struct Aimd {
     congested: bool,
     /// The window was cut since the last reading.
     cut_this_interval: bool,
+    /// The previous reading cut the window (a second miss in a row is no
+    /// noise: it cuts the full `decrease` even when graded).
+    missed_last_reading: bool,
     rng: SplitMix64,
 }
 
@@ -323,6 +329,7 @@ impl Aimd {
             waiting_streak: 0,
             congested: false,
             cut_this_interval: false,
+            missed_last_reading: false,
             rng: SplitMix64::new(seed),
         }
     }
@@ -343,9 +350,33 @@ impl Aimd {
         self.window = self.window.min(cap.max(self.cfg.min));
     }
 
-    fn cut(&mut self) {
-        self.window = (self.window * self.cfg.decrease).max(self.cfg.min);
+    fn cut(&mut self, factor: f64) {
+        self.window = (self.window * factor).max(self.cfg.min);
         self.cut_this_interval = true;
+    }
+
+    /// The factor a reading's cut multiplies the window by. Congestion and
+    /// preemption are the pool refusing work: always the full `decrease`.
+    /// Without `graded`, so is every other cause. With it, a miss cuts in
+    /// proportion to its size: attainment by its shortfall measured in the
+    /// SLO's own allowance (`1 − target`), waiting by its excess over the
+    /// threshold measured in the threshold; a miss of one allowance or more,
+    /// or a second miss in a row, cuts the full `decrease`. Why: on steady load most misses are one
+    /// noisy interval just past the line, and halving the window for each
+    /// keeps it swinging between half and full (`osc` 0.36): the peaks make
+    /// the violations and the troughs waste the slack. A wave's miss is
+    /// large (attainment far below, many waiting), so it still halves.
+    pub fn cut_factor(&self, cause: Cause, s: &Signals) -> f64 {
+        let c = &self.cfg;
+        let severity = match cause {
+            _ if !c.graded || self.missed_last_reading => 1.0,
+            Cause::Congestion | Cause::Preemption => 1.0,
+            Cause::Attainment => s
+                .attainment
+                .map_or(1.0, |a| (c.target - a) / (1.0 - c.target).max(1e-6)),
+            Cause::Waiting => (s.waiting - c.waiting_threshold) / c.waiting_threshold.max(1e-6),
+        };
+        1.0 - (1.0 - c.decrease) * severity.clamp(0.0, 1.0)
     }
 
     /// A 429/503 answer: cuts at once unless the window was already cut in
@@ -355,7 +386,7 @@ impl Aimd {
         if self.cut_this_interval {
             return false;
         }
-        self.cut();
+        self.cut(self.cfg.decrease);
         true
     }
 
@@ -378,7 +409,7 @@ impl Aimd {
         let step = match cause {
             Some(cause) if self.cut_this_interval => Step::Held(Hold::AlreadyCut(cause)),
             Some(cause) => {
-                self.cut();
+                self.cut(self.cut_factor(cause, s));
                 if cause == Cause::Waiting {
                     // The next waiting cut needs another persistent stretch.
                     self.waiting_streak = 0;
@@ -387,6 +418,7 @@ impl Aimd {
             }
             None => self.grow(s),
         };
+        self.missed_last_reading = cause.is_some();
         self.congested = false;
         self.cut_this_interval = false;
         step
@@ -824,6 +856,7 @@ mod tests {
         waiting_threshold: 0.0,
         waiting_persist: 3,
         use_fraction: 0.5,
+        graded: false,
     };
 
     fn calm(own: f64) -> Signals {
@@ -889,6 +922,57 @@ mod tests {
         let mut w = Aimd::new(CFG, 1);
         assert!(w.on_congestion());
         assert_eq!(w.window(), 5.0);
+    }
+
+    #[test]
+    fn graded_cuts_follow_the_size_of_the_miss_and_a_second_miss_cuts_fully() {
+        let graded = AimdConfig {
+            graded: true,
+            waiting_threshold: 1.0,
+            waiting_persist: 1,
+            ..CFG
+        };
+        // target 0.99: the allowance is 0.01; a miss of a fifth of it cuts
+        // a fifth of the way to `decrease` (0.5): ×0.9.
+        let mut w = Aimd::new(graded, 1);
+        let miss = Signals {
+            attainment: Some(0.988),
+            ..calm(10.0)
+        };
+        assert_eq!(w.on_reading(&miss), Step::Cut(Cause::Attainment));
+        assert!((w.window() - 9.0).abs() < 1e-9, "{}", w.window());
+        // The next reading misses again: no noise, the full cut.
+        assert_eq!(w.on_reading(&miss), Step::Cut(Cause::Attainment));
+        assert!((w.window() - 4.5).abs() < 1e-9, "{}", w.window());
+        // Waiting 1.5 per engine over a threshold of 1: half an allowance.
+        let mut w = Aimd::new(graded, 1);
+        let waiting = Signals {
+            waiting: 1.5,
+            ..calm(10.0)
+        };
+        assert_eq!(w.on_reading(&waiting), Step::Cut(Cause::Waiting));
+        assert!((w.window() - 7.5).abs() < 1e-9, "{}", w.window());
+        // A miss of a whole allowance or more, 429/503 and preemption cut
+        // the full `decrease` on the first reading.
+        let mut w = Aimd::new(graded, 1);
+        w.on_reading(&Signals {
+            attainment: Some(0.95),
+            ..calm(10.0)
+        });
+        assert!((w.window() - 5.0).abs() < 1e-9);
+        let mut w = Aimd::new(graded, 1);
+        w.on_reading(&Signals {
+            new_preemptions: 1.0,
+            ..calm(10.0)
+        });
+        assert!((w.window() - 5.0).abs() < 1e-9);
+        let mut w = Aimd::new(graded, 1);
+        assert!(w.on_congestion());
+        assert!((w.window() - 5.0).abs() < 1e-9);
+        // Not graded: any miss cuts the full `decrease`.
+        let mut w = Aimd::new(CFG, 1);
+        w.on_reading(&miss);
+        assert!((w.window() - 5.0).abs() < 1e-9);
     }
 
     #[test]

@@ -76,6 +76,12 @@ pub struct FeedbackParams {
     /// (default 0.5).
     #[serde(deserialize_with = "loose::f64")]
     pub use_fraction: f64,
+    /// Cut in proportion to how far a reading misses (attainment below
+    /// `target`, waiting above `waiting_threshold`), the full `decrease`
+    /// only for a miss of a whole allowance, 429/503 or preemption
+    /// (default false: cut by `decrease` on any miss).
+    #[serde(deserialize_with = "loose::bool")]
+    pub graded_cut: bool,
     /// `slo-headroom` parameters (without `urls`: it reads these pages)
     /// whose admitted amount caps `W`.
     pub setpoint: Option<SloHeadroomParams>,
@@ -98,6 +104,7 @@ impl Default for FeedbackParams {
             decrease: 0.5,
             jitter: 0.2,
             use_fraction: 0.5,
+            graded_cut: false,
             setpoint: None,
         }
     }
@@ -167,6 +174,7 @@ impl GateParams for FeedbackParams {
             waiting_threshold: self.waiting_threshold,
             waiting_persist: self.waiting_persist,
             use_fraction: self.use_fraction,
+            graded: self.graded_cut,
         };
         let setpoint = match &self.setpoint {
             Some(s) => Some(s.headroom(ctx)?),
@@ -286,7 +294,7 @@ impl MetricGate for FeedbackGate {
             .last
             .clone()
             .unwrap_or_else(|| (st.aimd.window(), "no reading yet".to_owned()));
-        Ok(pool_reading(
+        let mut observation = pool_reading(
             w / self.max_sys,
             0.0,
             taken_at,
@@ -294,7 +302,9 @@ impl MetricGate for FeedbackGate {
             // The window counts our own work; no page reading bounds it.
             false,
             reason,
-        ))
+        );
+        observation.caps_own_in_flight = true;
+        Ok(observation)
     }
 
     fn notes(&self) -> Vec<String> {
