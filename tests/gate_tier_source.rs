@@ -3,7 +3,9 @@
 //! in `<key_prefix>:inflight:<bucket>` against `<key_prefix>:cap:<bucket>`
 //! (else `fallback_cap`), gives a slot back when its request ends, and
 //! counts an unreachable Redis as saturated; a dropped message's result
-//! carries `fail_fast_body`.
+//! carries `fail_fast_body`. Also the other PR #186 gate whose verdict
+//! ends a message, `deadline-drop`, end to end: a deadline that cannot be
+//! met is answered `DEADLINE_EXCEEDED` without reaching the gateway.
 
 mod support;
 
@@ -202,4 +204,58 @@ fail_fast_body = '{{"error":"try later"}}'"#,
     assert!(r.get("status_code").is_none_or(|s| s.is_null()), "{r}");
     assert_eq!(r["payload"], r#"{"error":"try later"}"#);
     assert!(seen(&arrivals).is_empty(), "never sent");
+}
+
+/// End to end: `deadline-drop` first in a composite answers a message whose
+/// deadline is less than `min_remaining` away with `DEADLINE_EXCEEDED` (as
+/// the deadline sweep would), never sent; a message with time enough goes.
+#[tokio::test(flavor = "multi_thread")]
+async fn deadline_drop_answers_an_unreachable_deadline() {
+    let server = RedisServer::start();
+    let (gateway, arrivals) = recording_gateway(Duration::ZERO).await;
+    let toml = support::redis::fast_app_toml(
+        &gateway.uri(),
+        "",
+        r#"queue_name = "dlq"
+result_queue_name = "dlq-results"
+gate_type = "composite"
+gate_params = { gates = [
+  { gate_type = "deadline-drop", gate_params = { min_remaining = "1h" } },
+  { gate_type = "local-rate-limit", gate_params = { requests_per_minute = 6000, burst = 10 } },
+] }"#,
+    );
+    let mut config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    config.redis = Some(redis_config(&server));
+    let app = support::start_app(&config).await;
+    submit(
+        &server,
+        "dlq",
+        &[
+            tenant_line("too-late", "erin", unix_now() + 600),
+            tenant_line("in-time", "erin", unix_now() + 7200),
+        ],
+    )
+    .await;
+    let results = server.wait_for_len("dlq-results", 2).await;
+    app.stop().await;
+    let by_id = |id: &str| {
+        results
+            .iter()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("no result for {id}: {results:?}"))
+            .clone()
+    };
+    let late = by_id("too-late");
+    assert_eq!(late["error_code"], "DEADLINE_EXCEEDED", "{late}");
+    assert!(
+        late.get("status_code").is_none_or(|s| s.is_null()),
+        "{late}"
+    );
+    let sent = by_id("in-time");
+    assert_eq!(sent["status_code"], 200, "{sent}");
+    assert_eq!(
+        seen(&arrivals).len(),
+        1,
+        "only the message with time enough was sent"
+    );
 }
