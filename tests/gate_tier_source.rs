@@ -3,7 +3,9 @@
 //! in `<key_prefix>:inflight:<bucket>` against `<key_prefix>:cap:<bucket>`
 //! (else `fallback_cap`), gives a slot back when its request ends, and
 //! counts an unreachable Redis as saturated; a dropped message's result
-//! carries `fail_fast_body`. Also the other PR #186 gate whose verdict
+//! carries `fail_fast_body`. `source = prometheus` against a stand-in
+//! Prometheus HTTP API (wiremock): saturated at or above `threshold`, and
+//! on an error or no sample (fail closed). Also the other PR #186 gate whose verdict
 //! ends a message, `deadline-drop`, end to end: a deadline that cannot be
 //! met is answered `DEADLINE_EXCEEDED` without reaching the gateway.
 
@@ -257,5 +259,74 @@ gate_params = { gates = [
         seen(&arrivals).len(),
         1,
         "only the message with time enough was sent"
+    );
+}
+
+/// A Prometheus instant-query answer with one sample per value.
+fn vector(values: &[&str]) -> wiremock::ResponseTemplate {
+    wiremock::ResponseTemplate::new(200).set_body_json(json!({"status": "success", "data": {
+        "resultType": "vector",
+        "result": values.iter().enumerate()
+            .map(|(i, v)| json!({"metric": {"i": i.to_string()}, "value": [1.7e9, v]}))
+            .collect::<Vec<_>>()
+    }}))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prometheus_source_compares_the_largest_value_with_the_threshold() {
+    use wiremock::matchers::{method, path, query_param};
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let prom = MockServer::start().await;
+    for (query, answer) in [
+        ("low", vector(&["0.2", "0.4"])),
+        ("high", vector(&["0.2", "0.8"])),
+        ("at", vector(&["0.5"])),
+        ("none", vector(&[])),
+        ("broken", ResponseTemplate::new(500)),
+    ] {
+        Mock::given(method("GET"))
+            .and(path("/api/v1/query"))
+            .and(query_param("query", query))
+            .respond_with(answer)
+            .mount(&prom)
+            .await;
+    }
+    let gate = |query: &str| {
+        // `url` given: no `[prometheus]` needed.
+        build(json!({
+            "source": "prometheus", "url": prom.uri(), "query": query,
+            "threshold": 0.5, "refresh_interval_ms": 1, "stale_after_ms": 5000,
+        }))
+    };
+    let low = gate("low");
+    assert_eq!(
+        shape(&admit(low.as_ref(), &[("tier", "interactive")]).await),
+        ("continue", "admitted")
+    );
+    for q in ["high", "at", "none", "broken"] {
+        let g = gate(q);
+        assert_eq!(
+            shape(&admit(g.as_ref(), &[("tier", "interactive")]).await),
+            ("drop", "saturated_interactive_overflow"),
+            "{q}"
+        );
+        assert_eq!(
+            shape(&admit(g.as_ref(), &[("tier", "batch"), ("class", "reserved")]).await),
+            ("wait", "saturated_reserved"),
+            "{q}"
+        );
+    }
+    let e = gate("high").explain().await;
+    assert_eq!(e.sources[0].target, "high");
+    assert_eq!(e.sources[0].values.len(), 2);
+    assert!(
+        e.sources[0].outcome.contains("saturated"),
+        "{:?}",
+        e.sources
+    );
+    assert!(
+        e.notes.iter().any(|n| n.contains("saturated")),
+        "{:?}",
+        e.notes
     );
 }
