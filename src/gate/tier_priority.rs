@@ -246,10 +246,18 @@ impl TierPriorityAdmissionParams {
                     self.refresh_interval_ms.unwrap_or(DEFAULT_REFRESH_MS),
                     self.stale_after_ms.unwrap_or(DEFAULT_STALE_AFTER_MS),
                 );
-                let query = client.query(self.query.clone().unwrap_or_default());
+                // Validation requires both; a hand-built spec without them
+                // must not become a source that never saturates.
+                let (Some(query), Some(threshold)) = (&self.query, self.threshold) else {
+                    return Err(BuildError::MissingParam {
+                        gate_type: GATE,
+                        param: "query",
+                        why: "source = prometheus needs query and threshold".into(),
+                    });
+                };
                 Ok(PoolLoad::Prometheus {
-                    query: Cached::new(query, refresh, stale),
-                    threshold: self.threshold.unwrap_or(f64::NAN),
+                    query: Cached::new(client.query(query.clone()), refresh, stale),
+                    threshold,
                 })
             }
             LoadSource::RedisCounter => {
@@ -267,7 +275,13 @@ impl TierPriorityAdmissionParams {
                 };
                 let endpoint = ctx.redis_endpoint(GATE, &address)?;
                 let prefix = self.key_prefix.as_deref().unwrap_or(DEFAULT_KEY_PREFIX);
-                let bucket = self.bucket.as_deref().unwrap_or_default();
+                let Some(bucket) = self.bucket.as_deref() else {
+                    return Err(BuildError::MissingParam {
+                        gate_type: GATE,
+                        param: "bucket",
+                        why: "source = redis-counter needs a bucket".into(),
+                    });
+                };
                 // One script touches both keys: on a cluster they must share a
                 // slot, which a hash tag in the bucket (`{groq}`) gives.
                 let cluster = ctx.redis.as_ref().is_some_and(|r| r.cluster);
