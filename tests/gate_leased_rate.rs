@@ -249,4 +249,6 @@ async fn probe_explains_the_lease() {
     );
     let notes = e.notes.join("\n");
     assert!(notes.contains(STATE) && notes.contains(APPLIED), "{notes}");
+    // Looking is not applying: the probe acknowledges nothing.
+    assert_eq!(server.int(&["EXISTS", APPLIED]), 0);
 }

@@ -344,8 +344,14 @@ impl RedisLeasedRateGate {
         }
     }
 
-    /// Reads the lease and says how, for `observe` and `explain`.
-    async fn read(&self, report: &mut SourceReport) -> Result<Observation, GateError> {
+    /// Reads the lease and says how, for `observe` and `explain`;
+    /// `acknowledge`: write a valid lease's decision back (the dispatcher
+    /// applies it; `gate probe` only looks, and must not say it applied).
+    async fn read(
+        &self,
+        report: &mut SourceReport,
+        acknowledge: bool,
+    ) -> Result<Observation, GateError> {
         let fields = match self.read_fields().await {
             Ok(f) => f,
             Err(e) => {
@@ -362,7 +368,9 @@ impl RedisLeasedRateGate {
             Ok(lease) => {
                 report.values.push(("max_admission_rps".into(), lease.rps));
                 report.outcome = "used".into();
-                self.acknowledge(&lease.decision_id).await;
+                if acknowledge {
+                    self.acknowledge(&lease.decision_id).await;
+                }
                 let left_ms = lease.valid_until_ms - now_ms;
                 // The exact rate is the bucket's business at admission; the
                 // budget only says whether the lease lets anything through
@@ -428,7 +436,7 @@ impl DispatchGate for RedisLeasedRateGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
         Box::pin(async move {
             let mut report = self.report();
-            self.read(&mut report).await
+            self.read(&mut report, true).await
         })
     }
 
@@ -467,7 +475,7 @@ impl DispatchGate for RedisLeasedRateGate {
     fn explain(&self) -> BoxFuture<'_, Explanation> {
         Box::pin(async move {
             let mut report = self.report();
-            let observation = self.read(&mut report).await;
+            let observation = self.read(&mut report, false).await;
             let notes = vec![
                 format!(
                     "the lease must carry api_version {LEASE_API_VERSION:?} and pool_id {:?}, \
@@ -481,8 +489,9 @@ impl DispatchGate for RedisLeasedRateGate {
                     self.state_key, self.burst_seconds
                 ),
                 format!(
-                    "decisions are acknowledged in {}:applied as {:?}",
-                    self.control_key, self.replica
+                    "the dispatcher acknowledges each decision in {}:applied as its replica \
+                     name (this probe reads without acknowledging)",
+                    self.control_key
                 ),
             ];
             Explanation {
