@@ -17,9 +17,11 @@ use sluicegate::config::{
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
-    CompositeParams, ConstantParams, EndpointScrapeParams, LocalMaxConcurrencyParams,
+    CompositeParams, ConstantDecisionParams, ConstantParams, DeadlineDropParams, Decision,
+    EndpointScrapeParams, LoadSource, LocalMaxConcurrencyParams, LocalRateLimitParams,
     MissingAttribute, PrometheusBudgetParams, PrometheusQueryParams, PrometheusSaturationParams,
-    RedisParams, RedisQuotaParams, TierPriorityAdmissionParams, VllmParams, WaitOnRefuseParams,
+    RedisLeasedRateParams, RedisParams, RedisQuotaParams, TierPriorityAdmissionParams, VllmParams,
+    WaitOnRefuseParams,
 };
 use url::Url;
 
@@ -211,6 +213,46 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                     }
                 )
             ),
+        (positive(), 1.0..1e6f64).prop_map(|(requests_per_minute, burst)| {
+            GateSpec::LocalRateLimit(LocalRateLimitParams {
+                requests_per_minute,
+                burst,
+            })
+        }),
+        prop_oneof![
+            Just(Decision::Continue),
+            Just(Decision::Drop),
+            Just(Decision::Refuse)
+        ]
+        .prop_map(|decision| GateSpec::ConstantDecision(ConstantDecisionParams { decision })),
+        duration_ms(0, 600_000)
+            .prop_map(|min_remaining| GateSpec::DeadlineDrop(DeadlineDropParams { min_remaining })),
+        (
+            name(),
+            "[a-z:]{1,12}",
+            proptest::option::of(name()),
+            positive(),
+            proptest::option::of("[a-z:]{1,12}")
+        )
+            .prop_map(|(h, control_key, pool_id, burst_seconds, state_key)| {
+                GateSpec::RedisLeasedRate(RedisLeasedRateParams {
+                    address: format!("{h}:6379"),
+                    control_key,
+                    pool_id,
+                    burst_seconds,
+                    state_key,
+                })
+            }),
+        (name(), 1u32..100_000, proptest::option::of(0u32..1000)).prop_map(|(bucket, ttl, cap)| {
+            GateSpec::TierPriorityAdmission(TierPriorityAdmissionParams {
+                source: Some(LoadSource::RedisCounter),
+                bucket: Some(bucket),
+                ttl_seconds: Some(ttl),
+                fallback_cap: cap,
+                fail_fast_status: Some(503),
+                ..Default::default()
+            })
+        }),
     ]
 }
 
@@ -224,8 +266,9 @@ fn gate() -> impl Strategy<Value = GateSpec> {
                 .prop_map(|g| GateSpec::WaitOnRefuse(WaitOnRefuseParams { gate: Box::new(g) })),
             (inner, name()).prop_map(|(g, tier_label)| GateSpec::TierPriorityAdmission(
                 TierPriorityAdmissionParams {
-                    saturation_gate: Box::new(g),
-                    tier_label
+                    saturation_gate: Some(Box::new(g)),
+                    tier_label,
+                    ..Default::default()
                 }
             )),
         ]

@@ -82,6 +82,10 @@ fn sample_params(t: &str) -> Value {
             "setpoint": {"horizon": "20s"}
         }),
         "slo-headroom" => json!({"urls": "http://127.0.0.1:8000/metrics", "horizon": "5s"}),
+        "redis-leased-rate" => json!({"address": "127.0.0.1:6379", "control_key": "drain"}),
+        "local-rate-limit" => json!({"requests_per_minute": "600", "burst": 10}),
+        "deadline-drop" => json!({}),
+        "constant-decision" => json!({"decision": "refuse"}),
         other => panic!("no sample for {other}"),
     }
 }

@@ -114,6 +114,14 @@ gate_catalogue! {
     Feedback(gate::FeedbackParams) = "feedback",
     /// Own in-flight that keeps forecast interactive ITL within its SLO.
     SloHeadroom(gate::SloHeadroomParams) = "slo-headroom",
+    /// A token bucket at the rate a planner leases in a Redis hash.
+    RedisLeasedRate(gate::RedisLeasedRateParams) = "redis-leased-rate",
+    /// A token bucket of this process, per queue.
+    LocalRateLimit(gate::LocalRateLimitParams) = "local-rate-limit",
+    /// Ends messages whose deadline has passed.
+    DeadlineDrop(gate::DeadlineDropParams) = "deadline-drop",
+    /// The same verdict for every message.
+    ConstantDecision(gate::ConstantDecisionParams) = "constant-decision",
 }
 
 /// Where a gate is, for errors: the gate itself (depth errors), its

@@ -19,7 +19,7 @@ use super::dispatcher::{Ready, Results, Send, Shared, unix_now};
 use super::fair::FairQueue;
 use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
-use crate::gate::{Admission, AdmissionRequest, Ticket};
+use crate::gate::{Admission, AdmissionRequest, DropAnswer, Ticket};
 use crate::queue::{Delivery, NackReason};
 use crate::request::{log_id, parse_message, source_result_id};
 use crate::result::{ErrorCode, ResultRecord};
@@ -395,8 +395,22 @@ async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, resu
             let delay = until_deadline(deadline, delay);
             shared.nack(tag, delay, NackReason::Congested).await;
         }
-        Release::NotAdmitted(Admission::Drop { reason }) => {
-            let result = error_result(&ready.message, ErrorCode::GateDropped, reason);
+        Release::NotAdmitted(Admission::Drop { reason, answer }) => {
+            let result = match answer {
+                DropAnswer::GateDropped => {
+                    error_result(&ready.message, ErrorCode::GateDropped, reason)
+                }
+                DropAnswer::GateDroppedWith(body) => {
+                    let mut result = error_result(&ready.message, ErrorCode::GateDropped, reason);
+                    result.payload = body.to_string();
+                    result
+                }
+                // As the deadline sweep would answer it, a little earlier.
+                DropAnswer::DeadlineExceeded => {
+                    let attempts = ready.message.previous_attempts(ready.delivery.retry_count);
+                    deadline_result(&ready.message, attempts)
+                }
+            };
             settle(shared, results, tag, result, ready.trace.as_ref()).await;
         }
         Release::NotAdmitted(_) => {
@@ -562,11 +576,14 @@ pub(super) async fn admit(shared: &Shared, ready: &Ready) -> Admission {
     let verdict = shared
         .config
         .gate
-        .admit(AdmissionRequest::new(
-            &ready.message.request.id,
-            &ready.message.request.metadata,
-            &labels,
-        ))
+        .admit(
+            AdmissionRequest::new(
+                &ready.message.request.id,
+                &ready.message.request.metadata,
+                &labels,
+            )
+            .with_deadline(ready.message.request.deadline),
+        )
         .await;
     shared
         .metrics()

@@ -104,6 +104,10 @@ pub struct GateContext {
     /// the pool (every queue of it), not each queue alone. A fresh counter
     /// by default; `run` gives the queues of one pool the same one.
     pub pool_slots: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// The queue's `worker_pool_id` (default `default`): the pool a
+    /// `redis-leased-rate` lease must name unless its `pool_id` is set, as
+    /// upstream takes the gate owner's worker pool.
+    pub worker_pool_id: String,
 }
 
 /// A queue's static `max_SYS` and the unit it counts.
@@ -171,6 +175,7 @@ impl GateContext {
                 .unwrap_or_else(|| format!("sluicegate-{}", std::process::id())),
             seed: rand::random(),
             pool_slots: std::sync::Arc::default(),
+            worker_pool_id: "default".to_owned(),
         }
     }
 
@@ -181,6 +186,7 @@ impl GateContext {
             max_sys: queue.max_sys,
             unit: queue.unit,
         };
+        self.worker_pool_id.clone_from(&queue.worker_pool_id);
         self
     }
 

@@ -12,7 +12,9 @@
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
 //! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
 //! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs`,
-//! `redis_quota.rs`, `tier_priority.rs`, `vllm.rs`, `feedback.rs` and
+//! `redis_quota.rs`, `redis_leased_rate.rs`, `local_rate_limit.rs`,
+//! `deadline_drop.rs`, `constant_decision.rs`, `tier_priority.rs` (with
+//! its pool-load sources in `pool_load.rs`), `vllm.rs`, `feedback.rs` and
 //! `slo_headroom.rs` are gates, each file
 //! holding the gate's parameters (serde shape, defaults, validation), its
 //! constructor and the gate; `param.rs` holds what parameters share (the
@@ -29,18 +31,23 @@
 mod build;
 mod composite;
 mod constant;
+mod constant_decision;
 pub mod control;
+mod deadline_drop;
 mod endpoint_scrape;
 mod engine_signals;
 mod feedback;
 mod guard;
 mod local_concurrency;
+mod local_rate_limit;
 pub(crate) mod param;
+mod pool_load;
 mod prometheus_budget;
 mod prometheus_query;
 mod prometheus_saturation;
 mod reading;
 mod redis_budget;
+mod redis_leased_rate;
 mod redis_quota;
 mod slo_headroom;
 mod tier_priority;
@@ -59,19 +66,25 @@ use crate::source::{RecordError, SourceError};
 pub use build::{BuildError, Capacity, GateContext, build_gate};
 pub use composite::{CompositeGate, CompositeParams};
 pub use constant::{ConstantGate, ConstantParams};
+pub use constant_decision::{ConstantDecisionGate, ConstantDecisionParams, Decision};
+pub use deadline_drop::{DeadlineDropGate, DeadlineDropParams};
 pub use endpoint_scrape::{EndpointScrapeGate, EndpointScrapeParams, PodsSource};
 pub use feedback::{FeedbackGate, FeedbackParams};
 pub use guard::{FailClosed, Fallback, StalenessLimit};
 pub use local_concurrency::{GatingMode, LocalMaxConcurrencyGate, LocalMaxConcurrencyParams};
+pub use local_rate_limit::{LocalRateLimitGate, LocalRateLimitParams};
 pub use param::{GateParams, ParseCx};
 pub use prometheus_budget::{PrometheusBudgetGate, PrometheusBudgetParams};
 pub use prometheus_query::{PrometheusQueryGate, PrometheusQueryParams};
 pub use prometheus_saturation::{PrometheusSaturationGate, PrometheusSaturationParams};
 pub use reading::{Explanation, SourceReport};
 pub use redis_budget::{MissingBudget, RedisBudgetGate, RedisParams};
+pub use redis_leased_rate::{
+    LEASE_API_VERSION, Lease, LeaseError, RedisLeasedRateGate, RedisLeasedRateParams, parse_lease,
+};
 pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
-pub use tier_priority::{TierPriorityAdmissionParams, TierPriorityGate};
+pub use tier_priority::{LoadSource, TierPriorityAdmissionParams, TierPriorityGate};
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};
 
@@ -287,6 +300,9 @@ pub struct AdmissionRequest<'a> {
     /// the message (`redis-quota`), read by `tier-priority-admission`;
     /// `None` when no quota gate ran before it.
     pub classification: Option<Classification>,
+    /// The message's deadline (Unix seconds), read by `deadline-drop`;
+    /// `None` when the caller has no message (the evaluator's releases).
+    pub deadline: Option<i64>,
 }
 
 impl<'a> AdmissionRequest<'a> {
@@ -302,7 +318,15 @@ impl<'a> AdmissionRequest<'a> {
             metadata,
             labels,
             classification: None,
+            deadline: None,
         }
+    }
+
+    /// This request, with the message's deadline (Unix seconds).
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: i64) -> Self {
+        self.deadline = Some(deadline);
+        self
     }
 }
 
@@ -423,14 +447,39 @@ pub enum Admission {
         /// Bounded label for metrics.
         reason: &'static str,
     },
-    /// Never: the message ends with a `GATE_DROPPED` result.
+    /// Never: the message ends now, with the result `answer` says
+    /// (`GATE_DROPPED` unless the gate says otherwise).
     Drop {
         /// Bounded label for metrics.
         reason: &'static str,
+        /// Which result ends the message.
+        answer: DropAnswer,
     },
 }
 
+/// The result a dropped message ends with.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DropAnswer {
+    /// `GATE_DROPPED`, payload `{"error": "<reason>"}`.
+    #[default]
+    GateDropped,
+    /// `GATE_DROPPED` whose payload is this body (upstream's
+    /// `fail_fast_body` of `tier-priority-admission`).
+    GateDroppedWith(std::sync::Arc<str>),
+    /// What the deadline sweep answers: the last HTTP answer an attempt
+    /// got, else `DEADLINE_EXCEEDED` (`deadline-drop`).
+    DeadlineExceeded,
+}
+
 impl Admission {
+    /// A drop with the plain `GATE_DROPPED` result.
+    pub fn dropped(reason: &'static str) -> Self {
+        Self::Drop {
+            reason,
+            answer: DropAnswer::GateDropped,
+        }
+    }
+
     /// Bounded label of the verdict for metrics.
     pub fn verdict_label(&self) -> &'static str {
         match self {
@@ -445,7 +494,7 @@ impl Admission {
     pub fn reason_label(&self) -> &'static str {
         match self {
             Self::Continue(_) => "admitted",
-            Self::Wait { reason } | Self::Refuse { reason } | Self::Drop { reason } => reason,
+            Self::Wait { reason } | Self::Refuse { reason } | Self::Drop { reason, .. } => reason,
         }
     }
 }

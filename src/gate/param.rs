@@ -365,11 +365,6 @@ pub(crate) mod loose {
         as_f64(v)
     }
 
-    /// A string; numbers and booleans in their text form.
-    pub(crate) fn to_string(v: &Value) -> Result<String, String> {
-        as_string(v)
-    }
-
     /// A finite float (number or string).
     pub(crate) fn f64<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
         as_f64(&value(d)?).map_err(de::Error::custom)

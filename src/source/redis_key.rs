@@ -298,21 +298,37 @@ impl RedisKey {
     /// Records that `replica` applied `decision_id`: `HSET <key>:applied
     /// <replica> <decision_id>`, kept for an hour after the last write.
     pub async fn acknowledge(&self, replica: &str, decision_id: &str) -> Result<(), SourceError> {
-        let applied = format!("{}{APPLIED_SUFFIX}", self.key);
-        if self.endpoint.connected().is_none() {
+        self.endpoint
+            .acknowledge(&self.key, replica, decision_id)
+            .await
+    }
+}
+
+impl RedisEndpoint {
+    /// Records that `replica` applied the decision `decision_id` read from
+    /// `key`: `HSET <key>:applied <replica> <decision_id>`, kept for an
+    /// hour after the last write (the `redis` and `redis-leased-rate`
+    /// gates).
+    pub async fn acknowledge(
+        &self,
+        key: &str,
+        replica: &str,
+        decision_id: &str,
+    ) -> Result<(), SourceError> {
+        let applied = format!("{key}{APPLIED_SUFFIX}");
+        if self.connected().is_none() {
             return Err(SourceError::Parse("not connected yet".into()));
         }
-        self.endpoint
-            .run(|mut conn| async move {
-                redis::pipe()
-                    .hset(&applied, replica, decision_id)
-                    .ignore()
-                    .expire(&applied, APPLIED_TTL_SECONDS)
-                    .ignore()
-                    .query_async::<()>(&mut conn)
-                    .await
-            })
-            .await
+        self.run(|mut conn| async move {
+            redis::pipe()
+                .hset(&applied, replica, decision_id)
+                .ignore()
+                .expire(&applied, APPLIED_TTL_SECONDS)
+                .ignore()
+                .query_async::<()>(&mut conn)
+                .await
+        })
+        .await
     }
 }
 
