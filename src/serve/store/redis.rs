@@ -17,6 +17,16 @@
 //!
 //! The compare-and-set and first-writer-wins steps are Lua scripts, so no
 //! replica sees half of one.
+//!
+//! On a Redis Cluster (`[redis] cluster = true`) a script or a `MULTI`
+//! must stay in one hash slot, so the keys carry hash tags ([`KeyScheme`]):
+//! with a prefix `P` that has no `{tag}` of its own, the records and
+//! indexes become `{P}file:<id>`, `{P}batch:<id>`, `{P}active`, … (one
+//! slot: the scripts above span them), and the per-batch result keys
+//! `P results:{<batch>}`, `P seen:{<batch>}`, `P counts:{<batch>}` (the
+//! batch's own slot, so results spread over the nodes). A prefix with a
+//! tag keeps every key as on a single server, all in that tag's slot. On
+//! one server (or a proxy) the names are the ones listed above.
 
 use crate::queue::redis::RedisConnection;
 
@@ -90,24 +100,70 @@ redis.call('HINCRBY', KEYS[6], ARGV[4], 1)
 return 1
 ";
 
+/// How the store names its keys (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyScheme {
+    /// `serve.key_prefix`.
+    prefix: String,
+    /// Hash tags for a Redis Cluster.
+    cluster: bool,
+}
+
+impl KeyScheme {
+    /// Keys under `prefix`, hash-tagged when `cluster`.
+    pub fn new(prefix: impl Into<String>, cluster: bool) -> Self {
+        Self {
+            prefix: prefix.into(),
+            cluster,
+        }
+    }
+
+    /// Whether the prefix tags the keys itself (or no tags are needed).
+    fn plain(&self) -> bool {
+        !self.cluster || crate::queue::redis::hash_tag(&self.prefix).is_some()
+    }
+
+    /// A record or index key: `P<parts>`, on a cluster `{P}<parts>` (all
+    /// in the prefix's slot).
+    pub fn key(&self, parts: &[&str]) -> String {
+        match self.plain() {
+            true => format!("{}{}", self.prefix, parts.concat()),
+            false => format!("{{{}}}{}", self.prefix, parts.concat()),
+        }
+    }
+
+    /// One of a batch's result keys (`results:`, `seen:`, `counts:`):
+    /// `P<kind><batch>`, on a cluster `P<kind>{<batch>}` (the batch's
+    /// slot; the record script touches only these three).
+    pub fn of_batch(&self, kind: &str, batch: &str) -> String {
+        match self.plain() {
+            true => format!("{}{kind}{batch}", self.prefix),
+            false => format!("{}{kind}{{{batch}}}", self.prefix),
+        }
+    }
+}
+
 /// The Redis store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct RedisStore {
     conn: RedisConnection,
-    prefix: String,
+    keys: KeyScheme,
 }
 
 impl RedisStore {
-    /// The store on `conn`, keys under `prefix`.
+    /// The store on `conn`, keys under `prefix` (hash-tagged when `conn`
+    /// is a cluster connection).
     pub fn new(conn: RedisConnection, prefix: impl Into<String>) -> Self {
-        Self {
-            conn,
-            prefix: prefix.into(),
-        }
+        let keys = KeyScheme::new(prefix, conn.is_cluster());
+        Self { conn, keys }
     }
 
     fn key(&self, parts: &[&str]) -> String {
-        format!("{}{}", self.prefix, parts.concat())
+        self.keys.key(parts)
+    }
+
+    fn of_batch(&self, kind: &str, batch: &str) -> String {
+        self.keys.of_batch(kind, batch)
     }
 
     async fn get<T: serde::de::DeserializeOwned>(
@@ -344,9 +400,9 @@ impl RedisStore {
         for item in items {
             let stored = format!("{}{}", if item.ok { '1' } else { '0' }, item.line);
             let added: i64 = script
-                .key(self.key(&["seen:", batch]))
-                .key(self.key(&["results:", batch]))
-                .key(self.key(&["counts:", batch]))
+                .key(self.of_batch("seen:", batch))
+                .key(self.of_batch("results:", batch))
+                .key(self.of_batch("counts:", batch))
                 .arg(&item.custom_id)
                 .arg(if item.ok { "ok" } else { "failed" })
                 .arg(stored)
@@ -359,7 +415,7 @@ impl RedisStore {
 
     pub(super) async fn counts(&self, batch: &str) -> Result<(u64, u64), StoreError> {
         let (ok, failed): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(self.key(&["counts:", batch]))
+            .arg(self.of_batch("counts:", batch))
             .arg("ok")
             .arg("failed")
             .query_async(&mut self.conn.clone())
@@ -376,7 +432,7 @@ impl RedisStore {
         let n = n.max(1);
         let stop = cursor + n as u64 - 1;
         let items: Vec<String> = redis::cmd("LRANGE")
-            .arg(self.key(&["results:", batch]))
+            .arg(self.of_batch("results:", batch))
             .arg(cursor)
             .arg(stop)
             .query_async(&mut self.conn.clone())
@@ -394,8 +450,8 @@ impl RedisStore {
 
     pub(super) async fn drop_results(&self, batch: &str) -> Result<(), StoreError> {
         redis::cmd("DEL")
-            .arg(self.key(&["results:", batch]))
-            .arg(self.key(&["seen:", batch]))
+            .arg(self.of_batch("results:", batch))
+            .arg(self.of_batch("seen:", batch))
             .query_async::<()>(&mut self.conn.clone())
             .await?;
         Ok(())
