@@ -116,10 +116,25 @@ async fn replica(
     max_sys: u32,
     lookahead: bool,
 ) -> Replica {
+    replica_with(cwd, data, backend, gateway, max_sys, lookahead, false).await
+}
+
+/// [`replica`], with a gate that never opens when `closed` (an
+/// endpoint-scrape gate on a dead port: unreadable metrics mean zero
+/// budget), so the batches it enqueues stay queued for the others.
+async fn replica_with(
+    cwd: &Path,
+    data: &Path,
+    backend: &Backend,
+    gateway: &str,
+    max_sys: u32,
+    lookahead: bool,
+    closed: bool,
+) -> Replica {
     std::fs::create_dir_all(cwd).expect("cwd");
     let (api_port, telemetry_port) = (support::free_port(), support::free_port());
     let text = format!(
-        "{}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\nlease = \"2s\"\n{}[telemetry]\nlisten = \"127.0.0.1:{telemetry_port}\"\n[serve]\nlisten = \"127.0.0.1:{api_port}\"\ndata_dir = \"{}\"\napi_keys = \"acme:sk-acme\"\n[[queue]]\n{}max_sys = {max_sys}\ngate_type = \"constant\"\n",
+        "{}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\nlease = \"2s\"\n{}[telemetry]\nlisten = \"127.0.0.1:{telemetry_port}\"\n[serve]\nlisten = \"127.0.0.1:{api_port}\"\ndata_dir = \"{}\"\napi_keys = \"acme:sk-acme\"\n[[queue]]\n{}max_sys = {max_sys}\n{}",
         backend.toml(),
         if lookahead {
             ""
@@ -128,6 +143,13 @@ async fn replica(
         },
         data.display(),
         backend.queue(),
+        match closed {
+            true => format!(
+                "gate_type = \"endpoint-scrape\"\n[queue.gate_params]\nurl = \"http://127.0.0.1:{}/metrics\"\nmetric = \"m\"\nmax_count_per_pod = 4\n",
+                support::free_port()
+            ),
+            false => "gate_type = \"constant\"\n".to_owned(),
+        },
     );
     let file = cwd.join("serve.toml");
     std::fs::write(&file, text).expect("config file");
@@ -467,4 +489,197 @@ async fn serve_runs_and_restarts_on_a_redis_cluster() {
     assert_eq!(list["data"].as_array().map(Vec::len), Some(2), "{list}");
     drop(second);
     sim.shutdown().await.expect("simulator stops");
+}
+
+/// A gateway answering every completion at once and keeping every request
+/// (wiremock records them), to count how often each prompt arrived.
+async fn counting_gateway() -> wiremock::MockServer {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let gateway = MockServer::start().await;
+    let body = r#"{"id":"cmpl-count","object":"text_completion","model":"sim-model","choices":[{"index":0,"text":"ok","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}"#;
+    Mock::given(method("POST"))
+        .respond_with(
+            ResponseTemplate::new(200)
+                .insert_header("content-type", "application/json")
+                .set_body_string(body),
+        )
+        .mount(&gateway)
+        .await;
+    gateway
+}
+
+/// Replica A (its gate closed: it only enqueues) is SIGKILLed while it
+/// enqueues a batch's lines (some chunks in, not all); replica B, which
+/// dispatches, takes the intake over once A's step is stale (60 s without
+/// a touch) and resumes after the last chunk A enqueued: the gateway gets
+/// every line exactly once and the output has each `custom_id` once. On
+/// a cluster this rests on the chunk and its progress key being one
+/// `MULTI` in the queue's slot.
+async fn a_killed_replicas_intake_is_taken_over_by_the_other(backend: Backend) {
+    const N: usize = 10_000;
+    let Store::Redis(store) = backend.store() else {
+        unreachable!("a Redis store")
+    };
+    let mut conn = store.connection();
+    let dir = support::TempDir::new("replicas-intake");
+    let data = dir.0.join("data");
+    let gateway = counting_gateway().await;
+    let mut a = replica_with(
+        &dir.0.join("a"),
+        &data,
+        &backend,
+        &gateway.uri(),
+        64,
+        true,
+        true,
+    )
+    .await;
+    let b = replica(&dir.0.join("b"), &data, &backend, &gateway.uri(), 64, true).await;
+    let batch = a
+        .api
+        .batch(&completion_lines(N, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    let progress_key = match &backend {
+        Backend::Single(_) => format!("sluicegate:batchapi:intake:{id}"),
+        Backend::Cluster(_) => format!("{{batch-api}}:sluicegate:batchapi:intake:{id}"),
+    };
+    let progress = |conn: &mut sluicegate::queue::redis::RedisConnection| {
+        let key = progress_key.clone();
+        let mut conn = conn.clone();
+        async move {
+            redis::cmd("GET")
+                .arg(key)
+                .query_async::<Option<u64>>(&mut conn)
+                .await
+                .expect("GET")
+        }
+    };
+    // Killed as soon as the first chunk (500 lines) and its progress are in.
+    let give_up = std::time::Instant::now() + LONG;
+    while progress(&mut conn).await.is_none() {
+        assert!(std::time::Instant::now() < give_up, "intake never began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    a.process.kill();
+    let at_kill = progress(&mut conn).await;
+    assert!(
+        at_kill.is_some_and(|n| n < N as u64),
+        "killed mid-intake: {at_kill:?} of {N} lines enqueued"
+    );
+    let done = b
+        .api
+        .wait_for(&id, Duration::from_secs(600), terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        json!({"total": N, "completed": N, "failed": 0})
+    );
+    let mut sent = BTreeMap::<String, usize>::new();
+    for request in gateway.received_requests().await.expect("recorded") {
+        let body: Value = serde_json::from_slice(&request.body).expect("request JSON");
+        let prompt = body["prompt"].as_str().expect("prompt").to_owned();
+        *sent.entry(prompt).or_default() += 1;
+    }
+    let twice: Vec<_> = sent.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "{} lines sent more than once (killed at {at_kill:?}), e.g. {:?}",
+        twice.len(),
+        twice.iter().take(3).collect::<Vec<_>>()
+    );
+    assert_eq!(sent.len(), N, "every line sent");
+    let by_id = answers(&b.api, &done).await;
+    assert_eq!(by_id.len(), N);
+    drop(b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_intake_is_taken_over_by_the_other_without_sending_twice() {
+    let redis = RedisServer::start();
+    a_killed_replicas_intake_is_taken_over_by_the_other(Backend::Single(redis.port)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_intake_is_taken_over_on_a_redis_cluster_without_sending_twice() {
+    let cluster = RedisCluster::start();
+    a_killed_replicas_intake_is_taken_over_by_the_other(Backend::Cluster(cluster.url())).await;
+}
+
+/// On a cluster `serve` needs the queue to name a result list in its own
+/// hash slot (as `run` does): a config without one stops it at start,
+/// naming the key and the list to use, also with `dispatcher = separate`
+/// (no dispatcher in the process to refuse it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_on_a_cluster_refuses_a_result_list_outside_the_queues_slot() {
+    let dir = support::TempDir::new("serve-cluster-list");
+    let text = format!(
+        "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}\"\ncluster = true\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"{{jobs}}\"\ngate_type = \"constant\"\n",
+        support::free_port()
+    );
+    let config = sluicegate::config::Config::from_toml_str(&text, &Default::default())
+        .expect("config loads");
+    let serve = sluicegate::config::ServeConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: dir.0.join("data"),
+        dispatcher: sluicegate::config::ServeDispatcher::Separate,
+        ..sluicegate::config::ServeConfig::default()
+    };
+    let error = sluicegate::serve::start(&config, &serve, std::future::pending())
+        .await
+        .expect_err("refused");
+    let text = error.to_string();
+    assert!(
+        text.starts_with("queue `{jobs}`: result_queue_name: with redis.cluster = true")
+            && text.contains("`{jobs}:results`"),
+        "{text}"
+    );
+    assert_eq!(error.exit_code(), 2);
+}
+
+/// Every replica's collector reads the same result list, so two of them
+/// may apply the same result; the first one recorded wins (`seen`). But
+/// a replica that read the batch as running just before another one
+/// finished it (files written, results dropped) recorded its copy after
+/// the drop: `seen` was gone, so the copy counted again and the finished
+/// batch read `completed` above `total`. A finished batch's results now
+/// take nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_recorded_again_after_its_batch_finished_is_not_counted() {
+    use sluicegate::serve::store::Recorded;
+    let redis = RedisServer::start();
+    let store = Backend::Single(redis.port).store();
+    let line = Recorded {
+        custom_id: "r0".into(),
+        ok: true,
+        line: "{\"custom_id\":\"r0\"}".into(),
+    };
+    let batch = "batch_0123456789abcdef01234567";
+    assert_eq!(
+        store
+            .record_results(batch, &[line.clone()])
+            .await
+            .expect("record"),
+        vec![true]
+    );
+    // Another replica's copy while the batch runs: not counted.
+    assert_eq!(
+        store
+            .record_results(batch, &[line.clone()])
+            .await
+            .expect("record"),
+        vec![false]
+    );
+    // The batch is finalized: its results are in its files now.
+    store.drop_results(batch).await.expect("drop");
+    assert_eq!(
+        store.record_results(batch, &[line]).await.expect("record"),
+        vec![false],
+        "a copy applied after the batch finished is not recorded"
+    );
+    assert_eq!(store.counts(batch).await.expect("counts"), (1, 0));
+    let (page, _) = store.result_page(batch, 0, 10).await.expect("page");
+    assert!(page.is_empty(), "nothing left behind: {page:?}");
 }

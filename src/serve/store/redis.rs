@@ -13,7 +13,8 @@
 //!   batches per status (the `batches` gauge);
 //! - `P results:<batch>`: the output lines in arrival order (list),
 //!   `P seen:<batch>`: custom_ids with a result (hash, first wins),
-//!   `P counts:<batch>`: `ok` / `failed` (hash).
+//!   `P counts:<batch>`: `ok` / `failed` (hash), and `closed` once the
+//!   batch finished (its results dropped: later copies are not recorded).
 //!
 //! The compare-and-set and first-writer-wins steps are Lua scripts, so no
 //! replica sees half of one.
@@ -78,10 +79,22 @@ return 1
 ";
 
 /// KEYS: seen, results, counts. ARGV: custom_id, ok|failed, stored line.
+/// A batch whose results were dropped (finished: `closed` in its counts)
+/// takes no more: another replica's collector may apply a copy of a
+/// result after the batch finished, when `seen` is gone.
 const RECORD: &str = r"
+if redis.call('HEXISTS', KEYS[3], 'closed') == 1 then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+return 1
+";
+
+/// KEYS: results, seen, counts. The batch's results are in its files:
+/// they go, and its counts are closed to later copies (`RECORD`).
+const DROP_RESULTS: &str = r"
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[3], 'closed', 1)
 return 1
 ";
 
@@ -449,10 +462,11 @@ impl RedisStore {
     }
 
     pub(super) async fn drop_results(&self, batch: &str) -> Result<(), StoreError> {
-        redis::cmd("DEL")
-            .arg(self.of_batch("results:", batch))
-            .arg(self.of_batch("seen:", batch))
-            .query_async::<()>(&mut self.conn.clone())
+        redis::Script::new(DROP_RESULTS)
+            .key(self.of_batch("results:", batch))
+            .key(self.of_batch("seen:", batch))
+            .key(self.of_batch("counts:", batch))
+            .invoke_async::<i64>(&mut self.conn.clone())
             .await?;
         Ok(())
     }
