@@ -137,11 +137,13 @@ impl KeyScheme {
     }
 
     /// A record or index key: `P<parts>`, on a cluster `{P}<parts>` (all
-    /// in the prefix's slot).
+    /// in the prefix's slot; an empty prefix, which makes no tag, is
+    /// tagged `{batchapi}`).
     pub fn key(&self, parts: &[&str]) -> String {
-        match self.plain() {
-            true => format!("{}{}", self.prefix, parts.concat()),
-            false => format!("{{{}}}{}", self.prefix, parts.concat()),
+        match (self.plain(), self.prefix.is_empty()) {
+            (true, _) => format!("{}{}", self.prefix, parts.concat()),
+            (false, false) => format!("{{{}}}{}", self.prefix, parts.concat()),
+            (false, true) => format!("{{batchapi}}{}", parts.concat()),
         }
     }
 
@@ -487,5 +489,57 @@ impl RedisStore {
     /// A connection for the collector (the result list) and the sink.
     pub fn connection(&self) -> RedisConnection {
         self.conn.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyScheme;
+    use crate::queue::redis::key_slot;
+
+    const GLOBAL: [&[&str]; 5] = [
+        &["file:", "file-1"],
+        &["batch:", "batch_1"],
+        &["batches:", "acme"],
+        &["active"],
+        &["tenant-version:", "acme"],
+    ];
+
+    #[test]
+    fn single_server_names_are_the_prefix_and_the_name() {
+        let keys = KeyScheme::new("sluicegate:batchapi:", false);
+        assert_eq!(keys.key(&["batch:", "b1"]), "sluicegate:batchapi:batch:b1");
+        assert_eq!(
+            keys.of_batch("results:", "b1"),
+            "sluicegate:batchapi:results:b1"
+        );
+    }
+
+    #[test]
+    fn on_a_cluster_records_share_a_slot_and_results_share_their_batchs() {
+        for prefix in ["sluicegate:batchapi:", "", "{mine}:"] {
+            let keys = KeyScheme::new(prefix, true);
+            let slots: Vec<u16> = GLOBAL.iter().map(|k| key_slot(&keys.key(k))).collect();
+            assert!(slots.iter().all(|s| *s == slots[0]), "{prefix}: {slots:?}");
+            for batch in ["batch_a", "batch_b"] {
+                let per: Vec<u16> = ["results:", "seen:", "counts:"]
+                    .iter()
+                    .map(|k| key_slot(&keys.of_batch(k, batch)))
+                    .collect();
+                assert!(per.iter().all(|s| *s == per[0]), "{prefix}: {per:?}");
+            }
+        }
+        let keys = KeyScheme::new("sluicegate:batchapi:", true);
+        assert_eq!(
+            keys.key(&["batch:", "b1"]),
+            "{sluicegate:batchapi:}batch:b1"
+        );
+        assert_eq!(
+            keys.of_batch("results:", "b1"),
+            "sluicegate:batchapi:results:{b1}"
+        );
+        // A prefix with its own tag keeps the single-server names.
+        let tagged = KeyScheme::new("{mine}:", true);
+        assert_eq!(tagged.key(&["active"]), "{mine}:active");
     }
 }
