@@ -294,7 +294,7 @@ async fn a_batch_of_a_killed_replica_is_finished_by_the_other() {
 /// `status`: the requests B had in flight keep their real answers, every
 /// other one (unsent, or in flight on dead A and returned to the queue
 /// when its lease lapsed) reads `code`, each `custom_id` exactly once.
-async fn a_stop_on_the_surviving_replica(stop: Stop) {
+async fn a_stop_on_the_surviving_replica(stop: Stop, window: &str) {
     const N: usize = 12;
     let redis = RedisServer::start();
     let backend = Backend::Single(redis.port);
@@ -307,7 +307,7 @@ async fn a_stop_on_the_surviving_replica(stop: Stop) {
     let b = replica(&dir.0.join("b"), &data, &backend, &gateway_b.url, 2, false).await;
     let batch = a
         .api
-        .batch(&completion_lines(N, 8), "/v1/completions", "24h")
+        .batch(&completion_lines(N, 8), "/v1/completions", window)
         .await;
     let id = batch["id"].as_str().expect("id").to_owned();
     // Both windows full: 2 requests in flight on each replica.
@@ -324,9 +324,12 @@ async fn a_stop_on_the_surviving_replica(stop: Stop) {
             assert_eq!(cancelling["status"], "cancelling", "{cancelling}");
             ("cancelled", "batch_cancelled")
         }
+        // The completion window passes while A is dead: a real one of a
+        // minute, waited out.
+        Stop::Expire if window != "24h" => ("expired", "batch_expired"),
         Stop::Expire => {
-            // The completion window passes while A is dead: its deadline
-            // moved to now, as another server writes (compare-and-set).
+            // Or its deadline moved to now, as another server writes
+            // (compare-and-set).
             loop {
                 let old = record(&store, &id).await;
                 let mut new = old.clone();
@@ -335,18 +338,20 @@ async fn a_stop_on_the_surviving_replica(stop: Stop) {
                     break;
                 }
             }
-            // B's sweep sees it and stops the batch.
-            let give_up = std::time::Instant::now() + LONG;
-            while record(&store, &id).await.stop != Some(Stop::Expire) {
-                assert!(
-                    std::time::Instant::now() < give_up,
-                    "B never stopped the expired batch"
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
             ("expired", "batch_expired")
         }
     };
+    if stop == Stop::Expire {
+        // B's sweep sees the end of the window and stops the batch.
+        let give_up = std::time::Instant::now() + LONG;
+        while record(&store, &id).await.stop != Some(Stop::Expire) {
+            assert!(
+                std::time::Instant::now() < give_up,
+                "B never stopped the expired batch"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     // The requests in flight on B get their answers now.
     gateway_b.release_all();
     let done = b.api.wait_for(&id, LONG, terminal).await;
@@ -380,12 +385,19 @@ async fn a_stop_on_the_surviving_replica(stop: Stop) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_killed_replica_is_cancelled_through_the_other() {
-    a_stop_on_the_surviving_replica(Stop::Cancel).await;
+    a_stop_on_the_surviving_replica(Stop::Cancel, "24h").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_killed_replica_expires_through_the_other() {
-    a_stop_on_the_surviving_replica(Stop::Expire).await;
+    a_stop_on_the_surviving_replica(Stop::Expire, "24h").await;
+}
+
+/// The same with a real completion window of one minute (the shortest
+/// accepted) that runs out while A is dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_a_killed_replica_expires_through_the_other_at_the_end_of_its_window() {
+    a_stop_on_the_surviving_replica(Stop::Expire, "1m").await;
 }
 
 /// The same on a real three-node Redis Cluster: replica A killed mid-batch,
@@ -659,7 +671,7 @@ async fn a_result_recorded_again_after_its_batch_finished_is_not_counted() {
     let batch = "batch_0123456789abcdef01234567";
     assert_eq!(
         store
-            .record_results(batch, &[line.clone()])
+            .record_results(batch, std::slice::from_ref(&line))
             .await
             .expect("record"),
         vec![true]
@@ -667,7 +679,7 @@ async fn a_result_recorded_again_after_its_batch_finished_is_not_counted() {
     // Another replica's copy while the batch runs: not counted.
     assert_eq!(
         store
-            .record_results(batch, &[line.clone()])
+            .record_results(batch, std::slice::from_ref(&line))
             .await
             .expect("record"),
         vec![false]
