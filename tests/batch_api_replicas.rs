@@ -294,10 +294,8 @@ async fn a_batch_of_a_killed_replica_is_finished_by_the_other() {
 /// `status`: the requests B had in flight keep their real answers, every
 /// other one (unsent, or in flight on dead A and returned to the queue
 /// when its lease lapsed) reads `code`, each `custom_id` exactly once.
-async fn a_stop_on_the_surviving_replica(stop: Stop, window: &str) {
+async fn a_stop_on_the_surviving_replica(backend: Backend, stop: Stop, window: &str) {
     const N: usize = 12;
-    let redis = RedisServer::start();
-    let backend = Backend::Single(redis.port);
     let store = backend.store();
     let dir = support::TempDir::new("replicas-stop");
     let data = dir.0.join("data");
@@ -385,19 +383,32 @@ async fn a_stop_on_the_surviving_replica(stop: Stop, window: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_killed_replica_is_cancelled_through_the_other() {
-    a_stop_on_the_surviving_replica(Stop::Cancel, "24h").await;
+    let redis = RedisServer::start();
+    a_stop_on_the_surviving_replica(Backend::Single(redis.port), Stop::Cancel, "24h").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_killed_replica_expires_through_the_other() {
-    a_stop_on_the_surviving_replica(Stop::Expire, "24h").await;
+    let redis = RedisServer::start();
+    a_stop_on_the_surviving_replica(Backend::Single(redis.port), Stop::Expire, "24h").await;
+}
+
+/// Cancel and expiry through the surviving replica on a Redis Cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_a_killed_replica_is_cancelled_or_expires_through_the_other_on_a_redis_cluster()
+{
+    let cluster = RedisCluster::start();
+    for stop in [Stop::Cancel, Stop::Expire] {
+        a_stop_on_the_surviving_replica(Backend::Cluster(cluster.url()), stop, "24h").await;
+    }
 }
 
 /// The same with a real completion window of one minute (the shortest
 /// accepted) that runs out while A is dead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_a_killed_replica_expires_through_the_other_at_the_end_of_its_window() {
-    a_stop_on_the_surviving_replica(Stop::Expire, "1m").await;
+    let redis = RedisServer::start();
+    a_stop_on_the_surviving_replica(Backend::Single(redis.port), Stop::Expire, "1m").await;
 }
 
 /// The same on a real three-node Redis Cluster: replica A killed mid-batch,
