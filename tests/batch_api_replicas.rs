@@ -116,12 +116,14 @@ async fn replica(
     max_sys: u32,
     lookahead: bool,
 ) -> Replica {
-    replica_with(cwd, data, backend, gateway, max_sys, lookahead, false).await
+    replica_with(cwd, data, backend, gateway, max_sys, lookahead, false, "").await
 }
 
 /// [`replica`], with a gate that never opens when `closed` (an
 /// endpoint-scrape gate on a dead port: unreadable metrics mean zero
-/// budget), so the batches it enqueues stay queued for the others.
+/// budget), so the batches it enqueues stay queued for the others, and
+/// `gateway_toml` lines added to `[gateway]`.
+#[allow(clippy::too_many_arguments)]
 async fn replica_with(
     cwd: &Path,
     data: &Path,
@@ -130,11 +132,12 @@ async fn replica_with(
     max_sys: u32,
     lookahead: bool,
     closed: bool,
+    gateway_toml: &str,
 ) -> Replica {
     std::fs::create_dir_all(cwd).expect("cwd");
     let (api_port, telemetry_port) = (support::free_port(), support::free_port());
     let text = format!(
-        "{}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\nlease = \"2s\"\n{}[telemetry]\nlisten = \"127.0.0.1:{telemetry_port}\"\n[serve]\nlisten = \"127.0.0.1:{api_port}\"\ndata_dir = \"{}\"\napi_keys = \"acme:sk-acme\"\n[[queue]]\n{}max_sys = {max_sys}\n{}",
+        "{}[gateway]\nurl = \"{gateway}\"\n{gateway_toml}[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\nlease = \"2s\"\n{}[telemetry]\nlisten = \"127.0.0.1:{telemetry_port}\"\n[serve]\nlisten = \"127.0.0.1:{api_port}\"\ndata_dir = \"{}\"\napi_keys = \"acme:sk-acme\"\n[[queue]]\n{}max_sys = {max_sys}\n{}",
         backend.toml(),
         if lookahead {
             ""
@@ -556,6 +559,7 @@ async fn a_killed_replicas_intake_is_taken_over_by_the_other(backend: Backend) {
         64,
         true,
         true,
+        "",
     )
     .await;
     let b = replica(&dir.0.join("b"), &data, &backend, &gateway.uri(), 64, true).await;
@@ -705,4 +709,111 @@ async fn a_result_recorded_again_after_its_batch_finished_is_not_counted() {
     assert_eq!(store.counts(batch).await.expect("counts"), (1, 0));
     let (page, _) = store.result_page(batch, 0, 10).await.expect("page");
     assert!(page.is_empty(), "nothing left behind: {page:?}");
+}
+
+/// Replica A (its gate closed: it only enqueues) is SIGKILLed mid-intake,
+/// and the batch is cancelled through B before anyone took the intake
+/// over. B adopts the cancel once A's step is stale (60 s): what A
+/// enqueued is stopped through the cancel protocol, and the lines never
+/// enqueued are answered `batch_cancelled` once the cancel's grace
+/// (`gateway.attempt_timeout`, 5 s here, + 10 s) has passed. The batch
+/// ends `cancelled` with each `custom_id` once: the requests B had sent
+/// keep their answers (as many `completed` as the gateway got, each line
+/// at most once), every other one reads `batch_cancelled`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_cancelled_after_its_replica_died_mid_intake_ends_cancelled() {
+    const N: usize = 10_000;
+    let redis = RedisServer::start();
+    let backend = Backend::Single(redis.port);
+    let Store::Redis(store) = backend.store() else {
+        unreachable!("a Redis store")
+    };
+    let mut conn = store.connection();
+    let dir = support::TempDir::new("replicas-cancel-intake");
+    let data = dir.0.join("data");
+    let gateway = counting_gateway().await;
+    let url = gateway.uri();
+    let mut a = replica_with(&dir.0.join("a"), &data, &backend, &url, 64, true, true, "").await;
+    let grace = "attempt_timeout = \"5s\"\n";
+    let b = replica_with(
+        &dir.0.join("b"),
+        &data,
+        &backend,
+        &url,
+        64,
+        true,
+        false,
+        grace,
+    )
+    .await;
+    let batch = a
+        .api
+        .batch(&completion_lines(N, 4), "/v1/completions", "24h")
+        .await;
+    let id = batch["id"].as_str().expect("id").to_owned();
+    let key = format!("sluicegate:batchapi:intake:{id}");
+    let give_up = std::time::Instant::now() + LONG;
+    loop {
+        let lines: Option<u64> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        if lines.is_some() {
+            break;
+        }
+        assert!(std::time::Instant::now() < give_up, "intake never began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    a.process.kill();
+    let at_kill: Option<u64> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert!(
+        at_kill.is_some_and(|n| n < N as u64),
+        "killed mid-intake: {at_kill:?} of {N} lines enqueued"
+    );
+    let (status, cancelling) = b
+        .api
+        .post(&format!("/v1/batches/{id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{cancelling}");
+    assert_eq!(cancelling["status"], "cancelling", "{cancelling}");
+    let done = b
+        .api
+        .wait_for(&id, Duration::from_secs(300), terminal)
+        .await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let mut sent = BTreeMap::<String, usize>::new();
+    for request in gateway.received_requests().await.expect("recorded") {
+        let body: Value = serde_json::from_slice(&request.body).expect("request JSON");
+        let prompt = body["prompt"].as_str().expect("prompt").to_owned();
+        *sent.entry(prompt).or_default() += 1;
+    }
+    assert!(sent.values().all(|n| *n == 1), "a line sent twice");
+    let counts = &done["request_counts"];
+    assert_eq!(counts["total"], N, "{done}");
+    assert_eq!(
+        counts["completed"].as_u64(),
+        Some(sent.len() as u64),
+        "{done}"
+    );
+    assert_eq!(
+        counts["failed"].as_u64(),
+        Some((N - sent.len()) as u64),
+        "{done}"
+    );
+    let by_id = answers(&b.api, &done).await;
+    assert_eq!(by_id.keys().cloned().collect::<Vec<_>>(), ids(N));
+    for (custom_id, line) in &by_id {
+        if line["response"]["status_code"].as_u64() != Some(200) {
+            assert_eq!(
+                line["error"]["code"], "batch_cancelled",
+                "{custom_id}: {line}"
+            );
+        }
+    }
+    drop(b);
 }
