@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use crate::app::{AppError, RunOptions, Running, Tasks};
 use crate::config::{Config, ServeConfig, ServeDispatcher, TransportKind};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
-use crate::queue::redis::ConnectError;
+use crate::queue::redis::{ConnectError, hash_tag, key_slot};
 use crate::telemetry::{Health, Metrics};
 
 use self::auth::{Keys, KeysError};
@@ -87,11 +87,20 @@ pub enum ServeError {
         "transport: `{0}` cannot serve the Batch API; allowed: embedded (one node), redis (replicas)"
     )]
     Transport(&'static str),
-    /// The batch records' Redis scripts touch keys across hash slots.
+    /// On a Redis Cluster the result list must share the queue's hash
+    /// slot (the dispatcher writes the result and settles the message in
+    /// one script).
     #[error(
-        "redis.cluster: the Batch API keeps its batch records in one Redis server; run `serve` against a standalone Redis (the dispatcher itself may use the cluster)"
+        "queue `{queue}`: result_queue_name: with redis.cluster = true, `serve` needs the queue to name a result list in its hash slot, e.g. `{{{tag}}}:results` for the queue `{{{tag}}}` (serve.result_list `{list}` is not used on a cluster)"
     )]
-    ClusterStore,
+    ClusterResultList {
+        /// The queue.
+        queue: String,
+        /// Its hash tag, for the suggestion.
+        tag: String,
+        /// `serve.result_list`.
+        list: String,
+    },
     /// `serve.queue` names no `[[queue]]`.
     #[error("serve.queue: no queue named `{name}`; configured: {known}")]
     Queue {
@@ -328,12 +337,23 @@ pub async fn start(
                 .redis
                 .clone()
                 .unwrap_or_else(crate::queue::default_redis_config);
-            if redis_config.cluster {
-                return Err(ServeError::ClusterStore);
-            }
-            let conn = crate::queue::redis::connection(&redis_config)?;
             let list = (queue_config.result_queue_name.clone())
                 .unwrap_or_else(|| serve.result_list.clone());
+            // As `run` checks at start (also for `dispatcher = separate`,
+            // whose `run` would refuse the same config).
+            if redis_config.cluster
+                && (queue_config.result_queue_name.is_none()
+                    || key_slot(&list) != key_slot(&queue_name))
+            {
+                return Err(ServeError::ClusterResultList {
+                    queue: queue_name,
+                    tag: hash_tag(&queue_config.queue_name)
+                        .unwrap_or(&queue_config.queue_name)
+                        .to_owned(),
+                    list: serve.result_list.clone(),
+                });
+            }
+            let conn = crate::queue::redis::connection(&redis_config)?;
             let sink = Sink::Redis {
                 conn: conn.clone(),
                 queue: queue_name,

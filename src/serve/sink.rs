@@ -10,12 +10,14 @@
 //! `MULTI` on Redis). A server killed mid-intake therefore left either the
 //! chunk and its progress or neither, and the intake that resumes skips
 //! exactly the lines already enqueued: no request is sent twice (issue 26).
+//! On a Redis Cluster the progress key carries the queue's hash tag, so
+//! the `MULTI` stays in the queue's slot.
 
 use crate::queue::redis::RedisConnection;
 use bytes::Bytes;
 
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
-use crate::queue::redis::{Mark, Submission, cancel, enqueue_marked};
+use crate::queue::redis::{Mark, Submission, cancel, enqueue_marked, hash_tag};
 use crate::request::Message;
 
 /// Why requests could not be enqueued or cancelled.
@@ -124,7 +126,7 @@ impl Sink {
                     })
                     .collect();
                 let mark = Mark {
-                    key: progress_key(key_prefix, progress.batch),
+                    key: progress_key(conn, queue, key_prefix, progress.batch),
                     value: progress.lines.to_string(),
                     ttl_secs: PROGRESS_TTL_SECS,
                 };
@@ -143,10 +145,13 @@ impl Sink {
                 tokio::task::spawn_blocking(move || queue.meta(&key)).await??
             }
             Self::Redis {
-                conn, key_prefix, ..
+                conn,
+                queue,
+                key_prefix,
+                ..
             } => {
                 redis::cmd("GET")
-                    .arg(progress_key(key_prefix, batch))
+                    .arg(progress_key(conn, queue, key_prefix, batch))
                     .query_async(&mut conn.clone())
                     .await?
             }
@@ -163,10 +168,13 @@ impl Sink {
                 tokio::task::spawn_blocking(move || queue.remove_meta(&key)).await??;
             }
             Self::Redis {
-                conn, key_prefix, ..
+                conn,
+                queue,
+                key_prefix,
+                ..
             } => {
                 redis::cmd("DEL")
-                    .arg(progress_key(key_prefix, batch))
+                    .arg(progress_key(conn, queue, key_prefix, batch))
                     .query_async::<()>(&mut conn.clone())
                     .await?;
             }
@@ -206,9 +214,17 @@ impl Sink {
     }
 }
 
-/// The Redis key of a batch's intake progress.
-fn progress_key(prefix: &str, batch: &str) -> String {
-    format!("{prefix}intake:{batch}")
+/// The Redis key of a batch's intake progress: `<prefix>intake:<batch>`;
+/// on a cluster `{<queue tag>}:<prefix>intake:<batch>`, in the queue's
+/// slot, so it is set in the same `MULTI` as the chunk's `ZADD`
+/// (`enqueue_marked`).
+fn progress_key(conn: &RedisConnection, queue: &str, prefix: &str, batch: &str) -> String {
+    if conn.is_cluster() {
+        let tag = hash_tag(queue).unwrap_or(queue);
+        format!("{{{tag}}}:{prefix}intake:{batch}")
+    } else {
+        format!("{prefix}intake:{batch}")
+    }
 }
 
 fn chrono_ms() -> i64 {

@@ -4,7 +4,7 @@
 
 use redis::aio::ConnectionLike;
 
-use super::{CANCEL_TTL, Keys, RedisConnection};
+use super::{CANCEL_TTL, Keys, RedisConnection, key_slot};
 use crate::request::Message;
 
 /// Score of a message in its queue: the deadline plus a fraction encoding
@@ -122,9 +122,10 @@ pub struct Mark {
 /// [`enqueue`], also setting `mark` in the same `MULTI`/`EXEC` on a
 /// single server, so a crash leaves either both or neither: a producer
 /// that records its progress in the mark never enqueues a message twice
-/// (the Batch API's intake). On a cluster the mark is set after the
-/// messages (a transaction cannot span slots); the Batch API, the one
-/// user of marks, refuses a cluster for its records.
+/// (the Batch API's intake). On a cluster the same holds when the mark
+/// shares the queue's hash slot (the Batch API tags it so): the `ZADD`,
+/// the lanes and the mark are one `MULTI` there; a mark in another slot
+/// is set after the messages (a transaction cannot span slots).
 pub async fn enqueue_marked(
     conn: &mut RedisConnection,
     queue: &str,
@@ -175,6 +176,22 @@ pub async fn enqueue_marked(
         }
         if batch.is_empty() && mark.is_none() {
             return Ok(());
+        }
+        // A mark in the queue's slot goes in one `MULTI` with the `ZADD`
+        // and the lanes: both or neither, as on a single server.
+        if mark.is_some_and(|m| key_slot(&m.key) == key_slot(queue)) {
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            if !batch.is_empty() {
+                let zadd = pipe.cmd("ZADD").arg(queue);
+                for s in batch {
+                    zadd.arg(s.score).arg(&s.member);
+                }
+                zadd.ignore();
+            }
+            add_lanes(&mut pipe);
+            set_mark(&mut pipe);
+            return pipe.query_async::<()>(conn).await;
         }
         if !batch.is_empty() {
             let mut zadd = redis::cmd("ZADD");

@@ -11,7 +11,7 @@
 mod redis;
 mod sqlite;
 
-pub use self::redis::RedisStore;
+pub use self::redis::{KeyScheme, RedisStore};
 pub use self::sqlite::SqliteStore;
 
 use super::model::{BatchRecord, BatchStatus, FileRecord};

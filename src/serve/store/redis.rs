@@ -13,10 +13,21 @@
 //!   batches per status (the `batches` gauge);
 //! - `P results:<batch>`: the output lines in arrival order (list),
 //!   `P seen:<batch>`: custom_ids with a result (hash, first wins),
-//!   `P counts:<batch>`: `ok` / `failed` (hash).
+//!   `P counts:<batch>`: `ok` / `failed` (hash), and `closed` once the
+//!   batch finished (its results dropped: later copies are not recorded).
 //!
 //! The compare-and-set and first-writer-wins steps are Lua scripts, so no
 //! replica sees half of one.
+//!
+//! On a Redis Cluster (`[redis] cluster = true`) a script or a `MULTI`
+//! must stay in one hash slot, so the keys carry hash tags ([`KeyScheme`]):
+//! with a prefix `P` that has no `{tag}` of its own, the records and
+//! indexes become `{P}file:<id>`, `{P}batch:<id>`, `{P}active`, … (one
+//! slot: the scripts above span them), and the per-batch result keys
+//! `P results:{<batch>}`, `P seen:{<batch>}`, `P counts:{<batch>}` (the
+//! batch's own slot, so results spread over the nodes). A prefix with a
+//! tag keeps every key as on a single server, all in that tag's slot. On
+//! one server (or a proxy) the names are the ones listed above.
 
 use crate::queue::redis::RedisConnection;
 
@@ -68,10 +79,22 @@ return 1
 ";
 
 /// KEYS: seen, results, counts. ARGV: custom_id, ok|failed, stored line.
+/// A batch whose results were dropped (finished: `closed` in its counts)
+/// takes no more: another replica's collector may apply a copy of a
+/// result after the batch finished, when `seen` is gone.
 const RECORD: &str = r"
+if redis.call('HEXISTS', KEYS[3], 'closed') == 1 then return 0 end
 if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+return 1
+";
+
+/// KEYS: results, seen, counts. The batch's results are in its files:
+/// they go, and its counts are closed to later copies (`RECORD`).
+const DROP_RESULTS: &str = r"
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[3], 'closed', 1)
 return 1
 ";
 
@@ -90,24 +113,72 @@ redis.call('HINCRBY', KEYS[6], ARGV[4], 1)
 return 1
 ";
 
+/// How the store names its keys (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyScheme {
+    /// `serve.key_prefix`.
+    prefix: String,
+    /// Hash tags for a Redis Cluster.
+    cluster: bool,
+}
+
+impl KeyScheme {
+    /// Keys under `prefix`, hash-tagged when `cluster`.
+    pub fn new(prefix: impl Into<String>, cluster: bool) -> Self {
+        Self {
+            prefix: prefix.into(),
+            cluster,
+        }
+    }
+
+    /// Whether the prefix tags the keys itself (or no tags are needed).
+    fn plain(&self) -> bool {
+        !self.cluster || crate::queue::redis::hash_tag(&self.prefix).is_some()
+    }
+
+    /// A record or index key: `P<parts>`, on a cluster `{P}<parts>` (all
+    /// in the prefix's slot; an empty prefix, which makes no tag, is
+    /// tagged `{batchapi}`).
+    pub fn key(&self, parts: &[&str]) -> String {
+        match (self.plain(), self.prefix.is_empty()) {
+            (true, _) => format!("{}{}", self.prefix, parts.concat()),
+            (false, false) => format!("{{{}}}{}", self.prefix, parts.concat()),
+            (false, true) => format!("{{batchapi}}{}", parts.concat()),
+        }
+    }
+
+    /// One of a batch's result keys (`results:`, `seen:`, `counts:`):
+    /// `P<kind><batch>`, on a cluster `P<kind>{<batch>}` (the batch's
+    /// slot; the record script touches only these three).
+    pub fn of_batch(&self, kind: &str, batch: &str) -> String {
+        match self.plain() {
+            true => format!("{}{kind}{batch}", self.prefix),
+            false => format!("{}{kind}{{{batch}}}", self.prefix),
+        }
+    }
+}
+
 /// The Redis store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct RedisStore {
     conn: RedisConnection,
-    prefix: String,
+    keys: KeyScheme,
 }
 
 impl RedisStore {
-    /// The store on `conn`, keys under `prefix`.
+    /// The store on `conn`, keys under `prefix` (hash-tagged when `conn`
+    /// is a cluster connection).
     pub fn new(conn: RedisConnection, prefix: impl Into<String>) -> Self {
-        Self {
-            conn,
-            prefix: prefix.into(),
-        }
+        let keys = KeyScheme::new(prefix, conn.is_cluster());
+        Self { conn, keys }
     }
 
     fn key(&self, parts: &[&str]) -> String {
-        format!("{}{}", self.prefix, parts.concat())
+        self.keys.key(parts)
+    }
+
+    fn of_batch(&self, kind: &str, batch: &str) -> String {
+        self.keys.of_batch(kind, batch)
     }
 
     async fn get<T: serde::de::DeserializeOwned>(
@@ -344,9 +415,9 @@ impl RedisStore {
         for item in items {
             let stored = format!("{}{}", if item.ok { '1' } else { '0' }, item.line);
             let added: i64 = script
-                .key(self.key(&["seen:", batch]))
-                .key(self.key(&["results:", batch]))
-                .key(self.key(&["counts:", batch]))
+                .key(self.of_batch("seen:", batch))
+                .key(self.of_batch("results:", batch))
+                .key(self.of_batch("counts:", batch))
                 .arg(&item.custom_id)
                 .arg(if item.ok { "ok" } else { "failed" })
                 .arg(stored)
@@ -359,7 +430,7 @@ impl RedisStore {
 
     pub(super) async fn counts(&self, batch: &str) -> Result<(u64, u64), StoreError> {
         let (ok, failed): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(self.key(&["counts:", batch]))
+            .arg(self.of_batch("counts:", batch))
             .arg("ok")
             .arg("failed")
             .query_async(&mut self.conn.clone())
@@ -376,7 +447,7 @@ impl RedisStore {
         let n = n.max(1);
         let stop = cursor + n as u64 - 1;
         let items: Vec<String> = redis::cmd("LRANGE")
-            .arg(self.key(&["results:", batch]))
+            .arg(self.of_batch("results:", batch))
             .arg(cursor)
             .arg(stop)
             .query_async(&mut self.conn.clone())
@@ -393,10 +464,11 @@ impl RedisStore {
     }
 
     pub(super) async fn drop_results(&self, batch: &str) -> Result<(), StoreError> {
-        redis::cmd("DEL")
-            .arg(self.key(&["results:", batch]))
-            .arg(self.key(&["seen:", batch]))
-            .query_async::<()>(&mut self.conn.clone())
+        redis::Script::new(DROP_RESULTS)
+            .key(self.of_batch("results:", batch))
+            .key(self.of_batch("seen:", batch))
+            .key(self.of_batch("counts:", batch))
+            .invoke_async::<i64>(&mut self.conn.clone())
             .await?;
         Ok(())
     }
@@ -417,5 +489,57 @@ impl RedisStore {
     /// A connection for the collector (the result list) and the sink.
     pub fn connection(&self) -> RedisConnection {
         self.conn.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyScheme;
+    use crate::queue::redis::key_slot;
+
+    const GLOBAL: [&[&str]; 5] = [
+        &["file:", "file-1"],
+        &["batch:", "batch_1"],
+        &["batches:", "acme"],
+        &["active"],
+        &["tenant-version:", "acme"],
+    ];
+
+    #[test]
+    fn single_server_names_are_the_prefix_and_the_name() {
+        let keys = KeyScheme::new("sluicegate:batchapi:", false);
+        assert_eq!(keys.key(&["batch:", "b1"]), "sluicegate:batchapi:batch:b1");
+        assert_eq!(
+            keys.of_batch("results:", "b1"),
+            "sluicegate:batchapi:results:b1"
+        );
+    }
+
+    #[test]
+    fn on_a_cluster_records_share_a_slot_and_results_share_their_batchs() {
+        for prefix in ["sluicegate:batchapi:", "", "{mine}:"] {
+            let keys = KeyScheme::new(prefix, true);
+            let slots: Vec<u16> = GLOBAL.iter().map(|k| key_slot(&keys.key(k))).collect();
+            assert!(slots.iter().all(|s| *s == slots[0]), "{prefix}: {slots:?}");
+            for batch in ["batch_a", "batch_b"] {
+                let per: Vec<u16> = ["results:", "seen:", "counts:"]
+                    .iter()
+                    .map(|k| key_slot(&keys.of_batch(k, batch)))
+                    .collect();
+                assert!(per.iter().all(|s| *s == per[0]), "{prefix}: {per:?}");
+            }
+        }
+        let keys = KeyScheme::new("sluicegate:batchapi:", true);
+        assert_eq!(
+            keys.key(&["batch:", "b1"]),
+            "{sluicegate:batchapi:}batch:b1"
+        );
+        assert_eq!(
+            keys.of_batch("results:", "b1"),
+            "sluicegate:batchapi:results:{b1}"
+        );
+        // A prefix with its own tag keeps the single-server names.
+        let tagged = KeyScheme::new("{mine}:", true);
+        assert_eq!(tagged.key(&["active"]), "{mine}:active");
     }
 }
