@@ -756,10 +756,7 @@ mod tests {
         // counts its own work.
         assert_eq!(room_after_one_finish(&cap, Unit::Requests), 1);
         assert_eq!(room_after_one_finish(&cap, Unit::Tokens), 1);
-        assert_eq!(
-            room_after_one_finish_with(&cap, Unit::Requests, false),
-            1
-        );
+        assert_eq!(room_after_one_finish_with(&cap, Unit::Requests, false), 1);
         // A reading that sees our load is no cap: its own rules hold.
         let mut seeing = reading(true, false);
         seeing.caps_own_in_flight = true;

@@ -37,7 +37,7 @@ pub struct FeedbackParams {
     /// ITL SLO in seconds, > 0 (default 0.05).
     #[serde(deserialize_with = "loose::f64")]
     pub itl_slo: f64,
-    /// Attainment below this cuts, in (0, 1] (default 0.983: attainment
+    /// Attainment below this cuts, in (0, 1] (default 0.986: attainment
     /// counts token gaps, and the SLO allows each request 5 % of slow ones;
     /// `docs/gate-quality.md` has the sweep behind the defaults).
     #[serde(deserialize_with = "loose::f64")]
@@ -94,7 +94,7 @@ impl Default for FeedbackParams {
             labels: BTreeMap::new(),
             ttft_slo: 0.5,
             itl_slo: 0.05,
-            target: 0.983,
+            target: 0.986,
             margin: 0.005,
             waiting_threshold: 0.25,
             waiting_persist: 1,
