@@ -329,9 +329,10 @@ async fn local_limit_at_capacity_reports_window_full_not_gate_closed() {
     let dir = &tmp.0;
     let input = dir.join("in.jsonl");
     let output = dir.join("out.jsonl");
-    // About 8 s at 4 in flight: long enough for a live progress line,
-    // which is printed every 5 s when stderr is not a terminal.
-    let lines: Vec<String> = (0..64).map(|i| openai_line(i, 32)).collect();
+    // About 8 s at 4 in flight on the calibrated simulator (64 lines took
+    // 4.3 s): long enough for a live progress line, which is printed every
+    // 5 s when stderr is not a terminal.
+    let lines: Vec<String> = (0..128).map(|i| openai_line(i, 32)).collect();
     std::fs::write(&input, lines.join("\n")).expect("input");
     let out = Command::new(BIN)
         .args(["batch", "--input"])
@@ -349,7 +350,7 @@ async fn local_limit_at_capacity_reports_window_full_not_gate_closed() {
         .expect("runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert_eq!(read_output(&output).len(), 64);
+    assert_eq!(read_output(&output).len(), 128);
     let states = stderr
         .lines()
         .find(|l| l.contains("time by state:"))

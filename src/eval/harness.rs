@@ -270,7 +270,12 @@ impl GatePolicy {
     fn in_blackout_beyond_staleness(&self, t: SimTime) -> bool {
         self.blackouts
             .iter()
-            .any(|[a, b]| t >= a + self.settings.max_staleness.as_secs_f64() && t < *b)
+            // Beyond: data from the blackout's start is exactly
+            // `max_staleness` old at `a + max_staleness`, and a reading that
+            // old still counts (`docs/architecture.md`: older than
+            // `max_staleness` is no reading); a send on that very tick is
+            // within the rule, not in the dark.
+            .any(|[a, b]| t > a + self.settings.max_staleness.as_secs_f64() && t < *b)
     }
 
     /// The request sent at `sent_at` is over.
