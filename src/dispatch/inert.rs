@@ -16,17 +16,20 @@
 //!   `max_concurrency` or capacity parameter so low that the pool always
 //!   reads full, a query that reads the wrong series.
 //! - **`max_sys_below_capacity`**: for at least `span`, every reading had
-//!   its source available, `D > B` (the pool still showed room), was a
-//!   reading of the pool, and our own work in flight was at least 90 % of
-//!   the queue's ceiling `max_SYS × (1 − B)` (rounded as the queue rounds,
-//!   at least one unit): everything `max_SYS` can ever allow is in use and
-//!   the pool still has room, so `max_SYS`, not the pool, is the limit.
-//!   `max_SYS` is the effective one: a reading's live capacity (ready
-//!   endpoints × `max_concurrency`, Σ `max_num_seqs`) for a `requests`
-//!   queue, else the queue's static `max_sys`. A reading that counts our
-//!   requests against a live `max_SYS` cannot meet this rule (our requests
-//!   at the ceiling read `D ≤ B`), which is right: that capacity is the
-//!   pool's own.
+//!   its source available, was a reading of the pool that does not charge
+//!   our requests against its own capacity (`counts_own_requests` false),
+//!   still showed room for at least one more unit (`max_SYS × (D − B)`,
+//!   rounded as the queue rounds, ≥ 1), and our own work in flight was at
+//!   least 90 % of the queue's ceiling `max_SYS × (1 − B)` (rounded the
+//!   same way, at least one unit): everything `max_SYS` can ever allow is
+//!   in use and the pool still has room, so `max_SYS`, not the pool, is
+//!   the limit. `max_SYS` is the effective one: a reading's live capacity
+//!   for a `requests` queue, else the queue's static `max_sys`. A reading
+//!   that counts our requests (`vllm`, `prometheus-budget`'s running
+//!   requests, `local-max-concurrency`) measures the pool's capacity in
+//!   the very `max_SYS` it charges them to, so `max_SYS` cannot be below
+//!   it: such readings are not judged (our window filling below that
+//!   ceiling would otherwise look pinned).
 //!
 //! Any reading that breaks a rule ends that state at once (and restarts
 //! its count). A state is reported once it has held for the whole span,
@@ -107,6 +110,11 @@ pub struct Reading {
     pub max_sys: f64,
     /// `max_SYS × (1 − B)` in whole units (the queue's rounding).
     pub ceiling: u64,
+    /// `max_SYS × (D − B)` in whole units: the room the reading shows.
+    pub room: u64,
+    /// Whether the reading charges each request of ours against its live
+    /// `max_SYS` (`Observation::counts_own_requests`).
+    pub counts_own_requests: bool,
     /// Our own work in flight on the queue's pool (this process), in the
     /// queue's unit.
     pub own_in_flight: u64,
@@ -132,6 +140,8 @@ impl Reading {
             baseline,
             max_sys,
             ceiling: headroom_units(max_sys, 1.0 - baseline, rounding),
+            room: headroom_units(max_sys, observation.headroom(), rounding),
+            counts_own_requests: observation.counts_own_requests,
             own_in_flight,
         }
     }
@@ -144,7 +154,9 @@ impl Reading {
         match reason {
             InertReason::NeverOpens => self.budget <= self.baseline && self.own_in_flight == 0,
             InertReason::MaxSysBelowCapacity => {
-                self.budget > self.baseline
+                !self.counts_own_requests
+                    && self.budget > self.baseline
+                    && self.room >= 1
                     && self.ceiling > 0
                     && self.own_in_flight.saturating_mul(10) >= self.ceiling.saturating_mul(9)
             }
@@ -270,6 +282,8 @@ mod tests {
             baseline: b,
             max_sys: 10.0,
             ceiling: headroom_units(10.0, 1.0 - b, Rounding::Floor),
+            room: headroom_units(10.0, d - b, Rounding::Floor),
+            counts_own_requests: false,
             own_in_flight: in_flight,
         }
     }
@@ -399,8 +413,9 @@ mod tests {
         assert_eq!(c.reading.ceiling, 8);
         assert!((c.extreme_budget - 0.7).abs() < 1e-12);
         assert!(!det.is_inert(InertReason::NeverOpens));
-        // A reading with no room left ends it: the pool, not max_SYS, limits.
-        let c = det.update(&reading(t0 + Duration::from_secs(601), 0.2, 0.2, 8));
+        // A reading with room for less than one unit ends it: the pool,
+        // not max_SYS, limits.
+        let c = det.update(&reading(t0 + Duration::from_secs(601), 0.29, 0.2, 8));
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].reason, InertReason::MaxSysBelowCapacity);
         assert!(!c[0].inert);
@@ -434,6 +449,15 @@ mod tests {
         let mut det = InertDetector::new(SPAN);
         // Room and work, but below the ceiling: the pool's reading limits.
         assert!(feed(&mut det, t0, 0, 1200, |at| reading(at, 0.5, 0.2, 5)).is_empty());
+        // A reading that counts our requests against its live max_SYS: that
+        // capacity is the pool's own (vllm: 9 of 10 running, D 0.12 > B).
+        assert!(
+            feed(&mut det, t0, 1200, 2400, |at| Reading {
+                counts_own_requests: true,
+                ..reading(at, 0.5, 0.1, 9)
+            })
+            .is_empty()
+        );
         // local-max-concurrency at its limit: its D is our slots, not the
         // pool's room.
         assert!(
@@ -463,8 +487,14 @@ mod tests {
             unit: Unit::Requests,
         };
         let r = Reading::new(&o, requests, Rounding::Floor, 3, t0);
-        assert_eq!((r.max_sys, r.ceiling), (4.0, 3));
+        assert_eq!((r.max_sys, r.ceiling, r.room), (4.0, 3, 2));
         assert!(r.keeps(InertReason::MaxSysBelowCapacity));
+        // Room for less than one unit is no room.
+        o.budget = Budget::saturating(0.45);
+        let r = Reading::new(&o, requests, Rounding::Floor, 3, t0);
+        assert_eq!(r.room, 0);
+        assert!(!r.keeps(InertReason::MaxSysBelowCapacity));
+        o.budget = Budget::saturating(0.9);
         // A live max_SYS counts requests: it replaces a requests queue's
         // static one, not a tokens queue's.
         o.max_sys = Some(64.0);
