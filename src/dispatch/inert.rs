@@ -37,18 +37,20 @@
 //!
 //! Why a span, and why 10 minutes by default: a pool busy with interactive
 //! load reads `D ≤ B` too, for as long as the busy period lasts, and the
-//! two cannot be told apart from one reading. Interactive bursts that
-//! fill a pool last seconds to a few minutes (the evaluator's saturating
-//! waves last 60 s, its bursts 30–60 s; diurnal peaks leave dips within minutes), so ten minutes of
-//! never a single reading with room, with none of our work in flight,
-//! is beyond a normal busy period; the alert then waits 5 more minutes.
-//! A pool that really is full for longer than that is reported too, and
-//! the runbook says how to tell (`docs/operations.md`,
-//! "SluicegateGateInert").
+//! two cannot be told apart from one reading. Bursts that fill a pool
+//! typically last seconds to a few minutes (the evaluator's saturating
+//! waves last 60 s, its bursts 30–60 s: `src/eval/scenario.rs`), so ten
+//! minutes without a single reading with room, with none of our work in
+//! flight, is well past them; the alert then waits 5 more minutes. A pool
+//! that really is full for longer than that is reported too, and the
+//! runbook says how to tell (`docs/operations.md`, "SluicegateGateInert").
 //!
 //! Not detected: `local-max-concurrency`'s readings (alone, or the tightest
 //! reading of a `composite`) are our own slots, not the pool, so neither
 //! rule judges them (their `D` says nothing about the pool's room).
+//! Own in-flight is this process's: with several replicas on one pool,
+//! another replica's batch work can hold `D` at `B` while this one has
+//! none in flight, and this one then reads `never_opens`.
 
 use std::time::Duration;
 
