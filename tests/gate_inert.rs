@@ -8,13 +8,38 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sluicegate::config::Config;
 use support::sim::small_pool;
-use wiremock::matchers::method;
-use wiremock::{Mock, MockServer, ResponseTemplate};
+use wiremock::matchers::{method, path};
+use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
+
+/// `GET /metrics` of the app.
+async fn scrape(client: &reqwest::Client, app: &support::App) -> String {
+    client
+        .get(format!("http://{}/metrics", app.running.telemetry_addr))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("body")
+}
+
+/// A pool `/metrics` page whose saturation the test switches.
+struct SaturationPage(Arc<AtomicBool>);
+
+impl Respond for SaturationPage {
+    fn respond(&self, _: &Request) -> ResponseTemplate {
+        let saturation = if self.0.load(Ordering::SeqCst) { 1 } else { 0 };
+        ResponseTemplate::new(200).set_body_string(format!(
+            "# TYPE pool_saturation gauge\npool_saturation {saturation}\n"
+        ))
+    }
+}
 
 /// The value of `sluicegate_gate_inert{queue, reason}` on a `/metrics` page.
 fn inert(page: &str, queue: &str, reason: &str) -> Option<i64> {
@@ -40,6 +65,23 @@ impl Write for Capture {
 }
 
 impl Capture {
+    /// The process's log capture: a global JSON subscriber installed by
+    /// the first test that asks (tests filter lines by their queue names).
+    fn global() -> Self {
+        static LOGS: OnceLock<Capture> = OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Capture::default();
+            let writer = logs.clone();
+            let _ = tracing_subscriber::fmt()
+                .json()
+                .with_max_level(tracing::Level::INFO)
+                .with_writer(move || writer.clone())
+                .try_init();
+            logs
+        })
+        .clone()
+    }
+
     /// The `fields` of every captured line whose `event` is `event`.
     fn events(&self, event: &str) -> Vec<serde_json::Value> {
         let text = String::from_utf8(self.0.lock().expect("log buffer").clone()).expect("utf-8");
@@ -53,14 +95,7 @@ impl Capture {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_threshold_and_a_low_max_sys_raise_the_gauge_and_an_open_gate_does_not() {
-    // The only test of this binary: the global subscriber is ours.
-    let logs = Capture::default();
-    let writer = logs.clone();
-    tracing_subscriber::fmt()
-        .json()
-        .with_max_level(tracing::Level::INFO)
-        .with_writer(move || writer.clone())
-        .init();
+    let logs = Capture::global();
     let sim = small_pool().await;
     let pool_page = format!("{}/metrics", sim.base_url());
     // A gateway that holds every request for a minute: the capped queue's
@@ -197,4 +232,86 @@ gate_params = {{ urls = ["{pool_page}"], max_num_seqs = 2 }}
     );
     assert_eq!(c["own_in_flight"], 1);
     assert!(entered.iter().all(|f| f["queue"] != "open"), "{entered:#?}");
+}
+
+/// A pool that reads full for longer than the span is reported (the
+/// detector cannot tell it from an unreachable threshold; the runbook
+/// says how), and the first reading with room ends it: the gauge goes
+/// back to 0 and one `gate no longer inert` line says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_reading_with_room_ends_the_state_with_one_line() {
+    let logs = Capture::global();
+    let full = Arc::new(AtomicBool::new(true));
+    let pool = MockServer::start().await;
+    Mock::given(method("GET"))
+        .and(path("/metrics"))
+        .respond_with(SaturationPage(full.clone()))
+        .mount(&pool)
+        .await;
+    let toml = format!(
+        r#"
+transport = "memory"
+[gateway]
+url = "{pool}"
+[telemetry]
+listen = "127.0.0.1:0"
+[dispatch]
+poll_interval = "50ms"
+receive_wait = "50ms"
+inert_after = "1s"
+shutdown_grace = "1s"
+[[queue]]
+queue_name = "saturated"
+gate_type = "endpoint-scrape"
+gate_params = {{ url = "{pool}/metrics", metric = "pool_saturation" }}
+"#,
+        pool = pool.uri(),
+    );
+    let config = Config::from_toml_str(&toml, &BTreeMap::new()).expect("valid config");
+    let app = support::start_app(&config).await;
+    let client = reqwest::Client::new();
+    let until = |want: i64| {
+        let client = client.clone();
+        let app = &app;
+        async move {
+            let give_up = tokio::time::Instant::now() + Duration::from_secs(20);
+            loop {
+                let page = scrape(&client, app).await;
+                let got = inert(&page, "saturated", "never_opens");
+                if got == Some(want) || tokio::time::Instant::now() > give_up {
+                    return got;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(until(1).await, Some(1), "full for the span: inert");
+    full.store(false, Ordering::SeqCst);
+    assert_eq!(until(0).await, Some(0), "room: no longer inert");
+    app.stop().await;
+
+    let entered: Vec<_> = logs
+        .events("gate_inert")
+        .into_iter()
+        .filter(|f| f["queue"] == "saturated")
+        .collect();
+    assert_eq!(entered.len(), 1, "{entered:#?}");
+    assert_eq!(entered[0]["gate"], "endpoint-scrape");
+    assert_eq!(entered[0]["reason"], "never_opens");
+    assert_eq!(entered[0]["budget"], 0.0);
+    assert_eq!(entered[0]["extreme_budget"], 0.0);
+    let left: Vec<_> = logs
+        .events("gate_not_inert")
+        .into_iter()
+        .filter(|f| f["queue"] == "saturated")
+        .collect();
+    assert_eq!(left.len(), 1, "{left:#?}");
+    assert_eq!(left[0]["reason"], "never_opens");
+    assert_eq!(left[0]["budget"], 1.0, "the reading with room: {}", left[0]);
+    assert_eq!(left[0]["source_available"], true);
+    assert!(
+        left[0]["held_secs"].as_f64().expect("held_secs") >= 1.0,
+        "{}",
+        left[0]
+    );
 }
