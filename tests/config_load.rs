@@ -889,3 +889,26 @@ fn zero_congestion_and_wait_delays_are_errors_naming_the_key() {
     );
     assert!(err.contains("dispatch.congestion_max_backoff"), "{err}");
 }
+
+#[test]
+fn inert_after_is_a_positive_duration_named_in_its_errors() {
+    // Default: 10 minutes, longer than a normal busy period (docs/metrics.md,
+    // "Inert gates").
+    let ok = |file: &str, env: &[(&str, &str)]| {
+        load(Some(file), env, Overrides::default()).expect("valid config")
+    };
+    let config = ok(MINIMAL, &[]);
+    assert_eq!(config.dispatch.inert_after, Duration::from_secs(600));
+    let config = ok(
+        &format!("{MINIMAL}\n[dispatch]\ninert_after = \"90s\"\n"),
+        &[],
+    );
+    assert_eq!(config.dispatch.inert_after, Duration::from_secs(90));
+    let config = ok(MINIMAL, &[("SLUICEGATE_DISPATCH_INERT_AFTER", "15m")]);
+    assert_eq!(config.dispatch.inert_after, Duration::from_secs(900));
+    for bad in ["0s", "soon"] {
+        let text = format!("{MINIMAL}\n[dispatch]\ninert_after = \"{bad}\"\n");
+        let err = load_err(Some(&text), &[]);
+        assert!(err.contains("dispatch.inert_after"), "{bad}: {err}");
+    }
+}

@@ -392,6 +392,7 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                     [(lease.as_millis() % 3) as usize],
                 pace_rate: 0.5 + (poll_interval.as_millis() % 5000) as f64,
                 pace_burst: 0.25 + (lease.as_secs() % 64) as f64,
+                inert_after: default_deadline,
             },
         )
 }

@@ -477,6 +477,11 @@ section! {
         /// Deadline given to submissions that carry none (submit tools).
         #[serde(serialize_with = "render::duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);
+        /// How long a gate's inert rule must hold before
+        /// `sluicegate_gate_inert` reports it (`dispatch::inert`): long
+        /// enough that a pool busy with interactive load is not inert.
+        #[serde(serialize_with = "render::duration")]
+        inert_after: Duration = Duration::from_secs(600), duration_min(NONZERO);
     }
 
     /// `[telemetry]`: the metrics/health listener and logging.

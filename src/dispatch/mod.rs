@@ -2,7 +2,8 @@
 //! (`cost.rs`, pure), paced release (`pace.rs`, pure), the retry policy
 //! (`retry.rs`, pure), fair shares among tenants (`fair.rs`, pure), what is
 //! held and its bytes (`held.rs`, pure), tunables
-//! (`settings.rs`, from the typed config) and the loop that pulls, admits,
+//! (`settings.rs`, from the typed config), inert-gate detection
+//! (`inert.rs`, pure) and the loop that pulls, admits,
 //! sends and settles messages, split by task: `dispatcher.rs` (state, start
 //! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
 
@@ -11,6 +12,7 @@ pub mod cost;
 mod dispatcher;
 mod fair;
 mod held;
+pub mod inert;
 mod observe;
 pub mod pace;
 pub mod pool;

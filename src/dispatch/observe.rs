@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::dispatcher::{Shared, saturating_i64};
+use super::inert::{Change, InertDetector, InertReason, Reading};
 use super::window::Applied;
 use crate::gate::Capacity;
 
@@ -23,6 +24,7 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
     let mut open_log = ChangeLog::new(MIN_LOG_GAP);
     let mut source_log = ChangeLog::new(MIN_LOG_GAP);
     let mut next_backlog = Instant::now();
+    let mut inert = InertDetector::new(settings.inert_after);
     loop {
         let observation = shared.config.gate.observe().await;
         let now = Instant::now();
@@ -30,13 +32,29 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
             max_sys: settings.max_sys,
             unit: settings.unit,
         };
-        let (applied, n, held) = {
+        let (applied, n, held, own_in_flight) = {
             let mut window = shared.window();
             let (n, applied) = window.apply(&observation, capacity, settings.rounding);
             shared.export_window(&window, now);
-            (applied, n, window.is_held() || shared.congestion_held(now))
+            (
+                applied,
+                n,
+                window.is_held() || shared.congestion_held(now),
+                window.in_flight(),
+            )
         };
         let m = shared.metrics();
+        let reading = Reading::new(
+            &observation,
+            capacity,
+            settings.rounding,
+            own_in_flight,
+            now,
+        );
+        for change in inert.update(&reading) {
+            m.set_inert(change.reason.label(), change.inert);
+            log_inert(&shared, &change, inert.span(), &observation.reason);
+        }
         m.budget.set(observation.budget.get());
         m.baseline.set(observation.baseline.get());
         m.source_available
@@ -116,6 +134,63 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
                 () = next_poll => {}
             }
         }
+    }
+}
+
+/// The WARN line of an inert state entered or left (once per change).
+fn log_inert(shared: &Shared, change: &Change, span: Duration, gate_reason: &str) {
+    let r = &change.reading;
+    let queue = shared.queue().name();
+    let gate = shared.config.gate.kind();
+    let reason = change.reason.label();
+    let span_secs = span.as_secs_f64();
+    let held_secs = change.held_for.as_secs_f64();
+    // never_opens: the highest D of the run; max_sys_below_capacity: the
+    // lowest (the least room the pool showed while we were at the ceiling).
+    let extreme_budget = change.extreme_budget;
+    if change.inert {
+        let what = match change.reason {
+            InertReason::NeverOpens => {
+                "gate inert: D never exceeded B with the source available and none of our work in flight"
+            }
+            InertReason::MaxSysBelowCapacity => {
+                "gate inert: our work in flight held at max_SYS x (1 - B) while the pool still read D > B"
+            }
+        };
+        tracing::warn!(
+            queue,
+            event = "gate_inert",
+            gate,
+            reason,
+            span_secs,
+            held_secs,
+            budget = r.budget,
+            baseline = r.baseline,
+            max_sys = r.max_sys,
+            ceiling = r.ceiling,
+            own_in_flight = r.own_in_flight,
+            extreme_budget,
+            gate_reason,
+            "{what}"
+        );
+    } else {
+        tracing::warn!(
+            queue,
+            event = "gate_not_inert",
+            gate,
+            reason,
+            span_secs,
+            held_secs,
+            budget = r.budget,
+            baseline = r.baseline,
+            max_sys = r.max_sys,
+            ceiling = r.ceiling,
+            own_in_flight = r.own_in_flight,
+            extreme_budget,
+            source_available = r.source_available,
+            gate_reason,
+            "gate no longer inert"
+        );
     }
 }
 

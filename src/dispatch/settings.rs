@@ -55,6 +55,9 @@ pub struct DispatchSettings {
     pub refill_own_finishes: bool,
     /// Paced release of each pool's sends (`dispatch.pace`); `None`: off.
     pub pace: Option<Pace>,
+    /// How long an inert rule must hold before it is reported
+    /// (`dispatch.inert_after`, `dispatch::inert`).
+    pub inert_after: Duration,
 }
 
 /// Most messages pulled in one receive (not configurable: the window
@@ -89,6 +92,7 @@ impl From<&DispatchConfig> for DispatchSettings {
             max_buffered_bytes: d.max_buffered_bytes,
             refill_own_finishes: true,
             pace: pace(d),
+            inert_after: d.inert_after,
         }
     }
 }

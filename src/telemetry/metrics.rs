@@ -155,6 +155,7 @@ pub struct Metrics {
     baseline: Family<QueueLabel, FloatGauge>,
     gate_open: Family<QueueLabel, Gauge>,
     source_available: Family<QueueLabel, Gauge>,
+    gate_inert: Family<ReasonLabels, Gauge>,
     observation_age: Family<QueueLabel, FloatGauge>,
     parked: Family<QueueLabel, Gauge>,
     awaiting_deadline: Family<QueueLabel, Gauge>,
@@ -280,6 +281,7 @@ impl Metrics {
             baseline: Family::default(),
             gate_open: Family::default(),
             source_available: Family::default(),
+            gate_inert: Family::default(),
             observation_age: Family::default(),
             parked: Family::default(),
             awaiting_deadline: Family::default(),
@@ -420,6 +422,11 @@ impl Metrics {
             "sluicegate_source_available",
             "1 when the gate's metric source answered usably",
             m.source_available.clone(),
+        );
+        r.register(
+            "sluicegate_gate_inert",
+            "1 while the gate has been inert for dispatch.inert_after, by reason (never_opens, max_sys_below_capacity)",
+            m.gate_inert.clone(),
         );
         r.register(
             "sluicegate_observation_age_seconds",
@@ -600,6 +607,12 @@ impl Metrics {
             verdict: "continue",
             reason: "admitted",
         });
+        for reason in INERT_REASONS {
+            let _ = self.gate_inert.get_or_create_owned(&ReasonLabels {
+                queue: queue(),
+                reason,
+            });
+        }
         QueueMetrics {
             queue: name.to_owned(),
             received: self.received.get_or_create_owned(&l),
@@ -608,6 +621,7 @@ impl Metrics {
             attempts: self.attempts.clone(),
             retries: self.retries.clone(),
             decisions: self.decisions.clone(),
+            gate_inert: self.gate_inert.clone(),
             congestion: self.congestion.get_or_create_owned(&l),
             result_write_errors: self.result_write_errors.get_or_create_owned(&l),
             leases_lost: self.leases_lost.get_or_create_owned(&l),
@@ -699,6 +713,7 @@ pub struct QueueMetrics {
     attempts: Family<OutcomeLabels, Counter>,
     retries: Family<ReasonLabels, Counter>,
     decisions: Family<DecisionLabels, Counter>,
+    gate_inert: Family<ReasonLabels, Gauge>,
     /// 429/503 congestion signals.
     pub congestion: Counter,
     /// Failed result writes.
@@ -773,6 +788,16 @@ impl QueueMetrics {
             .inc();
     }
 
+    /// Sets whether the gate is inert for `reason` (of [`INERT_REASONS`]).
+    pub fn set_inert(&self, reason: &'static str, inert: bool) {
+        self.gate_inert
+            .get_or_create(&ReasonLabels {
+                queue: self.queue.clone(),
+                reason,
+            })
+            .set(i64::from(inert));
+    }
+
     /// Counts an admission verdict.
     pub fn decision(&self, verdict: &'static str, reason: &'static str) {
         self.decisions
@@ -810,6 +835,9 @@ const ATTEMPT_OUTCOMES: [&str; 6] = [
     "deadline_exceeded",
 ];
 
+/// Reasons of `sluicegate_gate_inert` (`dispatch::inert::InertReason`).
+pub const INERT_REASONS: [&str; 2] = ["never_opens", "max_sys_below_capacity"];
+
 /// Reasons a message goes back to the queue.
 const RETRY_REASONS: [&str; 4] = ["failed", "congested", "not_admitted", "shutdown"];
 
@@ -833,6 +861,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_baseline_ratio",
     "sluicegate_gate_open",
     "sluicegate_source_available",
+    "sluicegate_gate_inert",
     "sluicegate_observation_age_seconds",
     "sluicegate_parked_requests",
     "sluicegate_deadline_waiting_requests",

@@ -7,6 +7,8 @@ pub mod metrics;
 pub mod server;
 pub mod traces;
 
-pub use metrics::{BatchApiMetrics, METRIC_NAMES, Metrics, PoolMetrics, QueueMetrics};
+pub use metrics::{
+    BatchApiMetrics, INERT_REASONS, METRIC_NAMES, Metrics, PoolMetrics, QueueMetrics,
+};
 pub use server::{Health, serve};
 pub use traces::{TraceExport, TraceSettings, Traces};
