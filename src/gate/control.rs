@@ -360,12 +360,14 @@ impl Aimd {
     /// Without `graded`, so is every other cause. With it, a miss cuts in
     /// proportion to its size: attainment by its shortfall measured in the
     /// SLO's own allowance (`1 − target`), waiting by its excess over the
-    /// threshold measured in the threshold; a miss of one allowance or more,
-    /// or a second miss in a row, cuts the full `decrease`. Why: on steady load most misses are one
-    /// noisy interval just past the line, and halving the window for each
-    /// keeps it swinging between half and full (`osc` 0.36): the peaks make
-    /// the violations and the troughs waste the slack. A wave's miss is
-    /// large (attainment far below, many waiting), so it still halves.
+    /// threshold measured in the threshold; a miss of one allowance or
+    /// more, or a second miss in a row, cuts the full `decrease`. Why: on
+    /// steady load most misses are one noisy interval just past the line,
+    /// and halving the window for each keeps it swinging between half and
+    /// full. Off by default (`feedback`'s `graded_cut`): on the train seeds
+    /// it harvested 5–15 % more on steady load but cut too little in a
+    /// wave's first readings and broke the SLO budget there
+    /// (`docs/gate-quality.md`, "Calibrated engine").
     pub fn cut_factor(&self, cause: Cause, s: &Signals) -> f64 {
         let c = &self.cfg;
         let severity = match cause {

@@ -314,8 +314,13 @@ impl MetricGate for FeedbackGate {
             let s = format!("{x:.3}");
             s.trim_end_matches('0').trim_end_matches('.').to_owned()
         };
+        let graded = if c.graded {
+            " (in proportion to the miss below a whole allowance, unless the previous reading missed too)"
+        } else {
+            ""
+        };
         vec![format!(
-            "AIMD window in [{}, {}] from {}: +{} (±{:.0} %) per clean reading (attainment >= {} + {}, own in flight >= {} of the window), ×{} on 429/503, preemption, attainment < {} or waiting > {} per engine for {} readings; attainment of TTFT <= {} s and ITL <= {} s",
+            "AIMD window in [{}, {}] from {}: +{} (±{:.0} %) per clean reading (attainment >= {} + {}, own in flight >= {} of the window), ×{} on 429/503, preemption, attainment < {} or waiting > {} per engine for {} readings{graded}; attainment of TTFT <= {} s and ITL <= {} s",
             n(c.min),
             n(c.max),
             n(c.initial),
