@@ -27,8 +27,9 @@
 //!   pool), pools whose queues share one window (pure, `pool.rs`), the
 //!   shared window across replicas (a Redis lease semaphore,
 //!   `shared_window.rs`), the retry policy (pure), fair shares among
-//!   tenants (pure, `fair.rs`), settings from the typed config, and the
-//!   dispatch loop split by task (receive, send, settle, observe).
+//!   tenants (pure, `fair.rs`), the inert-gate detector (pure,
+//!   `inert.rs`), settings from the typed config, and the dispatch loop
+//!   split by task (receive, send, settle, observe).
 //! - [`gateway`]: the HTTP client, endpoint and header rules, and response
 //!   classification.
 //! - [`result`]: result records and error codes.

@@ -182,7 +182,7 @@ pub enum LeaseError {
     },
 }
 
-/// Checks the five fields of the control hash (in [`FIELDS`] order) at
+/// Checks the five fields of the control hash (in `FIELDS` order) at
 /// `now_ms` (Unix milliseconds) for `pool_id`, as upstream's
 /// `ValidateAt` plus its pool check.
 pub fn parse_lease(
