@@ -148,50 +148,34 @@ fn log_inert(shared: &Shared, change: &Change, span: Duration, gate_reason: &str
     // never_opens: the highest D of the run; max_sys_below_capacity: the
     // lowest (the least room the pool showed while we were at the ceiling).
     let extreme_budget = change.extreme_budget;
-    if change.inert {
-        let what = match change.reason {
-            InertReason::NeverOpens => {
-                "gate inert: D never exceeded B with the source available and none of our work in flight"
-            }
-            InertReason::MaxSysBelowCapacity => {
-                "gate inert: our work in flight held at max_SYS x (1 - B) while the pool still read D > B"
-            }
-        };
-        tracing::warn!(
-            queue,
-            event = "gate_inert",
-            gate,
-            reason,
-            span_secs,
-            held_secs,
-            budget = r.budget,
-            baseline = r.baseline,
-            max_sys = r.max_sys,
-            ceiling = r.ceiling,
-            own_in_flight = r.own_in_flight,
-            extreme_budget,
-            gate_reason,
-            "{what}"
-        );
-    } else {
-        tracing::warn!(
-            queue,
-            event = "gate_not_inert",
-            gate,
-            reason,
-            span_secs,
-            held_secs,
-            budget = r.budget,
-            baseline = r.baseline,
-            max_sys = r.max_sys,
-            ceiling = r.ceiling,
-            own_in_flight = r.own_in_flight,
-            extreme_budget,
-            source_available = r.source_available,
-            gate_reason,
-            "gate no longer inert"
-        );
-    }
+    let (event, what) = match (change.inert, change.reason) {
+        (true, InertReason::NeverOpens) => (
+            "gate_inert",
+            "gate inert: D never exceeded B with the source available and none of our work in flight",
+        ),
+        (true, InertReason::MaxSysBelowCapacity) => (
+            "gate_inert",
+            "gate inert: our work in flight held at max_SYS x (1 - B) while the pool still read D > B",
+        ),
+        (false, _) => ("gate_not_inert", "gate no longer inert"),
+    };
+    tracing::warn!(
+        queue,
+        event,
+        gate,
+        reason,
+        span_secs,
+        held_secs,
+        budget = r.budget,
+        baseline = r.baseline,
+        max_sys = r.max_sys,
+        ceiling = r.ceiling,
+        own_in_flight = r.own_in_flight,
+        extreme_budget,
+        source_available = r.source_available,
+        gate_reason,
+        "{what}"
+    );
 }
 
 /// Least time between two log lines of one kind (open/closed, source

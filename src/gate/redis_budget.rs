@@ -5,7 +5,6 @@
 //! closes the gate unless `missing` opts into a fallback (upstream opens on
 //! a missing key).
 
-use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -14,7 +13,7 @@ use serde_json::Value;
 use super::param::{GateParams, ParseCx, loose, show};
 use super::reading::{MetricGate, SourceReport, pool_reading};
 use super::{BuildError, DispatchGate, Fallback, GateContext, GateError, Observation};
-use crate::source::{Cached, RedisKey, parse_budget_record};
+use crate::source::{Cached, DecisionAcks, RedisKey, parse_budget_record};
 
 /// What the `redis` gate does when the budget key is missing or unreadable.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -109,10 +108,8 @@ impl GateParams for RedisParams {
 #[derive(Debug)]
 pub struct RedisBudgetGate {
     key: Cached<RedisKey>,
-    /// This replica's name in the controller's acknowledgement hash.
-    replica: String,
-    /// The newest decision acknowledged, so each is written back once.
-    acknowledged: Mutex<Option<String>>,
+    /// This replica's acknowledgements of the controller's decisions.
+    acks: DecisionAcks,
     /// A decision older than this is refused by the staleness wrapper, so
     /// it is not acknowledged as applied either.
     max_staleness: Duration,
@@ -124,37 +121,8 @@ impl RedisBudgetGate {
     pub fn new(key: Cached<RedisKey>, replica: impl Into<String>, max_staleness: Duration) -> Self {
         Self {
             key,
-            replica: replica.into(),
-            acknowledged: Mutex::new(None),
+            acks: DecisionAcks::new(replica),
             max_staleness,
-        }
-    }
-
-    /// Writes `decision_id` back to `<key>:applied` once. A failed write is
-    /// logged and retried on the next read: the controller only learns late.
-    async fn acknowledge(&self, decision_id: &str) {
-        let done = self
-            .acknowledged
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_deref()
-            == Some(decision_id);
-        if done {
-            return;
-        }
-        match self
-            .key
-            .source()
-            .acknowledge(&self.replica, decision_id)
-            .await
-        {
-            Ok(()) => {
-                *self.acknowledged.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(decision_id.to_owned());
-            }
-            Err(error) => {
-                tracing::warn!(%error, decision_id, "cannot acknowledge the budget decision");
-            }
         }
     }
 }
@@ -198,7 +166,7 @@ impl MetricGate for RedisBudgetGate {
                         );
                         let usable = reading.taken_at.elapsed() <= self.max_staleness;
                         if let (Some(id), true) = (&record.decision_id, usable) {
-                            self.acknowledge(id).await;
+                            self.key.source().acknowledge(&self.acks, id).await;
                         }
                         Ok(reading)
                     }

@@ -23,7 +23,6 @@
 //! (field = replica name), as the `redis` gate acknowledges its decisions
 //! (upstream acknowledges nothing; it exports gauges instead).
 
-use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
@@ -35,7 +34,7 @@ use super::{
     Admission, AdmissionRequest, Budget, BuildError, DispatchGate, Explanation, GateContext,
     GateError, Observation, SourceReport, Ticket,
 };
-use crate::source::{RedisEndpoint, SourceError};
+use crate::source::{DecisionAcks, RedisEndpoint, SourceError};
 
 /// The wire-contract version a lease must carry (upstream's
 /// `DispatchRateLimitAPIVersion`).
@@ -129,8 +128,7 @@ impl GateParams for RedisLeasedRateParams {
             state_key,
             pool_id,
             burst_seconds: self.burst_seconds,
-            replica: ctx.replica.clone(),
-            acknowledged: Mutex::new(None),
+            acks: DecisionAcks::new(ctx.replica.clone()),
             script: redis::Script::new(ACQUIRE_SCRIPT),
         }))
     }
@@ -292,10 +290,8 @@ pub struct RedisLeasedRateGate {
     state_key: String,
     pool_id: String,
     burst_seconds: f64,
-    /// This replica's name in `<control_key>:applied`.
-    replica: String,
-    /// The newest decision acknowledged, so each is written back once.
-    acknowledged: Mutex<Option<String>>,
+    /// This replica's acknowledgements in `<control_key>:applied`.
+    acks: DecisionAcks,
     script: redis::Script,
 }
 
@@ -315,33 +311,6 @@ impl RedisLeasedRateGate {
                 async move { hmget.query_async::<Vec<Option<String>>>(&mut conn).await }
             })
             .await
-    }
-
-    /// Writes `decision_id` back once; a failed write is logged and
-    /// retried on the next reading (the planner only learns late).
-    async fn acknowledge(&self, decision_id: &str) {
-        let done = self
-            .acknowledged
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_deref()
-            == Some(decision_id);
-        if done {
-            return;
-        }
-        match self
-            .endpoint
-            .acknowledge(&self.control_key, &self.replica, decision_id)
-            .await
-        {
-            Ok(()) => {
-                *self.acknowledged.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(decision_id.to_owned());
-            }
-            Err(error) => {
-                tracing::warn!(%error, decision_id, "cannot acknowledge the rate lease");
-            }
-        }
     }
 
     /// Reads the lease and says how, for `observe` and `explain`;
@@ -369,7 +338,9 @@ impl RedisLeasedRateGate {
                 report.values.push(("max_admission_rps".into(), lease.rps));
                 report.outcome = "used".into();
                 if acknowledge {
-                    self.acknowledge(&lease.decision_id).await;
+                    self.acks
+                        .acknowledge(&self.endpoint, &self.control_key, &lease.decision_id)
+                        .await;
                 }
                 let left_ms = lease.valid_until_ms - now_ms;
                 // The exact rate is the bucket's business at admission; the

@@ -28,7 +28,8 @@ pub use cache::Cached;
 pub use local::{MetricsAccess, MetricsEndpoint, PromAnswer};
 pub use prom::{PromAuth, PromClient, PromQuery, PromSample, PromVector};
 pub use redis_key::{
-    APPLIED_SUFFIX, BudgetRecord, RecordError, RedisEndpoint, RedisKey, parse_budget_record,
+    APPLIED_SUFFIX, BudgetRecord, DecisionAcks, RecordError, RedisEndpoint, RedisKey,
+    parse_budget_record,
 };
 pub use scrape::Scrape;
 pub use text::{Exposition, MetricType, ParseError};

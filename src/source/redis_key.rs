@@ -297,10 +297,52 @@ pub fn parse_budget_record(
 impl RedisKey {
     /// Records that `replica` applied `decision_id`: `HSET <key>:applied
     /// <replica> <decision_id>`, kept for an hour after the last write.
-    pub async fn acknowledge(&self, replica: &str, decision_id: &str) -> Result<(), SourceError> {
-        self.endpoint
-            .acknowledge(&self.key, replica, decision_id)
-            .await
+    pub async fn acknowledge(&self, acks: &DecisionAcks, decision_id: &str) {
+        acks.acknowledge(&self.endpoint, &self.key, decision_id)
+            .await;
+    }
+}
+
+/// This replica's acknowledgements of a controller's decisions (the
+/// `redis` and `redis-leased-rate` gates): each decision id is written
+/// back once ([`RedisEndpoint::acknowledge`]); a failed write is logged
+/// and retried at the next reading, so the controller only learns late.
+#[derive(Debug)]
+pub struct DecisionAcks {
+    /// This replica's name in `<key>:applied`.
+    replica: String,
+    /// The newest decision acknowledged.
+    last: std::sync::Mutex<Option<String>>,
+}
+
+impl DecisionAcks {
+    /// Acknowledgements as `replica`.
+    pub fn new(replica: impl Into<String>) -> Self {
+        Self {
+            replica: replica.into(),
+            last: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn last(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        // Plain field writes: a poisoned lock still holds a usable value.
+        self.last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Writes `decision_id` to `<key>:applied` at `endpoint` unless it was
+    /// the last one written.
+    pub async fn acknowledge(&self, endpoint: &RedisEndpoint, key: &str, decision_id: &str) {
+        if self.last().as_deref() == Some(decision_id) {
+            return;
+        }
+        match endpoint.acknowledge(key, &self.replica, decision_id).await {
+            Ok(()) => *self.last() = Some(decision_id.to_owned()),
+            Err(error) => {
+                tracing::warn!(%error, key, decision_id, "cannot acknowledge the controller's decision");
+            }
+        }
     }
 }
 
