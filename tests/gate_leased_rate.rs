@@ -3,7 +3,8 @@
 //! `<control key>:state`; a missing, expired, malformed or foreign lease is
 //! budget zero and refuses every message without creating bucket state; a
 //! pause (rate 0) is a valid zero; each new decision id is acknowledged in
-//! `<control key>:applied`.
+//! `<control key>:applied`; Redis going away is zero, and its return is
+//! picked up without a restart.
 //!
 //! No wall-clock thresholds: rates are so low (one token per 1000 s) that a
 //! slow test cannot refill a token by itself, and refills are made by
@@ -251,4 +252,45 @@ async fn probe_explains_the_lease() {
     assert!(notes.contains(STATE) && notes.contains(APPLIED), "{notes}");
     // Looking is not applying: the probe acknowledges nothing.
     assert_eq!(server.int(&["EXISTS", APPLIED]), 0);
+}
+
+/// Redis gone while a valid lease is held: the gate reads no lease (budget
+/// zero: fail closed, never the last rate it saw) and refuses every
+/// message as `lease_unavailable`; once Redis is back and the planner has
+/// written a lease again, the same gate admits again.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_down_is_zero_and_the_gate_recovers_when_it_returns() {
+    let mut server = RedisServer::start();
+    let gate = build(&server, json!({"burst_seconds": 2000}));
+    write_lease(&server, "pool-a", "0.001", &in_a_minute(&server), "d-1");
+    assert_eq!(gate.observe().await.expect("readable").budget, Budget::FULL);
+
+    server.kill();
+    match gate.observe().await {
+        Err(_) => {}
+        Ok(reading) => assert_eq!(reading.budget, Budget::ZERO, "{}", reading.reason),
+    }
+    assert_eq!(
+        verdict(gate.as_ref()).await,
+        ("refuse", "lease_unavailable")
+    );
+
+    server.restart();
+    write_lease(&server, "pool-a", "0.001", &in_a_minute(&server), "d-2");
+    // The connection comes back on its own; bounded, no timing asserted.
+    let mut admitted = false;
+    for _ in 0..100 {
+        if gate.observe().await.is_ok_and(|r| r.budget == Budget::FULL)
+            && verdict(gate.as_ref()).await == ("continue", "admitted")
+        {
+            admitted = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        admitted,
+        "the gate admits again once Redis and the lease are back"
+    );
+    assert_eq!(server.cli(&["HGET", APPLIED, REPLICA]).trim(), "d-2");
 }
