@@ -61,12 +61,12 @@ impl Backend {
             Self::Single(port) => {
                 let client =
                     redis::Client::open(format!("redis://127.0.0.1:{port}/0")).expect("redis url");
-                sluicegate::queue::redis::RedisConnection::Single(
-                    sluicegate::queue::redis::manager(&client).expect("manager"),
+                sluicegate::redis::RedisConnection::Single(
+                    sluicegate::redis::manager(&client).expect("manager"),
                 )
             }
-            Self::Cluster(url) => sluicegate::queue::redis::RedisConnection::Cluster(
-                sluicegate::queue::redis::cluster_connection(
+            Self::Cluster(url) => sluicegate::redis::RedisConnection::Cluster(
+                sluicegate::redis::cluster_connection(
                     url,
                     None,
                     None,
@@ -572,7 +572,7 @@ async fn a_killed_replicas_intake_is_taken_over_by_the_other(backend: Backend) {
         Backend::Single(_) => format!("sluicegate:batchapi:intake:{id}"),
         Backend::Cluster(_) => format!("{{batch-api}}:sluicegate:batchapi:intake:{id}"),
     };
-    let progress = |conn: &mut sluicegate::queue::redis::RedisConnection| {
+    let progress = |conn: &mut sluicegate::redis::RedisConnection| {
         let key = progress_key.clone();
         let mut conn = conn.clone();
         async move {

@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
-use sluicegate::app::Tasks;
 use sluicegate::config::{GatingMode, Rounding, Unit};
 use sluicegate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use sluicegate::gate::{
@@ -19,6 +18,7 @@ use sluicegate::gate::{
 use sluicegate::gateway::{GatewayClient, GatewaySettings, Target};
 use sluicegate::queue::MemoryQueue;
 use sluicegate::result::{ErrorCode, ResultRecord};
+use sluicegate::tasks::Tasks;
 use sluicegate::telemetry::Metrics;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

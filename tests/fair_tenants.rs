@@ -413,11 +413,10 @@ async fn weights_hold_behind_a_deep_backlog_on_the_embedded_store() {
 /// leaves it.
 #[tokio::test(flavor = "multi_thread")]
 async fn messages_back_in_pending_are_back_in_their_lane() {
-    use sluicegate::app::Tasks;
-    use sluicegate::queue::redis::{
-        RedisConnection, RedisQueue, RedisQueueSettings, client, manager,
-    };
+    use sluicegate::queue::redis::{RedisQueue, RedisQueueSettings};
     use sluicegate::queue::{NackReason, Queue};
+    use sluicegate::redis::{RedisConnection, client, manager};
+    use sluicegate::tasks::Tasks;
     let server = RedisServer::start();
     let base = unix_now() + 3600;
     let lines: Vec<String> = (0..3)

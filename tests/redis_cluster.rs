@@ -526,7 +526,7 @@ async fn the_shared_window_works_through_a_cluster() {
     assert!(!keys.is_empty(), "no semaphore keys on the cluster");
     let tags: std::collections::BTreeSet<_> = keys
         .iter()
-        .filter_map(|k| sluicegate::queue::redis::hash_tag(k).map(str::to_owned))
+        .filter_map(|k| sluicegate::redis::hash_tag(k).map(str::to_owned))
         .collect();
     assert_eq!(
         tags.len(),

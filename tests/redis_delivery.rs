@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sluicegate::config::{Config, EndpointUrl, RedisConfig};
-use sluicegate::queue::redis::{RedisQueueSettings, Submission, connection, enqueue};
+use sluicegate::queue::redis::{RedisQueueSettings, Submission, enqueue};
+use sluicegate::redis::connection;
 use sluicegate::request::{MAX_ID_LEN, parse_message, synthetic_id};
 use support::redis::RedisServer;
 use wiremock::matchers::method;

@@ -8,15 +8,14 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use sluicegate::app::{Running, Tasks};
+use sluicegate::app::Running;
 use sluicegate::config::{Config, EndpointUrl, RedisConfig, Secret};
 use sluicegate::queue::Queue;
-use sluicegate::queue::redis::{
-    RedisConnection, RedisQueue, RedisQueueSettings, Submission, cancel, client, connection,
-    enqueue, manager,
-};
+use sluicegate::queue::redis::{RedisQueue, RedisQueueSettings, Submission, cancel, enqueue};
+use sluicegate::redis::{RedisConnection, client, connection, manager};
 use sluicegate::request::parse_message;
 use sluicegate::sim::{SimConfig, spawn_http};
+use sluicegate::tasks::Tasks;
 use support::redis::{RedisOptions, RedisServer};
 use tokio_util::sync::CancellationToken;
 

@@ -16,8 +16,6 @@
 //! → telemetry stops → exit.
 //! A task that panics starts the same drain and fails the run.
 
-mod tasks;
-
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Write;
@@ -39,7 +37,7 @@ use crate::queue::{MemoryQueue, OpenError, Queue, Transports};
 use crate::telemetry::traces::{TraceExport, TraceStartError};
 use crate::telemetry::{Health, Metrics, QueueMetrics};
 
-pub use tasks::Tasks;
+use crate::tasks::Tasks;
 
 /// Exit code of a run that could not start (configuration, as
 /// `check-config` documents).
@@ -115,7 +113,7 @@ pub enum AppError {
     Traces(#[from] TraceStartError),
     /// The shared window's Redis client could not be built.
     #[error("dispatch.shared_window: {0}")]
-    SharedWindow(#[source] crate::queue::redis::ConnectError),
+    SharedWindow(#[source] crate::redis::ConnectError),
 }
 
 impl AppError {
@@ -522,7 +520,7 @@ fn start_shared_windows(
         .unwrap_or_else(crate::queue::default_redis_config);
     // The shared connection type: one server or a cluster (`{pool}`-tagged
     // keys keep each script in one slot).
-    let conn = crate::queue::redis::connection(&redis).map_err(AppError::SharedWindow)?;
+    let conn = crate::redis::connection(&redis).map_err(AppError::SharedWindow)?;
     let settings = SharedWindowSettings {
         lease: config.dispatch.shared_window_lease,
         chunk: config.dispatch.shared_window_chunk,

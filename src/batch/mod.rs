@@ -35,7 +35,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::app::{AppError, Tasks};
+use crate::app::AppError;
 use crate::config::{
     Config, DispatchConfig, EndpointUrl, GateSpec, GatewayConfig, QueueConfig, Rounding,
     TelemetryConfig, TransportKind, Unit,
@@ -46,6 +46,7 @@ use crate::gate::DispatchGate;
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
 use crate::result::ResultRecord;
+use crate::tasks::Tasks;
 use crate::telemetry::Metrics;
 
 pub use status::{BatchState, StateTimes, format_rate};

@@ -15,11 +15,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use clap::Args;
 
 use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
-use crate::app::Tasks;
 use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{ConstantGate, FailClosed};
 use crate::gateway::{GatewayClient, GatewaySettings, Target};
 use crate::queue::MemoryQueue;
+use crate::tasks::Tasks;
 use crate::telemetry::Metrics;
 use tokio_util::sync::CancellationToken;
 

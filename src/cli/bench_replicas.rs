@@ -8,7 +8,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::queue::redis::RedisConnection;
+use crate::redis::RedisConnection;
 use clap::Args;
 
 use super::submit::RedisArgs;

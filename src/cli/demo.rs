@@ -247,7 +247,7 @@ async fn demo(args: DemoArgs) -> Result<ExitCode, String> {
     let sim_zero = pool.sim_time();
     let stop = CancellationToken::new();
     // The demo's helpers run on a task tree too, so a panic is named.
-    let tasks = crate::app::Tasks::new();
+    let tasks = crate::tasks::Tasks::new();
 
     // A catalogue gate, built as `run` builds any queue's gate:
     // `feedback` on the pool's own /metrics grows its batch window while

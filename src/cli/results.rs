@@ -14,7 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use super::submit::RedisArgs;
 use crate::queue::Queue as _;
-use crate::queue::redis::blocking_connection;
+use crate::redis::blocking_connection;
 use crate::result::ResultRecord;
 
 /// Output shape.

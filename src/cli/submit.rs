@@ -10,7 +10,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::batch::input::{DuplicateIds, ParsedInput, parse_input_with};
 use crate::config::{EndpointUrl, RedisConfig, Secret, parse_duration, read_secret_file};
-use crate::queue::redis::{RedisConnection, Submission, connection, enqueue};
+use crate::queue::redis::{Submission, enqueue};
+use crate::redis::{RedisConnection, connection};
 use crate::request::parse_message;
 
 /// Lines sent per pipelined round trip.

@@ -43,11 +43,11 @@ use super::receive::receive_loop;
 use super::retry::RetryPolicy;
 use super::settings::DispatchSettings;
 use super::settle::{lease_keeper, result_writer};
-use crate::app::Tasks;
 use crate::gate::FailClosed;
 use crate::gateway::{GatewayClient, PreparedRequest, Target};
 use crate::queue::{Completion, Delivery, DeliveryTag, NackReason, Queue};
 use crate::request::{AttemptRecord, Message};
+use crate::tasks::Tasks;
 use crate::telemetry::QueueMetrics;
 use crate::telemetry::traces::{MessageTrace, StepSpan};
 

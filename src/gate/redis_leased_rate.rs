@@ -105,8 +105,7 @@ impl GateParams for RedisLeasedRateParams {
         // e.g. `{dynamo-batch}:drain-limit`, covers the default state key).
         let cluster = ctx.redis.as_ref().is_some_and(|r| r.cluster);
         if cluster
-            && crate::queue::redis::key_slot(&self.control_key)
-                != crate::queue::redis::key_slot(&state_key)
+            && crate::redis::key_slot(&self.control_key) != crate::redis::key_slot(&state_key)
         {
             return Err(BuildError::MissingParam {
                 gate_type: "redis-leased-rate",

@@ -286,8 +286,7 @@ impl TierPriorityAdmissionParams {
                 // slot, which a hash tag in the bucket (`{groq}`) gives.
                 let cluster = ctx.redis.as_ref().is_some_and(|r| r.cluster);
                 let (a, b) = (inflight_key(prefix, bucket), cap_key(prefix, bucket));
-                if cluster && crate::queue::redis::key_slot(&a) != crate::queue::redis::key_slot(&b)
-                {
+                if cluster && crate::redis::key_slot(&a) != crate::redis::key_slot(&b) {
                     return Err(BuildError::MissingParam {
                         gate_type: GATE,
                         param: "bucket",

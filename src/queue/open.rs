@@ -5,14 +5,15 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::app::Tasks;
 use crate::config::{Config, EndpointUrl, RedisConfig, TransportKind};
+use crate::tasks::Tasks;
 use crate::telemetry::Metrics;
 
 use super::embedded::{EmbeddedError, EmbeddedQueue};
 use super::pubsub::{PubSubError, PubSubQueue};
-use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, connection, hash_tag, key_slot};
+use super::redis::{RedisQueue, RedisQueueSettings};
 use super::{MemoryQueue, Queue, TenantLanes};
+use crate::redis::{ConnectError, connection, hash_tag, key_slot};
 
 /// Store file of the embedded transport when `[embedded]` names none.
 const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";

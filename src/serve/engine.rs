@@ -908,7 +908,7 @@ impl Engine {
     /// other producers are moved to `<list>-unclaimed`, never dropped.
     pub async fn collect_redis(
         self: Arc<Self>,
-        conn: crate::queue::redis::RedisConnection,
+        conn: crate::redis::RedisConnection,
         list: String,
         stop: CancellationToken,
     ) {

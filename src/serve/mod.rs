@@ -32,10 +32,11 @@ use reqwest::header::HeaderName;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::app::{AppError, RunOptions, Running, Tasks};
+use crate::app::{AppError, RunOptions, Running};
 use crate::config::{Config, ServeConfig, ServeDispatcher, TransportKind};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
-use crate::queue::redis::{ConnectError, hash_tag, key_slot};
+use crate::redis::{ConnectError, hash_tag, key_slot};
+use crate::tasks::Tasks;
 use crate::telemetry::{Health, Metrics};
 
 use self::auth::{Keys, KeysError};
@@ -353,7 +354,7 @@ pub async fn start(
                     list: serve.result_list.clone(),
                 });
             }
-            let conn = crate::queue::redis::connection(&redis_config)?;
+            let conn = crate::redis::connection(&redis_config)?;
             let sink = Sink::Redis {
                 conn: conn.clone(),
                 queue: queue_name,

@@ -13,11 +13,12 @@
 //! On a Redis Cluster the progress key carries the queue's hash tag, so
 //! the `MULTI` stays in the queue's slot.
 
-use crate::queue::redis::RedisConnection;
+use crate::redis::RedisConnection;
 use bytes::Bytes;
 
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
-use crate::queue::redis::{Mark, Submission, cancel, enqueue_marked, hash_tag};
+use crate::queue::redis::{Mark, Submission, cancel, enqueue_marked};
+use crate::redis::hash_tag;
 use crate::request::Message;
 
 /// Why requests could not be enqueued or cancelled.

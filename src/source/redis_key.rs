@@ -32,7 +32,7 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use super::{Source, SourceError, Timestamped};
-use crate::queue::redis::{RedisConnection, cluster_connection};
+use crate::redis::{RedisConnection, cluster_connection};
 
 /// A lazily connected Redis endpoint with credentials and a per-command
 /// timeout: what every Redis-backed gate opens (the `redis` budget key,

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use sluicegate::config::{EndpointUrl, RedisConfig};
-use sluicegate::queue::redis::{Submission, connection, enqueue};
+use sluicegate::queue::redis::{Submission, enqueue};
+use sluicegate::redis::connection;
 use sluicegate::request::parse_message;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};

@@ -12,7 +12,6 @@
 //!   their original score, moves due retries back to their origin queue at
 //!   their deadline score, and watches reachability for readiness.
 
-mod connect;
 mod producer;
 mod scripts;
 
@@ -30,14 +29,11 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
 };
-use crate::app::Tasks;
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::tasks::Tasks;
 
-pub use connect::{
-    ConnectError, RedisConnection, blocking, blocking_connection, client, cluster_connection,
-    connection, hash_tag, key_slot, manager, masked_addr,
-};
+use crate::redis::{RedisConnection, hash_tag};
 pub use producer::{CancelOutcome, Mark, Submission, cancel, enqueue, enqueue_marked, queue_score};
 
 /// Upstream's retry set, shared by every queue.

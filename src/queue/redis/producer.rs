@@ -4,7 +4,8 @@
 
 use redis::aio::ConnectionLike;
 
-use super::{CANCEL_TTL, Keys, RedisConnection, key_slot};
+use super::{CANCEL_TTL, Keys};
+use crate::redis::{RedisConnection, key_slot};
 use crate::request::Message;
 
 /// Score of a message in its queue: the deadline plus a fraction encoding

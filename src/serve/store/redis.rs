@@ -29,7 +29,7 @@
 //! tag keeps every key as on a single server, all in that tag's slot. On
 //! one server (or a proxy) the names are the ones listed above.
 
-use crate::queue::redis::RedisConnection;
+use crate::redis::RedisConnection;
 
 use super::{Recorded, ResultPage, StoreError, decode, encode};
 use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
@@ -133,7 +133,7 @@ impl KeyScheme {
 
     /// Whether the prefix tags the keys itself (or no tags are needed).
     fn plain(&self) -> bool {
-        !self.cluster || crate::queue::redis::hash_tag(&self.prefix).is_some()
+        !self.cluster || crate::redis::hash_tag(&self.prefix).is_some()
     }
 
     /// A record or index key: `P<parts>`, on a cluster `{P}<parts>` (all
@@ -495,7 +495,7 @@ impl RedisStore {
 #[cfg(test)]
 mod tests {
     use super::KeyScheme;
-    use crate::queue::redis::key_slot;
+    use crate::redis::key_slot;
 
     const GLOBAL: [&[&str]; 5] = [
         &["file:", "file-1"],
