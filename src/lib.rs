@@ -56,6 +56,7 @@ pub mod app;
 pub mod batch;
 pub mod chart;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod dispatch;
 pub mod eval;

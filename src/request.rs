@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -266,7 +266,7 @@ enum Invalid {
 
 /// Parses queue bytes (envelope or bare request) into a validated message.
 pub fn parse_message(bytes: &[u8]) -> Result<Message, ParseFailure> {
-    parse_message_at(bytes, unix_now())
+    parse_message_at(bytes, crate::clock::unix_secs())
 }
 
 /// [`parse_message`] with the current Unix time supplied, for tests.
@@ -369,12 +369,6 @@ fn fnv1a(bytes: &[u8]) -> u64 {
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
     hash
-}
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 #[derive(Deserialize)]

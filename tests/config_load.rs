@@ -13,9 +13,10 @@ use sluicegate::gate::{
 
 use sluicegate::config::{
     CONTRACT_ENV_VARS, Config, ConfigError, ConfigErrors, ConfigSources, EndpointUrl, GATE_TYPES,
-    GateSpec, GatingMode, LogFormat, MissingBudget, ObjectiveHeader, Overrides, REDACTED, Rounding,
-    Secret, TransportKind, Unit, known_env_vars,
+    GateSpec, GatingMode, MissingBudget, ObjectiveHeader, Overrides, REDACTED, Rounding, Secret,
+    TransportKind, Unit, known_env_vars,
 };
+use sluicegate::telemetry::LogFormat;
 use url::Url;
 
 fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {

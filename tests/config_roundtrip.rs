@@ -11,9 +11,9 @@ use proptest::prelude::*;
 use serde_json::{Map, Value};
 use sluicegate::config::{
     Config, DispatchConfig, EmbeddedConfig, EndpointUrl, GATE_TYPES, GateSpec, GatewayConfig,
-    GatingMode, LogFormat, MissingBudget, ObjectiveHeader, PaceKind, PrometheusConfig,
-    PubSubConfig, QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig,
-    TransportKind, Unit, allowed_params,
+    GatingMode, MissingBudget, ObjectiveHeader, PaceKind, PrometheusConfig, PubSubConfig,
+    QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig, TransportKind, Unit,
+    allowed_params,
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
@@ -23,6 +23,7 @@ use sluicegate::gate::{
     RedisLeasedRateParams, RedisParams, RedisQuotaParams, TierPriorityAdmissionParams, VllmParams,
     WaitOnRefuseParams,
 };
+use sluicegate::telemetry::LogFormat;
 use url::Url;
 
 fn name() -> impl Strategy<Value = String> {

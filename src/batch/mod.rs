@@ -29,7 +29,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tokio::time::Instant;
@@ -262,12 +262,6 @@ impl std::fmt::Display for BatchSummary {
     }
 }
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-}
-
 /// Usage of a 2xx body: `(prompt, completion)` tokens.
 fn usage(result: &ResultRecord) -> (u64, u64) {
     let Some(200..=299) = result.status_code else {
@@ -306,8 +300,8 @@ pub async fn run_batch(
     let fp = input::fingerprint(&bytes);
     let text = String::from_utf8_lossy(&bytes);
     let imported = queue.meta(INPUT_KEY)?;
-    let default_deadline =
-        unix_now().saturating_add(i64::try_from(options.deadline.as_secs()).unwrap_or(i64::MAX));
+    let default_deadline = crate::clock::unix_secs()
+        .saturating_add(i64::try_from(options.deadline.as_secs()).unwrap_or(i64::MAX));
     let parsed = input::parse_input(&text, default_deadline);
     match imported {
         Some(existing) if existing != fp => return Err(BatchError::InputChanged { state }),

@@ -98,7 +98,7 @@ pub(crate) fn gate_from_flags(
 
 /// Runs `sluicegate batch`.
 pub(crate) async fn run(args: BatchArgs) -> ExitCode {
-    crate::telemetry::logging::init(crate::config::LogFormat::Text, "warn");
+    crate::telemetry::logging::init(crate::telemetry::LogFormat::Text, "warn");
     let max_sys = f64::from(args.max_in_flight).max(1.0);
     let gate = match gate_from_flags(&args.gate, &args.gate_params, max_sys) {
         Ok(g) => g,

@@ -210,7 +210,7 @@ fn demo_panels(
 
 /// Runs the demo.
 pub(crate) async fn run(args: DemoArgs) -> ExitCode {
-    crate::telemetry::logging::init(crate::config::LogFormat::Text, "warn");
+    crate::telemetry::logging::init(crate::telemetry::LogFormat::Text, "warn");
     match demo(args).await {
         Ok(code) => code,
         Err(e) => {

@@ -263,7 +263,7 @@ async fn run_command(cli: Cli) -> ExitCode {
                 .unwrap_or(ExitCode::FAILURE)
         }
         Command::Sim(SimCommand::Serve(args)) => {
-            crate::telemetry::logging::init(crate::config::LogFormat::Text, "info");
+            crate::telemetry::logging::init(crate::telemetry::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
             match crate::sim::serve(args, async move { shutdown.cancelled().await }).await {

@@ -59,6 +59,8 @@ use values::{
     tenant_weights, url_path,
 };
 
+use crate::telemetry::LogFormat;
+
 pub use duration::{format_duration, parse_duration};
 pub use error::{ConfigError, ConfigErrors};
 pub use gate::{
@@ -238,14 +240,6 @@ spelled! {
         Off = "off",
         /// A lease semaphore per pool in Redis (`[redis]`).
         Redis = "redis",
-    }
-
-    /// Log output format.
-    pub enum LogFormat, as_str {
-        /// Human-readable lines.
-        Text = "text",
-        /// One JSON object per line.
-        Json = "json",
     }
 
     /// Where `sluicegate serve` runs the dispatcher.

@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
@@ -200,13 +200,13 @@ impl Shared {
         window: &LaneWindow<'_>,
         now: Instant,
         cost: u64,
-    ) -> Option<Send> {
+    ) -> Option<SendKind> {
         if !window.allows(now, cost) {
             return None;
         }
         match self.config.congestion.clearance(now) {
-            Clearance::Open => Some(Send::Normal),
-            Clearance::Probe => Some(Send::Probe),
+            Clearance::Open => Some(SendKind::Normal),
+            Clearance::Probe => Some(SendKind::Probe),
             Clearance::Held { .. } => None,
         }
     }
@@ -221,17 +221,17 @@ impl Shared {
         now: Instant,
         cost: u64,
         pace_cost: u64,
-    ) -> Option<Send> {
+    ) -> Option<SendKind> {
         if !window.allows(now, cost) {
             return None;
         }
         let send = {
             let mut congestion = self.config.congestion.lock();
             match congestion.clearance(now) {
-                Clearance::Open => Send::Normal,
+                Clearance::Open => SendKind::Normal,
                 Clearance::Probe => {
                     congestion.probe_started();
-                    Send::Probe
+                    SendKind::Probe
                 }
                 Clearance::Held { .. } => return None,
             }
@@ -300,16 +300,10 @@ pub(super) fn saturating_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// Whole seconds since the Unix epoch, for deadline checks.
-pub(super) fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-}
-
-/// How a released request goes.
+/// How a released request goes (named `SendKind` so it never shadows the
+/// `Send` marker trait in the files that use it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Send {
+pub(super) enum SendKind {
     /// Within the window, no congestion.
     Normal,
     /// The one request after a congestion hold; its answer decides whether

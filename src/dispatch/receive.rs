@@ -15,10 +15,11 @@ use tokio_util::task::TaskTracker;
 
 use super::congestion::Clearance;
 use super::cost::request_cost;
-use super::dispatcher::{Ready, Results, Send, Shared, unix_now};
+use super::dispatcher::{Ready, Results, SendKind, Shared};
 use super::fair::FairQueue;
 use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
+use crate::clock::unix_secs;
 use crate::gate::{Admission, AdmissionRequest, DropAnswer, Ticket};
 use crate::queue::{Delivery, NackReason};
 use crate::request::{log_id, parse_message, source_result_id};
@@ -144,8 +145,8 @@ pub(super) async fn receive_loop(
         // on arrival (`check`): the buffer need be looked at only once a
         // second, not on every turn (with thousands of tenants a look
         // costs one step per tenant).
-        if unix_now() != buffer_swept {
-            buffer_swept = unix_now();
+        if unix_secs() != buffer_swept {
+            buffer_swept = unix_secs();
             answer_expired(shared, &mut fair, results).await;
         }
         if want == 0 && sweep_period() != swept_period {
@@ -234,29 +235,28 @@ pub(super) fn pull_size(
     if refill { deficit.min(batch) } else { 0 }
 }
 
-/// The wall clock since the Unix epoch.
-fn since_epoch() -> Duration {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-}
-
 /// Which `DEADLINE_SWEEP` period of the wall clock this is (periods start
 /// at whole seconds).
 fn sweep_period() -> u128 {
-    since_epoch().saturating_sub(DEADLINE_SWEEP_LAG).as_millis() / DEADLINE_SWEEP.as_millis()
+    crate::clock::since_epoch()
+        .saturating_sub(DEADLINE_SWEEP_LAG)
+        .as_millis()
+        / DEADLINE_SWEEP.as_millis()
 }
 
 /// Time until just after the next sweep period starts.
 fn until_next_sweep() -> Duration {
     let period = DEADLINE_SWEEP.as_nanos();
-    let into = since_epoch().saturating_sub(DEADLINE_SWEEP_LAG).as_nanos() % period;
+    let into = crate::clock::since_epoch()
+        .saturating_sub(DEADLINE_SWEEP_LAG)
+        .as_nanos()
+        % period;
     Duration::from_nanos(u64::try_from(period - into).unwrap_or(0))
 }
 
 /// Answers every buffered message whose deadline has passed.
 async fn answer_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, results: &Results) {
-    for ready in fair.take_expired(unix_now()) {
+    for ready in fair.take_expired(unix_secs()) {
         settle_unreleased(shared, ready, Release::DeadlinePassed, results).await;
     }
 }
@@ -268,7 +268,7 @@ async fn sweep_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, result
     let settings = shared.settings();
     let expired = shared
         .queue()
-        .receive_expired(settings.receive_batch, settings.lease, unix_now())
+        .receive_expired(settings.receive_batch, settings.lease, unix_secs())
         .await;
     match expired {
         Ok(deliveries) => {
@@ -435,7 +435,7 @@ fn until_deadline(deadline: i64, delay: Duration) -> Duration {
 pub(super) enum Release {
     /// Window, congestion hold and gate agree: send it (perhaps as the
     /// probe), holding the ticket until it ends.
-    Go(Ticket, Send),
+    Go(Ticket, SendKind),
     /// The gate said wait, refuse or drop (never `Continue`).
     NotAdmitted(Admission),
     /// The deadline passed while the message waited for room.
@@ -525,7 +525,7 @@ pub(super) async fn check(
             ],
         )
     });
-    if message.request.deadline <= unix_now() {
+    if message.request.deadline <= unix_secs() {
         let attempts = message.previous_attempts(delivery.retry_count);
         let result = deadline_result(&message, attempts);
         settle(shared, results, delivery.tag, result, trace.as_ref()).await;
@@ -632,7 +632,7 @@ pub(super) async fn wait_for_room(
         if shared.may_send(&shared.window(), now, ready.cost).is_some() {
             return None;
         }
-        if ready.message.request.deadline <= unix_now() {
+        if ready.message.request.deadline <= unix_secs() {
             return Some(Release::DeadlinePassed);
         }
         if let Clearance::Held { until: Some(until) } = shared.config.congestion.clearance(now) {
@@ -708,7 +708,7 @@ pub(super) fn park(
                 () = finished => {}
                 () = tokio::time::sleep(PARK_RECHECK) => {}
             }
-            if ready.message.request.deadline <= unix_now() {
+            if ready.message.request.deadline <= unix_secs() {
                 break Release::DeadlinePassed;
             }
             if Instant::now() >= give_up {

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{AfterCongestion, after_congestion};
-use super::dispatcher::{Ready, Results, Send, Shared};
+use super::dispatcher::{Ready, Results, SendKind, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
 use crate::gate::{DispatchEvent, Ticket};
@@ -30,7 +30,7 @@ pub(super) async fn send_and_settle(
     shared: Arc<Shared>,
     ready: Ready,
     ticket: Ticket,
-    send: Send,
+    send: SendKind,
     shutdown: CancellationToken,
     abandon: CancellationToken,
     results: Results,
@@ -48,7 +48,7 @@ pub(super) async fn send_and_settle(
             shared.export_window(&window, now);
         }
         drop(ticket);
-        if send == Send::Probe {
+        if send == SendKind::Probe {
             shared.config.congestion.lock().probe_abandoned();
         }
         shared.changed.notify_waiters();
@@ -154,7 +154,7 @@ pub(super) async fn send_and_settle(
                 None
             }
             _ => {
-                if send == Send::Probe {
+                if send == SendKind::Probe {
                     congestion.probe_abandoned();
                 }
                 None

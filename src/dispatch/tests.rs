@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{CongestionHold, CongestionPolicy};
-use super::dispatcher::{Send, Shared};
+use super::dispatcher::{SendKind, Shared};
 use super::observe::observe_loop;
 use super::pace::{Pace, PaceUnit};
 use super::{DispatchSettings, QueueDispatcher, RetryPolicy};
@@ -91,7 +91,7 @@ async fn poll() {
     }
 }
 
-fn send(shared: &Shared, units: u64) -> Option<Send> {
+fn send(shared: &Shared, units: u64) -> Option<SendKind> {
     let mut window = shared.window();
     let mut last = None;
     for _ in 0..units {
@@ -110,7 +110,7 @@ async fn the_window_refills_on_a_fresh_reading_only() {
     poll().await;
     // N = 10 × 0.5 = 5.
     assert_eq!(shared.room(Instant::now()), 5);
-    assert_eq!(send(&shared, 5), Some(Send::Normal));
+    assert_eq!(send(&shared, 5), Some(SendKind::Normal));
     assert_eq!(shared.room(Instant::now()), 0);
     // The same data read again, poll after poll, releases nothing.
     for _ in 0..5 {
@@ -136,13 +136,13 @@ async fn finished_requests_of_a_reading_that_counts_them_are_refilled_before_the
     let stop = CancellationToken::new();
     let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
     poll().await;
-    assert_eq!(send(&shared, 5), Some(Send::Normal));
+    assert_eq!(send(&shared, 5), Some(SendKind::Normal));
     assert_eq!(shared.room(Instant::now()), 0);
     poll().await;
     shared.window().finished(Instant::now(), 2);
     // No new data, but two of ours sent after it have finished.
     assert_eq!(shared.room(Instant::now()), 2);
-    assert_eq!(send(&shared, 2), Some(Send::Normal));
+    assert_eq!(send(&shared, 2), Some(SendKind::Normal));
     assert_eq!(shared.room(Instant::now()), 0);
     assert_eq!(
         shared.window().in_flight(),
@@ -163,7 +163,7 @@ async fn a_paced_window_releases_one_request_per_pace_interval() {
     poll().await;
     // N = 5, but one request at a time, one per 50 ms.
     assert_eq!(shared.room(Instant::now()), 1);
-    assert_eq!(send(&shared, 1), Some(Send::Normal));
+    assert_eq!(send(&shared, 1), Some(SendKind::Normal));
     assert_eq!(shared.room(Instant::now()), 0);
     assert_eq!(send(&shared, 1), None, "the pace holds the second");
     let now = Instant::now();
@@ -193,7 +193,7 @@ async fn a_429_holds_the_window_shut_until_the_hold_ends_then_one_probe() {
     let stop = CancellationToken::new();
     let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
     poll().await;
-    assert_eq!(send(&shared, 1), Some(Send::Normal));
+    assert_eq!(send(&shared, 1), Some(SendKind::Normal));
     let sent_at = Instant::now();
     // The gateway answers 429 with `Retry-After: 0`.
     let hold = {
@@ -222,7 +222,7 @@ async fn a_429_holds_the_window_shut_until_the_hold_ends_then_one_probe() {
     poll().await;
     // The hold is over: one probe, not a window.
     assert_eq!(shared.room(Instant::now()), 1);
-    assert_eq!(send(&shared, 1), Some(Send::Probe));
+    assert_eq!(send(&shared, 1), Some(SendKind::Probe));
     assert_eq!(shared.room(Instant::now()), 0);
     assert_eq!(send(&shared, 1), None, "a second probe waits for the first");
     // The probe's answer clears the congestion: the window is back.

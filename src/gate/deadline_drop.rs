@@ -10,7 +10,7 @@
 //! Put it first in a `composite`, so an expired message is answered before
 //! it spends a quota unit, a concurrency slot or a rate token.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -62,12 +62,6 @@ pub(crate) fn deadline_verdict(
     }
 }
 
-fn unix_now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
 /// The `deadline-drop` gate.
 #[derive(Debug, Clone, Copy)]
 pub struct DeadlineDropGate {
@@ -94,7 +88,7 @@ impl DispatchGate for DeadlineDropGate {
     fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
         let verdict = match request
             .deadline
-            .and_then(|d| deadline_verdict(d, unix_now_ms(), self.min_remaining))
+            .and_then(|d| deadline_verdict(d, crate::clock::unix_millis(), self.min_remaining))
         {
             Some(reason) => Admission::Drop {
                 reason,

@@ -23,8 +23,6 @@
 //! (field = replica name), as the `redis` gate acknowledges its decisions
 //! (upstream acknowledges nothing; it exports gauges instead).
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
@@ -294,12 +292,6 @@ pub struct RedisLeasedRateGate {
     script: redis::Script,
 }
 
-fn unix_now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
 impl RedisLeasedRateGate {
     /// Reads the control hash.
     async fn read_fields(&self) -> Result<Vec<Option<String>>, SourceError> {
@@ -327,7 +319,7 @@ impl RedisLeasedRateGate {
                 return Err(GateError::source("redis-leased-rate", e));
             }
         };
-        let now_ms = unix_now_ms();
+        let now_ms = crate::clock::unix_millis();
         match parse_lease(&fields, &self.pool_id, now_ms) {
             Err(e) => {
                 report.outcome = format!("no usable lease: {e}");

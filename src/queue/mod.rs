@@ -25,7 +25,7 @@ use crate::result::ResultRecord;
 use embedded::EmbeddedError;
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
-pub use open::{OpenError, Transports, default_redis_config, open};
+pub use open::{DEFAULT_EMBEDDED_PATH, OpenError, Transports, default_redis_config, open};
 
 /// Transport handle of one delivery. Opaque to the dispatcher; a new tag
 /// per delivery, so a holder whose lease expired cannot acknowledge a

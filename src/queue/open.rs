@@ -16,7 +16,7 @@ use super::{MemoryQueue, Queue, TenantLanes};
 use crate::redis::{ConnectError, connection, hash_tag, key_slot};
 
 /// Store file of the embedded transport when `[embedded]` names none.
-const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";
+pub const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";
 /// How long the start-up PING may take before Redis is reported down.
 const REDIS_PING_TIMEOUT: Duration = Duration::from_secs(3);
 

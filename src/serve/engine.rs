@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::files::{Bodies, Line, read_line};
 use super::model::{
-    BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, now, split_message_id,
+    BatchRecord, BatchStatus, FileRecord, LineError, Stop, new_id, split_message_id,
 };
 use super::quota::{Estimate, Exceeded, TenantLimits};
 use super::retention::Retention;
@@ -33,6 +33,7 @@ use super::store::{Recorded, Store, StoreError};
 use crate::batch::endpoint::Endpoint;
 use crate::batch::input::openai_request;
 use crate::batch::output::openai_line;
+use crate::clock::unix_secs;
 use crate::queue::embedded::EmbeddedQueue;
 use crate::request::{MAX_ID_LEN, Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
@@ -461,7 +462,7 @@ impl Engine {
     async fn intake(&self, id: &str) -> Result<(), EngineError> {
         let Some(batch) = self
             .update(id, |b| {
-                b.touched_at = now();
+                b.touched_at = unix_secs();
                 b.status == BatchStatus::Validating || enqueuing(b)
             })
             .await?
@@ -529,7 +530,7 @@ impl Engine {
         // total known before the first request is enqueued, so no result
         // is ever counted against a total of 0 (issue 26: `completed 100,
         // total 0` was read while the first chunks ran during pass 2).
-        let at = now();
+        let at = unix_secs();
         let started = self
             .update(id, |b| {
                 match b.status {
@@ -570,7 +571,7 @@ impl Engine {
             match b.status {
                 BatchStatus::Validating => {
                     b.status = BatchStatus::Failed;
-                    b.failed_at = Some(now());
+                    b.failed_at = Some(unix_secs());
                     b.errors = errors.clone();
                     b.errors_omitted = omitted;
                 }
@@ -623,7 +624,7 @@ impl Engine {
             if stopped.is_none() {
                 let now_record = self
                     .update(&batch.id, |b| {
-                        b.touched_at = now();
+                        b.touched_at = unix_secs();
                         enqueuing(b)
                     })
                     .await?;
@@ -660,7 +661,7 @@ impl Engine {
                     return false;
                 }
                 b.enqueued = true;
-                b.touched_at = now();
+                b.touched_at = unix_secs();
                 true
             })
             .await?;
@@ -744,7 +745,7 @@ impl Engine {
     /// yet sent are stopped, those in flight finish, and the sweep
     /// finalizes it `cancelled` with the results so far.
     pub async fn cancel(&self, id: &str) -> Result<Option<BatchRecord>, EngineError> {
-        let at = now();
+        let at = unix_secs();
         let Some(batch) = self
             .update(id, |b| {
                 if !matches!(b.status, BatchStatus::Validating | BatchStatus::InProgress)
@@ -987,7 +988,7 @@ impl Engine {
     /// finalizing those whose every request has a result. Also refreshes
     /// the `batches` gauge.
     pub async fn sweep(self: &Arc<Self>) -> Result<(), EngineError> {
-        let at = now();
+        let at = unix_secs();
         let active = self.store.active_batches().await?;
         self.report_holdings(&active).await?;
         for batch in active {
@@ -1086,7 +1087,7 @@ impl Engine {
             }
             b.total = total;
             b.enqueued = true;
-            b.touched_at = now();
+            b.touched_at = unix_secs();
             true
         })
         .await?;
@@ -1107,7 +1108,7 @@ impl Engine {
                     return false;
                 }
                 b.stop = Some(Stop::Expire);
-                b.touched_at = now();
+                b.touched_at = unix_secs();
                 true
             })
             .await?
@@ -1133,10 +1134,10 @@ impl Engine {
                     return false;
                 }
                 if b.status != BatchStatus::Finalizing {
-                    b.finalizing_at = Some(now());
+                    b.finalizing_at = Some(unix_secs());
                 }
                 b.status = BatchStatus::Finalizing;
-                b.touched_at = now();
+                b.touched_at = unix_secs();
                 true
             })
             .await?
@@ -1173,7 +1174,7 @@ impl Engine {
         let errors = self
             .keep_file(&batch, &err_tmp, err_id, err_bytes, "error")
             .await?;
-        let at = now();
+        let at = unix_secs();
         let done = self
             .update(id, |b| {
                 if b.status != BatchStatus::Finalizing {
@@ -1222,7 +1223,7 @@ impl Engine {
         self.bodies.commit(temp, &id).await?;
         // Anchored at the file's creation, not the batch's (as OpenAI
         // anchors `output_expires_after`).
-        let created_at = now();
+        let created_at = unix_secs();
         let file = FileRecord {
             id: id.clone(),
             tenant: batch.tenant.clone(),
@@ -1353,7 +1354,7 @@ mod tests {
         let engine = Arc::new(engine(&dir));
         let mut batch = record(BatchStatus::Cancelling);
         batch.stop = Some(Stop::Cancel);
-        batch.cancelling_at = Some(now());
+        batch.cancelling_at = Some(unix_secs());
         engine.store.insert_batch(&batch).await.expect("insert");
         let error = line_error("invalid_json_line", "line 1: bad".into(), None, Some(1));
         engine

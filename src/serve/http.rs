@@ -20,10 +20,11 @@ use tokio::io::AsyncWriteExt;
 
 use super::auth::Keys;
 use super::engine::{CreateError, Engine};
-use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id, now};
+use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id};
 use super::quota::{Exceeded, LimitKind};
 use super::retention::ExpiresAfter;
 use crate::batch::endpoint::Endpoint;
+use crate::clock::unix_secs;
 use crate::config::parse_duration;
 
 /// Most `metadata` pairs on a batch (OpenAI's limit).
@@ -324,7 +325,7 @@ async fn upload(
     let Some((temp, filename, bytes)) = stored else {
         return Err(ApiError::invalid("file is required", Some("file")));
     };
-    let created_at = now();
+    let created_at = unix_secs();
     let file = FileRecord {
         id: new_id("file-"),
         tenant,
@@ -433,7 +434,7 @@ async fn list_files(
     // Every record is read before paging: an expired file (404 from its
     // `expires_at` on, before the sweeper deletes it) and, when asked, one
     // of another purpose must not count towards a page.
-    let at = now();
+    let at = unix_secs();
     let mut files = HashMap::new();
     let mut ids = Vec::new();
     for id in internal!(store.file_ids(&tenant).await) {
@@ -458,7 +459,7 @@ async fn list_files(
 /// is a 404.
 async fn own_file(state: &AppState, tenant: &str, id: &str) -> Result<FileRecord, ApiError> {
     match internal!(state.engine.store.file(id).await) {
-        Some(f) if f.tenant == tenant && !f.expired(now()) => Ok(f),
+        Some(f) if f.tenant == tenant && !f.expired(unix_secs()) => Ok(f),
         _ => Err(ApiError::not_found("File", id)),
     }
 }

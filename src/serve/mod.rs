@@ -48,8 +48,6 @@ use self::store::{RedisStore, SqliteStore, Store, StoreError};
 
 /// Store file of the embedded deployment, in `serve.data_dir`.
 const STORE_FILE: &str = "batches.db";
-/// Embedded queue file when `[embedded]` names none (as `run` opens it).
-const DEFAULT_EMBEDDED_PATH: &str = "sluicegate.db";
 
 /// Why the server could not start or failed.
 #[derive(Debug, thiserror::Error)]
@@ -378,8 +376,10 @@ pub async fn start(
             tasks.spawn("serve: result collector", collector);
         }
         _ => {
-            let path = (config.embedded.as_ref())
-                .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
+            let path = (config.embedded.as_ref()).map_or_else(
+                || PathBuf::from(crate::queue::DEFAULT_EMBEDDED_PATH),
+                |e| e.path.clone(),
+            );
             let queue = EmbeddedQueue::open(&path, queue_name)?;
             let sqlite = SqliteStore::open(&serve.data_dir.join(STORE_FILE))?;
             engine = Arc::new(

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use crate::clock::unix_secs;
+
 /// A batch's lifecycle state, spelled as the OpenAI API spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -226,7 +228,7 @@ pub struct NewBatch {
 impl BatchRecord {
     /// A new batch in `validating`, created now, with a fresh id.
     pub fn new(new: NewBatch) -> Self {
-        let created_at = now();
+        let created_at = unix_secs();
         Self {
             id: new_id("batch_"),
             tenant: new.tenant,
@@ -310,13 +312,6 @@ pub fn split_message_id(id: &str) -> Option<(&str, &str)> {
 /// A new random id with `prefix` (`file-`, `batch_`): 24 hex digits.
 pub fn new_id(prefix: &str) -> String {
     format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
-}
-
-/// Unix seconds now.
-pub fn now() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }
 
 /// The API list object: `data` plus cursor fields.

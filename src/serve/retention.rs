@@ -12,8 +12,8 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::files::Bodies;
-use super::model::now;
 use super::store::{Store, StoreError};
+use crate::clock::unix_secs;
 use crate::telemetry::BatchApiMetrics;
 
 /// Shortest `expires_after.seconds` OpenAI accepts (1 hour).
@@ -160,7 +160,7 @@ impl Sweeper {
     /// Sweeps every [`Sweeper::every`] until `stop`.
     pub async fn run(self, stop: CancellationToken) {
         while !stop.is_cancelled() {
-            if let Err(error) = self.sweep(now()).await {
+            if let Err(error) = self.sweep(unix_secs()).await {
                 tracing::warn!(%error, "file retention sweep failed; retrying");
             }
             tokio::select! {

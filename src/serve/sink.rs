@@ -113,7 +113,7 @@ impl Sink {
                 fairness_attribute,
                 key_prefix,
             } => {
-                let now_ms = chrono_ms();
+                let now_ms = crate::clock::unix_millis();
                 let submissions: Vec<Submission> = messages
                     .into_iter()
                     .enumerate()
@@ -226,10 +226,4 @@ fn progress_key(conn: &RedisConnection, queue: &str, prefix: &str, batch: &str) 
     } else {
         format!("{prefix}intake:{batch}")
     }
-}
-
-fn chrono_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }

@@ -18,7 +18,32 @@ use std::time::{Duration, Instant};
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::MakeWriter;
 
-use crate::config::LogFormat;
+use serde::Serialize;
+
+/// Log output format (`telemetry.log_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[serde(rename = "text")]
+    Text,
+    /// One JSON object per line.
+    #[serde(rename = "json")]
+    Json,
+}
+
+impl LogFormat {
+    /// Every accepted spelling (the config's `choice` list).
+    pub(crate) const CHOICES: &'static [(&'static str, Self)] =
+        &[("text", Self::Text), ("json", Self::Json)];
+
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::Json => "json",
+        }
+    }
+}
 
 /// Log lines that may wait for the writer thread before new ones are
 /// dropped (a few seconds of a busy debug log).

@@ -7,6 +7,7 @@ pub mod metrics;
 pub mod server;
 pub mod traces;
 
+pub use logging::LogFormat;
 pub use metrics::{
     BatchApiMetrics, INERT_REASONS, METRIC_NAMES, Metrics, PoolMetrics, QueueMetrics,
 };

@@ -24,7 +24,7 @@ mod schema;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -146,14 +146,6 @@ struct Inner {
     lanes: Option<TenantLanes>,
 }
 
-/// Unix milliseconds now. Leases are wall-clock times because they are
-/// shared with other processes through the file.
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -242,7 +234,7 @@ impl EmbeddedQueue {
         items: &[(Bytes, i64)],
         meta: &[(&str, &str)],
     ) -> Result<(), EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         self.inner.write(|tx, queue| {
             {
                 let mut insert = tx.prepare_cached(
@@ -363,7 +355,7 @@ impl EmbeddedQueue {
         &self,
         matches: impl Fn(&str) -> bool,
     ) -> Result<(u64, u64), EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         self.inner.write(|tx, queue| {
             let rows: Vec<(i64, Vec<u8>, bool)> = {
                 let mut s = tx.prepare(
@@ -435,7 +427,7 @@ impl EmbeddedQueue {
 
     /// Messages currently under an unexpired lease.
     pub fn leased_count(&self) -> Result<u64, EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         self.inner.read(|c, queue| {
             c.query_row(
                 "SELECT COUNT(*) FROM messages WHERE queue = ?1 AND lease_tag IS NOT NULL AND lease_expires_ms > ?2",
@@ -534,7 +526,7 @@ impl Inner {
         lease: Duration,
         expired_by: Option<i64>,
     ) -> Result<Vec<Delivery>, EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         let expires = now.saturating_add(ms(lease));
         let limit = i64::try_from(max.max(1)).unwrap_or(i64::MAX);
         self.write(|tx, queue| {
@@ -593,7 +585,7 @@ impl Inner {
     }
 
     fn ack(&self, completions: Vec<Completion>) -> Result<AckReport, EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         self.write(|tx, queue| {
             let mut report = AckReport::default();
             let mut find = tx.prepare_cached(
@@ -634,7 +626,7 @@ impl Inner {
         delay: Duration,
         reason: NackReason,
     ) -> Result<(), EmbeddedError> {
-        let visible = now_ms().saturating_add(ms(delay));
+        let visible = crate::clock::unix_millis().saturating_add(ms(delay));
         let add = i64::from(reason.counts_as_failure());
         self.write(|tx, _| {
             tx.execute(
@@ -659,7 +651,7 @@ impl Inner {
         reason: NackReason,
         record: AttemptRecord,
     ) -> Result<(), EmbeddedError> {
-        let visible = now_ms().saturating_add(ms(delay));
+        let visible = crate::clock::unix_millis().saturating_add(ms(delay));
         let add = i64::from(reason.counts_as_failure());
         self.write(|tx, _| {
             let body: Option<Vec<u8>> = tx
@@ -695,7 +687,7 @@ impl Inner {
     }
 
     fn extend(&self, tags: &[DeliveryTag], lease: Duration) -> Result<(), EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         let expires = now.saturating_add(ms(lease));
         self.write(|tx, _| {
             let mut s = tx
@@ -712,7 +704,7 @@ impl Inner {
         tag: &DeliveryTag,
         last_error: &ResultRecord,
     ) -> Result<(), EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         let record = serde_json::to_string(last_error).unwrap_or_default();
         self.write(|tx, queue| {
             let row: Option<(i64, Vec<u8>)> = tx
@@ -734,7 +726,7 @@ impl Inner {
     }
 
     fn backlog(&self) -> Result<u64, EmbeddedError> {
-        let now = now_ms();
+        let now = crate::clock::unix_millis();
         self.read(|c, queue| {
             c.query_row(
                 "SELECT COUNT(*) FROM messages WHERE queue = ?1 AND (lease_tag IS NULL OR lease_expires_ms <= ?2)",

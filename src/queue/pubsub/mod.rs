@@ -230,12 +230,6 @@ pub fn pubsub_message(data: Vec<u8>, attributes: HashMap<String, String>) -> Pub
     }
 }
 
-fn unix_now() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-}
-
 impl PubSubQueue {
     /// Opens the queue on `subscription_id`, checking it exists and reading
     /// its ack deadline and dead-letter policy; results go to `results`.
@@ -601,7 +595,7 @@ impl Inner {
                 delay,
                 now,
                 pulled_at: h.pulled_at,
-                deadline_in: hold::time_left(h.info.deadline, unix_now()),
+                deadline_in: hold::time_left(h.info.deadline, crate::clock::unix_secs()),
                 last_delivery: hold::last_delivery(h.delivery_attempt, self.max_delivery_attempts),
                 size: h.info.body.len() as u64,
                 held_bytes: leases.hold_bytes(),

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
@@ -238,13 +238,6 @@ impl RedisQueue {
     }
 }
 
-/// Unix time in seconds, as a float.
-fn now_secs() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
 fn random_hex() -> String {
     format!("{:016x}", rand::random::<u64>())
 }
@@ -372,7 +365,7 @@ impl Inner {
         expired_by: Option<i64>,
     ) -> Result<Vec<Delivery>, QueueError> {
         let owner = random_hex();
-        let expiry = now_secs() + lease.as_secs_f64();
+        let expiry = crate::clock::unix_secs_f64() + lease.as_secs_f64();
         let mut conn = self.conn.clone();
         let k = &self.keys;
         let mut claim = scripts::CLAIM.prepare_invoke();
@@ -623,7 +616,7 @@ impl Inner {
                 } else {
                     (
                         self.keys.retry.clone(),
-                        now_secs() + delay.as_secs_f64(),
+                        crate::clock::unix_secs_f64() + delay.as_secs_f64(),
                         member,
                     )
                 }
@@ -675,7 +668,7 @@ impl Inner {
             "queue": self.settings.name,
             "message": String::from_utf8_lossy(&h.member),
             "last_error": last_error,
-            "dead_at_ms": (now_secs() * 1000.0) as i64,
+            "dead_at_ms": (crate::clock::unix_secs_f64() * 1000.0) as i64,
         })
         .to_string();
         let token = result.request_token.clone().unwrap_or_default();
@@ -765,7 +758,7 @@ impl Inner {
         invocation
             .key(&self.keys.owners)
             .key(&self.keys.idx)
-            .arg(now_secs() + lease.as_secs_f64());
+            .arg(crate::clock::unix_secs_f64() + lease.as_secs_f64());
         for (ck, owner) in pairs {
             invocation.arg(ck).arg(owner);
         }
@@ -788,7 +781,7 @@ impl Inner {
                 .key(&k.idx)
                 .key(&k.scores)
                 .key(&k.reclaims)
-                .arg(now_secs())
+                .arg(crate::clock::unix_secs_f64())
                 .arg(HOUSEKEEPING_BATCH)
                 .arg(self.lane_attribute())
                 .arg(&k.lane_prefix)
@@ -828,7 +821,7 @@ impl Inner {
             redis::cmd("ZRANGEBYSCORE")
                 .arg(&self.keys.retry)
                 .arg("-inf")
-                .arg(now_secs())
+                .arg(crate::clock::unix_secs_f64())
                 .arg("LIMIT")
                 .arg(0)
                 .arg(HOUSEKEEPING_BATCH)
