@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::task::JoinHandle;
@@ -102,6 +103,16 @@ impl Tasks {
     }
 }
 
+/// Sleeps for `period` unless `stop` is cancelled first: every background
+/// loop waits through this (or its own `select!` on a token), so a drain
+/// never waits out a loop's sleep. False when `stop` was cancelled.
+pub async fn sleep_unless(stop: &CancellationToken, period: Duration) -> bool {
+    tokio::select! {
+        () = stop.cancelled() => false,
+        () = tokio::time::sleep(period) => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,5 +125,20 @@ mod tests {
         assert!(tasks.drain_token().is_cancelled());
         assert_eq!(tasks.panicked(), vec!["queue q: observer".to_owned()]);
         tasks.stop().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sleep_ends_at_cancellation() {
+        let stop = CancellationToken::new();
+        let canceller = stop.clone();
+        let started = tokio::time::Instant::now();
+        let cancel = async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            canceller.cancel();
+        };
+        let (slept, ()) = tokio::join!(sleep_unless(&stop, Duration::from_secs(3600)), cancel);
+        assert!(!slept);
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+        assert!(sleep_unless(&CancellationToken::new(), Duration::from_secs(2)).await);
     }
 }

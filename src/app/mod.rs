@@ -282,7 +282,10 @@ pub async fn start(
     let queues = transports.queues();
     let health = Arc::new(Health::default());
     let gateway = GatewayClient::new(GatewaySettings::for_config(config))?;
-    let context = GateContext::from_config(config);
+    let context = GateContext {
+        tasks: tasks.clone(),
+        ..GateContext::from_config(config)
+    };
     // Off (no exporter, no provider) unless an OTLP endpoint is set.
     let trace_export = config.traces.as_ref().map(TraceExport::start).transpose()?;
     let mut built = Vec::with_capacity(queues.len());

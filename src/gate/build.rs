@@ -12,6 +12,7 @@ use crate::source::{
     Cached, MetricsAccess, PromAuth, PromClient, RedisEndpoint, RedisKey, Scrape, Source,
     SourceError,
 };
+use crate::tasks::Tasks;
 
 use super::DispatchGate;
 
@@ -108,6 +109,10 @@ pub struct GateContext {
     /// `redis-leased-rate` lease must name unless its `pool_id` is set, as
     /// upstream takes the gate owner's worker pool.
     pub worker_pool_id: String,
+    /// The task tree gates run background loops on (`redis-quota`'s lease
+    /// renewal): `run` gives its own, so a panic there is named and stops
+    /// the run. A tree of its own by default (probes, `eval`, tests).
+    pub tasks: Tasks,
 }
 
 /// A queue's static `max_SYS` and the unit it counts.
@@ -176,6 +181,7 @@ impl GateContext {
             seed: rand::random(),
             pool_slots: std::sync::Arc::default(),
             worker_pool_id: "default".to_owned(),
+            tasks: Tasks::new(),
         }
     }
 

@@ -27,6 +27,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::param::{GateParams, ParseCx, loose};
 use super::{
@@ -34,6 +35,7 @@ use super::{
     GateError, GatingMode, Observation, Ticket,
 };
 use crate::source::{RedisEndpoint, SourceError};
+use crate::tasks::{Tasks, sleep_unless};
 
 /// How a `redis-quota` gate counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -153,7 +155,11 @@ impl GateParams for RedisQuotaParams {
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
         let endpoint = ctx.redis_endpoint("redis-quota", &self.address)?;
-        Ok(Box::new(RedisQuotaGate::new(endpoint, self.clone())))
+        Ok(Box::new(RedisQuotaGate::new(
+            endpoint,
+            self.clone(),
+            ctx.tasks.clone(),
+        )))
     }
 }
 
@@ -205,6 +211,8 @@ pub struct RedisQuotaGate {
     inner: Arc<Inner>,
     /// The renewal task starts on the first admission (inside the runtime).
     renewing: Once,
+    /// The tree the renewal runs on.
+    tasks: Tasks,
 }
 
 #[derive(Debug)]
@@ -219,8 +227,9 @@ struct Inner {
 }
 
 impl RedisQuotaGate {
-    /// The gate counting at `endpoint` with `params`.
-    pub fn new(endpoint: RedisEndpoint, params: RedisQuotaParams) -> Self {
+    /// The gate counting at `endpoint` with `params`; its lease renewal
+    /// runs on `tasks`.
+    pub fn new(endpoint: RedisEndpoint, params: RedisQuotaParams, tasks: Tasks) -> Self {
         Self {
             inner: Arc::new(Inner {
                 endpoint,
@@ -231,6 +240,7 @@ impl RedisQuotaGate {
                 held: Mutex::new(HashMap::new()),
             }),
             renewing: Once::new(),
+            tasks,
         }
     }
 
@@ -248,7 +258,11 @@ impl RedisQuotaGate {
         self.renewing.call_once(|| {
             let weak = Arc::downgrade(&self.inner);
             let every = self.inner.params.lease / 3;
-            tokio::spawn(renew_loop(weak, every));
+            // Until the root token, not the drain: requests still in
+            // flight during the drain hold leases that must not expire.
+            let stop = self.tasks.root_token().clone();
+            self.tasks
+                .spawn("redis-quota: lease renewal", renew_loop(weak, every, stop));
         });
     }
 
@@ -365,9 +379,10 @@ impl Inner {
     }
 }
 
-async fn renew_loop(inner: Weak<Inner>, every: Duration) {
-    loop {
-        tokio::time::sleep(every).await;
+/// Renews every held lease each `every` until the gate is dropped or
+/// `stop` is cancelled.
+async fn renew_loop(inner: Weak<Inner>, every: Duration, stop: CancellationToken) {
+    while sleep_unless(&stop, every).await {
         let Some(inner) = inner.upgrade() else {
             return;
         };

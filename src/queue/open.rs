@@ -144,11 +144,15 @@ pub async fn open(
             }
             Ok(Transports::Embedded(queues))
         }
-        TransportKind::PubSub => open_pubsub(config, metrics).await,
+        TransportKind::PubSub => open_pubsub(config, tasks, metrics).await,
     }
 }
 
-async fn open_pubsub(config: &Config, metrics: &Metrics) -> Result<Transports, OpenError> {
+async fn open_pubsub(
+    config: &Config,
+    tasks: &Tasks,
+    metrics: &Metrics,
+) -> Result<Transports, OpenError> {
     // Config loading requires [pubsub] with project_id and result_topic_id
     // for this transport; the defaults only keep this total.
     let pubsub = config.pubsub.clone().unwrap_or_default();
@@ -182,6 +186,7 @@ async fn open_pubsub(config: &Config, metrics: &Metrics) -> Result<Transports, O
             &pubsub.project_id,
             (&pubsub).into(),
             metrics.pubsub(&q.queue_name),
+            tasks,
         )
         .await?;
         tracing::info!(subscription = %q.queue_name, topic = %result_topic, "pubsub subscription opened");

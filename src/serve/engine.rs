@@ -37,6 +37,7 @@ use crate::clock::unix_secs;
 use crate::queue::embedded::EmbeddedQueue;
 use crate::request::{MAX_ID_LEN, Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::tasks::{Tasks, sleep_unless};
 use crate::telemetry::BatchApiMetrics;
 
 /// The UTF-8 byte-order mark a file may start with.
@@ -132,6 +133,21 @@ pub struct Engine {
     /// Tenants whose enqueued-work gauges are non-zero, to zero them
     /// when their batches end.
     reported: Mutex<HashSet<String>>,
+    /// The server's task tree: each batch step runs on it, named.
+    tasks: Tasks,
+}
+
+/// Takes a batch off [`Engine`]'s `running` set when its step ends, also
+/// by a panic.
+struct RunningGuard {
+    engine: Arc<Engine>,
+    id: String,
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.engine.lock_running().remove(&self.id);
+    }
 }
 
 /// When the server answers a stopped batch's missing results itself, and
@@ -183,8 +199,10 @@ impl Engine {
         limits: Limits,
         fairness: Option<String>,
         metrics: BatchApiMetrics,
+        tasks: Tasks,
     ) -> Self {
         Self {
+            tasks,
             store,
             bodies,
             sink,
@@ -313,12 +331,25 @@ impl Engine {
         if !self.lock_running().insert(id.to_owned()) {
             return;
         }
-        let (engine, id) = (self.clone(), id.to_owned());
-        tokio::spawn(async move {
-            if let Err(error) = step.await {
-                tracing::warn!(batch = %id, %error, "{what} failed; the sweep retries it");
+        // Removed from `running` even if the step panics (the guard drops
+        // while the panic unwinds), so a later sweep can run it again; the
+        // panic itself is named by the task tree and stops the server.
+        let running = RunningGuard {
+            engine: self.clone(),
+            id: id.to_owned(),
+        };
+        // A step stops where it is when the server drains: each one
+        // resumes from its recorded progress (a killed server's steps are
+        // taken over the same way), so shutdown never waits out an intake.
+        let drain = self.tasks.drain_token().clone();
+        self.tasks.spawn(format!("serve: {what} of {id}"), async move {
+            tokio::select! {
+                () = drain.cancelled() => {}
+                done = step => if let Err(error) = done {
+                    tracing::warn!(batch = %running.id, %error, "{what} failed; the sweep retries it");
+                }
             }
-            engine.lock_running().remove(&id);
+            drop(running);
         });
     }
 
@@ -880,10 +911,10 @@ impl Engine {
                 }
             };
             if rows.is_empty() {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(COLLECT_IDLE) => continue,
+                if sleep_unless(&stop, COLLECT_IDLE).await {
+                    continue;
                 }
+                return;
             }
             let last = rows.last().map_or(after, |r| r.0);
             let applied = match self.apply(rows.into_iter().map(|r| r.1).collect()).await {
@@ -898,8 +929,8 @@ impl Engine {
                 if let Err(error) = position.set_collected_up_to(after).await {
                     tracing::warn!(%error, "cannot save the collector position");
                 }
-            } else {
-                tokio::time::sleep(COLLECT_IDLE).await;
+            } else if !sleep_unless(&stop, COLLECT_IDLE).await {
+                return;
             }
         }
     }
@@ -930,10 +961,10 @@ impl Engine {
                 }
             };
             if items.is_empty() {
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(COLLECT_IDLE) => continue,
+                if sleep_unless(&stop, COLLECT_IDLE).await {
+                    continue;
                 }
+                return;
             }
             // LPUSH puts the newest first: the tail is the oldest.
             for item in items.iter().rev() {
@@ -964,7 +995,9 @@ impl Engine {
                 };
                 if let Err(error) = step.await {
                     tracing::warn!(%error, "cannot record a result; retrying");
-                    tokio::time::sleep(COLLECT_IDLE).await;
+                    if !sleep_unless(&stop, COLLECT_IDLE).await {
+                        return;
+                    }
                     break;
                 }
             }
@@ -977,9 +1010,8 @@ impl Engine {
             if let Err(error) = self.sweep().await {
                 tracing::warn!(%error, "batch sweep failed; retrying");
             }
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(SWEEP_EVERY) => {}
+            if !sleep_unless(&stop, SWEEP_EVERY).await {
+                return;
             }
         }
     }
@@ -1258,6 +1290,7 @@ mod tests {
             },
             Some("userid".into()),
             crate::telemetry::Metrics::new().batch_api("q"),
+            Tasks::new(),
         )
     }
 

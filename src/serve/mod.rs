@@ -369,6 +369,7 @@ pub async fn start(
                     limits,
                     fairness,
                     metrics.batch_api(&queue_config.queue_name),
+                    tasks.clone(),
                 )
                 .with_tenant_limits(serve.tenant_limits.clone()),
             );
@@ -390,6 +391,7 @@ pub async fn start(
                     limits,
                     fairness,
                     metrics.batch_api(&queue_config.queue_name),
+                    tasks.clone(),
                 )
                 .with_tenant_limits(serve.tenant_limits.clone()),
             );
@@ -463,5 +465,71 @@ impl Server {
             return Err(AppError::Panicked(panicked).into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A server with its in-process dispatcher on an embedded queue in a
+    /// fresh directory (removed by the caller), no batches.
+    async fn server(dir: &std::path::Path) -> Server {
+        let text = format!(
+            "transport = \"embedded\"\n[embedded]\npath = \"{}\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\ngate_type = \"constant\"\n",
+            dir.join("queue.db").display()
+        );
+        let config = Config::from_toml_str(&text, &Default::default()).expect("config loads");
+        let serve = ServeConfig {
+            listen: "127.0.0.1:0".parse().expect("address"),
+            data_dir: dir.join("data"),
+            ..ServeConfig::default()
+        };
+        start(&config, &serve, std::future::pending())
+            .await
+            .expect("the server starts")
+    }
+
+    fn fresh_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("sluicegate-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[tokio::test]
+    async fn a_panicking_serve_task_fails_the_run_and_is_named() {
+        let dir = fresh_dir("serve-panic");
+        let server = server(&dir).await;
+        server
+            .tasks
+            .spawn("serve: a loop that panics", async { panic!("boom") });
+        // The panic starts the drain by itself: no shutdown is asked for.
+        let result = tokio::time::timeout(Duration::from_secs(60), server.wait())
+            .await
+            .expect("the panic stopped the server");
+        let _ = std::fs::remove_dir_all(&dir);
+        match result {
+            Err(ServeError::App(AppError::Panicked(names))) => {
+                assert_eq!(names, vec!["serve: a loop that panics".to_owned()]);
+            }
+            other => panic!("expected a named panic, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_shutdown_ends_every_loop() {
+        let dir = fresh_dir("serve-shutdown");
+        let server = server(&dir).await;
+        server.shutdown();
+        // Every loop (collector, sweeps, retention sweeper, API, the
+        // dispatcher's) selects on the drain: `wait` returns, cleanly.
+        let result = tokio::time::timeout(Duration::from_secs(60), server.wait())
+            .await
+            .expect("every loop ended after the shutdown");
+        let _ = std::fs::remove_dir_all(&dir);
+        result.expect("a clean stop");
     }
 }

@@ -49,6 +49,7 @@ use super::{
 use crate::config::PubSubConfig;
 use crate::request::{AttemptRecord, parse_message, source_result_id};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::tasks::Tasks;
 use crate::telemetry::metrics::PubSubMetrics;
 use hold::{Held, Leases, Plan};
 
@@ -233,7 +234,10 @@ pub fn pubsub_message(data: Vec<u8>, attributes: HashMap<String, String>) -> Pub
 impl PubSubQueue {
     /// Opens the queue on `subscription_id`, checking it exists and reading
     /// its ack deadline and dead-letter policy; results go to `results`.
-    /// Starts the keeper task that extends and ends holds (`budget`).
+    /// Starts the keeper task that extends and ends holds (`budget`) on
+    /// `tasks`, so a panic there fails the run instead of letting every
+    /// held delivery's ack deadline run out; it stops with the tree or when
+    /// the queue is dropped.
     pub async fn open(
         client: &Client,
         subscription_id: &str,
@@ -241,6 +245,7 @@ impl PubSubQueue {
         project: &str,
         budget: HoldBudget,
         metrics: PubSubMetrics,
+        tasks: &Tasks,
     ) -> Result<Self, PubSubError> {
         let subscription = client.subscription(subscription_id);
         let missing = || PubSubError::Missing {
@@ -293,7 +298,7 @@ impl PubSubQueue {
             lease_ms: AtomicU64::new(u64::try_from(ack_deadline_secs).unwrap_or(10) * 1000),
             leases: Mutex::new(Leases::default()),
             keeper_wake: Notify::new(),
-            keeper_stop: CancellationToken::new(),
+            keeper_stop: tasks.root_token().child_token(),
             settled: Mutex::new(HashSet::new()),
             reachable: AtomicBool::new(true),
             pull_failed: AtomicBool::new(false),
@@ -301,7 +306,10 @@ impl PubSubQueue {
             metrics,
         });
         let stop = inner.keeper_stop.clone();
-        tokio::spawn(keep_holds(inner.clone(), stop.clone()));
+        tasks.spawn(
+            format!("queue `{subscription_id}`: pubsub hold keeper"),
+            keep_holds(inner.clone(), stop.clone()),
+        );
         Ok(Self {
             inner,
             _keeper: stop.drop_guard(),
