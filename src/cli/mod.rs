@@ -16,6 +16,7 @@ mod probe;
 mod pubsub;
 mod results;
 mod serve;
+mod sim;
 mod sim_sweep;
 mod submit;
 
@@ -111,7 +112,7 @@ enum PubsubCommand {
 enum SimCommand {
     /// Serve a simulated vLLM pool behind OpenAI-compatible HTTP, with vLLM
     /// and endpoint-picker metrics, until SIGTERM or SIGINT.
-    Serve(crate::sim::ServeArgs),
+    Serve(sim::ServeArgs),
     /// A closed-loop concurrency sweep of one simulated replica, side by
     /// side with the llm-d H100 figures (calibration; virtual time).
     Sweep(sim_sweep::SweepArgs),
@@ -266,7 +267,7 @@ async fn run_command(cli: Cli) -> ExitCode {
             crate::telemetry::logging::init(crate::telemetry::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
-            match crate::sim::serve(args, async move { shutdown.cancelled().await }).await {
+            match sim::serve(args, async move { shutdown.cancelled().await }).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(error) => {
                     eprintln!("simulator: {error}");

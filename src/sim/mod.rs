@@ -31,4 +31,4 @@ pub mod sweep;
 
 pub use config::SimConfig;
 pub use error::SimError;
-pub use http::{InteractiveTiming, ServeArgs, SimHandle, serve, spawn_http};
+pub use http::{InteractiveTiming, SimHandle, spawn_http};
