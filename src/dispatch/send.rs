@@ -25,7 +25,12 @@ use crate::telemetry::traces::{self as trace_attr, MessageTrace};
 /// of an extra round trip per message).
 pub(super) const CANCEL_RECHECK_AFTER: Duration = Duration::from_millis(500);
 
-/// Sends one released request and decides its fate.
+/// Sends one released request and decides its fate, in four steps: a
+/// message cancelled while it waited is answered `CANCELLED`; otherwise it
+/// is sent ([`attempt`]); the pool's room and the gate's reservation are
+/// given back and the congestion hold updated ([`release`]); and the
+/// outcome becomes a result, a requeue, a wait for the deadline or a dead
+/// letter ([`decide`]).
 pub(super) async fn send_and_settle(
     shared: Arc<Shared>,
     ready: Ready,
@@ -35,47 +40,93 @@ pub(super) async fn send_and_settle(
     abandon: CancellationToken,
     results: Results,
 ) {
-    let metrics = shared.metrics();
     // A message that waited (parked at a gate) may have been cancelled
     // meanwhile; fresh ones were checked when the transport handed them out.
     if ready.received_at.elapsed() >= CANCEL_RECHECK_AFTER
         && shared.queue().cancelled(&ready.delivery.tag).await
     {
-        let now = Instant::now();
-        {
-            let mut window = shared.window();
-            window.finished(now, ready.cost);
-            shared.export_window(&window, now);
-        }
-        drop(ticket);
-        if send == SendKind::Probe {
-            shared.config.congestion.lock().probe_abandoned();
-        }
-        shared.changed.notify_waiters();
-        shared.finished.notify_waiters();
-        let result = error_result(
-            &ready.message,
-            ErrorCode::Cancelled,
-            "cancelled by the submitter",
-        );
-        settle(
-            &shared,
-            &results,
-            ready.delivery.tag,
-            result,
-            ready.trace.as_ref(),
-        )
-        .await;
+        settle_cancelled(&shared, &results, ready, ticket, send).await;
         return;
     }
+    let deadline = deadline_instant(ready.message.request.deadline);
+    let (started, outcome) = attempt(&shared, &ready, deadline, &abandon).await;
+    let now = Instant::now();
+    let congestion_hold = release(&shared, &ready, send, started, now, outcome.as_ref());
+    // The pool no longer holds this request: free the gate's reservation
+    // and wake anyone waiting for room or for a slot.
+    drop(ticket);
+    shared.changed.notify_waiters();
+    shared.finished.notify_waiters();
+    let Some(outcome) = outcome else {
+        shared
+            .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
+            .await;
+        return;
+    };
+    let metrics = shared.metrics();
+    metrics
+        .attempt_latency
+        .observe(now.duration_since(started).as_secs_f64());
+    metrics.attempt(outcome.label());
+    let sent = Sent {
+        now,
+        deadline,
+        congestion_hold,
+    };
+    decide(&shared, &results, ready, outcome, &sent, &shutdown).await;
+}
+
+/// Answers a message cancelled while it waited, giving back the room it
+/// was released with.
+async fn settle_cancelled(
+    shared: &Shared,
+    results: &Results,
+    ready: Ready,
+    ticket: Ticket,
+    send: SendKind,
+) {
+    let now = Instant::now();
+    {
+        let mut window = shared.window();
+        window.finished(now, ready.cost);
+        shared.export_window(&window, now);
+    }
+    drop(ticket);
+    if send == SendKind::Probe {
+        shared.config.congestion.lock().probe_abandoned();
+    }
+    shared.changed.notify_waiters();
+    shared.finished.notify_waiters();
+    let result = error_result(
+        &ready.message,
+        ErrorCode::Cancelled,
+        "cancelled by the submitter",
+    );
+    settle(
+        shared,
+        results,
+        ready.delivery.tag,
+        result,
+        ready.trace.as_ref(),
+    )
+    .await;
+}
+
+/// Sends the request (traced when tracing is on) and returns when it
+/// started and its outcome; `None` when it was abandoned at shutdown.
+async fn attempt(
+    shared: &Shared,
+    ready: &Ready,
+    deadline: Instant,
+    abandon: &CancellationToken,
+) -> (Instant, Option<AttemptOutcome>) {
+    let metrics = shared.metrics();
     metrics
         .dispatch_delay
         .observe(ready.received_at.elapsed().as_secs_f64());
     metrics.sent.inc();
-    let deadline = deadline_instant(ready.message.request.deadline);
     let started = Instant::now();
-    let gate = &shared.config.gate;
-    gate.on_event(DispatchEvent::Sent {
+    shared.config.gate.on_event(DispatchEvent::Sent {
         at: started,
         cost: ready.cost,
     });
@@ -92,7 +143,6 @@ pub(super) async fn send_and_settle(
         o = shared.config.gateway.send(&ready.prepared, deadline) => Some(o),
         () = abandon.cancelled() => None,
     };
-    let now = Instant::now();
     if let Some(mut span) = span {
         let label = outcome.as_ref().map_or("abandoned", AttemptOutcome::label);
         span.set([KeyValue::new(trace_attr::ATTR_ATTEMPT_OUTCOME, label)]);
@@ -107,17 +157,32 @@ pub(super) async fn send_and_settle(
         }
         span.end();
     }
+    (started, outcome)
+}
+
+/// Tells the gate how the attempt ended, gives its room back to the
+/// window and updates the congestion hold; returns the hold a 429/503 or
+/// a transport failure started.
+fn release(
+    shared: &Shared,
+    ready: &Ready,
+    send: SendKind,
+    started: Instant,
+    now: Instant,
+    outcome: Option<&AttemptOutcome>,
+) -> Option<Duration> {
     // Whether the pool itself answered (anything but 429/503 and transport
     // failures): only such an answer to a request sent after the latest
     // congestion signal ends the gateway's hold.
-    let answered_by_pool = match &outcome {
+    let answered_by_pool = match outcome {
         Some(AttemptOutcome::Success { .. } | AttemptOutcome::Final { .. }) => true,
         Some(AttemptOutcome::Retryable { failure, .. } | AttemptOutcome::Failed { failure }) => {
             failure.http_answer().is_some()
         }
         _ => false,
     };
-    if let Some(outcome) = &outcome {
+    let gate = &shared.config.gate;
+    if let Some(outcome) = outcome {
         gate.on_event(dispatch_event(outcome, started, now, ready.cost));
     } else {
         // Abandoned at shutdown: for the gate's in-flight count it ended.
@@ -127,58 +192,61 @@ pub(super) async fn send_and_settle(
             cost: ready.cost,
         });
     }
-    let congestion_hold = {
-        let mut window = shared.window();
-        window.finished(now, ready.cost);
-        let mut congestion = shared.config.congestion.lock();
-        let hold = match &outcome {
-            Some(signal) if signal.is_congestion_signal() => {
-                // A 429/503 also shuts the window until a newer reading (a
-                // spike the metrics have not shown yet); a refused, reset
-                // or timed-out attempt holds the gateway only (`congestion`).
-                if matches!(signal, AttemptOutcome::Congested { .. }) {
-                    window.congested(now);
-                }
-                let before = congestion.consecutive();
-                let hold =
-                    congestion.signal(now, started, signal.retry_after(), rand::random::<f64>());
-                if congestion.consecutive() != before {
-                    // A new signal, not an answer to a request that was
-                    // already out: the other replicas hold too.
-                    shared.config.pool.publish_hold(hold);
-                }
-                Some(hold)
+    let mut window = shared.window();
+    window.finished(now, ready.cost);
+    let mut congestion = shared.config.congestion.lock();
+    let hold = match outcome {
+        Some(signal) if signal.is_congestion_signal() => {
+            // A 429/503 also shuts the window until a newer reading (a
+            // spike the metrics have not shown yet); a refused, reset
+            // or timed-out attempt holds the gateway only (`congestion`).
+            if matches!(signal, AttemptOutcome::Congested { .. }) {
+                window.congested(now);
             }
-            _ if answered_by_pool => {
-                congestion.answered(started);
-                None
+            let before = congestion.consecutive();
+            let hold = congestion.signal(now, started, signal.retry_after(), rand::random::<f64>());
+            if congestion.consecutive() != before {
+                // A new signal, not an answer to a request that was
+                // already out: the other replicas hold too.
+                shared.config.pool.publish_hold(hold);
             }
-            _ => {
-                if send == SendKind::Probe {
-                    congestion.probe_abandoned();
-                }
-                None
+            Some(hold)
+        }
+        _ if answered_by_pool => {
+            congestion.answered(started);
+            None
+        }
+        _ => {
+            if send == SendKind::Probe {
+                congestion.probe_abandoned();
             }
-        };
-        drop(congestion);
-        shared.export_window(&window, now);
-        hold
+            None
+        }
     };
-    // The pool no longer holds this request: free the gate's reservation
-    // and wake anyone waiting for room or for a slot.
-    drop(ticket);
-    shared.changed.notify_waiters();
-    shared.finished.notify_waiters();
-    let Some(outcome) = outcome else {
-        shared
-            .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
-            .await;
-        return;
-    };
-    metrics
-        .attempt_latency
-        .observe(now.duration_since(started).as_secs_f64());
-    metrics.attempt(outcome.label());
+    drop(congestion);
+    shared.export_window(&window, now);
+    hold
+}
+
+/// When an attempt ended, the message's deadline, and the hold the
+/// attempt started.
+struct Sent {
+    now: Instant,
+    deadline: Instant,
+    congestion_hold: Option<Duration>,
+}
+
+/// What an attempt's outcome makes of the message: a result, a requeue
+/// after backoff, a wait for the deadline, or a dead letter.
+async fn decide(
+    shared: &Shared,
+    results: &Results,
+    ready: Ready,
+    outcome: AttemptOutcome,
+    sent: &Sent,
+    shutdown: &CancellationToken,
+) {
+    let metrics = shared.metrics();
     // Failures bound the retries; attempts (congested ones too) are reported.
     let failures = ready.delivery.retry_count.saturating_add(1);
     let attempts = ready
@@ -197,10 +265,11 @@ pub(super) async fn send_and_settle(
     let tag = ready.delivery.tag;
     let trace = ready.trace.as_ref();
     let (id, token) = (&message.request.id, message.token());
+    let (now, deadline) = (sent.now, sent.deadline);
     match outcome {
         AttemptOutcome::Success { status, body } | AttemptOutcome::Final { status, body } => {
             let result = ResultRecord::http(id, token, status, body, attempts);
-            settle(&shared, &results, tag, result, trace).await;
+            settle(shared, results, tag, result, trace).await;
         }
         AttemptOutcome::Congested {
             status,
@@ -218,7 +287,9 @@ pub(super) async fn send_and_settle(
             );
             // The gateway-wide hold: Retry-After, but never shorter than the
             // jittered backoff of this many consecutive signals.
-            let delay = congestion_hold.unwrap_or(shared.settings().congestion_backoff);
+            let delay = sent
+                .congestion_hold
+                .unwrap_or(shared.settings().congestion_backoff);
             let record = AttemptRecord {
                 attempts,
                 last_answer: last_answer(Some((status, &body))),
@@ -239,7 +310,7 @@ pub(super) async fn send_and_settle(
                         record,
                         reason: NackReason::Congested,
                     };
-                    await_deadline(&shared, &results, waiting, trace, &shutdown).await;
+                    await_deadline(shared, results, waiting, trace, shutdown).await;
                 }
             }
         }
@@ -259,7 +330,7 @@ pub(super) async fn send_and_settle(
                 };
                 // A refused, reset or timed-out attempt also held the
                 // gateway: the message waits for the longer of the two.
-                let wait = delay.max(congestion_hold.unwrap_or(Duration::ZERO));
+                let wait = delay.max(sent.congestion_hold.unwrap_or(Duration::ZERO));
                 match after_congestion(wait, now, deadline) {
                     AfterCongestion::Requeue { delay } => {
                         shared
@@ -275,7 +346,7 @@ pub(super) async fn send_and_settle(
                             record,
                             reason: NackReason::Failed,
                         };
-                        await_deadline(&shared, &results, waiting, trace, &shutdown).await;
+                        await_deadline(shared, results, waiting, trace, shutdown).await;
                     }
                 }
             }
@@ -291,16 +362,16 @@ pub(super) async fn send_and_settle(
             RetryDecision::GiveUp => {
                 // Its own backoff leaves no attempt before the deadline.
                 let result = give_up_result(message, &failure, attempts);
-                settle(&shared, &results, tag, result, trace).await;
+                settle(shared, results, tag, result, trace).await;
             }
         },
         AttemptOutcome::Failed { failure } => {
             let result = failure_result(message, &failure, attempts);
-            settle(&shared, &results, tag, result, trace).await;
+            settle(shared, results, tag, result, trace).await;
         }
         AttemptOutcome::DeadlineExceeded => {
             let result = deadline_result(message, attempts);
-            settle(&shared, &results, tag, result, trace).await;
+            settle(shared, results, tag, result, trace).await;
         }
     }
 }
