@@ -6,22 +6,16 @@ mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use sluicegate::clock::unix_secs;
 use sluicegate::sim::{SimConfig, spawn_http};
 use support::TempDir;
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
-
 fn write_requests(path: &Path, n: usize, max_tokens: u32) {
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..n)
         .map(|i| {
             serde_json::json!({

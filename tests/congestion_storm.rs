@@ -11,8 +11,9 @@ mod support;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use sluicegate::clock::unix_secs;
 use sluicegate::config::Config;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
@@ -75,15 +76,6 @@ impl Respond for Shared {
     }
 }
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        .try_into()
-        .unwrap()
-}
-
 async fn storm(refusal: Refusal) {
     let server = MockServer::start().await;
     let gateway = Arc::new(Gateway {
@@ -123,7 +115,7 @@ gate_type = "constant"
     );
     let config = Config::from_toml_str(&toml, &Default::default()).unwrap();
     let app = support::start_app(&config).await;
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     for (q, queue) in app.running.transports().memory().iter().enumerate() {
         for i in 0..PER_QUEUE {
             queue.push_message(

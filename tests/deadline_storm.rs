@@ -19,9 +19,10 @@
 mod support;
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use sluicegate::clock::unix_secs_f64;
 use sluicegate::config::{Config, EndpointUrl, RedisConfig};
 use sluicegate::queue::Transports;
 use sluicegate::queue::redis::{Submission, enqueue};
@@ -38,13 +39,6 @@ const ON_TIME: f64 = 1.0;
 /// The results are polled this often; a result can be seen this much
 /// after it was written.
 const POLL: Duration = Duration::from_millis(50);
-
-fn unix_now_f64() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
 
 fn line(id: &str, deadline: i64) -> String {
     serde_json::json!({"id": id, "deadline": deadline,
@@ -87,12 +81,12 @@ async fn collect(
     let mut seen = HashMap::new();
     while seen.len() < MESSAGES {
         assert!(
-            unix_now_f64() < give_up_at,
+            unix_secs_f64() < give_up_at,
             "only {} of {MESSAGES} answered by deadline + {:.0} s",
             seen.len(),
             give_up_at - 0.0
         );
-        let now = unix_now_f64();
+        let now = unix_secs_f64();
         for (id, status, code) in results() {
             seen.entry(id).or_insert((now, status, code));
         }
@@ -141,9 +135,9 @@ async fn a_429_storm_answers_every_deadline_on_time_on_redis() {
     };
     config.redis = Some(redis.clone());
     let app = support::start_app(&config).await;
-    let deadline = unix_now_f64() as i64 + DEADLINE_IN;
+    let deadline = unix_secs_f64() as i64 + DEADLINE_IN;
     let mut conn = connection(&redis).unwrap();
-    let now_ms = (unix_now_f64() * 1000.0) as i64;
+    let now_ms = (unix_secs_f64() * 1000.0) as i64;
     let batch: Vec<Submission> = (0..MESSAGES)
         .map(|i| {
             let message = parse_message(line(&format!("r{i}"), deadline).as_bytes()).unwrap();
@@ -194,7 +188,7 @@ async fn a_429_storm_answers_every_deadline_on_time_on_the_embedded_store() {
         panic!("embedded transport expected");
     };
     let queue = queues[0].clone();
-    let deadline = unix_now_f64() as i64 + DEADLINE_IN;
+    let deadline = unix_secs_f64() as i64 + DEADLINE_IN;
     let bodies: Vec<Bytes> = (0..MESSAGES)
         .map(|i| Bytes::from(line(&format!("e{i}"), deadline)))
         .collect();

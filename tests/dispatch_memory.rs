@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::future::BoxFuture;
+use sluicegate::clock::unix_secs;
 use sluicegate::config::{GatingMode, Rounding, Unit};
 use sluicegate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use sluicegate::gate::{
@@ -25,17 +26,10 @@ use tokio_util::sync::CancellationToken;
 use wiremock::matchers::{method, path};
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
-
 fn message(id: &str, deadline_in: i64) -> String {
     serde_json::json!({
         "id": id,
-        "deadline": unix_now() + deadline_in,
+        "deadline": unix_secs() + deadline_in,
         "payload": {"model": "m", "prompt": format!("hello {id}"), "max_tokens": 8}
     })
     .to_string()
@@ -200,7 +194,7 @@ async fn expired_and_invalid_messages_get_typed_results_and_are_never_sent() {
     h.queue
         .push_message(r#"{"id":"bad-deadline","deadline":"tomorrow","payload":{}}"#);
     h.queue.push_message(
-        serde_json::json!({"id":"off-host","deadline": unix_now()+600,"payload":{},"endpoint":"http://evil.example:9/v1/completions"}).to_string(),
+        serde_json::json!({"id":"off-host","deadline": unix_secs()+600,"payload":{},"endpoint":"http://evil.example:9/v1/completions"}).to_string(),
     );
     let results = h.wait_for_results(4).await;
     let by_id: BTreeMap<_, _> = results.iter().map(|r| (r.id.clone(), r.clone())).collect();
@@ -438,7 +432,7 @@ async fn deadlines_passing_while_the_gate_is_closed_are_answered_within_a_second
         settings,
         no_retry_limit(),
     );
-    let deadline = unix_now() + 2;
+    let deadline = unix_secs() + 2;
     for i in 0..50 {
         h.queue.push_message(
             serde_json::json!({"id": format!("m{i}"), "deadline": deadline,
@@ -744,7 +738,7 @@ async fn a_message_waiting_for_room_goes_back_to_the_queue_during_a_long_congest
         no_retry_limit(),
     );
     let big = |id: &str| {
-        serde_json::json!({"id": id, "deadline": unix_now() + 7200,
+        serde_json::json!({"id": id, "deadline": unix_secs() + 7200,
             "payload": {"model": "m", "prompt": "p", "max_tokens": 1000}})
         .to_string()
     };
@@ -929,7 +923,7 @@ async fn large_bodies_stay_within_the_byte_budget() {
         h.queue.push_message(
             serde_json::json!({
                 "id": format!("big-{i}"),
-                "deadline": unix_now() + 3600,
+                "deadline": unix_secs() + 3600,
                 "payload": {"model": "m", "prompt": prompt, "max_tokens": 1}
             })
             .to_string(),

@@ -24,8 +24,9 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use sluicegate::clock::unix_secs;
 use sluicegate::config::Config;
 use support::failing::{FailingGateway, Failure, per_second};
 use support::pubsub::{Emulator, Names, collect, create, publish, results_by_id};
@@ -33,15 +34,6 @@ use support::pubsub::{Emulator, Names, collect, create, publish, results_by_id};
 /// The window: `max_sys` of the one queue, through the blind `constant`
 /// gate (always a fresh reading, so only the hold keeps the gateway quiet).
 const WINDOW: usize = 32;
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        .try_into()
-        .unwrap()
-}
 
 fn config(gateway: &str) -> Config {
     let toml = format!(
@@ -87,7 +79,7 @@ async fn storm(
 ) -> Vec<usize> {
     let app = support::start_app(&config(url)).await;
     let queue = app.running.transports().memory()[0].clone();
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let start = Instant::now();
     for i in 0..queued {
         queue.push_message(
@@ -185,7 +177,7 @@ async fn an_attempt_that_hit_a_reset_is_counted() {
     let app = support::start_app(&config(&server.url)).await;
     let queue = app.running.transports().memory()[0].clone();
     queue.push_message(
-        serde_json::json!({"id": "once", "deadline": unix_now() + 600,
+        serde_json::json!({"id": "once", "deadline": unix_secs() + 600,
             "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
         .to_string(),
     );
@@ -246,7 +238,7 @@ gate_type = "constant"
         );
         let config = Config::from_toml_str(&toml, &Default::default()).unwrap();
         let app = support::start_app(&config).await;
-        let deadline = unix_now() + 3600;
+        let deadline = unix_secs() + 3600;
         let ids: BTreeSet<String> = (0..queued).map(|i| format!("{tag}-{i}")).collect();
         let bodies: Vec<String> = ids
             .iter()

@@ -10,11 +10,11 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use sluicegate::clock::unix_secs;
 use sluicegate::config::Config;
 use support::redis::RedisServer;
-use support::tenants::{
-    Arrival, recording_gateway, redis_config, seen, submit, submit_in_lanes, tenant_line, unix_now,
-};
+use support::redis::{redis_config, submit, submit_in_lanes};
+use support::tenants::{Arrival, recording_gateway, seen, tenant_line};
 
 async fn start(server: &RedisServer, gateway: &str, dispatch: &str, queue: &str) -> support::App {
     let toml = support::redis::fast_app_toml(gateway, dispatch, queue);
@@ -51,7 +51,7 @@ async fn a_tenant_over_quota_at_the_head_does_not_delay_the_others() {
     let requeue = Duration::from_secs(5);
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines = backlog(("hog", "hog", HOG), ("small", "small", SMALL), base);
     submit(&server, "fairq", &lines).await;
     let started = Instant::now();
@@ -111,7 +111,7 @@ async fn the_window_is_shared_by_weight() {
     const FIRST: usize = 60;
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let mut lines = Vec::new();
     for i in 0..EACH {
         lines.push(tenant_line(&format!("g-{i}"), "gold", base + 2 * i as i64));
@@ -219,7 +219,7 @@ async fn a_small_tenant_behind_a_deep_backlog_is_served_from_the_start() {
     const SMALL: usize = 50;
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
     submit_in_lanes(&server, "deepq", &lines).await;
     let started = Instant::now();
@@ -295,7 +295,7 @@ async fn a_small_tenant_behind_a_deep_backlog_on_the_embedded_store_is_served_fr
     const SMALL: usize = 50;
     let tmp = support::TempDir::new("deep-embedded");
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
     let app = start_embedded(&tmp.0.join("store.db"), "deepe", lines, &gateway.uri(), "").await;
     let what =
@@ -314,7 +314,7 @@ async fn a_small_tenant_behind_a_deep_backlog_in_memory_is_served_from_the_start
     const SMALL: usize = 50;
     let tmp = support::TempDir::new("deep-memory");
     let input = tmp.0.join("backlog.jsonl");
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines = backlog(("big", "big", BIG), ("small", "small", SMALL), base);
     std::fs::write(&input, lines.join("\n")).expect("write the backlog");
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
@@ -368,7 +368,7 @@ async fn weights_hold_behind_a_deep_backlog() {
     const FIRST: usize = 400;
     let server = RedisServer::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines = backlog(("g", "gold", EACH), ("b", "bronze", EACH), base);
     submit_in_lanes(&server, "deepw", &lines).await;
     let app = start(
@@ -393,7 +393,7 @@ async fn weights_hold_behind_a_deep_backlog_on_the_embedded_store() {
     const FIRST: usize = 400;
     let tmp = support::TempDir::new("deep-weights-embedded");
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines = backlog(("g", "gold", EACH), ("b", "bronze", EACH), base);
     let app = start_embedded(
         &tmp.0.join("store.db"),
@@ -418,7 +418,7 @@ async fn messages_back_in_pending_are_back_in_their_lane() {
     use sluicegate::redis::{RedisConnection, client, manager};
     use sluicegate::tasks::Tasks;
     let server = RedisServer::start();
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines: Vec<String> = (0..3)
         .map(|i| tenant_line(&format!("t-{i}"), "t1", base + i))
         .collect();
@@ -473,7 +473,7 @@ fn submit_files_lines_into_tenant_lanes() {
     let server = RedisServer::start();
     let tmp = support::TempDir::new("submit-lanes");
     let file = tmp.0.join("batch.jsonl");
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let mut lines: Vec<String> = (0..3)
         .map(|i| tenant_line(&format!("a-{i}"), "alice", base + i))
         .collect();

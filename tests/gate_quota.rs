@@ -10,13 +10,15 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
+use sluicegate::clock::unix_secs;
 use sluicegate::config::{GateSpec, Secret};
 use sluicegate::gate::{
     Admission, AdmissionRequest, Classification, DispatchGate, GateContext, build_gate,
 };
 use support::cli::{Background, sluicegate};
 use support::redis::RedisServer;
-use support::tenants::{recording_gateway, seen, submit, tenant_line, unix_now};
+use support::redis::submit;
+use support::tenants::{recording_gateway, seen, tenant_line};
 
 fn gate(params: serde_json::Value) -> Box<dyn DispatchGate> {
     let spec = GateSpec::parse("redis-quota", &params, "q").expect("valid params");
@@ -39,7 +41,7 @@ async fn authenticates_with_the_redis_section_credentials() {
         "q",
     )
     .expect("valid params");
-    let mut redis = support::tenants::redis_config(&server);
+    let mut redis = support::redis::redis_config(&server);
     redis.password = Some(Secret::new("quota-pass"));
     let with = GateContext::new(
         None,
@@ -214,7 +216,7 @@ async fn concurrency_units_of_a_sigkilled_dispatcher_come_back_after_their_lease
     let server = RedisServer::start();
     // The gateway never answers in time: the units stay held.
     let (gateway, arrivals) = recording_gateway(Duration::from_secs(600)).await;
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..LIMIT + 2)
         .map(|i| tenant_line(&format!("k-{i}"), "alice", deadline))
         .collect();

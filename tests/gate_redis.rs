@@ -3,76 +3,15 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::json;
+use sluicegate::clock::unix_secs_f64;
 use sluicegate::config::GateSpec;
 use sluicegate::gate::{FailClosed, GateContext, build_gate};
+use support::redis::RedisServer;
 
 const STALENESS: Duration = Duration::from_secs(2);
-
-/// `redis-server` on a free port, no persistence; killed by PID on drop.
-struct Redis {
-    child: Child,
-    port: u16,
-}
-
-impl Redis {
-    async fn start() -> Self {
-        let port = support::free_port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(["--bind", "127.0.0.1"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server");
-        let r = Self { child, port };
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return r;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("redis-server did not start");
-    }
-
-    fn cli(&self, args: &[&str]) {
-        let status = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .stdout(Stdio::null())
-            .status()
-            .expect("redis-cli");
-        assert!(status.success());
-    }
-}
-
-impl Redis {
-    fn cli_out(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A reading after the cache had time to refresh (it serves the previous
 /// reading while a refresh runs).
@@ -92,7 +31,7 @@ fn gate(params: serde_json::Value) -> FailClosed {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_gate_reads_the_budget_key_and_fails_closed_otherwise() {
-    let redis = Redis::start().await;
+    let redis = RedisServer::start();
     let address = format!("127.0.0.1:{}", redis.port);
     let g = gate(json!({"address": address}));
 
@@ -142,23 +81,16 @@ async fn redis_gate_reads_the_budget_key_and_fails_closed_otherwise() {
     }
 }
 
-fn unix_now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decision_records_are_dated_acknowledged_and_go_stale() {
-    let redis = Redis::start().await;
+    let redis = RedisServer::start();
     let address = format!("127.0.0.1:{}", redis.port);
     let spec = GateSpec::parse("redis", &json!({"address": address}), "test").unwrap();
     let ctx = GateContext::new(None, None, Duration::from_millis(50), STALENESS);
     let replica = ctx.replica.clone();
     let g = FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS);
 
-    let record = json!({"budget": 0.6, "timestamp": unix_now(), "decision_id": "d-1",
+    let record = json!({"budget": 0.6, "timestamp": unix_secs_f64(), "decision_id": "d-1",
         "sees_own_load": true});
     redis.cli(&["SET", "dispatch-gate-budget", &record.to_string()]);
     let o = fresh(&g).await;
@@ -167,20 +99,26 @@ async fn decision_records_are_dated_acknowledged_and_go_stale() {
     assert!(o.sees_own_load);
     // The controller can tell the decision took effect here.
     assert_eq!(
-        redis.cli_out(&["HGET", "dispatch-gate-budget:applied", &replica]),
+        redis
+            .cli(&["HGET", "dispatch-gate-budget:applied", &replica])
+            .trim()
+            .to_owned(),
         "d-1"
     );
 
     // A controller that died leaves its last record behind: once its data
     // is older than max_staleness the gate closes instead of trusting it.
-    let old = json!({"budget": 0.9, "timestamp": unix_now() - 10.0, "decision_id": "d-2"});
+    let old = json!({"budget": 0.9, "timestamp": unix_secs_f64() - 10.0, "decision_id": "d-2"});
     redis.cli(&["SET", "dispatch-gate-budget", &old.to_string()]);
     let o = fresh(&g).await;
     assert_eq!(o.budget.get(), 0.0, "{o:?}");
     assert!(!o.source_available);
     // ... and is not acknowledged as applied.
     assert_eq!(
-        redis.cli_out(&["HGET", "dispatch-gate-budget:applied", &replica]),
+        redis
+            .cli(&["HGET", "dispatch-gate-budget:applied", &replica])
+            .trim()
+            .to_owned(),
         "d-1"
     );
 

@@ -11,10 +11,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
+use sluicegate::clock::unix_secs;
 use sluicegate::config::{Config, GateSpec};
 use sluicegate::gate::{Admission, AdmissionRequest, DispatchGate, GateContext, build_gate};
 use support::redis::RedisServer;
-use support::tenants::{recording_gateway, redis_config, seen, submit, tenant_line, unix_now};
+use support::redis::{redis_config, submit};
+use support::tenants::{recording_gateway, seen, tenant_line};
 
 /// The saturation gate: the `redis` budget key `budget` (budget 0 =
 /// saturated), read fresh on every call.
@@ -186,7 +188,7 @@ saturation_gate_params = {{ address = "127.0.0.1:{}", budget_key = "budget" }}"#
     submit(
         &server,
         "tierq",
-        &[tenant_line("drop-me", "erin", unix_now() + 600)],
+        &[tenant_line("drop-me", "erin", unix_secs() + 600)],
     )
     .await;
     let results = server.wait_for_len("tierq-results", 1).await;

@@ -15,10 +15,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::json;
+use sluicegate::clock::unix_secs;
 use sluicegate::config::{Config, GateSpec};
 use sluicegate::gate::{Admission, AdmissionRequest, DispatchGate, GateContext, build_gate};
 use support::redis::RedisServer;
-use support::tenants::{recording_gateway, redis_config, seen, submit, tenant_line, unix_now};
+use support::redis::{redis_config, submit};
+use support::tenants::{recording_gateway, seen, tenant_line};
 
 const INFLIGHT: &str = "rmp:inflight:pool:groq";
 const CAP: &str = "rmp:cap:pool:groq";
@@ -194,7 +196,7 @@ fail_fast_body = '{{"error":"try later"}}'"#,
     submit(
         &server,
         "tierq",
-        &[tenant_line("drop-me", "erin", unix_now() + 600)],
+        &[tenant_line("drop-me", "erin", unix_secs() + 600)],
     )
     .await;
     let results = server.wait_for_len("tierq-results", 1).await;
@@ -233,8 +235,8 @@ gate_params = { gates = [
         &server,
         "dlq",
         &[
-            tenant_line("too-late", "erin", unix_now() + 600),
-            tenant_line("in-time", "erin", unix_now() + 7200),
+            tenant_line("too-late", "erin", unix_secs() + 600),
+            tenant_line("in-time", "erin", unix_secs() + 7200),
         ],
     )
     .await;

@@ -12,22 +12,16 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::json;
+use sluicegate::clock::unix_secs;
 use sluicegate::config::Config;
 use sluicegate::result::ErrorCode;
 use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
 use support::pubsub::{Emulator, Names, collect, create, publish, results_by_id};
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
-
 fn request(id: &str) -> String {
     json!({
         "id": id,
-        "deadline": unix_now() + 3600,
+        "deadline": unix_secs() + 3600,
         "payload": {"model": "sim-model", "prompt": "Summarise.", "max_tokens": 4}
     })
     .to_string()
@@ -153,7 +147,7 @@ async fn round_trip_through_the_simulator_publishes_one_result_per_request() {
     // Routed: the result carries `result_route` from the metadata, and a
     // message attribute merges into the metadata.
     bodies.push(
-        json!({"id": "routed", "deadline": unix_now() + 3600, "metadata": {"result_route": "blue"},
+        json!({"id": "routed", "deadline": unix_secs() + 3600, "metadata": {"result_route": "blue"},
                "payload": {"model": "sim-model", "prompt": "x", "max_tokens": 4}})
         .to_string(),
     );
@@ -973,7 +967,7 @@ async fn unparsable_messages_are_answered_under_their_message_ids_and_attributes
         .await;
     let app = start_constant(&emulator, &names, &server.uri(), "").await;
     let routed = json!({
-        "data": json!({"id": "attr", "deadline": unix_now() + 3600,
+        "data": json!({"id": "attr", "deadline": unix_secs() + 3600,
             "metadata": {"userid": "from-body"},
             "payload": {"model": "m", "prompt": "x", "max_tokens": 1}}).to_string(),
         "attributes": {"userid": "from-attribute"},
@@ -1050,7 +1044,7 @@ async fn a_429_storm_answers_every_deadline_on_time_on_pubsub() {
         ),
     )
     .await;
-    let deadline = unix_now() + 20;
+    let deadline = unix_secs() + 20;
     let bodies: Vec<String> = (0..N)
         .map(|i| {
             json!({"id": format!("dl-{i}"), "deadline": deadline,

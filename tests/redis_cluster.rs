@@ -8,8 +8,9 @@ mod support;
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use sluicegate::clock::unix_secs;
 use sluicegate::sim::{SimConfig, spawn_http};
 use support::cli::{output, sluicegate, text};
 use support::redis_cluster::RedisCluster;
@@ -30,15 +31,9 @@ impl Drop for Process {
     }
 }
 
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64)
-}
-
 /// `n` request lines `<prefix>-<i>` in a file.
 fn request_file(dir: &TempDir, prefix: &str, n: usize, max_tokens: u32) -> std::path::PathBuf {
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..n)
         .map(|i| {
             let id = format!("{prefix}-{i}");
@@ -315,7 +310,7 @@ async fn a_small_tenant_behind_a_deep_backlog_on_a_cluster_is_served_from_the_st
     const DEEP_RESULTS: &str = "{deep}:results";
     let cluster = RedisCluster::start();
     let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
-    let base = unix_now() + 3600;
+    let base = unix_secs() + 3600;
     let lines: Vec<String> = (0..BIG)
         .map(|i| tenant_line(&format!("big-{i}"), "big", base + i as i64))
         .chain(

@@ -14,32 +14,15 @@ mod support;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use sluicegate::config::{Config, EndpointUrl, RedisConfig};
-use sluicegate::queue::redis::{RedisQueueSettings, Submission, enqueue};
-use sluicegate::redis::connection;
-use sluicegate::request::{MAX_ID_LEN, parse_message, synthetic_id};
-use support::redis::RedisServer;
+use sluicegate::clock::unix_secs;
+use sluicegate::config::Config;
+use sluicegate::queue::redis::RedisQueueSettings;
+use sluicegate::request::{MAX_ID_LEN, synthetic_id};
+use support::redis::{RedisServer, redis_config, submit};
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
-
-fn redis_config(server: &RedisServer) -> RedisConfig {
-    RedisConfig {
-        url: EndpointUrl::new(url::Url::parse(&server.url()).expect("url")),
-        username: None,
-        password: None,
-        password_file: None,
-        cluster: false,
-    }
-}
 
 /// An in-process dispatcher on one Redis queue.
 /// A dispatcher started in process through `support::start_app`.
@@ -85,17 +68,6 @@ fn request_line(id: &str, deadline: i64) -> String {
         "payload": {"model": "m", "prompt": "p", "max_tokens": 1}
     })
     .to_string()
-}
-
-/// Submits through our producer (envelope, token, `request-active:<id>`).
-async fn submit(server: &RedisServer, queue: &str, lines: &[String]) {
-    let mut conn = connection(&redis_config(server)).expect("connection");
-    let now_ms = unix_now() * 1000;
-    let batch: Vec<Submission> = lines
-        .iter()
-        .map(|l| Submission::new(parse_message(l.as_bytes()).expect("valid"), queue, now_ms))
-        .collect();
-    enqueue(&mut conn, queue, &batch).await.expect("enqueued");
 }
 
 /// Writes an upstream-shaped envelope with `redis-cli`, as an upstream
@@ -155,7 +127,7 @@ async fn a_deadline_passing_while_requeued_answers_with_the_last_http_answer() {
         )
         .mount(&gateway)
         .await;
-    let deadline = unix_now() + 9;
+    let deadline = unix_secs() + 9;
     // One of ours, one hand-written upstream envelope.
     submit(&server, "late", &[request_line("ours", deadline)]).await;
     upstream(
@@ -189,7 +161,7 @@ async fn a_deadline_passing_while_requeued_answers_with_the_last_http_answer() {
     assert_eq!(server.int(&["LLEN", "result-list"]), 0);
     // The deadline passes while they wait in the queue; the next
     // dispatcher finds them expired.
-    while unix_now() <= deadline {
+    while unix_secs() <= deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let d = start_dispatcher(&server, &gateway.uri(), RedisQueueSettings::new("late"), "").await;
@@ -217,7 +189,7 @@ async fn attempts_count_congested_tries_too() {
     submit(
         &server,
         "count",
-        &[request_line("counted", unix_now() + 600)],
+        &[request_line("counted", unix_secs() + 600)],
     )
     .await;
     let d = start_dispatcher(
@@ -240,7 +212,7 @@ async fn attempts_count_congested_tries_too() {
 async fn result_lists_follow_queue_then_envelope_then_request_then_default() {
     let server = RedisServer::start();
     let gateway = scripted_gateway(vec![200]).await;
-    let deadline = unix_now() + 600;
+    let deadline = unix_secs() + 600;
     let data = |id: &str, list: Option<&str>| {
         let mut d = serde_json::json!({"id": id, "deadline": deadline,
             "payload": {"model": "m", "prompt": "p"}});
@@ -329,7 +301,7 @@ async fn result_lists_follow_queue_then_envelope_then_request_then_default() {
 async fn unknown_request_kinds_and_far_deadlines_are_invalid_and_never_sent() {
     let server = RedisServer::start();
     let gateway = scripted_gateway(vec![200]).await;
-    let soon = unix_now() + 600;
+    let soon = unix_secs() + 600;
     let kind = serde_json::json!({"internal": {"request_token": "k1"}, "request_kind": "sqs",
         "data": {"id": "odd-kind", "deadline": soon, "payload": {}}});
     server.cli(&["ZADD", "strict", &soon.to_string(), &kind.to_string()]);
@@ -340,7 +312,7 @@ async fn unknown_request_kinds_and_far_deadlines_are_invalid_and_never_sent() {
         serde_json::json!({"request_token": "k2"}),
     );
     // A millisecond timestamp written as seconds.
-    let ms = unix_now() * 1000;
+    let ms = unix_secs() * 1000;
     server.cli(&["ZADD", "strict", "1", &request_line("millis", ms)]);
     let d = start_dispatcher(
         &server,
@@ -380,7 +352,7 @@ async fn unknown_request_kinds_and_far_deadlines_are_invalid_and_never_sent() {
 async fn unusable_ids_get_short_printable_stable_result_ids() {
     let server = RedisServer::start();
     let gateway = scripted_gateway(vec![200]).await;
-    let deadline = unix_now() + 600;
+    let deadline = unix_secs() + 600;
     let long = "L".repeat(MAX_ID_LEN + 100);
     upstream(
         &server,
@@ -444,7 +416,7 @@ async fn unusable_ids_get_short_printable_stable_result_ids() {
 async fn a_dead_letter_also_writes_a_result_and_cleans_its_active_key() {
     let server = RedisServer::start();
     let gateway = scripted_gateway(vec![500]).await;
-    let deadline = unix_now() + 600;
+    let deadline = unix_secs() + 600;
     submit(
         &server,
         "dead",
@@ -558,7 +530,7 @@ async fn crash_recovery_time_after_sigkill_with_the_default_lease() {
         .mount(&slow)
         .await;
     let fast = scripted_gateway(vec![200]).await;
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..N)
         .map(|i| request_line(&format!("c-{i}"), deadline))
         .collect();
@@ -607,7 +579,7 @@ async fn crash_recovery_time_after_sigkill_with_the_default_lease() {
 async fn ten_8_mib_messages(server: &RedisServer, queue: &str, gateway: &str, attempts: u32) {
     const MIB: usize = 1 << 20;
     const N: usize = 10;
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..N)
         .map(|i| {
             let id = format!("{queue}-{i}");

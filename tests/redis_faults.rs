@@ -8,22 +8,16 @@ mod support;
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use rand::RngExt;
+use sluicegate::clock::unix_secs;
 use support::redis::{RedisOptions, RedisServer, free_port};
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, ResponseTemplate};
 
 const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
 const QUEUE: &str = "faults";
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
 
 async fn gateway(delay: Duration) -> MockServer {
     let server = MockServer::start().await;
@@ -45,7 +39,7 @@ fn submit(server: &RedisServer, dir: &Path, n: usize) {
 
 fn submit_with(server: &RedisServer, dir: &Path, n: usize, env: &[(&str, &Path)]) {
     let file = dir.join("requests.jsonl");
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..n)
         .map(|i| {
             serde_json::json!({"id": format!("m-{i}"), "deadline": deadline,

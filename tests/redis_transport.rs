@@ -6,35 +6,19 @@
 mod support;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use sluicegate::app::Running;
-use sluicegate::config::{Config, EndpointUrl, RedisConfig, Secret};
+use sluicegate::clock::unix_secs;
+use sluicegate::config::{Config, RedisConfig, Secret};
 use sluicegate::queue::Queue;
-use sluicegate::queue::redis::{RedisQueue, RedisQueueSettings, Submission, cancel, enqueue};
+use sluicegate::queue::redis::{RedisQueue, RedisQueueSettings, cancel};
 use sluicegate::redis::{RedisConnection, client, connection, manager};
 use sluicegate::request::parse_message;
 use sluicegate::sim::{SimConfig, spawn_http};
 use sluicegate::tasks::Tasks;
-use support::redis::{RedisOptions, RedisServer};
+use support::redis::{RedisOptions, RedisServer, redis_config, submit_as};
 use tokio_util::sync::CancellationToken;
-
-fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
-
-fn redis_config(server: &RedisServer, password: Option<&str>) -> RedisConfig {
-    RedisConfig {
-        url: EndpointUrl::new(url::Url::parse(&server.url()).expect("url")),
-        username: None,
-        password: password.map(Secret::new),
-        password_file: None,
-        cluster: false,
-    }
-}
 
 struct Dispatcher {
     running: Running,
@@ -97,16 +81,6 @@ fn request_line(id: &str, deadline: i64) -> String {
     .to_string()
 }
 
-async fn submit(redis: &RedisConfig, queue: &str, lines: &[String]) {
-    let mut conn = connection(redis).expect("connection");
-    let now_ms = unix_now() * 1000;
-    let batch: Vec<Submission> = lines
-        .iter()
-        .map(|l| Submission::new(parse_message(l.as_bytes()).expect("valid"), queue, now_ms))
-        .collect();
-    enqueue(&mut conn, queue, &batch).await.expect("enqueued");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn round_trip_through_the_simulator_writes_one_result_per_request() {
     let server = RedisServer::start();
@@ -116,12 +90,12 @@ async fn round_trip_through_the_simulator_writes_one_result_per_request() {
     })
     .await
     .expect("simulator");
-    let redis = redis_config(&server, None);
-    let deadline = unix_now() + 3600;
+    let redis = redis_config(&server);
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..60)
         .map(|i| request_line(&format!("rt-{i}"), deadline))
         .collect();
-    submit(&redis, "rt", &lines).await;
+    submit_as(&redis, "rt", &lines).await;
     assert_eq!(server.int(&["ZCARD", "rt"]), 60);
     let d = start_dispatcher(redis, &sim.base_url(), "rt", "").await;
     let results = server.wait_for_len("result-list", 60).await;
@@ -156,7 +130,7 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
     })
     .await
     .expect("simulator");
-    let deadline = unix_now() + 600;
+    let deadline = unix_secs() + 600;
     // Exactly what an upstream producer writes: envelope member, score =
     // deadline, active key holding the token.
     let envelope = serde_json::json!({
@@ -169,7 +143,7 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
         "request_kind": "redis",
         "data": {
             "id": "up-1",
-            "created": unix_now(),
+            "created": unix_secs(),
             "deadline": deadline.to_string(),
             "payload": {"model": "sim-model", "prompt": "Hi", "max_tokens": 2},
             "metadata": {"userid": "alice"}
@@ -193,7 +167,7 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
     // And garbage, which must still get a result, not vanish.
     server.cli(&["ZADD", "request-sortedset", "1", "not json"]);
     let d = start_dispatcher(
-        redis_config(&server, None),
+        redis_config(&server),
         &sim.base_url(),
         "request-sortedset",
         "",
@@ -229,9 +203,9 @@ async fn upstream_envelope_written_with_redis_cli_gets_upstream_result_shape() {
 async fn expired_and_cancelled_messages_get_typed_results() {
     let server = RedisServer::start();
     let sim = spawn_http(SimConfig::default()).await.expect("simulator");
-    let redis = redis_config(&server, None);
-    let now = unix_now();
-    submit(
+    let redis = redis_config(&server);
+    let now = unix_secs();
+    submit_as(
         &redis,
         "typed",
         &[
@@ -277,8 +251,13 @@ async fn failed_attempts_go_through_the_retry_set_into_dead_letters() {
         .respond_with(ResponseTemplate::new(500).set_body_string("boom"))
         .mount(&gateway)
         .await;
-    let redis = redis_config(&server, None);
-    submit(&redis, "flaky", &[request_line("doomed", unix_now() + 600)]).await;
+    let redis = redis_config(&server);
+    submit_as(
+        &redis,
+        "flaky",
+        &[request_line("doomed", unix_secs() + 600)],
+    )
+    .await;
     let d = start_dispatcher(redis, &gateway.uri(), "flaky", "max_attempts = 3").await;
     let dead = server.wait_for_len("flaky:dead-letters", 1).await;
     assert_eq!(dead[0]["last_error"]["id"], "doomed");
@@ -326,7 +305,10 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     .await
     .expect("simulator");
     // Without the password: the transport reports errors, never data.
-    let wrong = redis_config(&server, Some("wrong"));
+    let wrong = RedisConfig {
+        password: Some(Secret::new("wrong")),
+        ..redis_config(&server)
+    };
     let c = client(&wrong).expect("client");
     let tasks = Tasks::new();
     let queue = RedisQueue::start(
@@ -352,8 +334,8 @@ async fn password_protected_redis_needs_and_accepts_credentials() {
     )
     .expect("config with a password file");
     let redis = loaded.redis.expect("[redis]");
-    let deadline = unix_now() + 600;
-    submit(
+    let deadline = unix_secs() + 600;
+    submit_as(
         &redis,
         "auth",
         &[request_line("a-1", deadline), request_line("a-2", deadline)],
@@ -397,9 +379,9 @@ async fn cancel_while_waiting(extra_dispatch: &str, claimed: Option<i64>) {
         )
         .mount(&gateway)
         .await;
-    let redis = redis_config(&server, None);
-    let deadline = unix_now() + 600;
-    submit(
+    let redis = redis_config(&server);
+    let deadline = unix_secs() + 600;
+    submit_as(
         &redis,
         "waits",
         &[
@@ -459,8 +441,8 @@ async fn an_expired_lease_is_reclaimed_and_the_old_holder_is_fenced_out() {
     use sluicegate::queue::Completion;
     use sluicegate::result::ResultRecord;
     let server = RedisServer::start();
-    let redis = redis_config(&server, None);
-    submit(&redis, "lease", &[request_line("slow", unix_now() + 600)]).await;
+    let redis = redis_config(&server);
+    submit_as(&redis, "lease", &[request_line("slow", unix_secs() + 600)]).await;
     let c = client(&redis).expect("client");
     let tasks = Tasks::new();
     let old_holder = RedisQueue::start(
@@ -530,15 +512,15 @@ async fn several_queues_per_process_each_with_its_gate_and_result_list() {
     })
     .await
     .expect("simulator");
-    let redis = redis_config(&server, None);
-    let deadline = unix_now() + 600;
+    let redis = redis_config(&server);
+    let deadline = unix_secs() + 600;
     let lines = |p: &str| -> Vec<String> {
         (0..10)
             .map(|i| request_line(&format!("{p}-{i}"), deadline))
             .collect()
     };
-    submit(&redis, "alpha", &lines("a")).await;
-    submit(&redis, "beta", &lines("b")).await;
+    submit_as(&redis, "alpha", &lines("a")).await;
+    submit_as(&redis, "beta", &lines("b")).await;
     let toml = format!(
         r#"
 transport = "redis"

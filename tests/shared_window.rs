@@ -12,8 +12,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
+use sluicegate::clock::unix_secs;
 use sluicegate::config::Config;
 use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
 use support::redis::RedisServer;
@@ -25,13 +26,6 @@ const QUEUE: &str = "shared";
 const MAX_COUNT: f64 = 12.0;
 const BASELINE: f64 = 0.25;
 const WINDOW: f64 = 9.0;
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-}
 
 /// A pool that runs every request it gets (nothing waits), so what runs
 /// there is exactly the batch work sent.
@@ -47,7 +41,7 @@ async fn roomy_pool() -> SimHandle {
 
 fn submit(server: &RedisServer, dir: &Path, n: usize, max_tokens: u32) {
     let file = dir.join("requests.jsonl");
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let lines: Vec<String> = (0..n)
         .map(|i| {
             serde_json::json!({"id": format!("m-{i}"), "deadline": deadline,
@@ -313,7 +307,7 @@ max_sys = 4
 }
 
 fn push(app: &support::App, prefix: &str, n: usize) {
-    let deadline = unix_now() + 3600;
+    let deadline = unix_secs() + 3600;
     let q = app.running.transports().memory()[0].clone();
     for i in 0..n {
         q.push_message(

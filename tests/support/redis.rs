@@ -7,6 +7,11 @@ use std::time::{Duration, Instant};
 
 pub(crate) use super::free_port;
 
+use sluicegate::config::{EndpointUrl, RedisConfig, Secret};
+use sluicegate::queue::redis::{Submission, enqueue};
+use sluicegate::redis::connection;
+use sluicegate::request::parse_message;
+
 /// How to run the server.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct RedisOptions {
@@ -35,14 +40,11 @@ impl RedisServer {
     /// Waits (up to 30 s) until `list` holds at least `n` entries, then
     /// returns them all, parsed as JSON (result records).
     pub(crate) async fn wait_for_len(&self, list: &str, n: i64) -> Vec<serde_json::Value> {
-        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while self.int(&["LLEN", list]) < n {
-            assert!(
-                std::time::Instant::now() < give_up,
-                "{list} never reached {n}"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        let what = format!("{list} reaching {n} entries");
+        super::wait_until(Duration::from_secs(30), &what, || {
+            self.int(&["LLEN", list]) >= n
+        })
+        .await;
         self.cli(&["LRANGE", list, "0", "-1"])
             .lines()
             .map(|l| serde_json::from_str(l).expect("result is JSON"))
@@ -269,4 +271,47 @@ listen = "127.0.0.1:0"
 {queue}
 "#
     )
+}
+
+/// `[redis]` pointing at `server`, with its password.
+pub fn redis_config(server: &RedisServer) -> RedisConfig {
+    RedisConfig {
+        url: EndpointUrl::new(url::Url::parse(&server.url()).expect("url")),
+        username: None,
+        password: server.options.password.clone().map(Secret::new),
+        password_file: None,
+        cluster: false,
+    }
+}
+
+/// Submits `lines` to `queue` through our producer.
+pub async fn submit(server: &RedisServer, queue: &str, lines: &[String]) {
+    submit_as(&redis_config(server), queue, lines).await;
+}
+
+/// Submits `lines` to `queue` through our producer, each also filed in its
+/// tenant's lane (metadata `userid`, the default fairness attribute).
+pub async fn submit_in_lanes(server: &RedisServer, queue: &str, lines: &[String]) {
+    submit_filed(&redis_config(server), queue, lines, Some("userid")).await;
+}
+
+/// Submits `lines` to `queue` through our producer, connecting with
+/// `redis` (a config loaded as a deployment's is, say).
+pub async fn submit_as(redis: &RedisConfig, queue: &str, lines: &[String]) {
+    submit_filed(redis, queue, lines, None).await;
+}
+
+async fn submit_filed(redis: &RedisConfig, queue: &str, lines: &[String], attribute: Option<&str>) {
+    let mut conn = connection(redis).expect("connection");
+    let now_ms = sluicegate::clock::unix_millis();
+    let batch: Vec<Submission> = lines
+        .iter()
+        .map(|l| {
+            let message = parse_message(l.as_bytes()).expect("valid");
+            let tenant =
+                attribute.map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
+            Submission::new(message, queue, now_ms).in_lane(tenant)
+        })
+        .collect();
+    enqueue(&mut conn, queue, &batch).await.expect("enqueued");
 }

@@ -4,35 +4,10 @@
 //! that records when each request arrived and for which tenant.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use sluicegate::config::{EndpointUrl, RedisConfig};
-use sluicegate::queue::redis::{Submission, enqueue};
-use sluicegate::redis::connection;
-use sluicegate::request::parse_message;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
-
-use super::redis::RedisServer;
-
-/// Unix seconds now.
-pub fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock after 1970")
-        .as_secs() as i64
-}
-
-/// `[redis]` pointing at `server`.
-pub fn redis_config(server: &RedisServer) -> RedisConfig {
-    RedisConfig {
-        url: EndpointUrl::new(url::Url::parse(&server.url()).expect("url")),
-        username: None,
-        password: None,
-        password_file: None,
-        cluster: false,
-    }
-}
 
 /// One request of `tenant` (metadata `userid`) with `deadline`.
 pub fn tenant_line(id: &str, tenant: &str, deadline: i64) -> String {
@@ -43,37 +18,6 @@ pub fn tenant_line(id: &str, tenant: &str, deadline: i64) -> String {
         "payload": {"model": "m", "prompt": "p", "max_tokens": 1}
     })
     .to_string()
-}
-
-/// Submits `lines` to `queue` through our producer.
-pub async fn submit(server: &RedisServer, queue: &str, lines: &[String]) {
-    submit_filed(server, queue, lines, None).await;
-}
-
-/// Submits `lines` to `queue` through our producer, each also filed in its
-/// tenant's lane (metadata `userid`, the default fairness attribute).
-pub async fn submit_in_lanes(server: &RedisServer, queue: &str, lines: &[String]) {
-    submit_filed(server, queue, lines, Some("userid")).await;
-}
-
-async fn submit_filed(
-    server: &RedisServer,
-    queue: &str,
-    lines: &[String],
-    attribute: Option<&str>,
-) {
-    let mut conn = connection(&redis_config(server)).expect("connection");
-    let now_ms = unix_now() * 1000;
-    let batch: Vec<Submission> = lines
-        .iter()
-        .map(|l| {
-            let message = parse_message(l.as_bytes()).expect("valid");
-            let tenant =
-                attribute.map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
-            Submission::new(message, queue, now_ms).in_lane(tenant)
-        })
-        .collect();
-    enqueue(&mut conn, queue, &batch).await.expect("enqueued");
 }
 
 /// One request as the gateway saw it.
