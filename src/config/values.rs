@@ -163,6 +163,27 @@ pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
         .ok_or_else(|| format!("expected a finite number, got {}", show(v)))
 }
 
+/// A float in `[min, max]`.
+pub(crate) fn as_f64_in(v: &Value, min: f64, max: f64) -> Result<f64, String> {
+    let x = as_f64(v)?;
+    (min..=max)
+        .contains(&x)
+        .then_some(x)
+        .ok_or_else(|| format!("must be in [{min}, {max}], got {x}"))
+}
+
+/// An optional HTTP header name (empty = none): refused at load when it
+/// is not a legal name, as a header the client could never write would
+/// fail every request.
+pub(crate) fn header_name(v: &Value) -> Result<Option<String>, String> {
+    let Some(name) = optional_string(v)? else {
+        return Ok(None);
+    };
+    reqwest::header::HeaderName::from_bytes(name.as_bytes())
+        .map(|_| Some(name.to_ascii_lowercase()))
+        .map_err(|_| format!("{name:?} is not a legal HTTP header name"))
+}
+
 /// A float strictly greater than zero.
 pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
     let x = as_f64(v)?;

@@ -134,6 +134,16 @@ impl<T> FairQueue<T> {
             .map(|until| until - now)
     }
 
+    /// Whether [`Self::pop`] at `now` would release something: a tenant
+    /// with a message that is not blocked. One step per buffered tenant.
+    pub(crate) fn has_ready(&self, now: Instant) -> bool {
+        self.ring.iter().any(|name| {
+            self.tenants.get(name).is_some_and(|t| {
+                !t.queue.is_empty() && t.blocked_until.is_none_or(|until| until <= now)
+            })
+        })
+    }
+
     /// Buffers `item` of `tenant` with its deadline (Unix s) and cost in
     /// window units.
     pub(crate) fn push(&mut self, tenant: &str, deadline: i64, cost: u64, item: T) {

@@ -24,6 +24,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::merge::{Merge, MergePolicy, Tier};
 use super::pace::{Pace, Pacer};
 use super::window::{Applied, Window};
 use crate::config::Rounding;
@@ -66,6 +67,11 @@ pub struct PoolWindow {
     /// Paced release of the pool's sends (`dispatch.pace`), if on: it only
     /// ever withholds what the lanes' windows allow.
     pacer: Option<Pacer>,
+    /// Which lane takes the next turn at the room (`merge.rs`); one entry
+    /// per lane, in lane order.
+    merge: Merge,
+    /// Whether a policy was set ([`Self::set_merge`]: the first wins).
+    merge_set: bool,
 }
 
 impl PoolWindow {
@@ -78,7 +84,59 @@ impl PoolWindow {
             window.sent(now, self.in_flight);
         }
         self.lanes.push(window);
+        self.merge.add_lane(Tier::Batch);
         Lane(self.lanes.len() - 1)
+    }
+
+    /// Sets the pool's merge policy, `seed` choosing the lane looked at
+    /// first. The first call wins: every queue of a pool reads the same
+    /// config, and a later call must not reset the turns.
+    pub fn set_merge(&mut self, policy: MergePolicy, seed: u64) {
+        if !self.merge_set {
+            self.merge_set = true;
+            self.merge.configure(policy, seed);
+        }
+    }
+
+    /// Sets `lane`'s tier for `tier-priority`.
+    pub fn set_tier(&mut self, lane: Lane, tier: Tier) {
+        self.merge.set_tier(lane.0, tier);
+    }
+
+    /// Whether the pool's lanes take turns (a merge policy other than
+    /// `first-come`, and more than one lane).
+    pub fn takes_turns(&self) -> bool {
+        self.merge.takes_turns()
+    }
+
+    /// Marks whether `lane`'s receiver holds releasable work. Returns
+    /// whether that changed (then the other lanes should look again: a
+    /// lane that stopped contending no longer holds the turn).
+    pub fn mark_contending(&mut self, lane: Lane, has_work: bool) -> bool {
+        self.merge.set_contending(lane.0, has_work)
+    }
+
+    /// Whether `lane`, which has releasable work and room now, takes the
+    /// next turn: always without turns; with them, when the policy picks
+    /// it among the lanes that contend and have room ([`Self::available`]),
+    /// and the turn is then recorded. The lane stays marked contending
+    /// until its receiver says otherwise, so a busy higher tier keeps its
+    /// priority between two of its turns.
+    pub fn take_turn(&mut self, lane: Lane, now: Instant) -> bool {
+        if !self.merge.takes_turns() {
+            return true;
+        }
+        self.merge.set_contending(lane.0, true);
+        let has_room: Vec<bool> = (0..self.lanes.len())
+            .map(|i| i == lane.0 || self.available(Lane(i), now) > 0)
+            .collect();
+        let ready = self.merge.contenders(&has_room);
+        if self.merge.pick(&ready) == Some(lane.0) {
+            self.merge.served(lane.0, &ready);
+            true
+        } else {
+            false
+        }
     }
 
     /// The window of `lane` (its grant, whether it is held).

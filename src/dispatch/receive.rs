@@ -161,7 +161,16 @@ pub(super) async fn receive_loop(
             let now = Instant::now();
             shared.window().available(now) > 0 && !shared.congestion_held(now)
         };
-        if let Some((tenant, ready)) = has_room.then(|| fair.pop(Instant::now())).flatten() {
+        // With a merge policy, the pool's queues take turns at the room
+        // (`merge.rs`): this queue contends while it holds a releasable
+        // message, and releases one when the policy picks it.
+        let now = Instant::now();
+        let go = if shared.takes_turns() {
+            shared.take_turn(now, fair.has_ready(now), has_room)
+        } else {
+            has_room
+        };
+        if let Some((tenant, ready)) = go.then(|| fair.pop(now)).flatten() {
             if shutdown.is_cancelled() {
                 shared
                     .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
@@ -196,6 +205,8 @@ pub(super) async fn receive_loop(
             ) => {}
         }
     }
+    // No longer contending for the pool's turns.
+    shared.take_turn(Instant::now(), false, false);
     // Buffered leases go back at once rather than expiring.
     for ready in fair.drain() {
         shared
