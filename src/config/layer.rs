@@ -122,6 +122,7 @@ enum Target {
 const EMPTY_MEANS_SOMETHING: &[&str] = &[
     "SLUICEGATE_GATEWAY_FAIRNESS_ATTRIBUTE",
     "SLUICEGATE_QUEUE_INFERENCE_OBJECTIVE",
+    "SLUICEGATE_DISPATCH_MERGE_PRIORITY_HEADER",
 ];
 
 /// Every variable and its target: the short contract names, then

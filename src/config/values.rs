@@ -179,9 +179,16 @@ pub(crate) fn header_name(v: &Value) -> Result<Option<String>, String> {
     let Some(name) = optional_string(v)? else {
         return Ok(None);
     };
-    reqwest::header::HeaderName::from_bytes(name.as_bytes())
-        .map(|_| Some(name.to_ascii_lowercase()))
-        .map_err(|_| format!("{name:?} is not a legal HTTP header name"))
+    let parsed = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a legal HTTP header name"))?;
+    // Not one the client sets itself (framing, routing), a credential, or
+    // the body's `Content-Type`: the value would replace it.
+    if !crate::gateway::may_pass_through(&parsed) {
+        return Err(format!(
+            "{name:?} is a header the gateway client sets or refuses; choose another name"
+        ));
+    }
+    Ok(Some(parsed.as_str().to_owned()))
 }
 
 /// A float strictly greater than zero.

@@ -1,0 +1,330 @@
+//! Merge policies (`dispatch.merge_policy`): two memory queues on one
+//! pool, the pool being our simulator behind a recording proxy that notes
+//! which queue each request came from (its prompt) and the priority header,
+//! in arrival order. The application runs in process, as `run` does.
+//!
+//! The pool's window is 2 requests (a constant gate, `max_sys = 2`), so the
+//! two queues always contend for room while both have a backlog.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::json;
+use sluicegate::config::Config;
+use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
+
+/// One request as the proxy saw it: the queue (from the prompt) and the
+/// priority header, if any.
+#[derive(Debug, Clone)]
+struct Seen {
+    queue: String,
+    priority: Option<String>,
+}
+
+/// The simulator: 2 replicas of 2 sequences, 20× real time.
+async fn sim() -> SimHandle {
+    let mut cfg = SimConfig {
+        pool_name: "merge".into(),
+        time_scale: 20.0,
+        ..SimConfig::default()
+    };
+    cfg.engine.max_num_seqs = 2;
+    spawn_http(cfg).await.expect("simulator starts")
+}
+
+/// A proxy in front of `sim` that records each request and forwards it;
+/// returns its URL and the record.
+async fn recording_proxy(sim: &SimHandle) -> (String, Arc<Mutex<Vec<Seen>>>) {
+    use axum::body::Bytes;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::routing::post;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let target = format!("{}/v1/completions", sim.base_url());
+    let client = reqwest::Client::new();
+    let app = axum::Router::new().route(
+        "/v1/completions",
+        post(move |headers: HeaderMap, body: Bytes| {
+            let (record, target, client) = (record.clone(), target.clone(), client.clone());
+            async move {
+                let payload: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                let prompt = payload["prompt"].as_str().unwrap_or_default();
+                let queue = prompt.split('-').next().unwrap_or_default().to_owned();
+                let priority = headers
+                    .get("x-gateway-priority")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                record.lock().unwrap().push(Seen { queue, priority });
+                let answer = client
+                    .post(target)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = StatusCode::from_u16(answer.status().as_u16()).unwrap();
+                (status, answer.bytes().await.unwrap())
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (format!("http://{addr}"), seen)
+}
+
+fn message(queue: &str, i: usize) -> String {
+    let deadline = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    json!({
+        "id": format!("{queue}-{i}"),
+        "deadline": deadline,
+        "payload": {"model": "sim-model", "prompt": format!("{queue}-{i}"), "max_tokens": 2}
+    })
+    .to_string()
+}
+
+/// Queues `hi` and `lo` on one pool (the proxy), a window of 2, with the
+/// given `[dispatch]` merge keys and per-queue extra lines.
+fn config(gateway: &str, dispatch: &str, hi: &str, lo: &str) -> Config {
+    let toml = format!(
+        r#"
+transport = "memory"
+[gateway]
+url = "{gateway}"
+[dispatch]
+poll_interval = "50ms"
+receive_wait = "50ms"
+{dispatch}
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "hi"
+gate_type = "constant"
+max_sys = 2
+{hi}
+[[queue]]
+queue_name = "lo"
+gate_type = "constant"
+max_sys = 2
+{lo}
+"#
+    );
+    Config::from_toml_str(&toml, &BTreeMap::new()).expect("valid config")
+}
+
+/// Starts the app, pushes `n` messages into each queue (interleaved, so
+/// both have a backlog from the start), waits for every result, stops;
+/// returns what the pool saw, in arrival order.
+async fn drain(config: &Config, seen: &Arc<Mutex<Vec<Seen>>>, n: usize) -> Vec<Seen> {
+    let app = support::start_app(config).await;
+    let queues = app.running.transports().memory().to_vec();
+    assert_eq!(queues.len(), 2);
+    for i in 0..n {
+        for (q, name) in queues.iter().zip(["hi", "lo"]) {
+            q.push_message(message(name, i));
+        }
+    }
+    let qs = queues.clone();
+    support::wait_until(
+        Duration::from_secs(120),
+        "every message answered",
+        move || qs.iter().all(|q| q.results().len() == n),
+    )
+    .await;
+    for q in &queues {
+        assert!(
+            q.results().iter().all(|r| r.status_code == Some(200)),
+            "{:?}",
+            q.results()
+        );
+    }
+    app.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2 * n, "one request per message");
+    seen
+}
+
+/// The most sends one queue was ahead of the other at any point of `seen`.
+fn largest_lead(seen: &[Seen]) -> i64 {
+    let mut worst = 0i64;
+    let mut diff = 0i64;
+    for s in seen {
+        diff += if s.queue == "hi" { 1 } else { -1 };
+        worst = worst.max(diff.abs());
+    }
+    worst
+}
+
+fn count(seen: &[Seen], queue: &str) -> usize {
+    seen.iter().filter(|s| s.queue == queue).count()
+}
+
+/// Queue `hi` is `interactive`, `lo` is `batch`, the floor 0.2: while both
+/// have a backlog, `hi` gets about four turns in five and `lo` its floor,
+/// so `hi`'s backlog is sent first and `lo` is never starved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tier_priority_serves_the_high_tier_first_and_the_low_tier_its_floor() {
+    const N: usize = 60;
+    const K: usize = 50;
+    let sim = sim().await;
+    let (url, seen) = recording_proxy(&sim).await;
+    let config = config(
+        &url,
+        "merge_policy = \"tier-priority\"\nmerge_min_share = 0.2",
+        "labels = { tier = \"interactive\" }",
+        "labels = { tier = \"batch\" }",
+    );
+    let seen = drain(&config, &seen, N).await;
+    let first = &seen[..K];
+    let (hi, lo) = (count(first, "hi"), count(first, "lo"));
+    // Where `hi`'s last request went: `lo` had only about its floor
+    // (0.2 / 0.8 of hi's 60 = 15) before it.
+    let hi_done = seen.iter().rposition(|s| s.queue == "hi").unwrap() + 1;
+    let lo_before = count(&seen[..hi_done], "lo");
+    eprintln!(
+        "tier-priority: first {K} sends hi {hi} lo {lo}; hi's {N} done after {hi_done} sends, lo had {lo_before}"
+    );
+    // The floor is 10 of 50; a turn or two of slack for the start (a
+    // queue may be sent from before the other's first message arrived)
+    // and for messages released by a turn but sent a little later.
+    assert!(lo >= 8, "lo starved: {lo} of the first {K}");
+    assert!(hi >= 35, "hi not first: {hi} of the first {K}");
+    assert!(
+        (8..=25).contains(&lo_before),
+        "lo sent {lo_before} before hi's backlog was done"
+    );
+    // The priority header: upstream's index, unclassified = overflow
+    // (3 + tier): interactive 3, batch 5.
+    for s in &seen {
+        let want = if s.queue == "hi" { "3" } else { "5" };
+        assert_eq!(s.priority.as_deref(), Some(want), "{s:?}");
+    }
+}
+
+/// Two queues of one tier under `random-robin`: they take turns, so
+/// neither gets far ahead while both have work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_robin_alternates_the_queues() {
+    const N: usize = 40;
+    let sim = sim().await;
+    let (url, seen) = recording_proxy(&sim).await;
+    let config = config(&url, "merge_policy = \"random-robin\"", "", "");
+    let seen = drain(&config, &seen, N).await;
+    let worst = largest_lead(&seen[..2 * N - 10]);
+    eprintln!("{}", seen.iter().map(|s| if s.queue == "hi" { "h" } else { "l" }).collect::<String>());
+    eprintln!("random-robin: largest lead of one queue over the other {worst}");
+    // Bounded, not strict alternation: two requests of one window may
+    // reach the proxy in either order, a message released by a turn can
+    // wait for room while the other queue's next one finds it, and each
+    // lane's room follows its own gate's readings.
+    assert!(worst <= 6, "one queue got {worst} ahead");
+    assert!(
+        seen.iter().all(|s| s.priority.is_none()),
+        "no priority header"
+    );
+}
+
+/// Without a policy (`first-come`, the default) both queues still drain
+/// through the one window and no priority header is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_come_is_the_default_and_sends_no_priority_header() {
+    const N: usize = 40;
+    let sim = sim().await;
+    let (url, seen) = recording_proxy(&sim).await;
+    let config = config(&url, "", "labels = { tier = \"interactive\" }", "");
+    assert_eq!(
+        config.dispatch.merge_policy,
+        sluicegate::config::MergePolicyKind::FirstCome
+    );
+    let seen = drain(&config, &seen, N).await;
+    eprintln!(
+        "first-come: largest lead of one queue over the other {}",
+        largest_lead(&seen[..2 * N - 10])
+    );
+    assert!(seen.iter().all(|s| s.priority.is_none()));
+}
+
+#[test]
+fn merge_keys_are_checked_and_name_the_key() {
+    let load = |dispatch: &str, label: &str| {
+        let toml = format!(
+            r#"
+transport = "memory"
+[gateway]
+url = "http://gw"
+[dispatch]
+{dispatch}
+[[queue]]
+gate_type = "constant"
+{label}
+"#
+        );
+        Config::from_toml_str(&toml, &BTreeMap::new())
+    };
+    let error = load("merge_policy = \"priority\"", "").unwrap_err().to_string();
+    assert!(error.contains("dispatch.merge_policy"), "{error}");
+    assert!(
+        error.contains("first-come, random-robin, tier-priority"),
+        "{error}"
+    );
+    let error = load("merge_min_share = 0.9", "").unwrap_err().to_string();
+    assert!(error.contains("dispatch.merge_min_share"), "{error}");
+    assert!(error.contains("[0, 0.5]"), "{error}");
+    let error = load("merge_min_share = -0.1", "").unwrap_err().to_string();
+    assert!(error.contains("dispatch.merge_min_share"), "{error}");
+    let error = load("merge_priority_header = \"bad header\"", "")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("dispatch.merge_priority_header"), "{error}");
+    let error = load("merge_priority_header = \"authorization\"", "")
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("dispatch.merge_priority_header"), "{error}");
+    let error = load(
+        "merge_policy = \"tier-priority\"",
+        "labels = { tier = \"gold\" }",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("queue[0].labels.tier"), "{error}");
+    assert!(error.contains("interactive, async, batch"), "{error}");
+    // Another label name, and an unknown value under the default name is
+    // then not a tier.
+    load(
+        "merge_policy = \"tier-priority\"\nmerge_tier_label = \"class\"",
+        "labels = { tier = \"gold\", class = \"async\" }",
+    )
+    .expect("valid");
+    // Without tier-priority the label is not read.
+    load("", "labels = { tier = \"gold\" }").expect("valid");
+    // Environment variables as for every key.
+    let env: BTreeMap<String, String> = [
+        ("SLUICEGATE_TRANSPORT", "memory"),
+        ("SLUICEGATE_GATEWAY_URL", "http://gw"),
+        ("SLUICEGATE_GATE_TYPE", "constant"),
+        ("SLUICEGATE_DISPATCH_MERGE_POLICY", "tier-priority"),
+        ("SLUICEGATE_DISPATCH_MERGE_MIN_SHARE", "0.25"),
+        ("SLUICEGATE_DISPATCH_MERGE_PRIORITY_HEADER", ""),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    let config = Config::load(&sluicegate::config::ConfigSources {
+        env,
+        ..Default::default()
+    })
+    .expect("valid");
+    assert_eq!(
+        config.dispatch.merge_policy,
+        sluicegate::config::MergePolicyKind::TierPriority
+    );
+    assert!((config.dispatch.merge_min_share - 0.25).abs() < 1e-12);
+    assert_eq!(config.dispatch.merge_priority_header, None);
+}
