@@ -328,3 +328,118 @@ gate_type = "constant"
     assert!((config.dispatch.merge_min_share - 0.25).abs() < 1e-12);
     assert_eq!(config.dispatch.merge_priority_header, None);
 }
+
+/// Loads memory + one constant queue with `SLUICEGATE_MERGE_POLICY_FILE`
+/// naming a file holding `json`.
+fn load_with_policy_file(json: &str) -> Result<Config, String> {
+    let dir = support::TempDir::new("merge-policy");
+    let path = dir.0.join("request-merge-policy.json");
+    std::fs::write(&path, json).unwrap();
+    let env: BTreeMap<String, String> = [
+        ("SLUICEGATE_TRANSPORT", "memory"),
+        ("SLUICEGATE_GATEWAY_URL", "http://gw"),
+        ("SLUICEGATE_GATE_TYPE", "constant"),
+        ("SLUICEGATE_MERGE_POLICY_FILE", path.to_str().unwrap()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect();
+    Config::load(&sluicegate::config::ConfigSources {
+        env,
+        ..Default::default()
+    })
+    .map_err(|e| e.to_string())
+}
+
+#[test]
+fn upstreams_merge_policy_file_maps_onto_the_merge_keys() {
+    use sluicegate::config::MergePolicyKind;
+    // Upstream's README example.
+    let c = load_with_policy_file(
+        r#"{"type": "tier-priority", "parameters": {"priority_header": "x-gateway-priority"}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.dispatch.merge_policy, MergePolicyKind::TierPriority);
+    assert_eq!(
+        c.dispatch.merge_priority_header.as_deref(),
+        Some("x-gateway-priority")
+    );
+    assert_eq!(c.dispatch.merge_tier_label, "tier");
+    let c = load_with_policy_file(
+        r#"{"type": "tier-priority", "parameters": {"priority_header": "X-Prio", "tier_label": "class", "fairness_attribute": "tenant"}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.dispatch.merge_priority_header.as_deref(), Some("x-prio"));
+    assert_eq!(c.dispatch.merge_tier_label, "class");
+    assert_eq!(c.gateway.fairness_attribute.as_deref(), Some("tenant"));
+    let c = load_with_policy_file(r#"{"type": "random-robin"}"#).unwrap();
+    assert_eq!(c.dispatch.merge_policy, MergePolicyKind::RandomRobin);
+    // Upstream's "" turns the fairness header off: here no attribute.
+    let c = load_with_policy_file(
+        r#"{"type": "random-robin", "parameters": {"fairness_header": "", "fairness_attribute": "tenant"}}"#,
+    )
+    .unwrap();
+    assert_eq!(c.gateway.fairness_attribute, None);
+    for (json, says) in [
+        (r#"{"type": "fifo"}"#, "allowed: random-robin, tier-priority"),
+        (r#"{"parameters": {}}"#, "`type` is required"),
+        (
+            r#"{"type": "random-robin", "parameters": {"priority_header": "x"}}"#,
+            "unknown random-robin parameter `priority_header`",
+        ),
+        (
+            r#"{"type": "tier-priority", "parameters": {"lane_objectives": {}}}"#,
+            "allowed: priority_header, tier_label, fairness_header, fairness_attribute",
+        ),
+        (r#"{"type": "random-robin", "extra": 1}"#, "unknown key `extra`"),
+        (
+            r#"{"type": "random-robin", "parameters": {"fairness_header": "x-tenant"}}"#,
+            "always x-llm-d-inference-fairness-id",
+        ),
+        ("not json", "invalid merge-policy JSON"),
+    ] {
+        let error = load_with_policy_file(json).unwrap_err();
+        assert!(error.contains(says), "{json}: {error}");
+        assert!(error.contains("SLUICEGATE_MERGE_POLICY_FILE"), "{error}");
+    }
+    // A bad header name in the file is the key's error, as in TOML.
+    let error = load_with_policy_file(
+        r#"{"type": "tier-priority", "parameters": {"priority_header": "bad header"}}"#,
+    )
+    .unwrap_err();
+    assert!(error.contains("dispatch.merge_priority_header"), "{error}");
+}
+
+#[test]
+fn the_upstream_flag_names_the_merge_policy_file() {
+    let dir = support::TempDir::new("merge-policy-flag");
+    let path = dir.0.join("request-merge-policy.json");
+    std::fs::write(&path, r#"{"type": "tier-priority"}"#).unwrap();
+    for flag in [
+        "--request-merge-policy-config-file",
+        "--request-merge-policy-config",
+    ] {
+        let mut cmd = support::cli::sluicegate(&[
+            "config",
+            "show",
+            "--transport",
+            "memory",
+            "--gateway-url",
+            "http://gw",
+            flag,
+            path.to_str().unwrap(),
+        ]);
+        cmd.env("SLUICEGATE_GATE_TYPE", "constant");
+        let out = support::cli::output(&mut cmd);
+        let shown = support::cli::text(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{flag}: {}",
+            support::cli::text(&out.stderr)
+        );
+        assert!(
+            shown.contains("merge_policy = \"tier-priority\""),
+            "{flag}: {shown}"
+        );
+    }
+}
