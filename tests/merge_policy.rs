@@ -218,7 +218,12 @@ async fn random_robin_alternates_the_queues() {
     let config = config(&url, "merge_policy = \"random-robin\"", "", "");
     let seen = drain(&config, &seen, N).await;
     let worst = largest_lead(&seen[..2 * N - 10]);
-    eprintln!("{}", seen.iter().map(|s| if s.queue == "hi" { "h" } else { "l" }).collect::<String>());
+    eprintln!(
+        "{}",
+        seen.iter()
+            .map(|s| if s.queue == "hi" { "h" } else { "l" })
+            .collect::<String>()
+    );
     eprintln!("random-robin: largest lead of one queue over the other {worst}");
     // Bounded, not strict alternation: two requests of one window may
     // reach the proxy in either order, a message released by a turn can
@@ -268,7 +273,9 @@ gate_type = "constant"
         );
         Config::from_toml_str(&toml, &BTreeMap::new())
     };
-    let error = load("merge_policy = \"priority\"", "").unwrap_err().to_string();
+    let error = load("merge_policy = \"priority\"", "")
+        .unwrap_err()
+        .to_string();
     assert!(error.contains("dispatch.merge_policy"), "{error}");
     assert!(
         error.contains("first-come, random-robin, tier-priority"),
@@ -381,7 +388,10 @@ fn upstreams_merge_policy_file_maps_onto_the_merge_keys() {
     .unwrap();
     assert_eq!(c.gateway.fairness_attribute, None);
     for (json, says) in [
-        (r#"{"type": "fifo"}"#, "allowed: random-robin, tier-priority"),
+        (
+            r#"{"type": "fifo"}"#,
+            "allowed: random-robin, tier-priority",
+        ),
         (r#"{"parameters": {}}"#, "`type` is required"),
         (
             r#"{"type": "random-robin", "parameters": {"priority_header": "x"}}"#,
@@ -391,7 +401,10 @@ fn upstreams_merge_policy_file_maps_onto_the_merge_keys() {
             r#"{"type": "tier-priority", "parameters": {"lane_objectives": {}}}"#,
             "allowed: priority_header, tier_label, fairness_header, fairness_attribute",
         ),
-        (r#"{"type": "random-robin", "extra": 1}"#, "unknown key `extra`"),
+        (
+            r#"{"type": "random-robin", "extra": 1}"#,
+            "unknown key `extra`",
+        ),
         (
             r#"{"type": "random-robin", "parameters": {"fairness_header": "x-tenant"}}"#,
             "always x-llm-d-inference-fairness-id",

@@ -15,9 +15,8 @@ use super::secret::{Secret, read_secret_file};
 use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    MergePolicyKind,
-    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, SharedWindowKind,
-    TelemetryConfig, TransportKind, format_duration,
+    MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section,
+    SharedWindowKind, TelemetryConfig, TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.

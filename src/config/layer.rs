@@ -409,7 +409,10 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
     }
     // 1b. Upstream's merge-policy file sets section keys; a key the same
     //     layer also names directly (step 2) wins over it.
-    for s in settings.iter().filter(|s| s.target == Target::MergePolicyFile) {
+    for s in settings
+        .iter()
+        .filter(|s| s.target == Target::MergePolicyFile)
+    {
         let mapped = std::fs::read_to_string(&s.value)
             .map_err(|e| format!("cannot read the merge-policy file {}: {e}", s.value))
             .and_then(|text| merge_policy_file(&text));
@@ -425,7 +428,9 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
                     ctx.set_origin(format!("{section}.{key}"), s.origin.clone());
                 }
             }
-            Err(e) => ctx.push(ConfigError::new("merge_policy_file", e).with_origin(s.origin.clone())),
+            Err(e) => {
+                ctx.push(ConfigError::new("merge_policy_file", e).with_origin(s.origin.clone()))
+            }
         }
     }
     // 2. Top-level and section keys.
@@ -559,7 +564,12 @@ fn merge_policy_file(text: &str) -> Result<Vec<(&'static str, &'static str, Stri
         ));
     }
     let allowed: &[&str] = match kind.as_str() {
-        "tier-priority" => &["priority_header", "tier_label", "fairness_header", "fairness_attribute"],
+        "tier-priority" => &[
+            "priority_header",
+            "tier_label",
+            "fairness_header",
+            "fairness_attribute",
+        ],
         _ => &["fairness_header", "fairness_attribute"],
     };
     let mut out = vec![("dispatch", "merge_policy", kind.clone())];
@@ -593,7 +603,10 @@ fn merge_policy_file(text: &str) -> Result<Vec<(&'static str, &'static str, Stri
         }
     }
     // `fairness_header: ""` wins over an attribute: stamping is off.
-    if out.iter().any(|(s, k, v)| *s == "gateway" && *k == "fairness_attribute" && v.is_empty()) {
+    if out
+        .iter()
+        .any(|(s, k, v)| *s == "gateway" && *k == "fairness_attribute" && v.is_empty())
+    {
         out.retain(|(s, k, v)| !(*s == "gateway" && *k == "fairness_attribute" && !v.is_empty()));
     }
     Ok(out)

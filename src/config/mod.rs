@@ -53,10 +53,10 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use values::{
-    Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
-    constant_url, duration_min, env_filter, header_name, host_port, http_url, inline_secret, optional_i64,
-    optional_string, path, pool_name, redis_url, retention, socket_addr, tenant_limits,
-    tenant_weights, url_path,
+    Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_u64, attempts,
+    choice, constant_url, duration_min, env_filter, header_name, host_port, http_url,
+    inline_secret, optional_i64, optional_string, path, pool_name, redis_url, retention,
+    socket_addr, tenant_limits, tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};

@@ -235,9 +235,7 @@ impl Merge {
             .iter()
             .map(|(_, t)| *t)
             .find(|t| contended & t.bit() != 0)?;
-        Some(
-            starved_tier(&self.history, contended, top, self.policy.min_share).unwrap_or(top),
-        )
+        Some(starved_tier(&self.history, contended, top, self.policy.min_share).unwrap_or(top))
     }
 
     fn contended_tiers(&self, ready: &[bool]) -> u8 {
@@ -288,7 +286,12 @@ fn next_in_ring(ready: &[bool], from: usize, keep: impl Fn(usize) -> bool) -> Op
 /// floor: one whose next turn keeps its share of the turns it contended
 /// for within `min_share` (`served + 1 <= min_share × (contended + 1)`).
 /// Ties go to the higher tier. `None`: every lower tier has its share.
-fn starved_tier(history: &VecDeque<Turn>, contended: u8, top: Tier, min_share: f64) -> Option<Tier> {
+fn starved_tier(
+    history: &VecDeque<Turn>,
+    contended: u8,
+    top: Tier,
+    min_share: f64,
+) -> Option<Tier> {
     let mut best: Option<(f64, Tier)> = None;
     for (_, tier) in Tier::ALL {
         if tier <= top || contended & tier.bit() == 0 {
@@ -408,8 +411,16 @@ mod tests {
         let winners = run(&mut merge, &[true, true, true], 50);
         assert!(winners.iter().all(|w| *w == 1), "{winners:?}");
         // Interactive idle: async next, then batch.
-        assert!(run(&mut merge, &[true, false, true], 10).iter().all(|w| *w == 2));
-        assert!(run(&mut merge, &[true, false, false], 10).iter().all(|w| *w == 0));
+        assert!(
+            run(&mut merge, &[true, false, true], 10)
+                .iter()
+                .all(|w| *w == 2)
+        );
+        assert!(
+            run(&mut merge, &[true, false, false], 10)
+                .iter()
+                .all(|w| *w == 0)
+        );
     }
 
     #[test]

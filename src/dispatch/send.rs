@@ -41,9 +41,10 @@ pub(super) async fn send_and_settle(
     if let Some(header) = &shared.settings().merge.priority_header {
         let reserved = ticket.classification() == Some(Classification::Reserved);
         let index = shared.settings().merge.tier.priority_index(reserved);
-        ready
-            .prepared
-            .set_header(header.clone(), reqwest::header::HeaderValue::from(u16::from(index)));
+        ready.prepared.set_header(
+            header.clone(),
+            reqwest::header::HeaderValue::from(u16::from(index)),
+        );
     }
     let metrics = shared.metrics();
     // A message that waited (parked at a gate) may have been cancelled
