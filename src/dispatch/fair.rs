@@ -313,6 +313,26 @@ mod tests {
     }
 
     #[test]
+    fn has_ready_says_whether_pop_would_release_something() {
+        let mut q = FairQueue::new(BTreeMap::new(), 1);
+        let now = Instant::now();
+        assert!(!q.has_ready(now), "empty");
+        q.push("a", 10, 1, "a10");
+        let _ = q.block("a", now + Duration::from_secs(60));
+        q.push("a", 11, 1, "a11");
+        assert!(!q.has_ready(now), "only a blocked tenant");
+        assert!(q.pop(now).is_none());
+        assert!(
+            q.has_ready(now + Duration::from_secs(61)),
+            "the block ended"
+        );
+        q.push("b", 12, 1, "b12");
+        assert!(q.has_ready(now));
+        assert_eq!(q.pop(now).map(|(t, _)| t).as_deref(), Some("b"));
+        assert!(!q.has_ready(now));
+    }
+
+    #[test]
     fn expired_messages_leave_the_buffer_whatever_their_turn() {
         let mut q = FairQueue::new(BTreeMap::new(), 1);
         let now = Instant::now();

@@ -553,6 +553,73 @@ mod tests {
         assert_eq!(pool.paced_until(t), None, "the window, not the pace, holds");
     }
 
+    fn policy(kind: crate::dispatch::merge::MergeKind) -> MergePolicy {
+        MergePolicy {
+            kind,
+            min_share: 0.1,
+            share_window: 100,
+        }
+    }
+
+    #[test]
+    fn lanes_take_turns_only_among_those_with_room_and_no_room_is_granted() {
+        use crate::dispatch::merge::MergeKind;
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        pool.set_merge(policy(MergeKind::RandomRobin), 0);
+        let a = pool.add_lane(now, STALE);
+        let b = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 4, false, true);
+        pool.lanes[b.0].observe(now, 4, false, true);
+        assert!(pool.takes_turns());
+        // Both contend: the turns alternate, whoever asks.
+        pool.mark_contending(a, true);
+        pool.mark_contending(b, true);
+        let first = if pool.take_turn(a, now) { a } else { b };
+        let second = if first == a { b } else { a };
+        assert!(!pool.take_turn(first, now), "the other lane's turn");
+        assert!(pool.take_turn(second, now));
+        assert!(pool.take_turn(first, now));
+        // Taking turns grants nothing: the room is the window's.
+        assert_eq!(pool.available(a, now), 4);
+        assert_eq!(pool.in_flight(), 0);
+        // A lane without work does not hold the turn.
+        pool.mark_contending(second, false);
+        assert!(pool.take_turn(first, now));
+        assert!(pool.take_turn(first, now));
+        // Nor does a lane whose window has no room (its gate closed).
+        pool.mark_contending(second, true);
+        let later = now + Duration::from_millis(1);
+        pool.lanes[second.0].observe(later, 0, false, true);
+        assert_eq!(pool.available(second, later), 0);
+        assert!(pool.take_turn(first, later));
+        assert!(pool.take_turn(first, later));
+    }
+
+    #[test]
+    fn one_lane_or_first_come_never_waits_for_a_turn() {
+        use crate::dispatch::merge::MergeKind;
+        let now = Instant::now();
+        let mut one = PoolWindow::default();
+        one.set_merge(policy(MergeKind::TierPriority), 0);
+        let a = one.add_lane(now, STALE);
+        assert!(!one.takes_turns());
+        assert!(one.take_turn(a, now));
+        let mut first_come = PoolWindow::default();
+        let a = first_come.add_lane(now, STALE);
+        let b = first_come.add_lane(now, STALE);
+        first_come.mark_contending(b, true);
+        assert!(!first_come.takes_turns());
+        for _ in 0..3 {
+            assert!(first_come.take_turn(a, now));
+        }
+        // The first policy set wins (every queue of a pool sets it).
+        first_come.set_merge(policy(MergeKind::RandomRobin), 0);
+        assert!(first_come.takes_turns());
+        first_come.set_merge(policy(MergeKind::FirstCome), 0);
+        assert!(first_come.takes_turns());
+    }
+
     #[derive(Debug, Clone)]
     enum Step {
         Advance(u64),
