@@ -217,19 +217,20 @@ async fn random_robin_alternates_the_queues() {
     let (url, seen) = recording_proxy(&sim).await;
     let config = config(&url, "merge_policy = \"random-robin\"", "", "");
     let seen = drain(&config, &seen, N).await;
-    let worst = largest_lead(&seen[..2 * N - 10]);
-    eprintln!(
-        "{}",
-        seen.iter()
-            .map(|s| if s.queue == "hi" { "h" } else { "l" })
-            .collect::<String>()
-    );
-    eprintln!("random-robin: largest lead of one queue over the other {worst}");
-    // Bounded, not strict alternation: two requests of one window may
-    // reach the proxy in either order, a message released by a turn can
-    // wait for room while the other queue's next one finds it, and each
-    // lane's room follows its own gate's readings.
-    assert!(worst <= 6, "one queue got {worst} ahead");
+    let order: String = seen
+        .iter()
+        .map(|s| if s.queue == "hi" { 'h' } else { 'l' })
+        .collect();
+    // While both still have work (all but the last 10 sends), after the
+    // start (the first 6: one queue may be pulled before the other's
+    // first message is pushed).
+    let worst = largest_lead(&seen[6..2 * N - 10]);
+    eprintln!("random-robin: {order}; largest lead of one queue over the other {worst}");
+    // Bounded, not strict alternation: the two requests of the window may
+    // reach the proxy in either order, and a message released by a turn
+    // can still be waiting for room when the other queue's next one
+    // finds it.
+    assert!(worst <= 5, "one queue got {worst} ahead: {order}");
     assert!(
         seen.iter().all(|s| s.priority.is_none()),
         "no priority header"
@@ -251,7 +252,7 @@ async fn first_come_is_the_default_and_sends_no_priority_header() {
     let seen = drain(&config, &seen, N).await;
     eprintln!(
         "first-come: largest lead of one queue over the other {}",
-        largest_lead(&seen[..2 * N - 10])
+        largest_lead(&seen[6..2 * N - 10])
     );
     assert!(seen.iter().all(|s| s.priority.is_none()));
 }
