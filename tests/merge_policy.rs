@@ -237,6 +237,40 @@ async fn random_robin_alternates_the_queues() {
     );
 }
 
+/// A queue whose last message went holds no turn while it long-polls its
+/// empty queue: with a ten-minute long poll, the other queue's backlog
+/// would otherwise wait out the poll after the emptied queue's turn (it
+/// did, before the receiver stopped contending first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emptied_queue_does_not_hold_the_turn_while_it_long_polls() {
+    const N: usize = 30;
+    let sim = sim().await;
+    let (url, seen) = recording_proxy(&sim).await;
+    let config = config(&url, "merge_policy = \"random-robin\"", "", "");
+    let mut config = config;
+    config.dispatch.receive_wait = Duration::from_secs(600);
+    // A window larger than the backlog: the emptied queue's lane always
+    // has room, so only its (not) contending lets the other go.
+    for q in &mut config.queues {
+        q.max_sys = 64.0;
+    }
+    let app = support::start_app(&config).await;
+    let queues = app.running.transports().memory().to_vec();
+    queues[0].push_message(message("hi", 0));
+    for i in 0..N {
+        queues[1].push_message(message("lo", i));
+    }
+    let qs = queues.clone();
+    support::wait_until(
+        Duration::from_secs(60),
+        "both queues answered (no wait for a long poll)",
+        move || qs[0].results().len() == 1 && qs[1].results().len() == N,
+    )
+    .await;
+    app.stop().await;
+    assert_eq!(seen.lock().unwrap().len(), N + 1);
+}
+
 /// Without a policy (`first-come`, the default) both queues still drain
 /// through the one window and no priority header is sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

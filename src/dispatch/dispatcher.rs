@@ -190,6 +190,20 @@ impl Shared {
         go
     }
 
+    /// Marks whether this queue holds a releasable message (merge
+    /// policies), waking the pool's other queues when that changed: a
+    /// receiver about to block (a long poll of an empty queue) must not
+    /// leave the others waiting for its turn.
+    pub(super) fn contending(&self, has_work: bool) {
+        let moved = {
+            let mut window = self.config.pool.window();
+            window.takes_turns() && window.mark_contending(self.lane, has_work)
+        };
+        if moved {
+            self.config.pool.notify_changed();
+        }
+    }
+
     /// Whether the pool's queues take turns (`merge.rs`).
     pub(super) fn takes_turns(&self) -> bool {
         self.config.pool.window().takes_turns()

@@ -106,6 +106,11 @@ pub(super) async fn receive_loop(
                 } else {
                     Duration::ZERO
                 };
+                if !wait.is_zero() {
+                    // Nothing buffered: this queue holds no turn while it
+                    // long-polls (merge policies).
+                    shared.contending(false);
+                }
                 let received = tokio::select! {
                     () = shutdown.cancelled() => break,
                     r = shared.queue().receive(want, settings.lease, wait) => r,
@@ -165,12 +170,18 @@ pub(super) async fn receive_loop(
         // (`merge.rs`): this queue contends while it holds a releasable
         // message, and releases one when the policy picks it.
         let now = Instant::now();
-        let go = if shared.takes_turns() {
+        let turns = shared.takes_turns();
+        let go = if turns {
             shared.take_turn(now, fair.has_ready(now), has_room)
         } else {
             has_room
         };
         if let Some((tenant, ready)) = go.then(|| fair.pop(now)).flatten() {
+            if turns {
+                // The last releasable message went: stop contending before
+                // this receiver is busy with it.
+                shared.contending(fair.has_ready(now));
+            }
             if shutdown.is_cancelled() {
                 shared
                     .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
