@@ -178,9 +178,14 @@ pub(super) async fn receive_loop(
         };
         if let Some((tenant, ready)) = go.then(|| fair.pop(now)).flatten() {
             if turns {
-                // The last releasable message went: stop contending before
-                // this receiver is busy with it.
-                shared.contending(fair.has_ready(now));
+                // Stop contending while this receiver cannot take another
+                // turn soon: its last releasable message went, or this one
+                // must first wait for room (a request dearer than the room,
+                // in tokens or bytes), so the other queues are not held for
+                // its turn meanwhile. Otherwise it stays marked, and a busy
+                // higher tier keeps its priority between two of its turns.
+                let can_go = shared.may_send(&shared.window(), now, ready.cost).is_some();
+                shared.contending(can_go && fair.has_ready(now));
             }
             if shutdown.is_cancelled() {
                 shared
