@@ -23,6 +23,8 @@ use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
 struct Seen {
     queue: String,
     priority: Option<String>,
+    /// The fairness id (the message's `userid`), if any.
+    tenant: Option<String>,
 }
 
 /// The simulator: 2 replicas of 2 sequences, 20× real time.
@@ -57,7 +59,14 @@ async fn recording_proxy(sim: &SimHandle) -> (String, Arc<Mutex<Vec<Seen>>>) {
                 let priority = headers
                     .get("x-gateway-priority")
                     .map(|v| v.to_str().unwrap().to_owned());
-                record.lock().unwrap().push(Seen { queue, priority });
+                let tenant = headers
+                    .get("x-llm-d-inference-fairness-id")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                record.lock().unwrap().push(Seen {
+                    queue,
+                    priority,
+                    tenant,
+                });
                 let answer = client
                     .post(target)
                     .header("content-type", "application/json")
@@ -269,6 +278,67 @@ async fn an_emptied_queue_does_not_hold_the_turn_while_it_long_polls() {
     .await;
     app.stop().await;
     assert_eq!(seen.lock().unwrap().len(), N + 1);
+}
+
+/// The policy picks the queue, the queue's fair tenants pick its message:
+/// under `random-robin`, a small tenant behind a large one in queue `hi`
+/// is served within `hi`'s first turns, while `lo` keeps alternating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_s_fair_tenants_choose_within_its_turns() {
+    const BIG: usize = 30;
+    const SMALL: usize = 5;
+    let sim = sim().await;
+    let (url, seen) = recording_proxy(&sim).await;
+    let config = config(&url, "merge_policy = \"random-robin\"", "", "");
+    let app = support::start_app(&config).await;
+    let queues = app.running.transports().memory().to_vec();
+    let deadline = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let line = |id: String, tenant: &str, deadline: u64| {
+        json!({
+            "id": id,
+            "deadline": deadline,
+            "metadata": {"userid": tenant},
+            "payload": {"model": "sim-model", "prompt": id, "max_tokens": 2}
+        })
+        .to_string()
+    };
+    // `big`'s backlog first (earlier deadlines), then `small`'s.
+    for i in 0..BIG {
+        queues[0].push_message(line(format!("hi-big-{i}"), "big", deadline + i as u64));
+        queues[1].push_message(line(format!("lo-{i}"), "other", deadline));
+    }
+    for i in 0..SMALL {
+        queues[0].push_message(line(format!("hi-small-{i}"), "small", deadline + 1000));
+    }
+    let qs = queues.clone();
+    support::wait_until(
+        Duration::from_secs(120),
+        "every message answered",
+        move || qs[0].results().len() == BIG + SMALL && qs[1].results().len() == BIG,
+    )
+    .await;
+    app.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    let last_small = seen
+        .iter()
+        .rposition(|s| s.tenant.as_deref() == Some("small"))
+        .unwrap()
+        + 1;
+    let lo_before = count(&seen[..last_small], "lo");
+    eprintln!(
+        "fair within turns: small's last of {SMALL} was send {last_small}; lo had {lo_before} by then"
+    );
+    // `small` shares `hi`'s turns with `big` (one each): its 5 go within
+    // `hi`'s first dozen turns, about 24 sends with `lo` alternating.
+    assert!(
+        last_small <= 30,
+        "small waited behind big: send {last_small}"
+    );
+    assert!(lo_before >= 6, "lo kept its turns meanwhile: {lo_before}");
 }
 
 /// Without a policy (`first-come`, the default) both queues still drain
