@@ -24,7 +24,8 @@
 //!   TTL cache.
 //! - [`dispatch`]: window arithmetic and request costs (pure), the
 //!   congestion hold after 429/503 (pure, shared by the queues of one
-//!   pool), pools whose queues share one window (pure, `pool.rs`), the
+//!   pool), pools whose queues share one window (pure, `pool.rs`) and
+//!   take turns at it by a merge policy (pure, `merge.rs`), the
 //!   shared window across replicas (a Redis lease semaphore,
 //!   `shared_window.rs`), the retry policy (pure), fair shares among
 //!   tenants (pure, `fair.rs`), the inert-gate detector (pure,

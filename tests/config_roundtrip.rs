@@ -11,9 +11,9 @@ use proptest::prelude::*;
 use serde_json::{Map, Value};
 use sluicegate::config::{
     Config, DispatchConfig, EmbeddedConfig, EndpointUrl, GATE_TYPES, GateSpec, GatewayConfig,
-    GatingMode, MissingBudget, ObjectiveHeader, PaceKind, PrometheusConfig, PubSubConfig,
-    QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig, TransportKind, Unit,
-    allowed_params,
+    GatingMode, MergePolicyKind, MissingBudget, ObjectiveHeader, PaceKind, PrometheusConfig,
+    PubSubConfig, QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig,
+    TransportKind, Unit, allowed_params,
 };
 use sluicegate::config::{format_duration, parse_duration};
 use sluicegate::gate::{
@@ -394,6 +394,15 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 pace_rate: 0.5 + (poll_interval.as_millis() % 5000) as f64,
                 pace_burst: 0.25 + (lease.as_secs() % 64) as f64,
                 inert_after: default_deadline,
+                // `tier-priority` would refuse the random `tier` labels of
+                // the queues; its keys round-trip under any policy.
+                merge_policy: [MergePolicyKind::FirstCome, MergePolicyKind::RandomRobin]
+                    [(lease.as_millis() % 2) as usize],
+                merge_tier_label: "tier".to_owned(),
+                merge_priority_header: (poll_interval.as_millis() % 2 == 0)
+                    .then(|| "x-gateway-priority".to_owned()),
+                merge_min_share: (lease.as_secs() % 11) as f64 * 0.05,
+                merge_share_window: 10 + lease.as_secs() % 1000,
             },
         )
 }

@@ -152,6 +152,14 @@ struct ConfigArgs {
     /// Log filter directive, e.g. `info` or `sluicegate=debug`.
     #[arg(long)]
     log_level: Option<String>,
+    /// Upstream's merge-policy JSON file (`type`, `parameters`), mapped
+    /// onto `dispatch.merge_*`; also `SLUICEGATE_MERGE_POLICY_FILE`.
+    #[arg(
+        long = "request-merge-policy-config-file",
+        alias = "request-merge-policy-config",
+        value_name = "FILE"
+    )]
+    merge_policy_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -190,7 +198,15 @@ impl ConfigArgs {
             log_format: self.log_format.clone(),
             log_level: self.log_level.clone(),
         };
-        ConfigSources::from_process(self.config.clone(), overrides)
+        let mut sources = ConfigSources::from_process(self.config.clone(), overrides);
+        // The flag sets what its variable sets.
+        if let Some(path) = &self.merge_policy_file {
+            sources.env.insert(
+                "SLUICEGATE_MERGE_POLICY_FILE".to_owned(),
+                path.display().to_string(),
+            );
+        }
+        sources
     }
 }
 

@@ -15,8 +15,8 @@ use super::secret::{Secret, read_secret_file};
 use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, SharedWindowKind,
-    TelemetryConfig, TransportKind, format_duration,
+    MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section,
+    SharedWindowKind, TelemetryConfig, TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.
@@ -251,6 +251,23 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
             ctx.err(format!("queue[{i}].queue_name"), msg);
         }
         queues.push(q);
+    }
+    // `tier-priority` orders queues by their tier label: a value it does
+    // not know would silently make the queue `batch`.
+    if dispatch.merge_policy == MergePolicyKind::TierPriority {
+        let label = &dispatch.merge_tier_label;
+        for (i, q) in queues.iter().enumerate() {
+            if let Some(value) = q.labels.get(label)
+                && crate::dispatch::merge::Tier::parse(value).is_none()
+            {
+                ctx.err(
+                    format!("queue[{i}].labels.{label}"),
+                    format!(
+                        "unknown tier {value:?} for dispatch.merge_policy = \"tier-priority\"; allowed: interactive, async, batch (no label: batch)"
+                    ),
+                );
+            }
+        }
     }
     // Gates that query Prometheus need somewhere to send the query.
     for (i, q) in queues.iter().enumerate().filter(|_| prometheus.is_none()) {

@@ -115,6 +115,9 @@ enum Target {
     Queue(&'static str),
     /// The whole queue list as upstream JSON.
     QueuesJson,
+    /// Upstream's merge-policy JSON file (`type`, `parameters`), mapped
+    /// onto `dispatch.merge_*` and `gateway.fairness_attribute`.
+    MergePolicyFile,
 }
 
 /// Variables whose empty value is meaningful (it disables something);
@@ -122,6 +125,7 @@ enum Target {
 const EMPTY_MEANS_SOMETHING: &[&str] = &[
     "SLUICEGATE_GATEWAY_FAIRNESS_ATTRIBUTE",
     "SLUICEGATE_QUEUE_INFERENCE_OBJECTIVE",
+    "SLUICEGATE_DISPATCH_MERGE_PRIORITY_HEADER",
 ];
 
 /// Every variable and its target: the short contract names, then
@@ -134,6 +138,7 @@ fn env_table() -> Vec<(String, Target)> {
         ("GATE_TYPE", Target::Queue("gate_type")),
         ("GATE_PARAMS", Target::Queue("gate_params")),
         ("QUEUES_JSON", Target::QueuesJson),
+        ("MERGE_POLICY_FILE", Target::MergePolicyFile),
         ("REQUEST_PATH", Target::Section("gateway", "request_path")),
         ("LISTEN", Target::Section("telemetry", "listen")),
         ("LOG_FORMAT", Target::Section("telemetry", "log_format")),
@@ -168,6 +173,7 @@ fn target_key(t: Target) -> String {
         Target::Section(s, k) => format!("{s}.{k}"),
         Target::Queue(k) => format!("queue[0].{k}"),
         Target::QueuesJson => "queue".to_owned(),
+        Target::MergePolicyFile => "merge_policy_file".to_owned(),
     }
 }
 
@@ -401,6 +407,32 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
             Err(e) => ctx.push(ConfigError::new("queue", e).with_origin(s.origin.clone())),
         }
     }
+    // 1b. Upstream's merge-policy file sets section keys; a key the same
+    //     layer also names directly (step 2) wins over it.
+    for s in settings
+        .iter()
+        .filter(|s| s.target == Target::MergePolicyFile)
+    {
+        let mapped = std::fs::read_to_string(&s.value)
+            .map_err(|e| format!("cannot read the merge-policy file {}: {e}", s.value))
+            .and_then(|text| merge_policy_file(&text));
+        match mapped {
+            Ok(keys) => {
+                for (section, key, value) in keys {
+                    let t = tree
+                        .entry(section)
+                        .or_insert_with(|| Value::Object(Tree::new()));
+                    if let Some(t) = t.as_object_mut() {
+                        t.insert(key.to_owned(), Value::String(value));
+                    }
+                    ctx.set_origin(format!("{section}.{key}"), s.origin.clone());
+                }
+            }
+            Err(e) => {
+                ctx.push(ConfigError::new("merge_policy_file", e).with_origin(s.origin.clone()))
+            }
+        }
+    }
     // 2. Top-level and section keys.
     for s in &settings {
         match s.target {
@@ -414,7 +446,10 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
                     t.insert(key.to_owned(), string(s));
                 }
             }
-            Target::ConfigFile | Target::Queue(_) | Target::QueuesJson => continue,
+            Target::ConfigFile
+            | Target::Queue(_)
+            | Target::QueuesJson
+            | Target::MergePolicyFile => continue,
         }
         ctx.set_origin(target_key(s.target), s.origin.clone());
     }
@@ -489,6 +524,92 @@ fn apply_layer(tree: &mut Tree, settings: Vec<Setting>, ctx: &mut Ctx) {
         q.insert(key.to_owned(), string(s));
         ctx.set_origin(target_key(s.target), s.origin.clone());
     }
+}
+
+/// The fairness header upstream stamps by default, and ours always.
+const UPSTREAM_FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+
+/// Upstream's merge-policy file (`--request-merge-policy-config-file`,
+/// `SLUICEGATE_MERGE_POLICY_FILE`): `{"type": ..., "parameters": {...}}`,
+/// as the `(section, key, value)` settings it stands for. Strict where
+/// upstream is: unknown top-level keys; stricter: an unknown parameter, a
+/// type other than `random-robin` / `tier-priority`, and a fairness
+/// header other than upstream's default name (ours is fixed) are errors.
+/// Upstream's empty `priority_header` / `tier_label` mean their defaults,
+/// and an empty `fairness_header` turns stamping off, which here is
+/// `gateway.fairness_attribute = ""` (also one tenant for fair shares).
+fn merge_policy_file(text: &str) -> Result<Vec<(&'static str, &'static str, String)>, String> {
+    let doc: Value =
+        serde_json::from_str(text).map_err(|e| format!("invalid merge-policy JSON: {e}"))?;
+    let Value::Object(mut doc) = doc else {
+        return Err("a merge-policy file is a JSON object with `type` and `parameters`".to_owned());
+    };
+    let kind = match doc.remove("type") {
+        Some(Value::String(t)) if t == "random-robin" || t == "tier-priority" => t,
+        Some(other) => {
+            return Err(format!(
+                "unknown merge policy type {other}; allowed: random-robin, tier-priority"
+            ));
+        }
+        None => return Err("`type` is required; allowed: random-robin, tier-priority".to_owned()),
+    };
+    let params = match doc.remove("parameters") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(p)) => p,
+        Some(_) => return Err("`parameters` must be a JSON object".to_owned()),
+    };
+    if let Some(key) = doc.keys().next() {
+        return Err(format!(
+            "unknown key `{key}` in the merge-policy file; allowed: type, parameters"
+        ));
+    }
+    let allowed: &[&str] = match kind.as_str() {
+        "tier-priority" => &[
+            "priority_header",
+            "tier_label",
+            "fairness_header",
+            "fairness_attribute",
+        ],
+        _ => &["fairness_header", "fairness_attribute"],
+    };
+    let mut out = vec![("dispatch", "merge_policy", kind.clone())];
+    for (key, value) in params {
+        if !allowed.contains(&key.as_str()) {
+            return Err(format!(
+                "unknown {kind} parameter `{key}`; allowed: {}",
+                allowed.join(", ")
+            ));
+        }
+        let Value::String(value) = value else {
+            return Err(format!("parameter `{key}` must be a string"));
+        };
+        match key.as_str() {
+            "priority_header" if !value.is_empty() => {
+                out.push(("dispatch", "merge_priority_header", value));
+            }
+            "tier_label" if !value.is_empty() => out.push(("dispatch", "merge_tier_label", value)),
+            "fairness_header" if value.is_empty() => {
+                out.push(("gateway", "fairness_attribute", String::new()));
+            }
+            "fairness_header" if !value.eq_ignore_ascii_case(UPSTREAM_FAIRNESS_HEADER) => {
+                return Err(format!(
+                    "fairness_header {value:?}: the fairness header is always {UPSTREAM_FAIRNESS_HEADER} here; \"\" turns it off"
+                ));
+            }
+            "fairness_attribute" if !value.is_empty() => {
+                out.push(("gateway", "fairness_attribute", value));
+            }
+            _ => {}
+        }
+    }
+    // `fairness_header: ""` wins over an attribute: stamping is off.
+    if out
+        .iter()
+        .any(|(s, k, v)| *s == "gateway" && *k == "fairness_attribute" && v.is_empty())
+    {
+        out.retain(|(s, k, v)| !(*s == "gateway" && *k == "fairness_attribute" && !v.is_empty()));
+    }
+    Ok(out)
 }
 
 /// `SLUICEGATE_QUEUES_JSON`: an array of upstream queue objects (or one

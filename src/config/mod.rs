@@ -53,10 +53,10 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use values::{
-    Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
-    constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_i64,
-    optional_string, path, pool_name, redis_url, retention, socket_addr, tenant_limits,
-    tenant_weights, url_path,
+    Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_u64, attempts,
+    choice, constant_url, duration_min, env_filter, header_name, host_port, http_url,
+    inline_secret, optional_i64, optional_string, path, pool_name, redis_url, retention,
+    socket_addr, tenant_limits, tenant_weights, url_path,
 };
 
 use crate::telemetry::LogFormat;
@@ -240,6 +240,19 @@ spelled! {
         Off = "off",
         /// A lease semaphore per pool in Redis (`[redis]`).
         Redis = "redis",
+    }
+
+    /// How the queues of one pool take turns at its window
+    /// (`dispatch.merge_policy`, `dispatch::merge`).
+    pub enum MergePolicyKind, as_str {
+        /// No turns: whichever queue finds room takes it (default; the
+        /// behaviour before merge policies).
+        FirstCome = "first-come",
+        /// Queues with work take turns from a random start.
+        RandomRobin = "random-robin",
+        /// The highest `tier` label first; lower tiers keep
+        /// `merge_min_share` of the turns.
+        TierPriority = "tier-priority",
     }
 
     /// Where `sluicegate serve` runs the dispatcher.
@@ -476,6 +489,25 @@ section! {
         /// enough that a pool busy with interactive load is not inert.
         #[serde(serialize_with = "render::duration")]
         inert_after: Duration = Duration::from_secs(600), duration_min(NONZERO);
+        /// How the queues of one pool take turns at its window:
+        /// `first-come` (no turns), `random-robin` or `tier-priority`
+        /// (upstream's merge policy `type`). A pool of one queue is
+        /// unaffected.
+        merge_policy: MergePolicyKind = MergePolicyKind::FirstCome,
+            choice(MergePolicyKind::CHOICES);
+        /// `tier-priority`: the queue label holding a queue's tier
+        /// (`interactive`, `async`, `batch`; none = `batch`).
+        merge_tier_label: String = "tier".to_owned(), as_nonempty_string;
+        /// `tier-priority`: header sent with upstream's priority index
+        /// (`class × 3 + tier`); empty disables it.
+        #[serde(serialize_with = "render::or_empty")]
+        merge_priority_header: Option<String> = Some("x-gateway-priority".to_owned()),
+            header_name;
+        /// `tier-priority`: the least share, in [0, 0.5], of the recent
+        /// turns a lower tier gets while it has work (0 = strict priority).
+        merge_min_share: f64 = 0.1, |v| as_f64_in(v, 0.0, 0.5);
+        /// `tier-priority`: how many recent turns the shares count.
+        merge_share_window: u64 = 100, |v| as_u64_in(v, 10, 100_000);
     }
 
     /// `[telemetry]`: the metrics/health listener and logging.

@@ -163,6 +163,34 @@ pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
         .ok_or_else(|| format!("expected a finite number, got {}", show(v)))
 }
 
+/// A float in `[min, max]`.
+pub(crate) fn as_f64_in(v: &Value, min: f64, max: f64) -> Result<f64, String> {
+    let x = as_f64(v)?;
+    (min..=max)
+        .contains(&x)
+        .then_some(x)
+        .ok_or_else(|| format!("must be in [{min}, {max}], got {x}"))
+}
+
+/// An optional HTTP header name (empty = none): refused at load when it
+/// is not a legal name, as a header the client could never write would
+/// fail every request.
+pub(crate) fn header_name(v: &Value) -> Result<Option<String>, String> {
+    let Some(name) = optional_string(v)? else {
+        return Ok(None);
+    };
+    let parsed = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a legal HTTP header name"))?;
+    // Not one the client sets itself (framing, routing), a credential, or
+    // the body's `Content-Type`: the value would replace it.
+    if !crate::gateway::may_pass_through(&parsed) {
+        return Err(format!(
+            "{name:?} is a header the gateway client sets or refuses; choose another name"
+        ));
+    }
+    Ok(Some(parsed.as_str().to_owned()))
+}
+
 /// A float strictly greater than zero.
 pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
     let x = as_f64(v)?;

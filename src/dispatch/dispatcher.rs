@@ -116,7 +116,12 @@ impl Shared {
             let now = Instant::now();
             let mut window = config.pool.window();
             window.set_pace(config.settings.pace, now);
-            window.add_lane(now, config.settings.max_staleness)
+            // A random start, so no queue of the pool is favoured
+            // (`random-robin`).
+            window.set_merge(config.settings.merge.policy, rand::random());
+            let lane = window.add_lane(now, config.settings.max_staleness);
+            window.set_tier(lane, config.settings.merge.tier);
+            lane
         };
         let changed = config.pool.changed();
         Self {
@@ -157,6 +162,51 @@ impl Shared {
 
     pub(super) fn queue(&self) -> &dyn Queue {
         self.config.queue.as_ref()
+    }
+
+    /// Whether this queue may release its next buffered message now under
+    /// the pool's merge policy (`merge.rs`), with `has_work` whether its
+    /// buffer holds a releasable message and `has_room` whether the window
+    /// has room for it. Without turns (one queue, `first-come`) it is
+    /// `has_work && has_room`, as before merge policies. Wakes the pool's
+    /// other queues when the turns moved on, or this queue stopped
+    /// contending, so none waits for a lane that will not go.
+    pub(super) fn take_turn(&self, now: Instant, has_work: bool, has_room: bool) -> bool {
+        let (go, moved) = {
+            let mut window = self.config.pool.window();
+            if !window.takes_turns() {
+                return has_work && has_room;
+            }
+            if has_work && has_room {
+                let go = window.take_turn(self.lane, now);
+                (go, go)
+            } else {
+                (false, window.mark_contending(self.lane, has_work))
+            }
+        };
+        if moved {
+            self.config.pool.notify_changed();
+        }
+        go
+    }
+
+    /// Marks whether this queue holds a releasable message (merge
+    /// policies), waking the pool's other queues when that changed: a
+    /// receiver about to block (a long poll of an empty queue) must not
+    /// leave the others waiting for its turn.
+    pub(super) fn contending(&self, has_work: bool) {
+        let moved = {
+            let mut window = self.config.pool.window();
+            window.takes_turns() && window.mark_contending(self.lane, has_work)
+        };
+        if moved {
+            self.config.pool.notify_changed();
+        }
+    }
+
+    /// Whether the pool's queues take turns (`merge.rs`).
+    pub(super) fn takes_turns(&self) -> bool {
+        self.config.pool.window().takes_turns()
     }
 
     /// Whether the gateway's congestion hold lets nothing through now.

@@ -134,6 +134,16 @@ impl<T> FairQueue<T> {
             .map(|until| until - now)
     }
 
+    /// Whether [`Self::pop`] at `now` would release something: a tenant
+    /// with a message that is not blocked. One step per buffered tenant.
+    pub(crate) fn has_ready(&self, now: Instant) -> bool {
+        self.ring.iter().any(|name| {
+            self.tenants.get(name).is_some_and(|t| {
+                !t.queue.is_empty() && t.blocked_until.is_none_or(|until| until <= now)
+            })
+        })
+    }
+
     /// Buffers `item` of `tenant` with its deadline (Unix s) and cost in
     /// window units.
     pub(crate) fn push(&mut self, tenant: &str, deadline: i64, cost: u64, item: T) {
@@ -300,6 +310,26 @@ mod tests {
 
     fn weights(pairs: &[(&str, u32)]) -> BTreeMap<String, u32> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+    }
+
+    #[test]
+    fn has_ready_says_whether_pop_would_release_something() {
+        let mut q = FairQueue::new(BTreeMap::new(), 1);
+        let now = Instant::now();
+        assert!(!q.has_ready(now), "empty");
+        q.push("a", 10, 1, "a10");
+        let _ = q.block("a", now + Duration::from_secs(60));
+        q.push("a", 11, 1, "a11");
+        assert!(!q.has_ready(now), "only a blocked tenant");
+        assert!(q.pop(now).is_none());
+        assert!(
+            q.has_ready(now + Duration::from_secs(61)),
+            "the block ended"
+        );
+        q.push("b", 12, 1, "b12");
+        assert!(q.has_ready(now));
+        assert_eq!(q.pop(now).map(|(t, _)| t).as_deref(), Some("b"));
+        assert!(!q.has_ready(now));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! (`retry.rs`, pure), fair shares among tenants (`fair.rs`, pure), what is
 //! held and its bytes (`held.rs`, pure), tunables
 //! (`settings.rs`, from the typed config), inert-gate detection
-//! (`inert.rs`, pure) and the loop that pulls, admits,
+//! (`inert.rs`, pure), merge policies among a pool's queues (`merge.rs`,
+//! pure) and the loop that pulls, admits,
 //! sends and settles messages, split by task: `dispatcher.rs` (state, start
 //! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
 
@@ -13,6 +14,7 @@ mod dispatcher;
 mod fair;
 mod held;
 pub mod inert;
+pub mod merge;
 mod observe;
 pub mod pace;
 pub mod pool;

@@ -24,6 +24,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::merge::{Merge, MergePolicy, Tier};
 use super::pace::{Pace, Pacer};
 use super::window::{Applied, Window};
 use crate::config::Rounding;
@@ -66,6 +67,11 @@ pub struct PoolWindow {
     /// Paced release of the pool's sends (`dispatch.pace`), if on: it only
     /// ever withholds what the lanes' windows allow.
     pacer: Option<Pacer>,
+    /// Which lane takes the next turn at the room (`merge.rs`); one entry
+    /// per lane, in lane order.
+    merge: Merge,
+    /// Whether a policy was set ([`Self::set_merge`]: the first wins).
+    merge_set: bool,
 }
 
 impl PoolWindow {
@@ -78,7 +84,59 @@ impl PoolWindow {
             window.sent(now, self.in_flight);
         }
         self.lanes.push(window);
+        self.merge.add_lane(Tier::Batch);
         Lane(self.lanes.len() - 1)
+    }
+
+    /// Sets the pool's merge policy, `seed` choosing the lane looked at
+    /// first. The first call wins: every queue of a pool reads the same
+    /// config, and a later call must not reset the turns.
+    pub fn set_merge(&mut self, policy: MergePolicy, seed: u64) {
+        if !self.merge_set {
+            self.merge_set = true;
+            self.merge.configure(policy, seed);
+        }
+    }
+
+    /// Sets `lane`'s tier for `tier-priority`.
+    pub fn set_tier(&mut self, lane: Lane, tier: Tier) {
+        self.merge.set_tier(lane.0, tier);
+    }
+
+    /// Whether the pool's lanes take turns (a merge policy other than
+    /// `first-come`, and more than one lane).
+    pub fn takes_turns(&self) -> bool {
+        self.merge.takes_turns()
+    }
+
+    /// Marks whether `lane`'s receiver holds releasable work. Returns
+    /// whether that changed (then the other lanes should look again: a
+    /// lane that stopped contending no longer holds the turn).
+    pub fn mark_contending(&mut self, lane: Lane, has_work: bool) -> bool {
+        self.merge.set_contending(lane.0, has_work)
+    }
+
+    /// Whether `lane`, which has releasable work and room now, takes the
+    /// next turn: always without turns; with them, when the policy picks
+    /// it among the lanes that contend and have room ([`Self::available`]),
+    /// and the turn is then recorded. The lane stays marked contending
+    /// until its receiver says otherwise, so a busy higher tier keeps its
+    /// priority between two of its turns.
+    pub fn take_turn(&mut self, lane: Lane, now: Instant) -> bool {
+        if !self.merge.takes_turns() {
+            return true;
+        }
+        self.merge.set_contending(lane.0, true);
+        let has_room: Vec<bool> = (0..self.lanes.len())
+            .map(|i| i == lane.0 || self.available(Lane(i), now) > 0)
+            .collect();
+        let ready = self.merge.contenders(&has_room);
+        if self.merge.pick(&ready) == Some(lane.0) {
+            self.merge.served(lane.0, &ready);
+            true
+        } else {
+            false
+        }
     }
 
     /// The window of `lane` (its grant, whether it is held).
@@ -493,6 +551,73 @@ mod tests {
         assert_eq!(starts, 3);
         assert_eq!(pool.available(a, t), 0);
         assert_eq!(pool.paced_until(t), None, "the window, not the pace, holds");
+    }
+
+    fn policy(kind: crate::dispatch::merge::MergeKind) -> MergePolicy {
+        MergePolicy {
+            kind,
+            min_share: 0.1,
+            share_window: 100,
+        }
+    }
+
+    #[test]
+    fn lanes_take_turns_only_among_those_with_room_and_no_room_is_granted() {
+        use crate::dispatch::merge::MergeKind;
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        pool.set_merge(policy(MergeKind::RandomRobin), 0);
+        let a = pool.add_lane(now, STALE);
+        let b = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 4, false, true);
+        pool.lanes[b.0].observe(now, 4, false, true);
+        assert!(pool.takes_turns());
+        // Both contend: the turns alternate, whoever asks.
+        pool.mark_contending(a, true);
+        pool.mark_contending(b, true);
+        let first = if pool.take_turn(a, now) { a } else { b };
+        let second = if first == a { b } else { a };
+        assert!(!pool.take_turn(first, now), "the other lane's turn");
+        assert!(pool.take_turn(second, now));
+        assert!(pool.take_turn(first, now));
+        // Taking turns grants nothing: the room is the window's.
+        assert_eq!(pool.available(a, now), 4);
+        assert_eq!(pool.in_flight(), 0);
+        // A lane without work does not hold the turn.
+        pool.mark_contending(second, false);
+        assert!(pool.take_turn(first, now));
+        assert!(pool.take_turn(first, now));
+        // Nor does a lane whose window has no room (its gate closed).
+        pool.mark_contending(second, true);
+        let later = now + Duration::from_millis(1);
+        pool.lanes[second.0].observe(later, 0, false, true);
+        assert_eq!(pool.available(second, later), 0);
+        assert!(pool.take_turn(first, later));
+        assert!(pool.take_turn(first, later));
+    }
+
+    #[test]
+    fn one_lane_or_first_come_never_waits_for_a_turn() {
+        use crate::dispatch::merge::MergeKind;
+        let now = Instant::now();
+        let mut one = PoolWindow::default();
+        one.set_merge(policy(MergeKind::TierPriority), 0);
+        let a = one.add_lane(now, STALE);
+        assert!(!one.takes_turns());
+        assert!(one.take_turn(a, now));
+        let mut first_come = PoolWindow::default();
+        let a = first_come.add_lane(now, STALE);
+        let b = first_come.add_lane(now, STALE);
+        first_come.mark_contending(b, true);
+        assert!(!first_come.takes_turns());
+        for _ in 0..3 {
+            assert!(first_come.take_turn(a, now));
+        }
+        // The first policy set wins (every queue of a pool sets it).
+        first_come.set_merge(policy(MergeKind::RandomRobin), 0);
+        assert!(first_come.takes_turns());
+        first_come.set_merge(policy(MergeKind::FirstCome), 0);
+        assert!(first_come.takes_turns());
     }
 
     #[derive(Debug, Clone)]

@@ -107,6 +107,11 @@ pub(super) async fn receive_loop(
                 } else {
                     Duration::ZERO
                 };
+                if !wait.is_zero() {
+                    // Nothing buffered: this queue holds no turn while it
+                    // long-polls (merge policies).
+                    shared.contending(false);
+                }
                 let received = tokio::select! {
                     () = shutdown.cancelled() => break,
                     r = shared.queue().receive(want, settings.lease, wait) => r,
@@ -162,7 +167,27 @@ pub(super) async fn receive_loop(
             let now = Instant::now();
             shared.window().available(now) > 0 && !shared.congestion_held(now)
         };
-        if let Some((tenant, ready)) = has_room.then(|| fair.pop(Instant::now())).flatten() {
+        // With a merge policy, the pool's queues take turns at the room
+        // (`merge.rs`): this queue contends while it holds a releasable
+        // message, and releases one when the policy picks it.
+        let now = Instant::now();
+        let turns = shared.takes_turns();
+        let go = if turns {
+            shared.take_turn(now, fair.has_ready(now), has_room)
+        } else {
+            has_room
+        };
+        if let Some((tenant, ready)) = go.then(|| fair.pop(now)).flatten() {
+            if turns {
+                // Stop contending while this receiver cannot take another
+                // turn soon: its last releasable message went, or this one
+                // must first wait for room (a request dearer than the room,
+                // in tokens or bytes), so the other queues are not held for
+                // its turn meanwhile. Otherwise it stays marked, and a busy
+                // higher tier keeps its priority between two of its turns.
+                let can_go = shared.may_send(&shared.window(), now, ready.cost).is_some();
+                shared.contending(can_go && fair.has_ready(now));
+            }
             if shutdown.is_cancelled() {
                 shared
                     .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
@@ -197,6 +222,8 @@ pub(super) async fn receive_loop(
             ) => {}
         }
     }
+    // No longer contending for the pool's turns.
+    shared.take_turn(Instant::now(), false, false);
     // Buffered leases go back at once rather than expiring.
     for ready in fair.drain() {
         shared

@@ -13,7 +13,7 @@ use super::congestion::{AfterCongestion, after_congestion};
 use super::dispatcher::{Ready, Results, SendKind, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
-use crate::gate::{DispatchEvent, Ticket};
+use crate::gate::{Classification, DispatchEvent, Ticket};
 use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
 use crate::queue::{DeliveryTag, NackReason};
 use crate::request::{AttemptRecord, LastAnswer, Message, log_id};
@@ -40,6 +40,17 @@ pub(super) async fn send_and_settle(
     abandon: CancellationToken,
     results: Results,
 ) {
+    let mut ready = ready;
+    // `tier-priority` sends upstream's priority index: the queue's tier,
+    // and whether a quota gate classified the message `reserved`.
+    if let Some(header) = &shared.settings().merge.priority_header {
+        let reserved = ticket.classification() == Some(Classification::Reserved);
+        let index = shared.settings().merge.tier.priority_index(reserved);
+        ready.prepared.set_header(
+            header.clone(),
+            reqwest::header::HeaderValue::from(u16::from(index)),
+        );
+    }
     // A message that waited (parked at a gate) may have been cancelled
     // meanwhile; fresh ones were checked when the transport handed them out.
     if ready.received_at.elapsed() >= CANCEL_RECHECK_AFTER

@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use super::merge::{MergeKind, MergePolicy, Tier};
 use super::pace::{Pace, PaceUnit};
-use crate::config::{DispatchConfig, PaceKind, QueueConfig, Rounding, Unit};
+use crate::config::{DispatchConfig, MergePolicyKind, PaceKind, QueueConfig, Rounding, Unit};
 
 /// How one queue is dispatched.
 #[derive(Debug, Clone)]
@@ -58,6 +59,49 @@ pub struct DispatchSettings {
     /// How long an inert rule must hold before it is reported
     /// (`dispatch.inert_after`, `dispatch::inert`).
     pub inert_after: Duration,
+    /// How the queues of this queue's pool take turns
+    /// (`dispatch.merge_policy`, `dispatch::merge`).
+    pub merge: MergeSettings,
+}
+
+/// The merge policy as one queue uses it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MergeSettings {
+    /// The pool's policy (every queue of a pool reads the same config).
+    pub policy: MergePolicy,
+    /// The label naming a queue's tier (`dispatch.merge_tier_label`).
+    pub tier_label: String,
+    /// This queue's tier, from its labels (`batch` without the label).
+    pub tier: Tier,
+    /// `tier-priority` only: the header that carries upstream's priority
+    /// index; `None` otherwise or when disabled.
+    pub priority_header: Option<reqwest::header::HeaderName>,
+}
+
+impl MergeSettings {
+    fn from_config(d: &DispatchConfig) -> Self {
+        let kind = match d.merge_policy {
+            MergePolicyKind::FirstCome => MergeKind::FirstCome,
+            MergePolicyKind::RandomRobin => MergeKind::RandomRobin,
+            MergePolicyKind::TierPriority => MergeKind::TierPriority,
+        };
+        // The loader checked the name; a name that still failed to parse
+        // would only leave the header out.
+        let priority_header = (kind == MergeKind::TierPriority)
+            .then_some(d.merge_priority_header.as_deref())
+            .flatten()
+            .and_then(|h| reqwest::header::HeaderName::from_bytes(h.as_bytes()).ok());
+        Self {
+            policy: MergePolicy {
+                kind,
+                min_share: d.merge_min_share,
+                share_window: usize::try_from(d.merge_share_window).unwrap_or(usize::MAX),
+            },
+            tier_label: d.merge_tier_label.clone(),
+            tier: Tier::Batch,
+            priority_header,
+        }
+    }
 }
 
 /// Most messages pulled in one receive (not configurable: the window
@@ -93,6 +137,7 @@ impl From<&DispatchConfig> for DispatchSettings {
             refill_own_finishes: true,
             pace: pace(d),
             inert_after: d.inert_after,
+            merge: MergeSettings::from_config(d),
         }
     }
 }
@@ -119,6 +164,13 @@ impl DispatchSettings {
         self.unit = queue.unit;
         self.rounding = queue.rounding;
         self.max_sys = queue.max_sys;
+        // The loader refused a tier label value it does not know when the
+        // policy reads it; without the label a queue is `batch` (upstream).
+        self.merge.tier = queue
+            .labels
+            .get(&self.merge.tier_label)
+            .and_then(|v| Tier::parse(v))
+            .unwrap_or(Tier::Batch);
         self
     }
 }

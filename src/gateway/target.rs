@@ -337,6 +337,14 @@ impl PreparedRequest {
     pub fn body(&self) -> &Bytes {
         &self.body
     }
+
+    /// Sets header `name` to `value`, replacing the message's own: for
+    /// headers the dispatcher decides at release (the merge policy's
+    /// priority header), whose names the config checked
+    /// ([`may_pass_through`]).
+    pub fn set_header(&mut self, name: HeaderName, value: HeaderValue) {
+        self.headers.insert(name, value);
+    }
 }
 
 // Hand-written so a debug log shows the body's size, not a whole prompt;
