@@ -33,14 +33,13 @@ pub(super) const CANCEL_RECHECK_AFTER: Duration = Duration::from_millis(500);
 /// letter ([`decide`]).
 pub(super) async fn send_and_settle(
     shared: Arc<Shared>,
-    ready: Ready,
+    mut ready: Ready,
     ticket: Ticket,
     send: SendKind,
     shutdown: CancellationToken,
     abandon: CancellationToken,
     results: Results,
 ) {
-    let mut ready = ready;
     // `tier-priority` sends upstream's priority index: the queue's tier,
     // and whether a quota gate classified the message `reserved`.
     if let Some(header) = &shared.settings().merge.priority_header {
