@@ -46,12 +46,18 @@
 //! - [`serve`]: the OpenAI Files and Batches API (`sluicegate serve`):
 //!   batches become queue messages, their results output files; records
 //!   in SQLite (embedded) or Redis (replicas).
-//! - [`app`]: wiring ([`app::run`]), the task tree and the shutdown order;
+//! - [`app`]: wiring ([`app::run`]) and the shutdown order;
 //!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 //! - [`eval`]: gate quality in virtual time (`sluicegate eval`): the
 //!   production gates, window and congestion hold driving the simulator,
 //!   scored against a batch-free twin run.
+//!
+//! Under all of them, the ground floor: [`tasks`] (the task tree: every
+//! long-lived task named, a panic stops the run), [`redis`] (one Redis
+//! server or a cluster, for transports, gates, sources, the shared window
+//! and `serve`), [`clock`] (Unix time). `docs/architecture.md`, "Code
+//! layout", draws the layers.
 
 pub mod app;
 pub mod batch;
