@@ -20,7 +20,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::lanes::{TenantLanes, interleave, tenant_of};
-use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
+use super::{
+    AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError, long_poll,
+};
 use crate::request::parse_message;
 use crate::result::ResultRecord;
 
@@ -320,23 +322,11 @@ impl Queue for MemoryQueue {
         lease: Duration,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
-        Box::pin(async move {
-            let give_up = Instant::now() + wait;
-            loop {
-                // Register interest before looking, so a push between the
-                // look and the wait is not missed.
-                let arrived = self.arrived.notified();
-                let (deliveries, wake) = self.take(max.max(1), lease, None);
-                if !deliveries.is_empty() || Instant::now() >= give_up {
-                    return Ok(deliveries);
-                }
-                let until = wake.map_or(give_up, |w| w.min(give_up));
-                tokio::select! {
-                    () = arrived => {}
-                    () = tokio::time::sleep_until(until) => {}
-                }
-            }
-        })
+        Box::pin(long_poll(wait, Some(&self.arrived), move || {
+            // Woken by a push, or when the next delayed message is due.
+            let (got, again_at) = self.take(max.max(1), lease, None);
+            std::future::ready(Ok(Look { got, again_at }))
+        }))
     }
 
     fn receive_expired(

@@ -14,10 +14,13 @@ pub mod pubsub;
 pub mod redis;
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
@@ -286,4 +289,45 @@ pub struct TransportStatus {
     pub reclaims_total: u64,
     /// Messages this process moved to the dead letters.
     pub dead_letters_total: u64,
+}
+
+/// One look of a long poll: what it took, and when to look again if it
+/// took nothing (`None`: not before the poll ends, unless `arrived`).
+#[derive(Debug)]
+pub(crate) struct Look {
+    pub(crate) got: Vec<Delivery>,
+    pub(crate) again_at: Option<Instant>,
+}
+
+/// The long poll behind every transport's [`Queue::receive`]: looks until
+/// something is taken or `wait` has passed, sleeping between looks until
+/// the look's `again_at` or until `arrived` is notified (a local push),
+/// whichever comes first. Interest in `arrived` is registered before each
+/// look, so a push between the look and the sleep is never missed.
+pub(crate) async fn long_poll<F, Fut>(
+    wait: Duration,
+    arrived: Option<&Notify>,
+    mut look: F,
+) -> Result<Vec<Delivery>, QueueError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Look, QueueError>>,
+{
+    let give_up = Instant::now() + wait;
+    loop {
+        let notified = arrived.map(Notify::notified);
+        let Look { got, again_at } = look().await?;
+        let now = Instant::now();
+        if !got.is_empty() || now >= give_up {
+            return Ok(got);
+        }
+        let until = again_at.map_or(give_up, |at| at.min(give_up));
+        match notified {
+            Some(notified) => tokio::select! {
+                () = notified => {}
+                () = tokio::time::sleep_until(until) => {}
+            },
+            None => tokio::time::sleep_until(until).await,
+        }
+    }
 }

@@ -31,7 +31,9 @@ use futures_util::future::BoxFuture;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::Notify;
 
-use super::{AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError};
+use super::{
+    AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError, long_poll,
+};
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::ResultRecord;
 
@@ -749,22 +751,17 @@ impl Queue for EmbeddedQueue {
         lease: Duration,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
-        Box::pin(async move {
-            let give_up = tokio::time::Instant::now() + wait;
-            loop {
-                let arrived = self.inner.arrived.notified();
+        // Woken by a push from this process; other processes' writes to the
+        // file are seen at the next look, every `POLL`.
+        Box::pin(long_poll(
+            wait,
+            Some(&self.inner.arrived),
+            move || async move {
                 let got = self.blocking(move |i| i.take(max, lease, None)).await?;
-                let now = tokio::time::Instant::now();
-                if !got.is_empty() || now >= give_up {
-                    return Ok(got);
-                }
-                let until = give_up.min(now + POLL);
-                tokio::select! {
-                    () = arrived => {}
-                    () = tokio::time::sleep_until(until) => {}
-                }
-            }
-        })
+                let again_at = Some(tokio::time::Instant::now() + POLL);
+                Ok(Look { got, again_at })
+            },
+        ))
     }
 
     fn receive_expired(

@@ -44,7 +44,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
+    AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError,
+    TransportStatus, long_poll,
 };
 use crate::config::PubSubConfig;
 use crate::request::{AttemptRecord, parse_message, source_result_id};
@@ -485,86 +486,99 @@ impl Inner {
             return_immediately: true,
             max_messages: i32::try_from(max.min(MAX_PULL)).unwrap_or(1),
         };
-        let give_up = Instant::now() + wait;
+        // An empty pull is tried again after a pause that doubles up to
+        // `POLL_MAX`.
         let mut pause = POLL_MIN;
-        loop {
-            // Held deliveries whose wait is over go first: they were pulled
-            // before anything still on the broker.
-            let again = self.redeliveries(max);
-            if !again.is_empty() {
-                return Ok(again);
+        long_poll(wait, None, || {
+            let this_pause = pause;
+            pause = (pause * 2).min(POLL_MAX);
+            let request = request.clone();
+            async move {
+                let got = self.pull_once(request, max, lease).await?;
+                let again_at = Some(tokio::time::Instant::now() + this_pause);
+                Ok(Look { got, again_at })
             }
-            let pulled = self
-                .subscription
-                .get_client()
-                .pull(request.clone(), Some(no_retry()))
-                .await
-                .map(|r| r.into_inner().received_messages);
-            let pulled = match pulled {
-                Ok(pulled) => pulled,
-                Err(source) => {
-                    self.reachable.store(false, Ordering::Relaxed);
-                    self.pull_failed.store(true, Ordering::Relaxed);
-                    return Err(QueueError::PubSub { op: "pull", source });
-                }
-            };
-            self.reachable.store(true, Ordering::Relaxed);
-            if self.pull_failed.swap(false, Ordering::Relaxed) {
-                self.metrics.pull_restarts.inc();
-            }
-            if pulled.is_empty() {
-                let left = give_up.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Ok(Vec::new());
-                }
-                tokio::time::sleep(pause.min(left)).await;
-                pause = (pause * 2).min(POLL_MAX);
-                continue;
-            }
-            let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
-            let secs = message::deadline_secs(lease).max(1);
-            if secs != self.ack_deadline_secs {
-                // Best effort: if this fails, the subscription's deadline
-                // applies and extensions keep the lease.
-                if let Err(error) = self.modack(ids, secs).await {
-                    tracing::warn!(%error, queue = %self.name, "setting the lease after pull failed");
-                }
-            }
-            let now = Instant::now();
-            let mut leases = self.leases();
-            let deliveries = pulled
-                .into_iter()
-                .map(|m| {
-                    let (data, attributes, message_id) = m
-                        .message
-                        .map(|p| (p.data, p.attributes, p.message_id))
-                        .unwrap_or_default();
-                    let info = message::received(&data, &attributes);
-                    let body = Bytes::from(info.body.clone());
-                    let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
-                    let retry_count = message::retry_count(attempt);
-                    let source_id = Some(message_id.clone());
-                    let tag = leases.insert(Held {
-                        ack_id: Some(m.ack_id),
-                        info,
-                        message_id,
-                        published: false,
-                        pulled_at: now,
-                        retry_count,
-                        delivery_attempt: (m.delivery_attempt > 0).then_some(m.delivery_attempt),
-                        hold: None,
-                    });
-                    Delivery {
-                        tag: DeliveryTag(tag),
-                        body,
-                        retry_count,
-                        source_id,
-                    }
-                })
-                .collect();
-            self.update_in_flight(&leases);
-            return Ok(deliveries);
+        })
+        .await
+    }
+
+    /// One look: held deliveries whose wait is over, else one Pull.
+    async fn pull_once(
+        &self,
+        request: PullRequest,
+        max: usize,
+        lease: Duration,
+    ) -> Result<Vec<Delivery>, QueueError> {
+        // Held deliveries whose wait is over go first: they were pulled
+        // before anything still on the broker.
+        let again = self.redeliveries(max);
+        if !again.is_empty() {
+            return Ok(again);
         }
+        let pulled = self
+            .subscription
+            .get_client()
+            .pull(request, Some(no_retry()))
+            .await
+            .map(|r| r.into_inner().received_messages);
+        let pulled = match pulled {
+            Ok(pulled) => pulled,
+            Err(source) => {
+                self.reachable.store(false, Ordering::Relaxed);
+                self.pull_failed.store(true, Ordering::Relaxed);
+                return Err(QueueError::PubSub { op: "pull", source });
+            }
+        };
+        self.reachable.store(true, Ordering::Relaxed);
+        if self.pull_failed.swap(false, Ordering::Relaxed) {
+            self.metrics.pull_restarts.inc();
+        }
+        if pulled.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
+        let secs = message::deadline_secs(lease).max(1);
+        if secs != self.ack_deadline_secs {
+            // Best effort: if this fails, the subscription's deadline
+            // applies and extensions keep the lease.
+            if let Err(error) = self.modack(ids, secs).await {
+                tracing::warn!(%error, queue = %self.name, "setting the lease after pull failed");
+            }
+        }
+        let now = Instant::now();
+        let mut leases = self.leases();
+        let deliveries = pulled
+            .into_iter()
+            .map(|m| {
+                let (data, attributes, message_id) = m
+                    .message
+                    .map(|p| (p.data, p.attributes, p.message_id))
+                    .unwrap_or_default();
+                let info = message::received(&data, &attributes);
+                let body = Bytes::from(info.body.clone());
+                let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
+                let retry_count = message::retry_count(attempt);
+                let source_id = Some(message_id.clone());
+                let tag = leases.insert(Held {
+                    ack_id: Some(m.ack_id),
+                    info,
+                    message_id,
+                    published: false,
+                    pulled_at: now,
+                    retry_count,
+                    delivery_attempt: (m.delivery_attempt > 0).then_some(m.delivery_attempt),
+                    hold: None,
+                });
+                Delivery {
+                    tag: DeliveryTag(tag),
+                    body,
+                    retry_count,
+                    source_id,
+                }
+            })
+            .collect();
+        self.update_in_flight(&leases);
+        Ok(deliveries)
     }
 
     /// Up to `max` held deliveries whose hold ended, as deliveries again

@@ -27,7 +27,8 @@ use serde::Deserialize;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{
-    AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
+    AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError,
+    TransportStatus, long_poll,
 };
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
@@ -894,17 +895,13 @@ impl Queue for RedisQueue {
         lease: Duration,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
-        Box::pin(async move {
-            let give_up = tokio::time::Instant::now() + wait;
-            loop {
-                let got = self.inner.claim(max.max(1), lease, None).await?;
-                let now = tokio::time::Instant::now();
-                if !got.is_empty() || now >= give_up {
-                    return Ok(got);
-                }
-                tokio::time::sleep(EMPTY_POLL.min(give_up - now)).await;
-            }
-        })
+        // Producers are other processes: an empty queue is looked at again
+        // every `EMPTY_POLL`.
+        Box::pin(long_poll(wait, None, move || async move {
+            let got = self.inner.claim(max.max(1), lease, None).await?;
+            let again_at = Some(tokio::time::Instant::now() + EMPTY_POLL);
+            Ok(Look { got, again_at })
+        }))
     }
 
     fn receive_expired(
