@@ -243,7 +243,7 @@ pub async fn start(
             ));
         }
         TransportKind::Embedded => {}
-        TransportKind::Redis | TransportKind::PubSub if memory_only => {
+        TransportKind::Redis | TransportKind::PubSub | TransportKind::Sql if memory_only => {
             return Err(AppError::Options(
                 "--input/--output are for the memory transport",
             ));
@@ -253,7 +253,7 @@ pub async fn start(
                 "--exit-when-done is for the memory and embedded transports",
             ));
         }
-        TransportKind::Redis | TransportKind::PubSub => {}
+        TransportKind::Redis | TransportKind::PubSub | TransportKind::Sql => {}
     }
     preflight(config)?;
     if options.input.is_some() && config.queues.len() != 1 {

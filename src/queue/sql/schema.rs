@@ -1,0 +1,141 @@
+//! The tables of the `sql` transport and the `sql-quota` gate, created on
+//! open.
+//!
+//! Upstream's tables (`async_requests`, `async_results`, the quota tables,
+//! as llm-d-async's `producer-sql/sqlqueue` lays them out at 55381216 /
+//! d187ffff) keep their names and columns, so a producer written for
+//! upstream can enqueue into, and read results from, a database this
+//! transport drains. What upstream lacks is added beside it, in columns
+//! and tables upstream never reads:
+//!
+//! - `async_requests.lease_owner`, `lease_tag`, `lease_expires_ms`: a
+//!   per-row lease (upstream leases whole partitions to dispatchers);
+//!   `dispatch_epoch` is 1 while a row is leased here, so upstream's
+//!   pending index (`dispatch_epoch = 0`) does not see it.
+//! - `async_requests.visible_at_ms`: a retry's delay in milliseconds
+//!   (upstream's `not_before` is whole seconds; it is honoured as well).
+//! - `async_requests.retry_count`: failed attempts.
+//! - `sluicegate_dead_letters`: messages that used up their attempts.
+//! - `sluicegate_sql_meta`: the schema version this build writes.
+//!
+//! Every statement is idempotent (`IF NOT EXISTS`), and the whole script
+//! runs as one implicit transaction under an advisory lock, so dispatchers
+//! starting together create it once.
+
+/// Schema version of the sluicegate additions; a database written by a
+/// newer, incompatible build is refused at open.
+pub(crate) const SCHEMA_VERSION: u32 = 1;
+
+/// `pg_advisory_xact_lock` key serialising schema creation ("sluiceq").
+const LOCK_KEY: i64 = 0x0073_6c75_6963_6571;
+
+/// The creation script, run as one simple query (one implicit
+/// transaction).
+pub(crate) fn script() -> String {
+    format!(
+        r"
+SELECT pg_advisory_xact_lock({LOCK_KEY});
+CREATE TABLE IF NOT EXISTS async_requests (
+    id             TEXT     NOT NULL,
+    request_token  TEXT     NOT NULL,
+    queue          TEXT     NOT NULL,
+    partition_id   INTEGER  NOT NULL,
+    deadline       BIGINT   NOT NULL,
+    not_before     BIGINT   NOT NULL DEFAULT 0,
+    dispatch_epoch BIGINT   NOT NULL DEFAULT 0,
+    cancelled      SMALLINT NOT NULL DEFAULT 0,
+    payload        TEXT     NOT NULL,
+    created_at     BIGINT   NOT NULL,
+    PRIMARY KEY (id, request_token)
+) WITH (fillfactor = 70);
+CREATE INDEX IF NOT EXISTS async_requests_pending ON async_requests (queue, deadline, created_at) WHERE dispatch_epoch = 0;
+CREATE INDEX IF NOT EXISTS async_requests_inflight ON async_requests (queue, partition_id) WHERE dispatch_epoch > 0;
+ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS lease_owner TEXT;
+ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS lease_tag TEXT;
+ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS lease_expires_ms BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS visible_at_ms BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS retry_count INTEGER NOT NULL DEFAULT 0;
+CREATE UNIQUE INDEX IF NOT EXISTS sluicegate_requests_lease_tag ON async_requests (lease_tag) WHERE lease_tag IS NOT NULL;
+CREATE INDEX IF NOT EXISTS sluicegate_requests_leases ON async_requests (queue, lease_expires_ms) WHERE lease_tag IS NOT NULL;
+CREATE TABLE IF NOT EXISTS async_results (
+    seq           BIGSERIAL PRIMARY KEY,
+    route         TEXT   NOT NULL,
+    id            TEXT   NOT NULL,
+    request_token TEXT   NOT NULL,
+    payload       TEXT   NOT NULL,
+    expires_at    BIGINT NOT NULL DEFAULT 0,
+    created_at    BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS async_results_route_seq ON async_results (route, seq);
+CREATE INDEX IF NOT EXISTS async_results_expiry ON async_results (route, expires_at) WHERE expires_at > 0;
+CREATE TABLE IF NOT EXISTS sluicegate_dead_letters (
+    seq           BIGSERIAL PRIMARY KEY,
+    queue         TEXT   NOT NULL,
+    id            TEXT   NOT NULL,
+    request_token TEXT   NOT NULL,
+    payload       TEXT   NOT NULL,
+    last_error    TEXT   NOT NULL,
+    at_ms         BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sluicegate_dead_letters_queue ON sluicegate_dead_letters (queue, seq);
+CREATE TABLE IF NOT EXISTS async_quota_keys (
+    key TEXT PRIMARY KEY
+);
+CREATE TABLE IF NOT EXISTS async_quota_holders (
+    holder     TEXT   PRIMARY KEY,
+    expires_ms BIGINT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS async_quota_slots (
+    key    TEXT    NOT NULL,
+    holder TEXT    NOT NULL,
+    used   INTEGER NOT NULL,
+    PRIMARY KEY (key, holder)
+);
+CREATE INDEX IF NOT EXISTS async_quota_slots_holder ON async_quota_slots (holder);
+CREATE TABLE IF NOT EXISTS async_quota_windows (
+    key       TEXT   NOT NULL,
+    window_ms BIGINT NOT NULL,
+    used      BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (key, window_ms)
+);
+CREATE TABLE IF NOT EXISTS async_quota_admits (
+    key       TEXT    NOT NULL,
+    window_ms BIGINT  NOT NULL,
+    at_ms     BIGINT  NOT NULL,
+    n         INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS async_quota_admits_key ON async_quota_admits (key, window_ms, at_ms);
+CREATE TABLE IF NOT EXISTS sluicegate_sql_meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+INSERT INTO sluicegate_sql_meta (key, value) VALUES ('schema_version', '{SCHEMA_VERSION}')
+    ON CONFLICT (key) DO NOTHING;
+"
+    )
+}
+
+/// FNV-1a of the id modulo upstream's 64 partitions: the `partition_id`
+/// upstream's dispatcher would file the row under, so rows written here
+/// stay readable by it.
+pub(crate) fn partition_of(id: &str) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in id.as_bytes() {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    // Below 64: always fits.
+    i32::try_from(h % 64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitions_match_upstreams_fnv1a() {
+        // FNV-1a 32 of "a" is 0xe40c292c; 0xe40c292c % 64 = 44.
+        assert_eq!(partition_of("a"), 44);
+        assert_eq!(partition_of(""), i32::try_from(0x811c_9dc5_u32 % 64).unwrap_or(-1));
+    }
+}
