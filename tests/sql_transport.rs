@@ -343,3 +343,68 @@ gate_type = "constant"
     assert!(!url.masked().contains("secret"));
     assert_eq!(url.expose().host_str(), Some("h"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn submit_cancel_and_results_commands_use_the_database() {
+    let pg = Postgres::start();
+    let sim = spawn_http(SimConfig {
+        time_scale: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator");
+    let tmp = support::TempDir::new("sql-cli");
+    let file = tmp.0.join("in.jsonl");
+    let lines: Vec<String> = (0..3)
+        .map(|i| {
+            serde_json::json!({
+                "custom_id": format!("c-{i}"), "method": "POST", "url": "/v1/completions",
+                "body": {"model": "sim-model", "prompt": "hi", "max_tokens": 4}
+            })
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&file, lines.join("\n")).expect("input");
+    let url = pg.url();
+    let run = |args: &[&str]| {
+        let out = support::cli::output(&mut support::cli::sluicegate(args));
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        support::cli::text(&out.stdout)
+    };
+    let file_arg = file.to_string_lossy().into_owned();
+    let submitted = run(&["submit", "--sql-url", &url, "--queue", "cli", &file_arg]);
+    assert!(submitted.contains("submitted 3 messages"), "{submitted}");
+    let cancelled = run(&["cancel", "--sql-url", &url, "--queue", "cli", "c-1", "nope"]);
+    assert!(cancelled.contains("c-1: cancelled"), "{cancelled}");
+    assert!(cancelled.contains("nope: not active"), "{cancelled}");
+    let first = run(&["results", "--sql-url", &url]);
+    assert_eq!(first.lines().count(), 1, "{first}");
+    assert!(first.contains("CANCELLED"), "{first}");
+
+    let toml = app_toml(&pg, &sim.base_url(), "cli", r#"gate_type = "constant""#);
+    let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let app = support::start_app(&config).await;
+    let c = client(&pg).await;
+    wait_results(&c, 3, Duration::from_secs(60)).await;
+    app.stop().await;
+    let cursor = c.results_after(ROUTE, 0, 1).await.expect("first")[0].seq;
+    let rest = run(&[
+        "results",
+        "--sql-url",
+        &url,
+        "--after",
+        &cursor.to_string(),
+        "--format",
+        "openai",
+    ]);
+    let custom: Vec<String> = rest
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("json");
+            assert_eq!(v["response"]["status_code"], 200, "{v}");
+            v["custom_id"].as_str().expect("custom_id").to_owned()
+        })
+        .collect();
+    assert_eq!(custom.len(), 2, "{rest}");
+    assert!(!custom.contains(&"c-1".to_owned()));
+}

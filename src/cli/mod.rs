@@ -17,6 +17,7 @@ mod pubsub;
 mod results;
 mod serve;
 mod sim_sweep;
+mod sql;
 mod submit;
 
 use std::io::Write as _;
