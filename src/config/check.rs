@@ -294,6 +294,21 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         }
     }
 
+    // `sql-quota` counts in the `[sql]` database.
+    let has_sql_url = sql.as_ref().is_some_and(|s| s.url.is_some());
+    for (i, q) in queues.iter().enumerate().filter(|_| !has_sql_url) {
+        let mut needs = false;
+        q.gate.visit(&mut |g| needs |= matches!(g, GateSpec::SqlQuota { .. }));
+        if needs {
+            ctx.err(
+                "sql.url",
+                format!(
+                    "required by queue[{i}] (gate `sql-quota` counts in PostgreSQL); set [sql] url, SLUICEGATE_SQL_URL or SQL_URL"
+                ),
+            );
+        }
+    }
+
     Config {
         // Placeholder only when an error was recorded (the config is then discarded).
         transport: transport.unwrap_or(TransportKind::Memory),

@@ -12,7 +12,7 @@
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
 //! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
 //! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs`,
-//! `redis_quota.rs`, `redis_leased_rate.rs`, `local_rate_limit.rs`,
+//! `redis_quota.rs`, `sql_quota.rs`, `redis_leased_rate.rs`, `local_rate_limit.rs`,
 //! `deadline_drop.rs`, `constant_decision.rs`, `tier_priority.rs` (with
 //! its pool-load sources in `pool_load.rs`), `vllm.rs`, `feedback.rs` and
 //! `slo_headroom.rs` are gates, each file
@@ -49,6 +49,7 @@ mod reading;
 mod redis_budget;
 mod redis_leased_rate;
 mod redis_quota;
+mod sql_quota;
 mod slo_headroom;
 mod tier_priority;
 mod vllm;
@@ -83,6 +84,7 @@ pub use redis_leased_rate::{
     LEASE_API_VERSION, Lease, LeaseError, RedisLeasedRateGate, RedisLeasedRateParams, parse_lease,
 };
 pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
+pub use sql_quota::{SqlQuotaGate, SqlQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
 pub use tier_priority::{LoadSource, TierPriorityAdmissionParams, TierPriorityGate};
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};

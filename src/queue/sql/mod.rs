@@ -25,15 +25,6 @@
 //! Files: `schema.rs` (tables), `db.rs` (the reconnecting connection),
 //! `client.rs` (the producer's side: enqueue, cancel, read results).
 
-/// The database clock in Unix milliseconds, for statement text: every
-/// lease and quota window is timed by it, so dispatchers on hosts with
-/// skewed clocks agree.
-macro_rules! now_ms {
-    () => {
-        "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-    };
-}
-
 mod client;
 mod db;
 mod schema;

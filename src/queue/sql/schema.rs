@@ -29,6 +29,79 @@ pub(crate) const SCHEMA_VERSION: u32 = 1;
 /// `pg_advisory_xact_lock` key serialising schema creation ("sluiceq").
 const LOCK_KEY: i64 = 0x0073_6c75_6963_6571;
 
+/// `sql-quota`'s statements that must lock a key first: functions, so
+/// each admission is one round trip. They count in upstream's quota
+/// tables with upstream's rules (a concurrency key is full when the slots
+/// of live holders reach the limit; a rate key when the admissions of the
+/// trailing window do), so dispatchers of both share one count.
+const QUOTA_FUNCTIONS: &str = r"
+CREATE OR REPLACE FUNCTION sluicegate_quota_acquire(p_key TEXT, p_holder TEXT, p_limit INTEGER)
+RETURNS INTEGER LANGUAGE plpgsql AS $$
+DECLARE
+    v_now  BIGINT;
+    v_used BIGINT;
+BEGIN
+    INSERT INTO async_quota_keys (key) VALUES (p_key) ON CONFLICT (key) DO NOTHING;
+    PERFORM 1 FROM async_quota_keys WHERE key = p_key FOR UPDATE;
+    v_now := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+    PERFORM 1 FROM async_quota_holders WHERE holder = p_holder AND expires_ms > v_now;
+    IF NOT FOUND THEN
+        RETURN -1;
+    END IF;
+    SELECT coalesce(sum(s.used), 0) INTO v_used
+    FROM async_quota_slots s JOIN async_quota_holders h ON h.holder = s.holder
+    WHERE s.key = p_key AND h.expires_ms > v_now;
+    IF v_used >= p_limit THEN
+        RETURN 0;
+    END IF;
+    INSERT INTO async_quota_slots (key, holder, used) VALUES (p_key, p_holder, 1)
+    ON CONFLICT (key, holder) DO UPDATE SET used = async_quota_slots.used + 1;
+    RETURN 1;
+END $$;
+CREATE OR REPLACE FUNCTION sluicegate_quota_admit(p_key TEXT, p_limit INTEGER, p_window_ms BIGINT)
+RETURNS BIGINT LANGUAGE plpgsql AS $$
+DECLARE
+    v_now     BIGINT;
+    v_used    BIGINT;
+    v_expired BIGINT;
+BEGIN
+    INSERT INTO async_quota_windows (key, window_ms) VALUES (p_key, p_window_ms)
+    ON CONFLICT (key, window_ms) DO NOTHING;
+    SELECT used INTO v_used FROM async_quota_windows
+    WHERE key = p_key AND window_ms = p_window_ms FOR UPDATE;
+    v_now := (extract(epoch FROM clock_timestamp()) * 1000)::bigint;
+    WITH gone AS (
+        DELETE FROM async_quota_admits
+        WHERE key = p_key AND window_ms = p_window_ms AND at_ms <= v_now - p_window_ms
+        RETURNING n)
+    SELECT coalesce(sum(n), 0) INTO v_expired FROM gone;
+    v_used := greatest(v_used - v_expired, 0);
+    IF v_used >= p_limit THEN
+        UPDATE async_quota_windows SET used = v_used WHERE key = p_key AND window_ms = p_window_ms;
+        RETURN 0;
+    END IF;
+    INSERT INTO async_quota_admits (key, window_ms, at_ms, n) VALUES (p_key, p_window_ms, v_now, 1);
+    UPDATE async_quota_windows SET used = v_used + 1 WHERE key = p_key AND window_ms = p_window_ms;
+    RETURN v_now;
+END $$;
+CREATE OR REPLACE FUNCTION sluicegate_quota_refund(p_key TEXT, p_window_ms BIGINT, p_at BIGINT)
+RETURNS INTEGER LANGUAGE plpgsql AS $$
+DECLARE
+    v_row tid;
+BEGIN
+    PERFORM 1 FROM async_quota_windows WHERE key = p_key AND window_ms = p_window_ms FOR UPDATE;
+    SELECT ctid INTO v_row FROM async_quota_admits
+    WHERE key = p_key AND window_ms = p_window_ms AND at_ms = p_at AND n > 0 LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    UPDATE async_quota_admits SET n = n - 1 WHERE ctid = v_row;
+    UPDATE async_quota_windows SET used = greatest(used - 1, 0)
+    WHERE key = p_key AND window_ms = p_window_ms;
+    RETURN 1;
+END $$;
+";
+
 /// The creation script, run as one simple query (one implicit
 /// transaction).
 pub(crate) fn script() -> String {
@@ -111,6 +184,7 @@ CREATE TABLE IF NOT EXISTS sluicegate_sql_meta (
 );
 INSERT INTO sluicegate_sql_meta (key, value) VALUES ('schema_version', '{SCHEMA_VERSION}')
     ON CONFLICT (key) DO NOTHING;
+{QUOTA_FUNCTIONS}
 "
     )
 }
