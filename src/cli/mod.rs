@@ -8,6 +8,7 @@ mod bench;
 mod bench_hold;
 mod bench_memory;
 mod bench_replicas;
+mod bench_sql;
 mod cancel;
 mod demo;
 mod embedded;

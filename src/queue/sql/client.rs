@@ -74,6 +74,9 @@ const ACTIVE: &str =
     "SELECT DISTINCT id FROM async_requests WHERE queue = $1 AND id = ANY($2::text[])";
 const OUTSTANDING: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1";
 const RESULT_COUNT: &str = "SELECT COUNT(*) FROM async_results WHERE route = $1";
+const PURGE_REQUESTS: &str = "DELETE FROM async_requests WHERE queue = $1";
+const PURGE_DEAD: &str = "DELETE FROM sluicegate_dead_letters WHERE queue = $1";
+const PURGE_RESULTS: &str = "DELETE FROM async_results WHERE route = $1";
 const DEAD_COUNT: &str = "SELECT COUNT(*) FROM sluicegate_dead_letters WHERE queue = $1";
 
 impl SqlClient {
@@ -214,6 +217,15 @@ impl SqlClient {
     ) -> Result<Vec<String>, tokio_postgres::Error> {
         let rows = self.db.query(ACTIVE, &[&queue, &ids]).await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// Deletes every row of `queue`, its dead letters and the results of
+    /// `route` (benchmarks start from nothing).
+    pub async fn purge(&self, queue: &str, route: &str) -> Result<(), tokio_postgres::Error> {
+        self.db.execute(PURGE_REQUESTS, &[&queue]).await?;
+        self.db.execute(PURGE_DEAD, &[&queue]).await?;
+        self.db.execute(PURGE_RESULTS, &[&route]).await?;
+        Ok(())
     }
 
     /// Unsettled rows of `queue` (waiting, delayed or leased).
