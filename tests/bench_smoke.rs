@@ -113,7 +113,10 @@ fn bench_drain_sql_empties_a_real_postgres_queue() {
         "--sql-url",
         &pg.url(),
     ]));
-    assert!(stdout.contains("drain-sql benchmark: 200 messages"), "{stdout}");
+    assert!(
+        stdout.contains("drain-sql benchmark: 200 messages"),
+        "{stdout}"
+    );
     assert!(stdout.contains("messages/s"), "{stdout}");
     assert!(stdout.contains("peak RSS"), "{stdout}");
     // Every message got its one result, and no row is left.

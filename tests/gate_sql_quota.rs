@@ -88,11 +88,19 @@ async fn rate_limit_counts_in_upstreams_window_tables_and_refunds() {
     })
     .await;
     let again = admit(g.as_ref(), &alice).await;
-    assert_eq!(classification(&again), Some(Classification::Reserved), "{again:?}");
+    assert_eq!(
+        classification(&again),
+        Some(Classification::Reserved),
+        "{again:?}"
+    );
     // The window slides: the admissions age out.
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let later = admit(g.as_ref(), &alice).await;
-    assert_eq!(classification(&later), Some(Classification::Reserved), "{later:?}");
+    assert_eq!(
+        classification(&later),
+        Some(Classification::Reserved),
+        "{later:?}"
+    );
     assert_eq!(
         pg.psql("SELECT used FROM async_quota_windows WHERE key = 'quota:userid:alice'"),
         "1"
@@ -102,7 +110,8 @@ async fn rate_limit_counts_in_upstreams_window_tables_and_refunds() {
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrency_slots_are_shared_by_two_dispatchers_and_given_back() {
     let pg = Postgres::start();
-    let params = json!({"limit": 2, "mode": "concurrency", "gating_mode": "blocking", "lease": "3s"});
+    let params =
+        json!({"limit": 2, "mode": "concurrency", "gating_mode": "blocking", "lease": "3s"});
     let a = gate(&pg.url(), params.clone());
     let b = gate(&pg.url(), params);
     let carol = tenant("carol");
@@ -113,7 +122,12 @@ async fn concurrency_slots_are_shared_by_two_dispatchers_and_given_back() {
     // Full across both: blocking mode waits.
     let third = admit(a.as_ref(), &carol).await;
     assert!(
-        matches!(third, Admission::Wait { reason: "over_quota" }),
+        matches!(
+            third,
+            Admission::Wait {
+                reason: "over_quota"
+            }
+        ),
         "{third:?}"
     );
     // Two holders, one slot each, in upstream's tables.
@@ -133,7 +147,11 @@ async fn concurrency_slots_are_shared_by_two_dispatchers_and_given_back() {
     })
     .await;
     let now = admit(b.as_ref(), &carol).await;
-    assert_eq!(classification(&now), Some(Classification::Reserved), "{now:?}");
+    assert_eq!(
+        classification(&now),
+        Some(Classification::Reserved),
+        "{now:?}"
+    );
     // Every request ended: nothing counts any more.
     drop(a);
     drop(now);
@@ -158,7 +176,11 @@ async fn overflow_missing_attribute_and_a_down_database() {
     let held = admit(over.as_ref(), &dave).await;
     assert_eq!(classification(&held), Some(Classification::Reserved));
     let spill = admit(over.as_ref(), &dave).await;
-    assert_eq!(classification(&spill), Some(Classification::Overflow), "{spill:?}");
+    assert_eq!(
+        classification(&spill),
+        Some(Classification::Overflow),
+        "{spill:?}"
+    );
     let none = admit(over.as_ref(), &BTreeMap::new()).await;
     assert!(is_refused(&none, "quota_attribute_missing"), "{none:?}");
     let allow = gate(&pg.url(), json!({"limit": 1, "missing_attribute": "allow"}));
@@ -175,18 +197,29 @@ async fn overflow_missing_attribute_and_a_down_database() {
 
 #[test]
 fn params_and_the_sql_section_are_checked_by_key() {
-    let bad = GateSpec::parse("sql-quota", &json!({"limit": 1, "mode": "burst"}), "queue[0]")
-        .expect_err("bad mode")
-        .to_string();
+    let bad = GateSpec::parse(
+        "sql-quota",
+        &json!({"limit": 1, "mode": "burst"}),
+        "queue[0]",
+    )
+    .expect_err("bad mode")
+    .to_string();
     assert!(bad.contains("mode"), "{bad}");
-    assert!(bad.contains("rate-limit") && bad.contains("concurrency"), "{bad}");
+    assert!(
+        bad.contains("rate-limit") && bad.contains("concurrency"),
+        "{bad}"
+    );
     let missing = GateSpec::parse("sql-quota", &json!({}), "queue[0]")
         .expect_err("no limit")
         .to_string();
     assert!(missing.contains("limit"), "{missing}");
-    let address = GateSpec::parse("sql-quota", &json!({"limit": 1, "address": "h:1"}), "queue[0]")
-        .expect_err("address is redis-quota's")
-        .to_string();
+    let address = GateSpec::parse(
+        "sql-quota",
+        &json!({"limit": 1, "address": "h:1"}),
+        "queue[0]",
+    )
+    .expect_err("address is redis-quota's")
+    .to_string();
     assert!(address.contains("address"), "{address}");
     let toml = r#"
 transport = "memory"

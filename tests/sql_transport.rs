@@ -199,7 +199,9 @@ gate_params = { limit = "16", gating_mode = "blocking" }"#;
     let results = all_results(&c).await;
     one_each(&results, &want);
     assert_eq!(
-        pg.psql("SELECT COUNT(*) FROM (SELECT id FROM async_results GROUP BY id HAVING COUNT(*) > 1) d"),
+        pg.psql(
+            "SELECT COUNT(*) FROM (SELECT id FROM async_results GROUP BY id HAVING COUNT(*) > 1) d"
+        ),
         "0"
     );
 }
@@ -218,15 +220,23 @@ async fn a_postgres_restart_mid_drain_loses_nothing() {
         let c = client(&pg).await;
         submit(&c, "pq", &want, unix_now() + 3600).await;
     }
-    let toml = app_toml(&pg, &sim.base_url(), "pq", r#"gate_type = "local-max-concurrency"
-gate_params = { limit = "16", gating_mode = "blocking" }"#);
+    let toml = app_toml(
+        &pg,
+        &sim.base_url(),
+        "pq",
+        r#"gate_type = "local-max-concurrency"
+gate_params = { limit = "16", gating_mode = "blocking" }"#,
+    );
     let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
     let app = support::start_app(&config).await;
     {
         let c = client(&pg).await;
         wait_results(&c, 50, Duration::from_secs(120)).await;
         let have = c.result_count(ROUTE).await.expect("count");
-        assert!(have < 300, "the restart must land mid-drain (already {have})");
+        assert!(
+            have < 300,
+            "the restart must land mid-drain (already {have})"
+        );
     }
     pg.restart();
     let c = client(&pg).await;
@@ -254,7 +264,10 @@ async fn cancellation_deadlines_malformed_and_upstream_rows_each_get_their_resul
     // Waiting rows cancelled by the producer: answered at once.
     let cancel_me = ids("cancel", 3);
     submit(&c, "mix", &cancel_me, future).await;
-    let done = c.cancel("mix", ROUTE, &cancel_me[..2]).await.expect("cancel");
+    let done = c
+        .cancel("mix", ROUTE, &cancel_me[..2])
+        .await
+        .expect("cancel");
     assert_eq!(done.cancelled, 2);
     assert_eq!(done.in_flight, 0);
     // A row flagged the way upstream's producer cancels (the flag only):
@@ -276,9 +289,16 @@ async fn cancellation_deadlines_malformed_and_upstream_rows_each_get_their_resul
     wait_results(&c, 6, Duration::from_secs(60)).await;
     app.stop().await;
     let results = all_results(&c).await;
-    let want: Vec<String> = ["cancel-0", "cancel-1", "cancel-2", "late", "upstream-1", "broken"]
-        .map(str::to_owned)
-        .to_vec();
+    let want: Vec<String> = [
+        "cancel-0",
+        "cancel-1",
+        "cancel-2",
+        "late",
+        "upstream-1",
+        "broken",
+    ]
+    .map(str::to_owned)
+    .to_vec();
     one_each(&results, &want);
     let get = |id: &str| {
         &results
@@ -290,9 +310,24 @@ async fn cancellation_deadlines_malformed_and_upstream_rows_each_get_their_resul
     for id in ["cancel-0", "cancel-1", "cancel-2"] {
         assert_eq!(get(id)["error_code"], "CANCELLED", "{id}: {}", get(id));
     }
-    assert_eq!(get("late")["error_code"], "DEADLINE_EXCEEDED", "{}", get("late"));
-    assert_eq!(get("upstream-1")["status_code"], 200, "{}", get("upstream-1"));
-    assert_eq!(get("broken")["error_code"], "INVALID_REQUEST", "{}", get("broken"));
+    assert_eq!(
+        get("late")["error_code"],
+        "DEADLINE_EXCEEDED",
+        "{}",
+        get("late")
+    );
+    assert_eq!(
+        get("upstream-1")["status_code"],
+        200,
+        "{}",
+        get("upstream-1")
+    );
+    assert_eq!(
+        get("broken")["error_code"],
+        "INVALID_REQUEST",
+        "{}",
+        get("broken")
+    );
     // The upstream row's token is kept on its result row.
     assert_eq!(
         pg.psql("SELECT request_token FROM async_results WHERE id = 'upstream-1'"),
@@ -333,7 +368,9 @@ gate_type = "constant"
         "[sql]\nurl = \"postgres://h/db\"\nlease_ttl = \"2s\"\n[dispatch]\nlease = \"10s\"",
     ));
     assert!(lease.contains("sql.lease_ttl"), "{lease}");
-    let unknown = err(&base("[sql]\nurl = \"postgres://h/db\"\npoll_interval_ms = 5"));
+    let unknown = err(&base(
+        "[sql]\nurl = \"postgres://h/db\"\npoll_interval_ms = 5",
+    ));
     assert!(unknown.contains("sql.poll_interval_ms"), "{unknown}");
     // Upstream's variable names the database too; a password is masked
     // when the config is shown.

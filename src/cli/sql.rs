@@ -31,10 +31,12 @@ async fn connect(url: &str) -> Result<SqlClient, ExitCode> {
             return Err(ExitCode::from(super::EXIT_CONFIG));
         }
     };
-    SqlClient::open(&parsed, CONNECT_TIMEOUT).await.map_err(|e| {
-        eprintln!("{e}");
-        ExitCode::FAILURE
-    })
+    SqlClient::open(&parsed, CONNECT_TIMEOUT)
+        .await
+        .map_err(|e| {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        })
 }
 
 /// `submit --sql-url URL`: every valid line of `file` into `queue`, with

@@ -14,9 +14,9 @@ use super::gate::parse_gate_spec;
 use super::secret::{Secret, read_secret_file};
 use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
-    Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, SqlConfig, GateSpec, GatewayConfig,
+    Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
     PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section, SharedWindowKind,
-    TelemetryConfig, TransportKind, format_duration,
+    SqlConfig, TelemetryConfig, TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.
@@ -298,7 +298,8 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
     let has_sql_url = sql.as_ref().is_some_and(|s| s.url.is_some());
     for (i, q) in queues.iter().enumerate().filter(|_| !has_sql_url) {
         let mut needs = false;
-        q.gate.visit(&mut |g| needs |= matches!(g, GateSpec::SqlQuota { .. }));
+        q.gate
+            .visit(&mut |g| needs |= matches!(g, GateSpec::SqlQuota { .. }));
         if needs {
             ctx.err(
                 "sql.url",

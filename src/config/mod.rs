@@ -55,8 +55,8 @@ use serde_json::{Map, Value};
 use values::{
     Ctx, NONZERO, as_bool, as_nonempty_string, as_positive_f64, as_u64, attempts, choice,
     constant_url, duration_min, env_filter, host_port, http_url, inline_secret, optional_i64,
-    optional_string, path, pool_name, postgres_url, redis_url, retention, socket_addr, tenant_limits,
-    tenant_weights, url_path,
+    optional_string, path, pool_name, postgres_url, redis_url, retention, socket_addr,
+    tenant_limits, tenant_weights, url_path,
 };
 
 pub use duration::{format_duration, parse_duration};

@@ -49,8 +49,8 @@ mod reading;
 mod redis_budget;
 mod redis_leased_rate;
 mod redis_quota;
-mod sql_quota;
 mod slo_headroom;
+mod sql_quota;
 mod tier_priority;
 mod vllm;
 mod wait_on_refuse;
@@ -84,8 +84,8 @@ pub use redis_leased_rate::{
     LEASE_API_VERSION, Lease, LeaseError, RedisLeasedRateGate, RedisLeasedRateParams, parse_lease,
 };
 pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
-pub use sql_quota::{SqlQuotaGate, SqlQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
+pub use sql_quota::{SqlQuotaGate, SqlQuotaParams};
 pub use tier_priority::{LoadSource, TierPriorityAdmissionParams, TierPriorityGate};
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};

@@ -263,7 +263,8 @@ impl Inner {
             std::process::id(),
             rand::random::<u64>()
         );
-        db.execute(REGISTER, &[&name, &ms(self.params.lease)]).await?;
+        db.execute(REGISTER, &[&name, &ms(self.params.lease)])
+            .await?;
         *self.current() = Some(name.clone());
         Ok(name)
     }
@@ -305,10 +306,10 @@ impl Inner {
             return;
         };
         runtime.spawn(async move {
-            if let Some(db) = self.db.get() {
-                if let Err(error) = db.query(REFUND, &[&key, &window, &at]).await {
-                    tracing::warn!(%error, key, "cannot refund a quota admission; it ages out instead");
-                }
+            if let Some(db) = self.db.get()
+                && let Err(error) = db.query(REFUND, &[&key, &window, &at]).await
+            {
+                tracing::warn!(%error, key, "cannot refund a quota admission; it ages out instead");
             }
         });
     }
@@ -320,10 +321,10 @@ impl Inner {
             return;
         };
         runtime.spawn(async move {
-            if let Some(db) = self.db.get() {
-                if let Err(error) = db.execute(RELEASE, &[&holder, &key]).await {
-                    tracing::warn!(%error, key, "cannot give a quota slot back");
-                }
+            if let Some(db) = self.db.get()
+                && let Err(error) = db.execute(RELEASE, &[&holder, &key]).await
+            {
+                tracing::warn!(%error, key, "cannot give a quota slot back");
             }
         });
     }

@@ -11,8 +11,8 @@ use crate::telemetry::Metrics;
 
 use super::embedded::{EmbeddedError, EmbeddedQueue};
 use super::pubsub::{PubSubError, PubSubQueue};
-use super::sql::{Db, SqlError, SqlQueue, SqlQueueSettings};
 use super::redis::{ConnectError, RedisQueue, RedisQueueSettings, connection, hash_tag, key_slot};
+use super::sql::{Db, SqlError, SqlQueue, SqlQueueSettings};
 use super::{MemoryQueue, Queue, TenantLanes};
 
 /// Store file of the embedded transport when `[embedded]` names none.
@@ -164,7 +164,7 @@ async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
     // Config loading requires [sql] url for this transport; the defaults
     // only keep this total.
     let sql = config.sql.clone().unwrap_or_default();
-    let url = sql.url.clone().ok_or(OpenError::NotBuilt(TransportKind::Sql))?;
+    let url = sql.url.clone().ok_or(SqlError::MissingUrl)?;
     let db = Db::open(&url, sql.connect_timeout).await?;
     tracing::info!(url = %db.masked_url(), "postgresql reachable; sql schema ready");
     let queues = config
@@ -173,9 +173,10 @@ async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
         .map(|q| {
             let mut settings = SqlQueueSettings::new(q.queue_name.clone());
             // Precedence queue > [sql]: the queue's own result route wins.
-            settings.route = (q.result_queue_name.clone())
-                .unwrap_or_else(|| sql.result_queue_name.clone());
-            settings.result_ttl_seconds = (q.result_ttl_seconds > 0).then_some(q.result_ttl_seconds);
+            settings.route =
+                (q.result_queue_name.clone()).unwrap_or_else(|| sql.result_queue_name.clone());
+            settings.result_ttl_seconds =
+                (q.result_ttl_seconds > 0).then_some(q.result_ttl_seconds);
             settings.poll_interval = sql.poll_interval;
             settings.batch_size = sql.batch_size;
             settings.lease_ttl = sql.lease_ttl;

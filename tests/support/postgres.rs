@@ -44,9 +44,9 @@ fn bindir() -> PathBuf {
         })
         .unwrap_or_default();
     found.sort();
-    found
-        .pop()
-        .expect("PostgreSQL server binaries (initdb, postgres): install Debian's `postgresql` package")
+    found.pop().expect(
+        "PostgreSQL server binaries (initdb, postgres): install Debian's `postgresql` package",
+    )
 }
 
 fn is_root() -> bool {
@@ -62,10 +62,7 @@ impl Postgres {
     /// until it accepts connections.
     pub(crate) fn start() -> Self {
         let port = free_port();
-        let dir = std::env::temp_dir().join(format!(
-            "sluicegate-pg-{}-{port}",
-            std::process::id()
-        ));
+        let dir = std::env::temp_dir().join(format!("sluicegate-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("postgres dir");
         let as_postgres = is_root();
@@ -158,13 +155,20 @@ impl Postgres {
     fn wait_ready(&mut self) {
         let give_up = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    panic!("postgres exited at start ({status}): {}", self.log());
-                }
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!("postgres exited at start ({status}): {}", self.log());
             }
             let ready = Command::new(self.bindir.join("pg_isready"))
-                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-U",
+                    "postgres",
+                ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .status()
@@ -172,7 +176,11 @@ impl Postgres {
             if ready {
                 return;
             }
-            assert!(Instant::now() < give_up, "postgres not ready: {}", self.log());
+            assert!(
+                Instant::now() < give_up,
+                "postgres not ready: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -212,7 +220,14 @@ impl Postgres {
     /// producer would) and returns its unaligned output.
     pub(crate) fn psql(&self, sql: &str) -> String {
         let out = Command::new(self.bindir.join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "postgres",
+            ])
             .args(["-d", "postgres", "-At", "-v", "ON_ERROR_STOP=1", "-c", sql])
             .output()
             .expect("psql runs");

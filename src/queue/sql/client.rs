@@ -47,12 +47,11 @@ pub struct SqlCancel {
     pub in_flight: u64,
 }
 
-const INSERT: &str = concat!(
-    "INSERT INTO async_requests (id, request_token, queue, partition_id, deadline, payload, created_at)
+const INSERT: &str = "INSERT INTO async_requests (id, request_token, queue, partition_id, deadline, payload, created_at)
      SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[], $7::bigint[])
-     ON CONFLICT (id, request_token) DO NOTHING"
-);
-const FLAG: &str = "UPDATE async_requests SET cancelled = 1 WHERE queue = $1 AND id = ANY($2::text[])
+     ON CONFLICT (id, request_token) DO NOTHING";
+const FLAG: &str =
+    "UPDATE async_requests SET cancelled = 1 WHERE queue = $1 AND id = ANY($2::text[])
      RETURNING id, request_token, lease_tag IS NOT NULL";
 const CANCEL: &str = concat!(
     "WITH input AS (
@@ -118,11 +117,11 @@ impl SqlClient {
             );
             for (i, (body, deadline)) in chunk.iter().enumerate() {
                 let (id, token) = match parse_message(body) {
-                    Ok(m) => (m.request.id.clone(), m.token().unwrap_or_default().to_owned()),
-                    Err(_) => (
-                        format!("{:016x}", fxhash(body)),
-                        String::new(),
+                    Ok(m) => (
+                        m.request.id.clone(),
+                        m.token().unwrap_or_default().to_owned(),
                     ),
+                    Err(_) => (format!("{:016x}", fxhash(body)), String::new()),
                 };
                 parts.push(partition_of(&id));
                 ids.push(id);
@@ -194,7 +193,10 @@ impl SqlClient {
         limit: usize,
     ) -> Result<Vec<StoredResult>, tokio_postgres::Error> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = self.db.query(RESULTS_AFTER, &[&route, &after, &limit]).await?;
+        let rows = self
+            .db
+            .query(RESULTS_AFTER, &[&route, &after, &limit])
+            .await?;
         Ok(rows
             .iter()
             .map(|r| {

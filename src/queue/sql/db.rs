@@ -22,6 +22,12 @@ use crate::config::EndpointUrl;
 /// Why the database could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum SqlError {
+    /// No `[sql] url` (config loading reports this first; kept so opening
+    /// stays total).
+    #[error(
+        "sql.url: required (a postgres:// or postgresql:// URL); set [sql] url, SLUICEGATE_SQL_URL or SQL_URL"
+    )]
+    MissingUrl,
     /// The URL is not one tokio-postgres understands.
     #[error("sql.url: {url}: {source}")]
     Url {
@@ -81,10 +87,13 @@ impl Db {
     pub async fn open(url: &EndpointUrl, connect_timeout: Duration) -> Result<Arc<Self>, SqlError> {
         let masked = url.masked();
         let mut config: tokio_postgres::Config =
-            url.expose().as_str().parse().map_err(|source| SqlError::Url {
-                url: masked.clone(),
-                source,
-            })?;
+            url.expose()
+                .as_str()
+                .parse()
+                .map_err(|source| SqlError::Url {
+                    url: masked.clone(),
+                    source,
+                })?;
         config.connect_timeout(connect_timeout);
         config.application_name("sluicegate");
         let db = Arc::new(Self {
@@ -93,7 +102,10 @@ impl Db {
             conn: tokio::sync::Mutex::new(None),
             reachable: AtomicBool::new(false),
         });
-        let conn = db.conn().await.map_err(|source| db.error("connect", source))?;
+        let conn = db
+            .conn()
+            .await
+            .map_err(|source| db.error("connect", source))?;
         (conn.client.batch_execute(&schema::script()).await)
             .map_err(|source| db.error("create schema", source))?;
         let found: String = conn
@@ -161,7 +173,11 @@ impl Db {
         Ok(conn)
     }
 
-    async fn statement(&self, conn: &Conn, sql: &'static str) -> Result<Statement, tokio_postgres::Error> {
+    async fn statement(
+        &self,
+        conn: &Conn,
+        sql: &'static str,
+    ) -> Result<Statement, tokio_postgres::Error> {
         let cached = (conn.statements.lock())
             .unwrap_or_else(|p| p.into_inner())
             .get(sql)

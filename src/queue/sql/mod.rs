@@ -211,8 +211,7 @@ const DEAD_LETTER: &str = concat!(
     " FROM gone"
 );
 
-const BACKLOG: &str =
-    "SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0";
+const BACKLOG: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0";
 const OUTSTANDING: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1";
 const LEASED: &str =
     "SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND lease_tag IS NOT NULL";
@@ -365,7 +364,10 @@ impl SqlQueue {
         if tags.is_empty() {
             return Ok(report);
         }
-        let rows = (self.db.query(ACK, &[&tags, &routes, &payloads, &expiries]).await)
+        let rows = (self
+            .db
+            .query(ACK, &[&tags, &routes, &payloads, &expiries])
+            .await)
             .map_err(sql_err("ack"))?;
         report.acked = rows.len();
         report.lease_lost = tags.len() - rows.len();
@@ -462,7 +464,10 @@ impl Queue for SqlQueue {
                 Err(_) => payload,
             };
             let add = i32::from(reason.counts_as_failure());
-            (self.db.execute(REQUEUE, &[&tag.0, &ms(delay), &add, &payload]).await)
+            (self
+                .db
+                .execute(REQUEUE, &[&tag.0, &ms(delay), &add, &payload])
+                .await)
                 .map(drop)
                 .map_err(sql_err("requeue"))
         })
@@ -496,7 +501,13 @@ impl Queue for SqlQueue {
             let record = serde_json::to_string(&result).unwrap_or_default();
             let n = (self.db.execute(
                 DEAD_LETTER,
-                &[&tag.0, &last, &record, &self.settings.route, &self.expires_at()],
+                &[
+                    &tag.0,
+                    &last,
+                    &record,
+                    &self.settings.route,
+                    &self.expires_at(),
+                ],
             ))
             .await
             .map_err(sql_err("dead letter"))?;
@@ -534,7 +545,10 @@ impl Queue for SqlQueue {
 
     fn close(&self) -> BoxFuture<'_, Result<usize, QueueError>> {
         Box::pin(async move {
-            let n = (self.db.execute(CLOSE, &[&self.settings.queue, &self.owner]).await)
+            let n = (self
+                .db
+                .execute(CLOSE, &[&self.settings.queue, &self.owner])
+                .await)
                 .map_err(sql_err("close"))?;
             Ok(usize::try_from(n).unwrap_or(usize::MAX))
         })

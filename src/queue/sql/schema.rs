@@ -210,6 +210,9 @@ mod tests {
     fn partitions_match_upstreams_fnv1a() {
         // FNV-1a 32 of "a" is 0xe40c292c; 0xe40c292c % 64 = 44.
         assert_eq!(partition_of("a"), 44);
-        assert_eq!(partition_of(""), i32::try_from(0x811c_9dc5_u32 % 64).unwrap_or(-1));
+        assert_eq!(
+            partition_of(""),
+            i32::try_from(0x811c_9dc5_u32 % 64).unwrap_or(-1)
+        );
     }
 }
