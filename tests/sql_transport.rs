@@ -2,7 +2,8 @@
 //! `support::postgres`, never the machine's own server) and the simulator:
 //! a round trip, three SIGKILLs of `sluicegate run` mid-drain, a
 //! PostgreSQL restart mid-drain, cancellation, deadlines, malformed and
-//! upstream-written rows, and config errors naming their key.
+//! upstream-written rows, dead letters, the producer commands, and config
+//! errors naming their key.
 
 mod support;
 
@@ -444,4 +445,45 @@ async fn submit_cancel_and_results_commands_use_the_database() {
         .collect();
     assert_eq!(custom.len(), 2, "{rest}");
     assert!(!custom.contains(&"c-1".to_owned()));
+}
+
+/// A gateway that answers every request 500.
+async fn failing_gateway() -> String {
+    let app = axum::Router::new().fallback(axum::routing::post(|| async {
+        (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom")
+    }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attempts_used_up_move_the_row_to_the_dead_letters_with_one_result() {
+    let pg = Postgres::start();
+    let gateway = failing_gateway().await;
+    let c = client(&pg).await;
+    let want = ids("dead", 2);
+    submit(&c, "dl", &want, unix_now() + 3600).await;
+    let toml = app_toml(&pg, &gateway, "dl", r#"gate_type = "constant""#)
+        .replace("[dispatch]\n", "[dispatch]\nmax_attempts = 2\n");
+    let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let app = support::start_app(&config).await;
+    wait_results(&c, 2, Duration::from_secs(60)).await;
+    app.stop().await;
+    let results = all_results(&c).await;
+    one_each(&results, &want);
+    for (_, r) in &results {
+        assert_eq!(r["status_code"], 500, "{r}");
+        assert_eq!(r["attempts"], 2, "{r}");
+    }
+    assert_eq!(c.dead_letter_count("dl").await.expect("count"), 2);
+    assert_eq!(c.outstanding("dl").await.expect("count"), 0);
+    // Each dead letter keeps its last error (the 500).
+    assert_eq!(
+        pg.psql("SELECT COUNT(*) FROM sluicegate_dead_letters WHERE queue = 'dl' AND last_error LIKE '%500%'"),
+        "2"
+    );
 }
