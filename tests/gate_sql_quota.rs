@@ -236,3 +236,39 @@ gate_params = { limit = 1 }
     let with = format!("{toml}\n[sql]\nurl = \"postgres://h/db\"\n");
     Config::from_toml_str(&with, &Default::default()).expect("valid with [sql] url");
 }
+
+/// A dispatcher that died holding a slot (its holder row and slot left
+/// behind, never renewed, as after a SIGKILL; written here as upstream's
+/// or our own dispatcher leaves them) stops counting once the holder's
+/// lease lapses; another dispatcher is admitted then.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_dispatchers_slots_stop_counting_when_its_holder_lapses() {
+    let pg = Postgres::start();
+    let params =
+        json!({"limit": 1, "mode": "concurrency", "gating_mode": "blocking", "lease": "1s"});
+    let survivor = gate(&pg.url(), params);
+    let frank = tenant("frank");
+    // Opens the connection and creates the schema.
+    drop(admit(survivor.as_ref(), &tenant("warm-up")).await);
+    pg.psql(
+        "INSERT INTO async_quota_holders (holder, expires_ms)
+             VALUES ('dead-dispatcher', (extract(epoch FROM clock_timestamp()) * 1000)::bigint + 1500);
+         INSERT INTO async_quota_slots (key, holder, used) VALUES ('quota:userid:frank', 'dead-dispatcher', 1)",
+    );
+    let blocked = admit(survivor.as_ref(), &frank).await;
+    assert!(matches!(blocked, Admission::Wait { .. }), "{blocked:?}");
+    let give_up = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let v = admit(survivor.as_ref(), &frank).await;
+        if classification(&v) == Some(Classification::Reserved) {
+            break;
+        }
+        assert!(std::time::Instant::now() < give_up, "still blocked: {v:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The lapsed holder is deleted with its slots a lease later.
+    support::wait_until(Duration::from_secs(10), "dead holder reaped", || {
+        pg.psql("SELECT COUNT(*) FROM async_quota_holders WHERE holder = 'dead-dispatcher'") == "0"
+    })
+    .await;
+}
