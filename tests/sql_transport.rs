@@ -487,3 +487,42 @@ async fn attempts_used_up_move_the_row_to_the_dead_letters_with_one_result() {
         "2"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn run_exit_when_done_drains_the_queue_and_exits() {
+    let pg = Postgres::start();
+    let sim = spawn_http(SimConfig {
+        time_scale: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator");
+    let c = client(&pg).await;
+    let want = ids("done", 20);
+    submit(&c, "ewd", &want, unix_now() + 3600).await;
+    let tmp = support::TempDir::new("sql-exit");
+    let config = tmp.0.join("sql.toml");
+    std::fs::write(
+        &config,
+        app_toml(&pg, &sim.base_url(), "ewd", r#"gate_type = "constant""#),
+    )
+    .expect("config");
+    let config_arg = config.to_string_lossy().into_owned();
+    let mut cmd = support::cli::sluicegate(&["run", "--config", &config_arg, "--exit-when-done"]);
+    let child = cmd.spawn().expect("run starts");
+    let pid = child.id();
+    let waited = tokio::task::spawn_blocking(move || child.wait_with_output());
+    let out = tokio::time::timeout(Duration::from_secs(60), waited)
+        .await
+        .unwrap_or_else(|_| {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            panic!("run --exit-when-done did not exit")
+        })
+        .expect("join")
+        .expect("output");
+    assert!(out.status.success(), "{out:?}");
+    one_each(&all_results(&c).await, &want);
+    assert_eq!(c.outstanding("ewd").await.expect("count"), 0);
+}
