@@ -272,3 +272,36 @@ async fn a_dead_dispatchers_slots_stop_counting_when_its_holder_lapses() {
     })
     .await;
 }
+
+#[test]
+fn gate_probe_explains_the_rule_and_masks_the_password() {
+    let tmp = support::TempDir::new("sql-quota-probe");
+    let config = tmp.0.join("probe.toml");
+    std::fs::write(
+        &config,
+        r#"
+transport = "memory"
+[sql]
+url = "postgres://u:hunter2@127.0.0.1:1/db"
+[[queue]]
+queue_name = "q"
+igw_base_url = "http://127.0.0.1:1"
+gate_type = "sql-quota"
+gate_params = { limit = 5, mode = "concurrency", gating_mode = "blocking" }
+"#,
+    )
+    .expect("config");
+    let path = config.to_string_lossy().into_owned();
+    let out = support::cli::output(&mut support::cli::sluicegate(&[
+        "gate", "probe", "--config", &path,
+    ]));
+    let text = support::cli::text(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("at most 5 requests in flight per `userid` value"),
+        "{text}"
+    );
+    assert!(text.contains("counted in PostgreSQL"), "{text}");
+    assert!(text.contains("a message over quota waits"), "{text}");
+    assert!(!text.contains("hunter2"), "{text}");
+}
