@@ -18,6 +18,12 @@
 //! - `sluicegate_dead_letters`: messages that used up their attempts.
 //! - `sluicegate_sql_meta`: the schema version this build writes.
 //!
+//! Both queue tables churn their whole contents (every row is inserted,
+//! updated by its claim and deleted by its ack), so autovacuum runs on a
+//! fixed row count without cost throttling, as upstream's newer schema
+//! sets it: percentage thresholds let dead rows pile up at the head of
+//! the pending index until every claim scans them.
+//!
 //! Every statement is idempotent (`IF NOT EXISTS`), and the whole script
 //! runs as one implicit transaction under an advisory lock, so dispatchers
 //! starting together create it once.
@@ -128,6 +134,14 @@ ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS lease_tag TEXT;
 ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS lease_expires_ms BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS visible_at_ms BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS retry_count INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE async_requests SET (
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 10000,
+    autovacuum_vacuum_insert_scale_factor = 0,
+    autovacuum_vacuum_insert_threshold = 10000,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0
+);
 CREATE UNIQUE INDEX IF NOT EXISTS sluicegate_requests_lease_tag ON async_requests (lease_tag) WHERE lease_tag IS NOT NULL;
 CREATE INDEX IF NOT EXISTS sluicegate_requests_leases ON async_requests (queue, lease_expires_ms) WHERE lease_tag IS NOT NULL;
 CREATE TABLE IF NOT EXISTS async_results (
@@ -138,6 +152,13 @@ CREATE TABLE IF NOT EXISTS async_results (
     payload       TEXT   NOT NULL,
     expires_at    BIGINT NOT NULL DEFAULT 0,
     created_at    BIGINT NOT NULL
+);
+ALTER TABLE async_results SET (
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 10000,
+    autovacuum_vacuum_insert_scale_factor = 0,
+    autovacuum_vacuum_insert_threshold = 10000,
+    autovacuum_vacuum_cost_delay = 0
 );
 CREATE INDEX IF NOT EXISTS async_results_route_seq ON async_results (route, seq);
 CREATE INDEX IF NOT EXISTS async_results_expiry ON async_results (route, expires_at) WHERE expires_at > 0;
