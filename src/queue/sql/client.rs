@@ -71,7 +71,13 @@ const RESULTS_AFTER: &str = "SELECT seq, id, payload FROM async_results
      WHERE route = $1 AND seq > $2 ORDER BY seq LIMIT $3";
 const ACTIVE: &str =
     "SELECT DISTINCT id FROM async_requests WHERE queue = $1 AND id = ANY($2::text[])";
-const OUTSTANDING: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1";
+/// Each part on one of upstream's partial indexes (`queue` alone has none).
+const OUTSTANDING: &str = "SELECT
+         (SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0)
+       + (SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch > 0)";
+const ANY_LEFT: &str = "SELECT
+         EXISTS (SELECT 1 FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0)
+      OR EXISTS (SELECT 1 FROM async_requests WHERE queue = $1 AND dispatch_epoch > 0)";
 const RESULT_COUNT: &str = "SELECT COUNT(*) FROM async_results WHERE route = $1";
 const PURGE_REQUESTS: &str = "DELETE FROM async_requests WHERE queue = $1";
 const PURGE_DEAD: &str = "DELETE FROM sluicegate_dead_letters WHERE queue = $1";
@@ -233,6 +239,13 @@ impl SqlClient {
     /// Unsettled rows of `queue` (waiting, delayed or leased).
     pub async fn outstanding(&self, queue: &str) -> Result<u64, tokio_postgres::Error> {
         self.count(OUTSTANDING, queue).await
+    }
+
+    /// Whether `queue` has any unsettled row (one index probe each for
+    /// waiting and leased rows: cheap enough to poll).
+    pub async fn any_left(&self, queue: &str) -> Result<bool, tokio_postgres::Error> {
+        let rows = self.db.query(ANY_LEFT, &[&queue]).await?;
+        Ok(rows.first().is_some_and(|r| r.get(0)))
     }
 
     /// Results stored under `route`.

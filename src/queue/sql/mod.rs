@@ -212,7 +212,11 @@ const DEAD_LETTER: &str = concat!(
 );
 
 const BACKLOG: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0";
-const OUTSTANDING: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1";
+/// Two counts, each on a partial index (upstream's pending and in-flight
+/// indexes): `queue` alone has no index, so one count would scan the table.
+const OUTSTANDING: &str = "SELECT
+         (SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0)
+       + (SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch > 0)";
 const LEASED: &str =
     "SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND lease_tag IS NOT NULL";
 const CANCELLED: &str = "SELECT cancelled FROM async_requests WHERE lease_tag = $1";
