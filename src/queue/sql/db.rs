@@ -211,6 +211,15 @@ impl Db {
         out
     }
 
+    /// Runs `sql` as one simple query, outside any transaction block
+    /// (`VACUUM` needs that); not prepared.
+    pub async fn batch_execute(&self, sql: &str) -> Result<(), tokio_postgres::Error> {
+        let conn = self.conn().await?;
+        let out = conn.client.batch_execute(sql).await;
+        self.note(out.is_ok() || !conn.client.is_closed());
+        out
+    }
+
     /// Runs `sql` and returns how many rows it changed.
     pub async fn execute(
         &self,
