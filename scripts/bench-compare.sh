@@ -7,29 +7,32 @@
 # means something only as a ratio against another build measured in the
 # same run. This script builds both revisions in release (each side in its
 # own target directory), starts one redis-server (and the Pub/Sub emulator
-# when `gcloud` has it) on free 127.0.0.1 ports, and runs every benchmark
+# when `gcloud` has it, and a PostgreSQL of its own when the server
+# binaries are installed) on free 127.0.0.1 ports, and runs every benchmark
 # alternately A, B, A, B, ... (--pairs times). Between pairs it runs
 # redis-benchmark (LPUSH and ZADD, unpipelined and -P 16) as the machine's
 # yardstick. It prints, per benchmark and figure, the median of each side
 # and the ratio B/A, and per side the Redis drain against the in-memory
-# drain and the Pub/Sub drain against the Redis drain.
+# drain, and the Pub/Sub and SQL drains against the Redis drain.
 #
 # REV is anything `git rev-parse` takes, or WORKTREE for the checkout as it
 # is now (uncommitted changes included).
 #
 # Options:
 #   --pairs N            A/B pairs per benchmark (default 3, at least 1)
-#   --only LIST          comma-separated subset of: redis,memory,hold,pubsub
-#                        (default all; pubsub is skipped without the emulator)
+#   --only LIST          comma-separated subset of: redis,memory,hold,pubsub,sql
+#                        (default all; pubsub is skipped without the emulator,
+#                        sql without PostgreSQL's initdb and postgres)
 #   --messages N         Redis and in-memory drain size (default 200000)
 #   --window N           window (max_sys) of both drains (default 512)
 #   --pubsub-messages N  Pub/Sub drain size (default 5000)
+#   --sql-messages N     SQL (PostgreSQL) drain size (default 20000)
 #   --hold-requests N    bench hold requests (default 10000)
 #   --hold-delay D       bench hold gateway delay (default 15s)
 #   --yardstick-requests N  redis-benchmark requests per unpipelined test
 #                        (default 100000; four times as many with -P 16)
 #   --no-yardstick       skip redis-benchmark
-#   --keep               keep the Redis and emulator logs
+#   --keep               keep the Redis, emulator and PostgreSQL logs
 #
 # Environment: BENCH_COMPARE_DIR (default /tmp/sluicegate-bench-compare)
 # holds the sources, target directories, binaries and run logs; the target
@@ -44,10 +47,11 @@ set -euo pipefail
 shopt -s inherit_errexit
 
 pairs=3
-only="redis,memory,hold,pubsub"
+only="redis,memory,hold,pubsub,sql"
 messages=200000
 window=512
 pubsub_messages=5000
+sql_messages=20000
 hold_requests=10000
 hold_delay=15s
 yardstick=1
@@ -61,6 +65,7 @@ while [ $# -gt 0 ]; do
     --messages) messages="$2"; shift 2 ;;
     --window) window="$2"; shift 2 ;;
     --pubsub-messages) pubsub_messages="$2"; shift 2 ;;
+    --sql-messages) sql_messages="$2"; shift 2 ;;
     --hold-requests) hold_requests="$2"; shift 2 ;;
     --hold-delay) hold_delay="$2"; shift 2 ;;
     --yardstick-requests) yardstick_requests="$2"; shift 2 ;;
@@ -81,8 +86,8 @@ if ! [[ "$pairs" =~ ^[1-9][0-9]*$ ]]; then
 fi
 for b in ${only//,/ }; do
   case "$b" in
-    redis|memory|hold|pubsub) ;;
-    *) echo "bench-compare: --only takes redis,memory,hold,pubsub; got '$b'" >&2; exit 2 ;;
+    redis|memory|hold|pubsub|sql) ;;
+    *) echo "bench-compare: --only takes redis,memory,hold,pubsub,sql; got '$b'" >&2; exit 2 ;;
   esac
 done
 wants() { [[ ",$only," == *",$1,"* ]]; }
@@ -157,7 +162,7 @@ cleanup() {
   for p in "${pids[@]:-}"; do
     [ -n "$p" ] && kill -KILL -- "-$p" 2>/dev/null || true
   done
-  if [ "$keep" = 0 ]; then rm -rf "$run_dir/redis" "$run_dir/emulator"; fi
+  if [ "$keep" = 0 ]; then rm -rf "$run_dir/redis" "$run_dir/emulator" "$run_dir/postgres"; fi
 }
 trap cleanup EXIT
 
@@ -192,6 +197,41 @@ if wants pubsub; then
   else
     echo "bench-compare: no Pub/Sub emulator (gcloud); skipping the pubsub benchmark" >&2
     only="${only//pubsub/}"
+  fi
+fi
+
+# PostgreSQL for the sql drain: initdb + the postgres binary in a fresh
+# directory on a free port (never the machine's own server). As root it
+# runs as the postgres user (PostgreSQL refuses root). fsync is off, as
+# the Redis above runs without persistence: both drains measure the
+# dispatcher and the store's statements, not the disk.
+if wants sql; then
+  pg_bin="$(pg_config --bindir 2>/dev/null || true)"
+  if [ ! -x "$pg_bin/initdb" ] || [ ! -x "$pg_bin/postgres" ]; then
+    pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)"
+  fi
+  if [ -n "$pg_bin" ] && [ -x "$pg_bin/initdb" ] && [ -x "$pg_bin/postgres" ]; then
+    pg_port="$(free_port)"
+    mkdir -p "$run_dir/postgres"
+    as_pg=()
+    if [ "$(id -u)" = 0 ]; then
+      chown -R postgres:postgres "$run_dir/postgres"
+      as_pg=(setpriv --reuid=postgres --regid=postgres --init-groups)
+    fi
+    "${as_pg[@]}" "$pg_bin/initdb" -D "$run_dir/postgres/data" -U postgres --auth=trust \
+      -E UTF8 --no-sync >"$run_dir/postgres/initdb.log" 2>&1
+    setsid "${as_pg[@]}" "$pg_bin/postgres" -D "$run_dir/postgres/data" -p "$pg_port" \
+      -k "$run_dir/postgres" -c listen_addresses=127.0.0.1 -c fsync=off \
+      >"$run_dir/postgres/postgres.log" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 300); do
+      "$pg_bin/pg_isready" -h 127.0.0.1 -p "$pg_port" -U postgres >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+    export SLUICEGATE_SQL_URL="postgres://postgres@127.0.0.1:$pg_port/postgres"
+  else
+    echo "bench-compare: no PostgreSQL server binaries (initdb, postgres); skipping the sql benchmark" >&2
+    only="${only//sql/}"
   fi
 fi
 
@@ -239,6 +279,12 @@ run_one() {
       else
         echo "n/a" >"$log"
       fi ;;
+    sql)
+      if "$bin/sluicegate" bench drain-sql --help >/dev/null 2>&1; then
+        "$bin/sluicegate" bench drain-sql --messages "$sql_messages" --max-sys "$window" >"$log" 2>"$log.err" || echo "n/a" >>"$log"
+      else
+        echo "n/a" >"$log"
+      fi ;;
   esac
   echo "  $bench $side #$pair: $(grep -E 'messages/s|msg/s|RSS with all' "$log" | head -1 | sed 's/^ *//')" >&2
 }
@@ -252,7 +298,7 @@ yardstick_run() {
   redis-cli -p "$redis_port" flushall >/dev/null
 }
 
-for bench in redis memory hold pubsub; do
+for bench in redis memory hold pubsub sql; do
   wants "$bench" || continue
   echo "benchmark $bench: $pairs pairs, A then B" >&2
   for pair in $(seq "$pairs"); do
@@ -285,6 +331,9 @@ FIGURES = [
     ("pubsub", "CPU s/1000", r"  CPU: ([0-9.]+)s per 1000"),
     ("pubsub", "emulator CPU s/1000", r"emulator CPU: ([0-9.]+)s per 1000"),
     ("pubsub", "peak RSS MiB", r"peak RSS: ([0-9.]+) MiB"),
+    ("sql", "messages/s", r"drained in [0-9.]+s: ([0-9.]+) messages/s"),
+    ("sql", "CPU s/1000", r"  CPU: ([0-9.]+)s per 1000"),
+    ("sql", "peak RSS MiB", r"peak RSS: ([0-9.]+) MiB"),
 ]
 
 def values(bench, side, pattern):
@@ -323,11 +372,14 @@ for side, label in (("a", label_a), ("b", label_b)):
     r = medians.get(("redis", "messages/s", side))
     m = medians.get(("memory", "messages/s", side))
     p = medians.get(("pubsub", "messages/s", side))
+    q = medians.get(("sql", "messages/s", side))
     parts = []
     if r and m:
         parts.append(f"Redis drain / in-memory drain = {r / m:.2f}")
     if r and p:
         parts.append(f"Pub/Sub drain / Redis drain = {p / r:.3f}")
+    if r and q:
+        parts.append(f"SQL drain / Redis drain = {q / r:.3f}")
     if parts:
         print(f"  {side.upper()} ({label}): " + "; ".join(parts))
 

@@ -20,6 +20,15 @@ command -v curl >/dev/null 2>&1 || packages+=(curl)
 command -v pgrep >/dev/null 2>&1 || packages+=(procps)
 # The Pub/Sub emulator (tests/pubsub_transport.rs) runs on Java 17.
 command -v java >/dev/null 2>&1 || packages+=(openjdk-17-jre-headless)
+# The sql transport and sql-quota suites (tests/support/postgres.rs) run
+# initdb and the postgres server binary directly; Debian keeps them in
+# /usr/lib/postgresql/<version>/bin, off PATH. setpriv (util-linux) runs
+# them as the postgres user when the tests run as root.
+if ! command -v initdb >/dev/null 2>&1 &&
+  ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+  packages+=(postgresql)
+fi
+command -v setpriv >/dev/null 2>&1 || packages+=(util-linux)
 if [ ${#packages[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update

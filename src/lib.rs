@@ -59,6 +59,16 @@
 //! and `serve`), [`clock`] (Unix time). `docs/architecture.md`, "Code
 //! layout", draws the layers.
 
+/// The database clock in Unix milliseconds, for the statement text of the
+/// `sql` transport and the `sql-quota` gate: every lease and quota window
+/// is timed by it, so dispatchers on hosts with skewed clocks agree.
+/// Defined before the modules so both see it.
+macro_rules! now_ms {
+    () => {
+        "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+    };
+}
+
 pub mod app;
 pub mod batch;
 pub mod chart;

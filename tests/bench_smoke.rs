@@ -1,6 +1,7 @@
 //! The benchmarks at tiny sizes, so their code paths do not rot: `bench
 //! drain` on a real `redis-server`, `bench drain-memory`, `bench hold`,
-//! `bench drain-pubsub` on the Pub/Sub emulator, and
+//! `bench drain-pubsub` on the Pub/Sub emulator, `bench drain-sql` on a
+//! real PostgreSQL, and
 //! `scripts/bench-compare.sh` running all of them side by side (this
 //! build on both sides, its own Redis and emulator). Each checks what the
 //! benchmark reports, never how fast: speed is only ever a ratio measured
@@ -13,6 +14,7 @@ use std::process::Command;
 
 use support::TempDir;
 use support::cli::{BIN, output, sluicegate, text};
+use support::postgres::Postgres;
 use support::pubsub::Emulator;
 use support::redis::RedisServer;
 
@@ -98,6 +100,36 @@ fn bench_drain_pubsub_reads_back_every_result() {
     assert!(stdout.contains("messages/s"), "{stdout}");
 }
 
+#[test]
+fn bench_drain_sql_empties_a_real_postgres_queue() {
+    let pg = Postgres::start();
+    let stdout = run(sluicegate(&[
+        "bench",
+        "drain-sql",
+        "--messages",
+        "200",
+        "--max-sys",
+        "16",
+        "--sql-url",
+        &pg.url(),
+    ]));
+    assert!(
+        stdout.contains("drain-sql benchmark: 200 messages"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("messages/s"), "{stdout}");
+    assert!(stdout.contains("peak RSS"), "{stdout}");
+    // Every message got its one result, and no row is left.
+    assert_eq!(
+        pg.psql("SELECT COUNT(*) FROM async_results WHERE route = 'bench-drain-sql-results'"),
+        "200"
+    );
+    assert_eq!(
+        pg.psql("SELECT COUNT(*) FROM async_requests WHERE queue = 'bench-drain-sql'"),
+        "0"
+    );
+}
+
 /// A side that cannot be built stops the script with an error instead of
 /// empty tables and exit 0 (a revision that does not exist, and a
 /// prebuilt directory without a binary).
@@ -152,6 +184,8 @@ fn bench_compare_prints_medians_and_ratios_for_every_benchmark() {
                 "16",
                 "--pubsub-messages",
                 "30",
+                "--sql-messages",
+                "200",
                 "--hold-requests",
                 "10",
                 "--hold-delay",
@@ -175,6 +209,8 @@ fn bench_compare_prints_medians_and_ratios_for_every_benchmark() {
         "| hold | RSS all held MiB |",
         "| pubsub | messages/s |",
         "| pubsub | emulator CPU s/1000 |",
+        "| sql | messages/s |",
+        "| sql | CPU s/1000 |",
     ] {
         let line = stdout
             .lines()
@@ -198,6 +234,7 @@ fn bench_compare_prints_medians_and_ratios_for_every_benchmark() {
         stdout.contains("Pub/Sub drain / Redis drain = "),
         "{stdout}"
     );
+    assert!(stdout.contains("SQL drain / Redis drain = "), "{stdout}");
     assert!(stdout.contains("LPUSH -P 16: median"), "{stdout}");
     assert!(stdout.contains("ZADD: median"), "{stdout}");
 }

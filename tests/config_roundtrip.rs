@@ -12,7 +12,7 @@ use serde_json::{Map, Value};
 use sluicegate::config::{
     Config, DispatchConfig, EmbeddedConfig, EndpointUrl, GATE_TYPES, GateSpec, GatewayConfig,
     GatingMode, MergePolicyKind, MissingBudget, ObjectiveHeader, PaceKind, PrometheusConfig,
-    PubSubConfig, QueueConfig, QuotaMode, Rounding, SharedWindowKind, TelemetryConfig,
+    PubSubConfig, QueueConfig, QuotaMode, Rounding, SharedWindowKind, SqlConfig, TelemetryConfig,
     TransportKind, Unit, allowed_params,
 };
 use sluicegate::config::{format_duration, parse_duration};
@@ -412,7 +412,8 @@ fn config() -> impl Strategy<Value = Config> {
         prop_oneof![
             Just(TransportKind::Memory),
             Just(TransportKind::Embedded),
-            Just(TransportKind::PubSub)
+            Just(TransportKind::PubSub),
+            Just(TransportKind::Sql)
         ],
         (
             proptest::option::of(http_url()),
@@ -480,6 +481,12 @@ fn config() -> impl Strategy<Value = Config> {
                     }),
                     embedded: (transport == TransportKind::Embedded).then(|| EmbeddedConfig {
                         path: PathBuf::from("data/s.db"),
+                    }),
+                    sql: (transport == TransportKind::Sql).then(|| SqlConfig {
+                        url: Some(endpoint("postgres://postgres@127.0.0.1:5432/postgres")),
+                        result_queue_name: "results".into(),
+                        batch_size: 25,
+                        ..SqlConfig::default()
                     }),
                     dispatch,
                     telemetry: TelemetryConfig {

@@ -72,6 +72,7 @@ fn sample_params(t: &str) -> Value {
         "prometheus-query" => json!({"query": "1 - up"}),
         "endpoint-scrape" => json!({"url": "http://127.0.0.1:9000/metrics", "metric": "m"}),
         "redis-quota" => json!({"address": "127.0.0.1:6379", "limit": "10"}),
+        "sql-quota" => json!({"limit": "10", "mode": "concurrency"}),
         "tier-priority-admission" => {
             json!({"saturation_gate": "prometheus-saturation", "saturation_gate_params": {"pool": "p"}})
         }
@@ -332,6 +333,7 @@ fn display_is_compact_and_says_when_there_is_no_fallback() {
 fn every_catalogued_gate_is_available() {
     let available = GateSpec::available_types();
     assert!(available.contains(&"redis-quota"));
+    assert!(available.contains(&"sql-quota"));
     assert!(available.contains(&"tier-priority-admission"));
     assert_eq!(available.len(), GATE_TYPES.len());
 }

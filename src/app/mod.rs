@@ -155,17 +155,17 @@ pub async fn start(
             ));
         }
         TransportKind::Embedded => {}
-        TransportKind::Redis | TransportKind::PubSub if memory_only => {
+        TransportKind::Redis | TransportKind::PubSub | TransportKind::Sql if memory_only => {
             return Err(AppError::Options(
                 "--input/--output are for the memory transport",
             ));
         }
         TransportKind::Redis | TransportKind::PubSub if options.exit_when_done => {
             return Err(AppError::Options(
-                "--exit-when-done is for the memory and embedded transports",
+                "--exit-when-done is for the memory, embedded and sql transports",
             ));
         }
-        TransportKind::Redis | TransportKind::PubSub => {}
+        TransportKind::Redis | TransportKind::PubSub | TransportKind::Sql => {}
     }
     preflight(config)?;
     if options.input.is_some() && config.queues.len() != 1 {

@@ -510,6 +510,7 @@ fn batch_config(options: &BatchOptions) -> Result<Config, BatchError> {
         prometheus: None,
         pubsub: None,
         embedded: None,
+        sql: None,
         // The batch runner exports no traces.
         traces: None,
         dispatch: DispatchConfig {

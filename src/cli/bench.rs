@@ -2,7 +2,8 @@
 //! that answers instantly; prints messages/s, CPU seconds per 1 000
 //! messages and peak RSS (docs/benchmarks.md). `bench drain-memory` is in
 //! `bench_memory.rs`, `bench hold` in `bench_hold.rs`; `bench
-//! drain-pubsub` drains through Pub/Sub (`src/cli/pubsub.rs`).
+//! drain-pubsub` drains through Pub/Sub (`src/cli/pubsub.rs`), `bench
+//! drain-sql` through PostgreSQL (`bench_sql.rs`).
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -28,6 +29,9 @@ pub(crate) enum BenchCommand {
     /// Drain N messages from a Pub/Sub subscription (the emulator or a
     /// real project) through an instant gateway.
     DrainPubsub(super::pubsub::DrainArgs),
+    /// Drain N messages from PostgreSQL (the `sql` transport) through an
+    /// instant gateway.
+    DrainSql(super::bench_sql::DrainSqlArgs),
     /// 1, 2, 4 replicas on one Redis queue with the shared window, against
     /// the simulator: global in flight against the window, throughput.
     Replicas(super::bench_replicas::ReplicasArgs),
@@ -57,6 +61,7 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
         ),
         BenchCommand::Hold(args) => ("hold", super::bench_hold::hold(args).await),
         BenchCommand::DrainPubsub(args) => ("drain-pubsub", super::pubsub::drain(args).await),
+        BenchCommand::DrainSql(args) => ("drain-sql", super::bench_sql::drain_sql(args).await),
         BenchCommand::Replicas(args) => ("replicas", super::bench_replicas::replicas(args).await),
     };
     match outcome {

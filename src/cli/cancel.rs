@@ -21,8 +21,15 @@ pub(crate) struct CancelArgs {
     /// exist).
     #[arg(long)]
     embedded: Option<PathBuf>,
-    /// With `--embedded`: the queue in the store (the same default as
-    /// `submit --embedded`).
+    /// Cancel in this PostgreSQL database (the `sql` transport's `[sql]
+    /// url`) instead of Redis.
+    #[arg(long, env = "SLUICEGATE_SQL_URL", conflicts_with = "embedded")]
+    sql_url: Option<String>,
+    /// With `--sql-url`: the route `CANCELLED` results are written under.
+    #[arg(long, default_value = crate::queue::sql::DEFAULT_RESULT_ROUTE)]
+    route: String,
+    /// With `--embedded` or `--sql-url`: the queue (the same default as
+    /// `submit`).
     #[arg(long, default_value = crate::config::DEFAULT_QUEUE_NAME)]
     queue: String,
     /// Request ids to cancel.
@@ -33,6 +40,9 @@ pub(crate) struct CancelArgs {
 pub(super) async fn run(args: CancelArgs) -> ExitCode {
     if let Some(store) = &args.embedded {
         return cancel_embedded(store, &args.queue, &args.ids);
+    }
+    if let Some(url) = &args.sql_url {
+        return super::sql::cancel(url, &args.queue, &args.route, &args.ids).await;
     }
     let mut conn = match args.redis.connect() {
         Ok(c) => c,

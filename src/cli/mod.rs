@@ -8,6 +8,7 @@ mod bench;
 mod bench_hold;
 mod bench_memory;
 mod bench_replicas;
+mod bench_sql;
 mod cancel;
 mod demo;
 mod embedded;
@@ -18,6 +19,7 @@ mod results;
 mod serve;
 mod sim;
 mod sim_sweep;
+mod sql;
 mod submit;
 
 use std::io::Write as _;

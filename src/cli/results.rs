@@ -44,6 +44,18 @@ pub(crate) struct ResultsArgs {
     /// its results stay in the store, so reading twice gives them twice.
     #[arg(long, conflicts_with_all = ["expect", "timeout"])]
     embedded: Option<PathBuf>,
+    /// Read the results of this PostgreSQL database (the `sql`
+    /// transport's `[sql] url`) instead of Redis; they stay in the table.
+    #[arg(long, env = "SLUICEGATE_SQL_URL", conflicts_with_all = ["embedded", "expect", "timeout"])]
+    sql_url: Option<String>,
+    /// With `--sql-url`: the result route (`[sql] result_queue_name`, or
+    /// the queue's `result_queue_name`).
+    #[arg(long, default_value = crate::queue::sql::DEFAULT_RESULT_ROUTE)]
+    route: String,
+    /// With `--sql-url`: only results after this position (the last one
+    /// a previous read printed).
+    #[arg(long, default_value_t = 0)]
+    after: i64,
     /// With `--embedded`: the queue in the store (the same default as
     /// `submit --embedded` and `config/embedded.toml`).
     #[arg(long, default_value = crate::config::DEFAULT_QUEUE_NAME)]
@@ -198,6 +210,10 @@ pub(super) fn openai_line(record: &ResultRecord, n: u64) -> serde_json::Value {
 pub(super) async fn run(args: ResultsArgs) -> ExitCode {
     if let Some(store) = &args.embedded {
         return embedded_results(store, &args.queue, args.format, args.output.as_deref());
+    }
+    if let Some(url) = &args.sql_url {
+        let output = args.output.as_deref();
+        return super::sql::results(url, &args.route, args.after, args.format, output).await;
     }
     let timeout = match args.timeout.as_deref().map(crate::config::parse_duration) {
         None => None,

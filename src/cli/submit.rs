@@ -85,6 +85,10 @@ pub(crate) struct SubmitArgs {
     /// instead of Redis.
     #[arg(long, conflicts_with = "result_list")]
     embedded: Option<PathBuf>,
+    /// Submit into this PostgreSQL database (the `sql` transport's
+    /// `[sql] url`) instead of Redis.
+    #[arg(long, env = "SLUICEGATE_SQL_URL", conflicts_with_all = ["embedded", "result_list"])]
+    sql_url: Option<String>,
     #[command(flatten)]
     pubsub: super::pubsub::PubSubArgs,
     /// Publish to this Pub/Sub topic instead of Redis (each line as the
@@ -199,6 +203,10 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
             &args.file,
             args.allow_duplicates,
         );
+    }
+    if let Some(url) = &args.sql_url {
+        let file = &args.file;
+        return super::sql::submit(url, &args.queue, deadline, file, args.allow_duplicates).await;
     }
     let text = match std::fs::read_to_string(&args.file) {
         Ok(t) => t,

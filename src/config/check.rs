@@ -16,7 +16,7 @@ use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
     MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section,
-    SharedWindowKind, TelemetryConfig, TransportKind, format_duration,
+    SharedWindowKind, SqlConfig, TelemetryConfig, TransportKind, format_duration,
 };
 
 /// The loose tree of one section or of the whole file.
@@ -120,13 +120,13 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         None => {
             ctx.err(
                 "transport",
-                "transport is required; allowed: memory, redis (alias redis-sortedset), pubsub (alias gcp-pubsub), embedded; set `transport` in the file or SLUICEGATE_TRANSPORT",
+                "transport is required; allowed: memory, redis (alias redis-sortedset), pubsub (alias gcp-pubsub), embedded, sql; set `transport` in the file or SLUICEGATE_TRANSPORT",
             );
             None
         }
         v => ctx.conv("transport", v, choice(TransportKind::CHOICES)),
     };
-    use TransportKind::{Embedded, PubSub, Redis};
+    use TransportKind::{Embedded, PubSub, Redis, Sql};
     let is = |t| transport == Some(t);
 
     let (mut gateway, _) = read::<GatewayConfig>(&mut root, true, ctx).unwrap_or_default();
@@ -186,6 +186,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         p
     });
     let embedded = read::<EmbeddedConfig>(&mut root, is(Embedded), ctx).map(|e| e.0);
+    let sql = read::<SqlConfig>(&mut root, is(Sql), ctx).map(|(s, _)| s);
 
     let (dispatch, _) = read::<DispatchConfig>(&mut root, true, ctx).unwrap_or_default();
     // A ceiling below its floor would make the floor meaningless.
@@ -217,6 +218,24 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
             "redis.url",
             "required by dispatch.shared_window = \"redis\" (the semaphore lives there); set [redis] url or SLUICEGATE_REDIS_URL",
         );
+    }
+    if let Some(sql) = &sql {
+        if is(Sql) && sql.url.is_none() {
+            ctx.err(
+                "sql.url",
+                "required for the sql transport (a postgres:// or postgresql:// URL); set [sql] url, SLUICEGATE_SQL_URL or SQL_URL",
+            );
+        }
+        // A lease shorter than the dispatcher's would lapse between its
+        // renewals.
+        if let Some(ttl) = sql.lease_ttl.filter(|ttl| *ttl < dispatch.lease) {
+            let msg = format!(
+                "must be at least dispatch.lease ({}), or leases lapse between renewals; got {}",
+                format_duration(dispatch.lease),
+                format_duration(ttl)
+            );
+            ctx.err("sql.lease_ttl", msg);
+        }
     }
     let (telemetry, _) = read::<TelemetryConfig>(&mut root, true, ctx).unwrap_or_default();
 
@@ -292,6 +311,22 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         }
     }
 
+    // `sql-quota` counts in the `[sql]` database.
+    let has_sql_url = sql.as_ref().is_some_and(|s| s.url.is_some());
+    for (i, q) in queues.iter().enumerate().filter(|_| !has_sql_url) {
+        let mut needs = false;
+        q.gate
+            .visit(&mut |g| needs |= matches!(g, GateSpec::SqlQuota { .. }));
+        if needs {
+            ctx.err(
+                "sql.url",
+                format!(
+                    "required by queue[{i}] (gate `sql-quota` counts in PostgreSQL); set [sql] url, SLUICEGATE_SQL_URL or SQL_URL"
+                ),
+            );
+        }
+    }
+
     Config {
         // Placeholder only when an error was recorded (the config is then discarded).
         transport: transport.unwrap_or(TransportKind::Memory),
@@ -300,6 +335,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         prometheus,
         pubsub,
         embedded,
+        sql,
         dispatch,
         telemetry,
         queues,

@@ -106,6 +106,8 @@ gate_catalogue! {
     EndpointScrape(gate::EndpointScrapeParams) = "endpoint-scrape",
     /// Per-tenant quota admission in Redis.
     RedisQuota(gate::RedisQuotaParams) = "redis-quota",
+    /// Per-tenant quota admission in the `sql` transport's PostgreSQL.
+    SqlQuota(gate::SqlQuotaParams) = "sql-quota",
     /// Tier-aware admission when the saturation gate says the pool is full.
     TierPriorityAdmission(gate::TierPriorityAdmissionParams) = "tier-priority-admission",
     /// Budget from vLLM servers' own `/metrics` (KV cache and queue).

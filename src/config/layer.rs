@@ -17,6 +17,10 @@ use crate::telemetry::traces::TRACE_ENV_VARS;
 /// The loose tree: top-level keys, section tables and the `queue` array.
 type Tree = Map<String, Value>;
 
+/// Upstream's variable for the `sql` transport's database: one more name
+/// of `sql.url` (`SLUICEGATE_SQL_URL`); when both are set they must agree.
+pub(crate) const UPSTREAM_SQL_URL: &str = "SQL_URL";
+
 /// Prefix of every environment variable sluicegate reads.
 pub const ENV_PREFIX: &str = "SLUICEGATE_";
 
@@ -90,7 +94,9 @@ impl ConfigSources {
         let env = std::env::vars_os()
             .filter_map(|(k, v)| {
                 let k = k.to_string_lossy().into_owned();
-                (k.starts_with(ENV_PREFIX) || TRACE_ENV_VARS.contains(&k.as_str()))
+                (k.starts_with(ENV_PREFIX)
+                    || TRACE_ENV_VARS.contains(&k.as_str())
+                    || k == UPSTREAM_SQL_URL)
                     .then(|| (k, v.to_string_lossy().into_owned()))
             })
             .collect();
@@ -329,6 +335,17 @@ fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
                 value,
             });
         }
+    }
+    // Upstream's name for `sql.url`, in the same layer as ours.
+    if let Some(value) = env.get(UPSTREAM_SQL_URL).filter(|v| !v.is_empty()) {
+        settings.insert(
+            0,
+            Setting {
+                origin: UPSTREAM_SQL_URL.to_owned(),
+                target: Target::Section("sql", "url"),
+                value: value.clone(),
+            },
+        );
     }
     apply_layer(tree, settings, ctx);
 }

@@ -55,8 +55,8 @@ use serde_json::{Map, Value};
 use values::{
     Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_u64, attempts,
     choice, constant_url, duration_min, env_filter, header_name, host_port, http_url,
-    inline_secret, optional_i64, optional_string, path, pool_name, redis_url, retention,
-    socket_addr, tenant_limits, tenant_weights, url_path,
+    inline_secret, optional_i64, optional_string, path, pool_name, postgres_url, redis_url,
+    retention, socket_addr, tenant_limits, tenant_weights, url_path,
 };
 
 use crate::telemetry::LogFormat;
@@ -201,6 +201,8 @@ spelled! {
         PubSub = "pubsub" | "gcp-pubsub",
         /// Embedded durable single-node store.
         Embedded = "embedded",
+        /// PostgreSQL, on upstream's `sql` transport tables.
+        Sql = "sql",
     }
 
     /// The unit `max_SYS` and the headroom `N` are counted in.
@@ -288,6 +290,8 @@ pub struct Config {
     pub pubsub: Option<PubSubConfig>,
     /// Embedded store settings, when configured or when `transport = embedded`.
     pub embedded: Option<EmbeddedConfig>,
+    /// PostgreSQL settings, when configured or when `transport = sql`.
+    pub sql: Option<SqlConfig>,
     /// Dispatch loop timings and retry policy.
     pub dispatch: DispatchConfig,
     /// Metrics/health listener and logging.
@@ -404,6 +408,33 @@ section! {
     pub struct EmbeddedConfig in "embedded" {
         /// Database file.
         path: PathBuf = PathBuf::from("sluicegate.db"), path;
+    }
+
+    /// `[sql]`: the PostgreSQL database of the `sql` transport and the
+    /// `sql-quota` gate, on upstream's tables. `url` is required (or
+    /// upstream's `SQL_URL` variable).
+    pub struct SqlConfig in "sql" {
+        /// `postgres://` or `postgresql://` URL (a password in it is masked
+        /// when shown); `SLUICEGATE_SQL_URL` or upstream's `SQL_URL`.
+        url: Option<EndpointUrl> = None, |v| postgres_url(v).map(Some);
+        /// Result route (`async_results.route`) for queues that set no
+        /// `result_queue_name` (upstream's default `result-sql`).
+        result_queue_name: String = "result-sql".to_owned(), as_nonempty_string;
+        /// How often an empty receive looks for new rows again (upstream's
+        /// `poll_interval_ms`, default 1 s).
+        #[serde(serialize_with = "render::duration")]
+        poll_interval: Duration = Duration::from_secs(1), duration_min(Duration::from_millis(10));
+        /// Most rows one claim statement leases (upstream's default 10).
+        batch_size: usize = 10,
+            |v| usize::try_from(as_u64_in(v, 1, 10_000)?).map_err(|_| "too large".to_owned());
+        /// Lease of a claimed row, renewed while it is worked on (upstream's
+        /// `lease_ttl_seconds`); unset: `dispatch.lease`. At least
+        /// `dispatch.lease`.
+        #[serde(serialize_with = "render::optional_duration")]
+        lease_ttl: Option<Duration> = None, |v| duration_min(Duration::from_secs(1))(v).map(Some);
+        /// Connect timeout of the database connection.
+        #[serde(serialize_with = "render::duration")]
+        connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
     }
 
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.

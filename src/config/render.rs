@@ -15,6 +15,17 @@ pub(crate) fn duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Er
     s.serialize_str(&format_duration(*d))
 }
 
+/// An optional duration as text; none is left out.
+pub(crate) fn optional_duration<S: Serializer>(
+    d: &Option<Duration>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(&format_duration(*d)),
+        None => s.serialize_none(),
+    }
+}
+
 /// `max_attempts`: unlimited is spelled 0, as in the file.
 pub(crate) fn attempts<S: Serializer>(n: &Option<u32>, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u32(n.unwrap_or(0))

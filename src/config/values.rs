@@ -435,6 +435,15 @@ pub(crate) fn redis_url(v: &Value) -> Result<EndpointUrl, String> {
     url(v, "a redis:// or rediss:// URL", &["redis", "rediss"])
 }
 
+/// A `postgres://` or `postgresql://` URL (the `sql` transport).
+pub(crate) fn postgres_url(v: &Value) -> Result<EndpointUrl, String> {
+    url(
+        v,
+        "a postgres:// or postgresql:// URL",
+        &["postgres", "postgresql"],
+    )
+}
+
 /// Parses a URL literal of the key declarations.
 pub(crate) fn constant_url(text: &'static str) -> EndpointUrl {
     // Invariant: only called with the valid literal URLs of the key

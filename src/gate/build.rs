@@ -39,6 +39,14 @@ pub enum BuildError {
         /// The upstream gate name.
         gate_type: &'static str,
     },
+    /// `sql-quota` without `[sql] url`.
+    #[error(
+        "gate `{gate_type}` counts in PostgreSQL: set [sql] url, SLUICEGATE_SQL_URL or SQL_URL"
+    )]
+    NoSql {
+        /// The upstream gate name.
+        gate_type: &'static str,
+    },
     /// A source client could not be built.
     #[error("{what}: {source}")]
     Source {
@@ -79,6 +87,8 @@ pub struct GateContext {
     pub prometheus: Option<PrometheusConfig>,
     /// Redis credentials (`[redis]`), used by the `redis` gate.
     pub redis: Option<RedisConfig>,
+    /// `[sql]`, for `sql-quota`.
+    pub sql: Option<crate::config::SqlConfig>,
     /// How long a source reading is reused (single-flight cache TTL).
     pub cache_ttl: Duration,
     /// Data older than this is no data.
@@ -150,12 +160,14 @@ impl GateContext {
     /// source timeout = the smaller of max_staleness and 10 s.
     pub fn from_config(config: &Config) -> Self {
         let d = &config.dispatch;
-        Self::new(
+        let mut ctx = Self::new(
             config.prometheus.clone(),
             config.redis.clone(),
             d.poll_interval,
             d.max_staleness,
-        )
+        );
+        ctx.sql.clone_from(&config.sql);
+        ctx
     }
 
     /// A context with explicit timings.
@@ -168,6 +180,7 @@ impl GateContext {
         Self {
             prometheus,
             redis,
+            sql: None,
             cache_ttl,
             max_staleness,
             source_timeout: max_staleness.min(Duration::from_secs(10)),

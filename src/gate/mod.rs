@@ -12,7 +12,7 @@
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
 //! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
 //! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs`,
-//! `redis_quota.rs`, `redis_leased_rate.rs`, `local_rate_limit.rs`,
+//! `redis_quota.rs`, `sql_quota.rs`, `redis_leased_rate.rs`, `local_rate_limit.rs`,
 //! `deadline_drop.rs`, `constant_decision.rs`, `tier_priority.rs` (with
 //! its pool-load sources in `pool_load.rs`), `vllm.rs`, `feedback.rs` and
 //! `slo_headroom.rs` are gates, each file
@@ -50,6 +50,7 @@ mod redis_budget;
 mod redis_leased_rate;
 mod redis_quota;
 mod slo_headroom;
+mod sql_quota;
 mod tier_priority;
 mod vllm;
 mod wait_on_refuse;
@@ -84,6 +85,7 @@ pub use redis_leased_rate::{
 };
 pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
+pub use sql_quota::{SqlQuotaGate, SqlQuotaParams};
 pub use tier_priority::{LoadSource, TierPriorityAdmissionParams, TierPriorityGate};
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};

@@ -3,7 +3,8 @@
 //! [`Queue`] is the contract every transport implements: `memory.rs` (in
 //! process, tests and `run --input`), [`redis`] (sorted sets, wire
 //! compatible with upstream), [`embedded`] (the single-machine durable
-//! SQLite store), [`pubsub`] (Google Cloud Pub/Sub subscriptions). [`open`]
+//! SQLite store), [`pubsub`] (Google Cloud Pub/Sub subscriptions), [`sql`]
+//! (PostgreSQL, on upstream's tables). [`open`]
 //! builds the configured transport's queues.
 
 pub mod embedded;
@@ -12,6 +13,7 @@ mod memory;
 mod open;
 pub mod pubsub;
 pub mod redis;
+pub mod sql;
 
 use std::fmt;
 use std::future::Future;
@@ -130,6 +132,17 @@ pub enum QueueError {
     /// The embedded store refused the operation for good.
     #[error("queue operation failed: {0}")]
     Embedded(#[source] EmbeddedError),
+    /// A PostgreSQL statement of the `sql` transport failed (server
+    /// unreachable or restarting, connection lost); the next attempt
+    /// reconnects and may work.
+    #[error("queue backend unavailable: sql {op}: {source}")]
+    Sql {
+        /// The operation that failed (`claim`, `ack`, ...).
+        op: &'static str,
+        /// PostgreSQL's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
     /// The blocking task running an embedded store operation panicked or
     /// was cancelled.
     #[error("queue operation failed: embedded store task failed: {0}")]
@@ -141,7 +154,7 @@ impl QueueError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Self::Redis { .. } | Self::PubSub { .. } | Self::EmbeddedBusy(_)
+            Self::Redis { .. } | Self::PubSub { .. } | Self::EmbeddedBusy(_) | Self::Sql { .. }
         )
     }
 }

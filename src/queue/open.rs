@@ -12,6 +12,7 @@ use crate::telemetry::Metrics;
 use super::embedded::{EmbeddedError, EmbeddedQueue};
 use super::pubsub::{PubSubError, PubSubQueue};
 use super::redis::{RedisQueue, RedisQueueSettings};
+use super::sql::{Db, SqlError, SqlQueue, SqlQueueSettings};
 use super::{MemoryQueue, Queue, TenantLanes};
 use crate::redis::{ConnectError, connection, hash_tag, key_slot};
 
@@ -33,6 +34,8 @@ pub enum Transports {
     Embedded(Vec<Arc<EmbeddedQueue>>),
     /// Pub/Sub subscriptions sharing one client and result publisher.
     PubSub(Vec<Arc<PubSubQueue>>),
+    /// PostgreSQL queues sharing one connection.
+    Sql(Vec<Arc<SqlQueue>>),
 }
 
 impl Transports {
@@ -43,6 +46,7 @@ impl Transports {
             Self::Redis(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
             Self::Embedded(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
             Self::PubSub(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
+            Self::Sql(q) => q.iter().map(|q| q.clone() as Arc<dyn Queue>).collect(),
         }
     }
 
@@ -53,6 +57,7 @@ impl Transports {
             Self::Redis(_) => TransportKind::Redis,
             Self::Embedded(_) => TransportKind::Embedded,
             Self::PubSub(_) => TransportKind::PubSub,
+            Self::Sql(_) => TransportKind::Sql,
         }
     }
 
@@ -60,7 +65,7 @@ impl Transports {
     pub fn memory(&self) -> &[Arc<MemoryQueue>] {
         match self {
             Self::Memory(q) => q,
-            Self::Redis(_) | Self::Embedded(_) | Self::PubSub(_) => &[],
+            Self::Redis(_) | Self::Embedded(_) | Self::PubSub(_) | Self::Sql(_) => &[],
         }
     }
 
@@ -68,7 +73,7 @@ impl Transports {
     pub fn redis(&self) -> &[Arc<RedisQueue>] {
         match self {
             Self::Redis(q) => q,
-            Self::Memory(_) | Self::Embedded(_) | Self::PubSub(_) => &[],
+            Self::Memory(_) | Self::Embedded(_) | Self::PubSub(_) | Self::Sql(_) => &[],
         }
     }
 }
@@ -77,7 +82,7 @@ impl Transports {
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// The transport is accepted by the config but not implemented yet.
-    #[error("transport: `{}` is not built yet; available: memory, redis, embedded, pubsub", .0.as_str())]
+    #[error("transport: `{}` is not built yet; available: memory, redis, embedded, pubsub, sql", .0.as_str())]
     NotBuilt(TransportKind),
     /// The Redis client could not be built from `[redis]`.
     #[error(transparent)]
@@ -103,6 +108,10 @@ pub enum OpenError {
     /// opened.
     #[error(transparent)]
     PubSub(#[from] PubSubError),
+    /// The PostgreSQL database could not be reached or its schema
+    /// created.
+    #[error(transparent)]
+    Sql(#[from] SqlError),
 }
 
 /// Opens one queue per `[[queue]]` on the configured transport. Redis is
@@ -145,7 +154,37 @@ pub async fn open(
             Ok(Transports::Embedded(queues))
         }
         TransportKind::PubSub => open_pubsub(config, tasks, metrics).await,
+        TransportKind::Sql => open_sql(config).await,
     }
+}
+
+/// Opens the `[sql]` database once (creating the schema) and one queue per
+/// `[[queue]]` on it. Unlike Redis, an unreachable database stops
+/// startup: the schema must exist before anything is claimed.
+async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
+    // Config loading requires [sql] url for this transport; the defaults
+    // only keep this total.
+    let sql = config.sql.clone().unwrap_or_default();
+    let url = sql.url.clone().ok_or(SqlError::MissingUrl)?;
+    let db = Db::open(&url, sql.connect_timeout).await?;
+    tracing::info!(url = %db.masked_url(), "postgresql reachable; sql schema ready");
+    let queues = config
+        .queues
+        .iter()
+        .map(|q| {
+            let mut settings = SqlQueueSettings::new(q.queue_name.clone());
+            // Precedence queue > [sql]: the queue's own result route wins.
+            settings.route =
+                (q.result_queue_name.clone()).unwrap_or_else(|| sql.result_queue_name.clone());
+            settings.result_ttl_seconds =
+                (q.result_ttl_seconds > 0).then_some(q.result_ttl_seconds);
+            settings.poll_interval = sql.poll_interval;
+            settings.batch_size = sql.batch_size;
+            settings.lease_ttl = sql.lease_ttl;
+            Arc::new(SqlQueue::new(db.clone(), settings))
+        })
+        .collect();
+    Ok(Transports::Sql(queues))
 }
 
 async fn open_pubsub(

@@ -6,6 +6,7 @@
 pub mod cli;
 pub mod failing;
 pub mod otlp;
+pub mod postgres;
 pub mod prometheus;
 pub mod pubsub;
 pub mod redis;

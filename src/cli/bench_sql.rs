@@ -1,0 +1,136 @@
+//! `sluicegate bench drain-sql`: `bench drain` on the `sql` transport: N
+//! messages through a real PostgreSQL (`--sql-url`) and a gateway that
+//! answers instantly; the same figures (messages/s, CPU seconds per 1 000
+//! messages, peak RSS) so `scripts/bench-compare.sh` sets it beside the
+//! Redis drain.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use clap::Args;
+use tokio_util::sync::CancellationToken;
+
+use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
+use crate::config::{Config, EndpointUrl};
+use crate::queue::sql::SqlClient;
+
+#[derive(Debug, Args)]
+pub(crate) struct DrainSqlArgs {
+    /// PostgreSQL URL (`postgres://user@host:port/db`); its bench queue's
+    /// rows and results are deleted first.
+    #[arg(long, env = "SLUICEGATE_SQL_URL")]
+    sql_url: String,
+    /// Messages to drain.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Queue name (the `queue` column).
+    #[arg(long, default_value = "bench-drain-sql")]
+    queue: String,
+    /// Window (`max_sys` of the constant gate).
+    #[arg(long, default_value_t = 512.0)]
+    max_sys: f64,
+    /// `[sql] batch_size`: rows one claim statement leases (upstream's
+    /// default 10 would make the claim the bottleneck of a drain).
+    #[arg(long, default_value_t = 512)]
+    batch_size: usize,
+}
+
+pub(super) async fn drain_sql(args: DrainSqlArgs) -> Result<(), String> {
+    let url = url::Url::parse(&args.sql_url).map_err(|e| format!("--sql-url: {e}"))?;
+    let url = EndpointUrl::new(url);
+    let client = SqlClient::open(&url, Duration::from_secs(5))
+        .await
+        .map_err(|e| e.to_string())?;
+    let route = format!("{}-results", args.queue);
+    client
+        .purge(&args.queue, &route)
+        .await
+        .map_err(|e| format!("sql: {e}"))?;
+    let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
+    let deadline = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0))
+        + 3600;
+    let items: Vec<(Bytes, i64)> = (0..args.messages)
+        .map(|i| {
+            let line = format!(
+                r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
+            );
+            (Bytes::from(line), deadline)
+        })
+        .collect();
+    let fill = Instant::now();
+    client
+        .enqueue(&args.queue, &items)
+        .await
+        .map_err(|e| format!("sql: {e}"))?;
+    let fill_secs = fill.elapsed().as_secs_f64();
+
+    let toml = format!(
+        r#"
+transport = "sql"
+[sql]
+url = "{url}"
+poll_interval = "50ms"
+batch_size = {batch}
+result_queue_name = "{route}"
+[gateway]
+url = "{gateway}"
+[dispatch]
+receive_wait = "50ms"
+[telemetry]
+listen = "127.0.0.1:0"
+log_level = "warn"
+[[queue]]
+queue_name = "{queue}"
+max_sys = {max_sys}
+gate_type = "constant"
+"#,
+        url = url.expose(),
+        batch = args.batch_size,
+        queue = args.queue,
+        max_sys = args.max_sys,
+    );
+    let config = Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
+    let shutdown = CancellationToken::new();
+    let stopwatch = Stopwatch::start();
+    let running = crate::app::start(
+        &config,
+        crate::app::RunOptions::default(),
+        shutdown.clone().cancelled_owned(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let window = running.metrics.queue(&args.queue);
+    let mut peak_in_flight = 0;
+    loop {
+        peak_in_flight = peak_in_flight.max(window.in_flight.get());
+        // An ack deletes the row and writes its result in one statement:
+        // no row left means every result is written. (A count of the
+        // results every 10 ms would cost PostgreSQL more than the drain.)
+        let left = (client.any_left(&args.queue).await).map_err(|e| format!("sql: {e}"))?;
+        if !left {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (secs, cpu) = stopwatch.stop();
+    shutdown.cancel();
+    running.wait().await.map_err(|e| e.to_string())?;
+    let written = (client.result_count(&route).await).map_err(|e| format!("sql: {e}"))?;
+    if written != args.messages as u64 {
+        return Err(format!(
+            "{written} results for {} messages (expected one each)",
+            args.messages
+        ));
+    }
+    println!(
+        "drain-sql benchmark: {} messages, window {}, batch_size {}",
+        args.messages, args.max_sys, args.batch_size
+    );
+    println!("  enqueue (1000 rows per statement): {fill_secs:.2}s");
+    print_drain_figures(args.messages, secs, cpu, "dispatcher + in-process gateway");
+    println!("  in flight: at most {peak_in_flight} (sampled every 10 ms)");
+    println!("  PostgreSQL's CPU is not counted (another process)");
+    Ok(())
+}

@@ -1,0 +1,282 @@
+//! The producer's side of the `sql` transport (`submit`, `results`,
+//! `cancel`): plain methods on [`SqlClient`], one statement each, so the
+//! command-line code only calls them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::db::{Db, SqlError};
+use super::schema::partition_of;
+use crate::config::EndpointUrl;
+use crate::request::parse_message;
+use crate::result::{ErrorCode, ResultRecord};
+
+/// Rows per insert statement (upstream's enqueue chunk).
+const CHUNK: usize = 1000;
+
+/// A producer's handle on the database.
+#[derive(Debug, Clone)]
+pub struct SqlClient {
+    db: Arc<Db>,
+}
+
+/// One stored result, with its write position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredResult {
+    /// Write position (`async_results.seq`): pass the last one seen as the
+    /// cursor of the next read.
+    pub seq: i64,
+    /// The request id (`async_results.id`).
+    pub id: String,
+    /// The result record; `None` when the payload is not one of ours
+    /// (then `raw` holds it).
+    pub record: Option<ResultRecord>,
+    /// The payload column as stored.
+    pub raw: String,
+}
+
+/// What [`SqlClient::cancel`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SqlCancel {
+    /// Waiting rows removed and answered `CANCELLED`.
+    pub cancelled: u64,
+    /// Rows under a lease: flagged; the dispatcher answers them
+    /// `CANCELLED` unless they were already sent.
+    pub in_flight: u64,
+}
+
+const INSERT: &str = "INSERT INTO async_requests (id, request_token, queue, partition_id, deadline, payload, created_at)
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[], $7::bigint[])
+     ON CONFLICT (id, request_token) DO NOTHING";
+const FLAG: &str =
+    "UPDATE async_requests SET cancelled = 1 WHERE queue = $1 AND id = ANY($2::text[])
+     RETURNING id, request_token, lease_tag IS NOT NULL";
+const CANCEL: &str = concat!(
+    "WITH input AS (
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) AS t(id, request_token, payload)),
+     gone AS (
+         DELETE FROM async_requests r USING input i
+         WHERE r.queue = $4 AND r.id = i.id AND r.request_token = i.request_token
+             AND r.lease_tag IS NULL AND r.dispatch_epoch = 0
+         RETURNING r.id, r.request_token)
+     INSERT INTO async_results (route, id, request_token, payload, expires_at, created_at)
+     SELECT $5, g.id, g.request_token, i.payload, 0, ",
+    now_ms!(),
+    " FROM gone g JOIN input i ON i.id = g.id AND i.request_token = g.request_token
+     RETURNING seq"
+);
+const RESULTS_AFTER: &str = "SELECT seq, id, payload FROM async_results
+     WHERE route = $1 AND seq > $2 ORDER BY seq LIMIT $3";
+const ACTIVE: &str =
+    "SELECT DISTINCT id FROM async_requests WHERE queue = $1 AND id = ANY($2::text[])";
+/// Each part on one of upstream's partial indexes (`queue` alone has none).
+const OUTSTANDING: &str = "SELECT
+         (SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0)
+       + (SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch > 0)";
+const ANY_LEFT: &str = "SELECT
+         EXISTS (SELECT 1 FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0)
+      OR EXISTS (SELECT 1 FROM async_requests WHERE queue = $1 AND dispatch_epoch > 0)";
+const RESULT_COUNT: &str = "SELECT COUNT(*) FROM async_results WHERE route = $1";
+const PURGE_REQUESTS: &str = "DELETE FROM async_requests WHERE queue = $1";
+const PURGE_DEAD: &str = "DELETE FROM sluicegate_dead_letters WHERE queue = $1";
+const PURGE_RESULTS: &str = "DELETE FROM async_results WHERE route = $1";
+const DEAD_COUNT: &str = "SELECT COUNT(*) FROM sluicegate_dead_letters WHERE queue = $1";
+
+impl SqlClient {
+    /// Connects to `url` and creates the schema if it is missing.
+    pub async fn open(url: &EndpointUrl, connect_timeout: Duration) -> Result<Self, SqlError> {
+        Ok(Self {
+            db: Db::open(url, connect_timeout).await?,
+        })
+    }
+
+    /// A client on an open connection.
+    pub fn with_db(db: Arc<Db>) -> Self {
+        Self { db }
+    }
+
+    /// Enqueues message bytes into `queue`, each with its deadline (Unix
+    /// seconds), in submission order; the id and token are read from the
+    /// bytes (an unparsable message is stored under a hash of its bytes).
+    /// A row whose `(id, request_token)` is already queued is skipped.
+    /// Returns how many rows were inserted.
+    pub async fn enqueue(
+        &self,
+        queue: &str,
+        items: &[(Bytes, i64)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        let mut inserted = 0;
+        for (c, chunk) in items.chunks(CHUNK).enumerate() {
+            let n = chunk.len();
+            let (mut ids, mut tokens, mut parts, mut deadlines, mut payloads, mut at) = (
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+            );
+            for (i, (body, deadline)) in chunk.iter().enumerate() {
+                let (id, token) = match parse_message(body) {
+                    Ok(m) => (
+                        m.request.id.clone(),
+                        m.token().unwrap_or_default().to_owned(),
+                    ),
+                    Err(_) => (format!("{:016x}", fxhash(body)), String::new()),
+                };
+                parts.push(partition_of(&id));
+                ids.push(id);
+                tokens.push(token);
+                deadlines.push(*deadline);
+                payloads.push(String::from_utf8_lossy(body).into_owned());
+                let seq = i64::try_from(c * CHUNK + i).unwrap_or(i64::MAX);
+                at.push(created.saturating_add(seq));
+            }
+            let queues = vec![queue.to_owned(); n];
+            inserted += self
+                .db
+                .execute(
+                    INSERT,
+                    &[&ids, &tokens, &queues, &parts, &deadlines, &payloads, &at],
+                )
+                .await?;
+        }
+        Ok(inserted)
+    }
+
+    /// Cancels every unsettled row of `queue` with one of `ids`: waiting
+    /// rows are removed and answered `CANCELLED` under `route`; leased
+    /// rows are flagged (upstream's `cancelled` column) for their
+    /// dispatcher.
+    pub async fn cancel(
+        &self,
+        queue: &str,
+        route: &str,
+        ids: &[String],
+    ) -> Result<SqlCancel, tokio_postgres::Error> {
+        let flagged = self.db.query(FLAG, &[&queue, &ids]).await?;
+        let (mut wids, mut tokens, mut payloads) = (Vec::new(), Vec::new(), Vec::new());
+        for row in flagged.iter().filter(|r| !r.get::<_, bool>(2)) {
+            let id: String = row.get(0);
+            let token: String = row.get(1);
+            let record = ResultRecord::error(
+                &id,
+                (!token.is_empty()).then_some(token.as_str()),
+                ErrorCode::Cancelled,
+                "cancelled before dispatch",
+            );
+            payloads.push(serde_json::to_string(&record).unwrap_or_default());
+            wids.push(id);
+            tokens.push(token);
+        }
+        let cancelled = match wids.is_empty() {
+            true => 0,
+            false => {
+                let rows = (self.db)
+                    .query(CANCEL, &[&wids, &tokens, &payloads, &queue, &route])
+                    .await?;
+                rows.len() as u64
+            }
+        };
+        Ok(SqlCancel {
+            cancelled,
+            in_flight: (flagged.len() as u64).saturating_sub(cancelled),
+        })
+    }
+
+    /// Results of `route` written after position `after`, at most `limit`,
+    /// in write order; they stay in the table (upstream's consumer pops
+    /// them, this reader does not).
+    pub async fn results_after(
+        &self,
+        route: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<StoredResult>, tokio_postgres::Error> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = self
+            .db
+            .query(RESULTS_AFTER, &[&route, &after, &limit])
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let raw: String = r.get(2);
+                StoredResult {
+                    seq: r.get(0),
+                    id: r.get(1),
+                    record: serde_json::from_str(&raw).ok(),
+                    raw,
+                }
+            })
+            .collect())
+    }
+
+    /// The ids among `ids` that still have an unsettled row in `queue`.
+    pub async fn active_ids(
+        &self,
+        queue: &str,
+        ids: &[String],
+    ) -> Result<Vec<String>, tokio_postgres::Error> {
+        let rows = self.db.query(ACTIVE, &[&queue, &ids]).await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// Deletes every row of `queue`, its dead letters and the results of
+    /// `route`, then vacuums the tables: benchmarks start from the same
+    /// state each run (without the vacuum, each run's claims would skip
+    /// the dead index entries of every run before it, autovacuum waking
+    /// only once a minute).
+    pub async fn purge(&self, queue: &str, route: &str) -> Result<(), tokio_postgres::Error> {
+        self.db.execute(PURGE_REQUESTS, &[&queue]).await?;
+        self.db.execute(PURGE_DEAD, &[&queue]).await?;
+        self.db.execute(PURGE_RESULTS, &[&route]).await?;
+        self.db
+            .batch_execute("VACUUM (ANALYZE) async_requests, async_results")
+            .await
+    }
+
+    /// Unsettled rows of `queue` (waiting, delayed or leased).
+    pub async fn outstanding(&self, queue: &str) -> Result<u64, tokio_postgres::Error> {
+        self.count(OUTSTANDING, queue).await
+    }
+
+    /// Whether `queue` has any unsettled row (one index probe each for
+    /// waiting and leased rows: cheap enough to poll).
+    pub async fn any_left(&self, queue: &str) -> Result<bool, tokio_postgres::Error> {
+        let rows = self.db.query(ANY_LEFT, &[&queue]).await?;
+        Ok(rows.first().is_some_and(|r| r.get(0)))
+    }
+
+    /// Results stored under `route`.
+    pub async fn result_count(&self, route: &str) -> Result<u64, tokio_postgres::Error> {
+        self.count(RESULT_COUNT, route).await
+    }
+
+    /// Dead letters of `queue`.
+    pub async fn dead_letter_count(&self, queue: &str) -> Result<u64, tokio_postgres::Error> {
+        self.count(DEAD_COUNT, queue).await
+    }
+
+    async fn count(&self, sql: &'static str, arg: &str) -> Result<u64, tokio_postgres::Error> {
+        let rows = self.db.query(sql, &[&arg]).await?;
+        Ok(rows
+            .first()
+            .map_or(0, |r| u64::try_from(r.get::<_, i64>(0)).unwrap_or(0)))
+    }
+}
+
+/// FNV-1a 64 of a body: a stable row id for a message without one.
+fn fxhash(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}

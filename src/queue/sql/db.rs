@@ -1,0 +1,237 @@
+//! One PostgreSQL connection shared by a transport's queues and the
+//! `sql-quota` gate, reconnected on demand: a server restart costs the
+//! statements in flight (errors the callers retry), never the process.
+//!
+//! Statements are prepared once per connection and cached by their text,
+//! so a claim or an ack is one round trip. tokio-postgres pipelines the
+//! statements of concurrent callers over the one connection; every
+//! multi-step change is a single statement (CTEs), so no caller needs a
+//! transaction of its own.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls, Row, Statement};
+
+use super::schema;
+use crate::config::EndpointUrl;
+
+/// Why the database could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum SqlError {
+    /// No `[sql] url` (config loading reports this first; kept so opening
+    /// stays total).
+    #[error(
+        "sql.url: required (a postgres:// or postgresql:// URL); set [sql] url, SLUICEGATE_SQL_URL or SQL_URL"
+    )]
+    MissingUrl,
+    /// The URL is not one tokio-postgres understands.
+    #[error("sql.url: {url}: {source}")]
+    Url {
+        /// The URL with its password masked.
+        url: String,
+        /// The parser's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The server refused or could not be reached.
+    #[error("sql.url: {url}: {op}: {source}")]
+    Postgres {
+        /// The URL with its password masked.
+        url: String,
+        /// What was being done (`connect`, `create schema`, ...).
+        op: &'static str,
+        /// PostgreSQL's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The tables were written by an incompatible version of sluicegate.
+    #[error(
+        "sql.url: {url}: schema version {found} is not supported (this build reads {expected})"
+    )]
+    Schema {
+        /// The URL with its password masked.
+        url: String,
+        /// Version found in `sluicegate_sql_meta`.
+        found: String,
+        /// Version this build writes.
+        expected: u32,
+    },
+}
+
+struct Conn {
+    client: Client,
+    statements: Mutex<HashMap<&'static str, Statement>>,
+}
+
+/// A reconnecting connection to one database.
+pub struct Db {
+    config: tokio_postgres::Config,
+    masked: String,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    reachable: AtomicBool,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db").field("url", &self.masked).finish()
+    }
+}
+
+impl Db {
+    /// Connects to `url` (a `postgres://` URL; its password never appears
+    /// in errors or logs) and creates the schema if it is missing.
+    pub async fn open(url: &EndpointUrl, connect_timeout: Duration) -> Result<Arc<Self>, SqlError> {
+        let masked = url.masked();
+        let mut config: tokio_postgres::Config =
+            url.expose()
+                .as_str()
+                .parse()
+                .map_err(|source| SqlError::Url {
+                    url: masked.clone(),
+                    source,
+                })?;
+        config.connect_timeout(connect_timeout);
+        config.application_name("sluicegate");
+        let db = Arc::new(Self {
+            config,
+            masked,
+            conn: tokio::sync::Mutex::new(None),
+            reachable: AtomicBool::new(false),
+        });
+        let conn = db
+            .conn()
+            .await
+            .map_err(|source| db.error("connect", source))?;
+        (conn.client.batch_execute(&schema::script()).await)
+            .map_err(|source| db.error("create schema", source))?;
+        let found: String = conn
+            .client
+            .query_one(
+                "SELECT value FROM sluicegate_sql_meta WHERE key = 'schema_version'",
+                &[],
+            )
+            .await
+            .map_err(|source| db.error("read schema version", source))?
+            .get(0);
+        if found != schema::SCHEMA_VERSION.to_string() {
+            return Err(SqlError::Schema {
+                url: db.masked.clone(),
+                found,
+                expected: schema::SCHEMA_VERSION,
+            });
+        }
+        Ok(db)
+    }
+
+    fn error(&self, op: &'static str, source: tokio_postgres::Error) -> SqlError {
+        SqlError::Postgres {
+            url: self.masked.clone(),
+            op,
+            source,
+        }
+    }
+
+    /// The URL with its password masked, for logs.
+    pub fn masked_url(&self) -> &str {
+        &self.masked
+    }
+
+    /// Whether the last statement reached the server.
+    pub fn reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+
+    async fn conn(&self) -> Result<Arc<Conn>, tokio_postgres::Error> {
+        let mut slot = self.conn.lock().await;
+        if let Some(conn) = slot.as_ref().filter(|c| !c.client.is_closed()) {
+            return Ok(conn.clone());
+        }
+        *slot = None;
+        let (client, connection) = match self.config.connect(NoTls).await {
+            Ok(pair) => pair,
+            Err(e) => {
+                self.reachable.store(false, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let url = self.masked.clone();
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::warn!(%url, %error, "postgresql connection closed; reconnecting on next use");
+            }
+        });
+        let conn = Arc::new(Conn {
+            client,
+            statements: Mutex::new(HashMap::new()),
+        });
+        *slot = Some(conn.clone());
+        self.reachable.store(true, Ordering::Relaxed);
+        Ok(conn)
+    }
+
+    async fn statement(
+        &self,
+        conn: &Conn,
+        sql: &'static str,
+    ) -> Result<Statement, tokio_postgres::Error> {
+        let cached = (conn.statements.lock())
+            .unwrap_or_else(|p| p.into_inner())
+            .get(sql)
+            .cloned();
+        if let Some(s) = cached {
+            return Ok(s);
+        }
+        let s = conn.client.prepare(sql).await?;
+        (conn.statements.lock())
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(sql, s.clone());
+        Ok(s)
+    }
+
+    fn note(&self, ok: bool) {
+        self.reachable.store(ok, Ordering::Relaxed);
+    }
+
+    /// Runs `sql` (prepared once per connection) and returns its rows.
+    pub async fn query(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, tokio_postgres::Error> {
+        let conn = self.conn().await?;
+        let out = match self.statement(&conn, sql).await {
+            Ok(s) => conn.client.query(&s, params).await,
+            Err(e) => Err(e),
+        };
+        self.note(out.is_ok() || !conn.client.is_closed());
+        out
+    }
+
+    /// Runs `sql` as one simple query, outside any transaction block
+    /// (`VACUUM` needs that); not prepared.
+    pub async fn batch_execute(&self, sql: &str) -> Result<(), tokio_postgres::Error> {
+        let conn = self.conn().await?;
+        let out = conn.client.batch_execute(sql).await;
+        self.note(out.is_ok() || !conn.client.is_closed());
+        out
+    }
+
+    /// Runs `sql` and returns how many rows it changed.
+    pub async fn execute(
+        &self,
+        sql: &'static str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, tokio_postgres::Error> {
+        let conn = self.conn().await?;
+        let out = match self.statement(&conn, sql).await {
+            Ok(s) => conn.client.execute(&s, params).await,
+            Err(e) => Err(e),
+        };
+        self.note(out.is_ok() || !conn.client.is_closed());
+        out
+    }
+}
