@@ -79,6 +79,7 @@ pub mod dispatch;
 pub mod eval;
 pub mod gate;
 pub mod gateway;
+pub mod headers;
 pub mod queue;
 pub mod redis;
 pub mod request;

@@ -183,7 +183,7 @@ pub(crate) fn header_name(v: &Value) -> Result<Option<String>, String> {
         .map_err(|_| format!("{name:?} is not a legal HTTP header name"))?;
     // Not one the client sets itself (framing, routing), a credential, or
     // the body's `Content-Type`: the value would replace it.
-    if !crate::gateway::may_pass_through(&parsed) {
+    if !crate::headers::may_pass_through(&parsed) {
         return Err(format!(
             "{name:?} is a header the gateway client sets or refuses; choose another name"
         ));

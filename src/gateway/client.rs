@@ -18,8 +18,9 @@ use crate::request::Request;
 
 use super::classify::{AttemptFailure, AttemptOutcome, StatusClass, classify_status};
 use super::http1::{Answer, Body, ExchangeError, Http1Client};
-use super::target::{HeaderRules, is_forbidden};
+use super::target::HeaderRules;
 use super::{DROPPED_REASON_HEADER, GatewaySettings, PrepareError, PreparedRequest, Target};
+use crate::headers::is_forbidden;
 
 /// Longest dropped reason kept from the endpoint picker's header.
 const MAX_DROPPED_REASON_LEN: usize = 256;

@@ -45,9 +45,7 @@ pub use classify::{
     parse_retry_after, parse_retry_after_at,
 };
 pub use client::{GatewayBuildError, GatewayClient};
-pub use target::{
-    EndpointError, PrepareError, PreparedRequest, Target, TargetError, may_pass_through,
-};
+pub use target::{EndpointError, PrepareError, PreparedRequest, Target, TargetError};
 pub use time::{deadline_instant, deadline_instant_at};
 
 /// The objective header upstream llm-d-async sends (the default).

@@ -203,7 +203,7 @@ fn pass_headers(serve: &ServeConfig) -> Result<Vec<HeaderName>, ServeError> {
             };
             let header = HeaderName::from_bytes(name.trim().as_bytes())
                 .map_err(|_| refuse("not a header name"))?;
-            if !crate::gateway::may_pass_through(&header) {
+            if !crate::headers::may_pass_through(&header) {
                 return Err(refuse("the gateway client sets or refuses it"));
             }
             Ok(header)
