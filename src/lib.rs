@@ -14,8 +14,8 @@
 //!   in-memory (`src/queue/memory.rs`), [`queue::redis`] (Redis sorted
 //!   sets, `src/queue/redis/`), [`queue::embedded`] (the durable SQLite
 //!   store, `src/queue/embedded/`), [`queue::pubsub`] (Google Cloud
-//!   Pub/Sub, `src/queue/pubsub/`); [`queue::open`] builds the configured
-//!   one.
+//!   Pub/Sub, `src/queue/pubsub/`), [`queue::sql`] (PostgreSQL,
+//!   `src/queue/sql/`); [`queue::open`] builds the configured one.
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission
 //!   verdicts), the gates, and the staleness / fail-closed wrappers.
@@ -56,8 +56,9 @@
 //! Under all of them, the ground floor: [`tasks`] (the task tree: every
 //! long-lived task named, a panic stops the run), [`redis`] (one Redis
 //! server or a cluster, for transports, gates, sources, the shared window
-//! and `serve`), [`clock`] (Unix time). `docs/architecture.md`, "Code
-//! layout", draws the layers.
+//! and `serve`), [`clock`] (Unix time), [`headers`] (the header rules the
+//! gateway client, the config and `serve` share). `docs/architecture.md`,
+//! "Code layout", draws the layers.
 
 /// The database clock in Unix milliseconds, for the statement text of the
 /// `sql` transport and the `sql-quota` gate: every lease and quota window
