@@ -55,7 +55,8 @@ pub(super) async fn send_and_settle(
     if ready.received_at.elapsed() >= CANCEL_RECHECK_AFTER
         && shared.queue().cancelled(&ready.delivery.tag).await
     {
-        settle_cancelled(&shared, &results, ready, ticket, send).await;
+        let tag = take_tag(&mut ready);
+        settle_cancelled(&shared, &results, &ready, tag, ticket, send).await;
         return;
     }
     let deadline = deadline_instant(ready.message.request.deadline);
@@ -83,7 +84,17 @@ pub(super) async fn send_and_settle(
         deadline,
         congestion_hold,
     };
-    decide(&shared, &results, ready, outcome, &sent, &shutdown).await;
+    let tag = take_tag(&mut ready);
+    decide(&shared, &results, &ready, tag, outcome, &sent, &shutdown).await;
+}
+
+/// The delivery's tag, moved out for the settle that consumes it. The
+/// steps borrow the rest of `ready` rather than take it: a step taking
+/// `Ready` by value puts a second copy of it in the worker's future (the
+/// caller's moved-from slot is not reused), which cost about 1 KiB of
+/// peak RSS per drained message in `bench drain-memory`.
+fn take_tag(ready: &mut Ready) -> DeliveryTag {
+    std::mem::replace(&mut ready.delivery.tag, DeliveryTag(String::new()))
 }
 
 /// Answers a message cancelled while it waited, giving back the room it
@@ -91,7 +102,8 @@ pub(super) async fn send_and_settle(
 async fn settle_cancelled(
     shared: &Shared,
     results: &Results,
-    ready: Ready,
+    ready: &Ready,
+    tag: DeliveryTag,
     ticket: Ticket,
     send: SendKind,
 ) {
@@ -112,14 +124,7 @@ async fn settle_cancelled(
         ErrorCode::Cancelled,
         "cancelled by the submitter",
     );
-    settle(
-        shared,
-        results,
-        ready.delivery.tag,
-        result,
-        ready.trace.as_ref(),
-    )
-    .await;
+    settle(shared, results, tag, result, ready.trace.as_ref()).await;
 }
 
 /// Sends the request (traced when tracing is on) and returns when it
@@ -251,7 +256,8 @@ struct Sent {
 async fn decide(
     shared: &Shared,
     results: &Results,
-    ready: Ready,
+    ready: &Ready,
+    tag: DeliveryTag,
     outcome: AttemptOutcome,
     sent: &Sent,
     shutdown: &CancellationToken,
@@ -272,7 +278,6 @@ async fn decide(
             })
             .or_else(|| message.last_answer().cloned())
     };
-    let tag = ready.delivery.tag;
     let trace = ready.trace.as_ref();
     let (id, token) = (&message.request.id, message.token());
     let (now, deadline) = (sent.now, sent.deadline);
