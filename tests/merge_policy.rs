@@ -241,8 +241,9 @@ async fn random_robin_alternates_the_queues() {
     // Bounded, not strict alternation: the two requests of the window may
     // reach the proxy in either order, and a queue whose gate reading is
     // older may have no room at its turn (each gate grants its budget per
-    // reading), so the other goes. Measured 1 to 5.
-    assert!(worst <= 6, "one queue got {worst} ahead: {order}");
+    // reading), so the other goes, and those skips add up. Measured 1 to 5
+    // on a quiet machine, up to 7 with two busy loops on its two cores.
+    assert!(worst <= 8, "one queue got {worst} ahead: {order}");
     assert!(
         seen.iter().all(|s| s.priority.is_none()),
         "no priority header"

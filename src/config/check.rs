@@ -277,7 +277,7 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         let label = &dispatch.merge_tier_label;
         for (i, q) in queues.iter().enumerate() {
             if let Some(value) = q.labels.get(label)
-                && crate::dispatch::merge::Tier::parse(value).is_none()
+                && super::Tier::parse(value).is_none()
             {
                 ctx.err(
                     format!("queue[{i}].labels.{label}"),

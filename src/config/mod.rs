@@ -42,6 +42,7 @@ mod layer;
 mod render;
 mod secret;
 mod tenant_limits;
+mod tier;
 mod values;
 
 use std::collections::BTreeMap;
@@ -71,6 +72,7 @@ pub use secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
 pub use tenant_limits::{TenantLimit, TenantLimits};
+pub use tier::Tier;
 // Loose value conversions the gates' parameter adapters share.
 pub(crate) use values::{
     as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in, kind, show,

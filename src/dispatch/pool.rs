@@ -24,10 +24,11 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::merge::{Merge, MergePolicy, Tier};
+use super::merge::{Merge, MergePolicy};
 use super::pace::{Pace, Pacer};
 use super::window::{Applied, Window};
 use crate::config::Rounding;
+use crate::config::Tier;
 use crate::gate::{Capacity, Observation};
 
 /// One queue's place in a [`PoolWindow`].

@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::merge::{MergeKind, MergePolicy, Tier};
+use super::merge::{MergeKind, MergePolicy};
 use super::pace::{Pace, PaceUnit};
+use crate::config::Tier;
 use crate::config::{DispatchConfig, MergePolicyKind, PaceKind, QueueConfig, Rounding, Unit};
 
 /// How one queue is dispatched.

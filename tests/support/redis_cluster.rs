@@ -2,7 +2,6 @@
 //! `redis-server --cluster-enabled yes` processes joined with
 //! `redis-cli --cluster create`, each killed by PID (on drop too).
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -20,38 +19,10 @@ impl RedisCluster {
     /// reports `cluster_state:ok`.
     pub fn start() -> Self {
         let dir = TempDir::new("redis-cluster");
-        let mut nodes = Vec::new();
-        for i in 0..3 {
-            let port = free_port();
-            // The bus port is given explicitly: the default (port + 10000)
-            // may be taken or beyond 65535.
-            let bus = free_port();
-            let node_dir: PathBuf = dir.0.join(format!("node-{i}"));
-            std::fs::create_dir_all(&node_dir).expect("node dir");
-            let child = Command::new("redis-server")
-                .args(["--bind", "127.0.0.1", "--port"])
-                .arg(port.to_string())
-                .args(["--cluster-enabled", "yes", "--cluster-port"])
-                .arg(bus.to_string())
-                .args(["--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", "2000"])
-                .arg("--dir")
-                .arg(&node_dir)
-                .args(["--save", "", "--appendonly", "no"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server runs (apt-get install redis-server)");
-            nodes.push((child, port));
-        }
+        let nodes = (0..3)
+            .map(|i| spawn_node(&dir.0.join(format!("node-{i}"))))
+            .collect();
         let cluster = Self { nodes, _dir: dir };
-        for &(_, port) in &cluster.nodes {
-            wait(
-                Duration::from_secs(20),
-                "a cluster node answers PING",
-                || cli(port, &["PING"]).trim() == "PONG",
-            );
-        }
         let addrs: Vec<String> = cluster
             .nodes
             .iter()
@@ -164,6 +135,48 @@ impl Drop for RedisCluster {
             let _ = child.wait();
         }
     }
+}
+
+/// Starts one cluster node on free ports and waits until it answers PING.
+/// A node whose port was taken between `free_port` and its bind (another
+/// suite's server, started in parallel) exits at once: it is started again
+/// on other ports, a few times, instead of failing the suite.
+fn spawn_node(node_dir: &std::path::Path) -> (Child, u16) {
+    std::fs::create_dir_all(node_dir).expect("node dir");
+    for _ in 0..5 {
+        let port = free_port();
+        // The bus port is given explicitly: the default (port + 10000)
+        // may be taken or beyond 65535.
+        let bus = free_port();
+        let mut child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port"])
+            .arg(port.to_string())
+            .args(["--cluster-enabled", "yes", "--cluster-port"])
+            .arg(bus.to_string())
+            .args(["--cluster-config-file", "nodes.conf"])
+            .args(["--cluster-node-timeout", "2000"])
+            .arg("--dir")
+            .arg(node_dir)
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server runs (apt-get install redis-server)");
+        let mut exited = false;
+        wait(
+            Duration::from_secs(20),
+            "a cluster node answers PING",
+            || {
+                exited = matches!(child.try_wait(), Ok(Some(_)));
+                exited || cli(port, &["PING"]).trim() == "PONG"
+            },
+        );
+        if !exited {
+            return (child, port);
+        }
+        let _ = std::fs::remove_file(node_dir.join("nodes.conf"));
+    }
+    panic!("no cluster node could bind a free port in five tries");
 }
 
 fn cli(port: u16, args: &[&str]) -> String {
