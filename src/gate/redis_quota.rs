@@ -440,6 +440,62 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// The tenant a quota gate counts a message under: its `attribute`; a
+/// message without it (or with it empty) is answered at once as
+/// `missing_attribute` says. Shared by `redis-quota` and `sql-quota`.
+pub(super) fn quota_tenant<'m>(
+    metadata: &'m std::collections::BTreeMap<String, String>,
+    attribute: &str,
+    missing: MissingAttribute,
+) -> Result<&'m str, Admission> {
+    match metadata.get(attribute).filter(|v| !v.is_empty()) {
+        Some(tenant) => Ok(tenant),
+        None => Err(match missing {
+            MissingAttribute::Refuse => Admission::Refuse {
+                reason: "quota_attribute_missing",
+            },
+            MissingAttribute::Allow => Admission::Continue(Ticket::none()),
+        }),
+    }
+}
+
+/// A quota gate's answer once it tried to take a unit for `key`: a unit
+/// admits the message as `reserved`; none left admits it as `overflow`
+/// (when `admit_overflow`), else it waits (blocking) or is refused
+/// (classifying); a count that cannot be read refuses it (fail closed).
+/// Shared by `redis-quota` and `sql-quota` (`what` names it in the log).
+pub(super) fn quota_verdict<E: std::fmt::Display>(
+    taken: Result<Option<Ticket>, E>,
+    admit_overflow: bool,
+    gating_mode: GatingMode,
+    key: &str,
+    what: &str,
+) -> Admission {
+    match taken {
+        Ok(Some(mut ticket)) => {
+            ticket.join(Ticket::holding(Classification::Reserved));
+            Admission::Continue(ticket)
+        }
+        Ok(None) if admit_overflow => {
+            Admission::Continue(Ticket::holding(Classification::Overflow))
+        }
+        Ok(None) => match gating_mode {
+            GatingMode::Blocking => Admission::Wait {
+                reason: "over_quota",
+            },
+            GatingMode::Classifying => Admission::Refuse {
+                reason: "over_quota",
+            },
+        },
+        Err(error) => {
+            tracing::warn!(%error, key, "{what} unreadable; refusing");
+            Admission::Refuse {
+                reason: "quota_unavailable",
+            }
+        }
+    }
+}
+
 impl DispatchGate for RedisQuotaGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
         // An admission gate says nothing about the pool: like `constant`,
@@ -454,39 +510,13 @@ impl DispatchGate for RedisQuotaGate {
         Box::pin(async move {
             self.start_renewal();
             let p = &self.inner.params;
-            let tenant = request.metadata.get(&p.attribute).filter(|v| !v.is_empty());
-            let Some(tenant) = tenant else {
-                return match p.missing_attribute {
-                    MissingAttribute::Refuse => Admission::Refuse {
-                        reason: "quota_attribute_missing",
-                    },
-                    MissingAttribute::Allow => Admission::Continue(Ticket::none()),
-                };
+            let tenant = match quota_tenant(request.metadata, &p.attribute, p.missing_attribute) {
+                Ok(tenant) => tenant,
+                Err(answer) => return answer,
             };
             let key = self.key(tenant);
-            match self.take(&key).await {
-                Ok(Some(mut ticket)) => {
-                    ticket.join(Ticket::holding(Classification::Reserved));
-                    Admission::Continue(ticket)
-                }
-                Ok(None) if p.admit_overflow => {
-                    Admission::Continue(Ticket::holding(Classification::Overflow))
-                }
-                Ok(None) => match p.gating_mode {
-                    GatingMode::Blocking => Admission::Wait {
-                        reason: "over_quota",
-                    },
-                    GatingMode::Classifying => Admission::Refuse {
-                        reason: "over_quota",
-                    },
-                },
-                Err(error) => {
-                    tracing::warn!(%error, key, "quota unreadable; refusing");
-                    Admission::Refuse {
-                        reason: "quota_unavailable",
-                    }
-                }
-            }
+            let taken = self.take(&key).await;
+            quota_verdict(taken, p.admit_overflow, p.gating_mode, &key, "quota")
         })
     }
 

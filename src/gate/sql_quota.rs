@@ -28,9 +28,10 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::param::{GateParams, ParseCx, loose};
+use super::redis_quota::{quota_tenant, quota_verdict};
 use super::{
-    Admission, AdmissionRequest, Budget, BuildError, Classification, DispatchGate, Explanation,
-    GateContext, GateError, GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
+    Admission, AdmissionRequest, Budget, BuildError, DispatchGate, Explanation, GateContext,
+    GateError, GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
 };
 use crate::config::EndpointUrl;
 use crate::queue::sql::{Db, SqlError};
@@ -370,39 +371,13 @@ impl DispatchGate for SqlQuotaGate {
         Box::pin(async move {
             self.start_renewal();
             let p = &self.inner.params;
-            let tenant = request.metadata.get(&p.attribute).filter(|v| !v.is_empty());
-            let Some(tenant) = tenant else {
-                return match p.missing_attribute {
-                    MissingAttribute::Refuse => Admission::Refuse {
-                        reason: "quota_attribute_missing",
-                    },
-                    MissingAttribute::Allow => Admission::Continue(Ticket::none()),
-                };
+            let tenant = match quota_tenant(request.metadata, &p.attribute, p.missing_attribute) {
+                Ok(tenant) => tenant,
+                Err(answer) => return answer,
             };
             let key = self.key(tenant);
-            match self.take(&key).await {
-                Ok(Some(mut ticket)) => {
-                    ticket.join(Ticket::holding(Classification::Reserved));
-                    Admission::Continue(ticket)
-                }
-                Ok(None) if p.admit_overflow => {
-                    Admission::Continue(Ticket::holding(Classification::Overflow))
-                }
-                Ok(None) => match p.gating_mode {
-                    GatingMode::Blocking => Admission::Wait {
-                        reason: "over_quota",
-                    },
-                    GatingMode::Classifying => Admission::Refuse {
-                        reason: "over_quota",
-                    },
-                },
-                Err(error) => {
-                    tracing::warn!(%error, key, "sql quota unreadable; refusing");
-                    Admission::Refuse {
-                        reason: "quota_unavailable",
-                    }
-                }
-            }
+            let taken = self.take(&key).await;
+            quota_verdict(taken, p.admit_overflow, p.gating_mode, &key, "sql quota")
         })
     }
 
