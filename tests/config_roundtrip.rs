@@ -39,7 +39,9 @@ fn positive() -> impl Strategy<Value = f64> {
 }
 
 fn http_url() -> impl Strategy<Value = String> {
-    (name(), 1u16..65535, "(/[a-z0-9]{1,6}){0,2}")
+    // No hyphen in the host: a name like `xn--a` is an invalid IDNA label
+    // and does not parse as a URL (a generated case failed that way).
+    ("[a-z][a-z0-9]{0,10}", 1u16..65535, "(/[a-z0-9]{1,6}){0,2}")
         .prop_map(|(h, p, path)| format!("http://{h}:{p}{path}"))
 }
 
