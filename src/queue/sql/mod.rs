@@ -37,7 +37,8 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::{
-    AckReport, Completion, Delivery, DeliveryTag, NackReason, Queue, QueueError, TransportStatus,
+    AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError,
+    TransportStatus, long_poll,
 };
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
@@ -392,17 +393,13 @@ impl Queue for SqlQueue {
         lease: Duration,
         wait: Duration,
     ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
-        Box::pin(async move {
-            let give_up = tokio::time::Instant::now() + wait;
-            loop {
-                let got = self.take(max, lease, None).await?;
-                let now = tokio::time::Instant::now();
-                if !got.is_empty() || now >= give_up {
-                    return Ok(got);
-                }
-                tokio::time::sleep_until(give_up.min(now + self.settings.poll_interval)).await;
-            }
-        })
+        // Producers are other processes: an empty table is looked at again
+        // every `poll_interval`.
+        Box::pin(long_poll(wait, None, move || async move {
+            let got = self.take(max, lease, None).await?;
+            let again_at = Some(tokio::time::Instant::now() + self.settings.poll_interval);
+            Ok(Look { got, again_at })
+        }))
     }
 
     fn receive_expired(
