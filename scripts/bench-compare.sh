@@ -320,6 +320,7 @@ FIGURES = [
     ("redis", "messages/s", r"drained in [0-9.]+s: ([0-9.]+) messages/s"),
     ("redis", "CPU s/1000", r"CPU: ([0-9.]+)s per 1000"),
     ("redis", "peak RSS MiB", r"peak RSS: ([0-9.]+) MiB"),
+    ("redis", "redis-server CPU s/1000", r"redis-server used ([0-9.]+) CPU s per 1000"),
     # `bench drain-memory`, or the drain_memory example of older revisions.
     ("memory", "messages/s", r"(?:: ([0-9.]+) msg/s|drained in [0-9.]+s: ([0-9.]+) messages/s)"),
     ("memory", "CPU s/1000", r"(?:([0-9.]+) CPU s per 1000|CPU: ([0-9.]+)s per 1000)"),

@@ -571,3 +571,94 @@ gate_params = {{ limit = 2, gating_mode = "blocking" }}
     running.wait().await.expect("clean drain");
     sim.shutdown().await.expect("simulator stops");
 }
+
+/// The claim and ack scripts write a batch in a few variadic calls, in
+/// chunks of 1 000 arguments (issue 21); a batch of 1 500 crosses a chunk
+/// boundary in every call. Each claim is settled once (a tag acked twice
+/// in one batch counts as a lost lease the second time), every result
+/// reaches the list, no claim state is left, and the producer's keys are
+/// dropped only where they still hold the settled submission's token.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_ack_settles_each_claim_once_and_keeps_a_newer_submissions_keys() {
+    use sluicegate::queue::Completion;
+    use sluicegate::result::ResultRecord;
+    const N: usize = 1_500;
+    let server = RedisServer::start();
+    let redis = redis_config(&server);
+    let deadline = unix_secs() + 600;
+    let lines: Vec<String> = (0..N)
+        .map(|i| request_line(&format!("b{i}"), deadline))
+        .collect();
+    submit_as(&redis, "batched", &lines).await;
+    // A newer submission of b7 took over its active key: settling the old
+    // claim must leave it.
+    server.cli(&["SET", "request-active:b7", "newer-token"]);
+    let c = client(&redis).expect("client");
+    let tasks = Tasks::new();
+    let queue = RedisQueue::start(
+        RedisConnection::Single(manager(&c).expect("manager")),
+        RedisQueueSettings::new("batched"),
+        &tasks,
+    );
+    let mut deliveries = Vec::new();
+    let give_up = Instant::now() + Duration::from_secs(20);
+    while deliveries.len() < N {
+        let got = queue
+            .receive(
+                N - deliveries.len(),
+                Duration::from_secs(60),
+                Duration::from_millis(100),
+            )
+            .await
+            .expect("receive");
+        deliveries.extend(got);
+        assert!(
+            Instant::now() < give_up,
+            "claimed only {}",
+            deliveries.len()
+        );
+    }
+    assert_eq!(server.int(&["ZCARD", "batched"]), 0, "every member claimed");
+    assert_eq!(server.int(&["HLEN", "batched:claimed"]) as usize, N);
+    let mut completions: Vec<Completion> = deliveries
+        .iter()
+        .map(|d| {
+            let message = parse_message(&d.body).expect("our own envelope");
+            let id = message.request.id.clone();
+            let token = message.token().map(str::to_owned);
+            Completion {
+                tag: d.tag.clone(),
+                result: ResultRecord::http(&id, token.as_deref(), 200, "done".into(), 1),
+            }
+        })
+        .collect();
+    completions.push(Completion {
+        tag: completions[3].tag.clone(),
+        result: completions[3].result.clone(),
+    });
+    let report = queue.ack(completions).await.expect("ack");
+    assert_eq!((report.acked, report.lease_lost), (N, 1));
+    assert_eq!(server.int(&["LLEN", "result-list"]) as usize, N);
+    for key in [
+        "batched:claimed",
+        "batched:claim-owners",
+        "batched:claim-scores",
+    ] {
+        assert_eq!(server.int(&["HLEN", key]), 0, "{key} left");
+    }
+    assert_eq!(
+        server.int(&["ZCARD", "batched:claims-idx"]),
+        0,
+        "lease index left"
+    );
+    let active = server.cli(&["--scan", "--pattern", "request-active:*"]);
+    assert_eq!(
+        active.trim(),
+        "request-active:b7",
+        "only the newer submission's key stays"
+    );
+    assert_eq!(
+        server.cli(&["GET", "request-active:b7"]).trim(),
+        "newer-token"
+    );
+}

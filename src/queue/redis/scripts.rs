@@ -67,6 +67,31 @@ local function file_in_lane(member, score, attr, prefix, lanes)
 end
 "#;
 
+/// Helpers for scripts that write a whole batch in a few variadic calls.
+/// `unpack` of a long table overflows Lua's C stack (about 8 000 values),
+/// so the calls go in chunks of `CHUNK` arguments (even, so field/value
+/// and score/member pairs never split).
+const BATCHED: &str = r#"
+local CHUNK = 1000
+local function push_all(t, a, b)
+  t[#t + 1] = a
+  t[#t + 1] = b
+end
+local function call_chunked(cmd, key, args)
+  for i = 1, #args, CHUNK do
+    redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
+  end
+end
+local function hmget_chunked(key, fields)
+  local out = {}
+  for i = 1, #fields, CHUNK do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
+    for j = 1, #part do out[i + j - 1] = part[j] end
+  end
+  return out
+end
+"#;
+
 /// CLAIM: moves up to `max` members from pending to claimed, the one
 /// claim of the transport:
 /// - plain (no attribute, or a queue without lanes): the lowest-scored;
@@ -89,7 +114,7 @@ end
 /// earlier holder (each counts as an attempt).
 pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{TENANT_OF}{CLAIM_KEY}{}",
+        "{TENANT_OF}{CLAIM_KEY}{BATCHED}{}",
         r#"
 local max = tonumber(ARGV[1])
 local attr, prefix, bound = ARGV[4], ARGV[5], ARGV[6]
@@ -158,23 +183,43 @@ end
 
 local picked
 if by_lane then picked = round_robin() else picked = head() end
+if #picked == 0 then return {} end
 -- One HLEN per claim rather than an HGET per member while nothing was
 -- ever reclaimed (the common case).
 local reclaimed = redis.call('HLEN', KEYS[6]) > 0
-local out = {}
+-- The writes are gathered and made once per key for the whole batch:
+-- the same state as a call per member, in a handful of calls.
+local members, claimed, owners, scores, idx, cks = {}, {}, {}, {}, {}, {}
+local lane_members = {}
 for _, p in ipairs(picked) do
   local member, score = p[1], p[2]
   local ck = claim_key(member)
-  redis.call('ZREM', KEYS[1], member)
-  if filed then redis.call('ZREM', prefix .. tenant_of(member, attr), member) end
-  redis.call('HSET', KEYS[2], ck, member)
-  redis.call('HSET', KEYS[3], ck, ARGV[3])
-  redis.call('HSET', KEYS[5], ck, score)
-  redis.call('ZADD', KEYS[4], ARGV[2], ck)
-  out[#out + 1] = ck
-  out[#out + 1] = member
-  out[#out + 1] = score
-  out[#out + 1] = reclaimed and tonumber(redis.call('HGET', KEYS[6], ck) or '0') or 0
+  cks[#cks + 1] = ck
+  members[#members + 1] = member
+  if filed then
+    local lane = prefix .. tenant_of(member, attr)
+    lane_members[lane] = lane_members[lane] or {}
+    table.insert(lane_members[lane], member)
+  end
+  push_all(claimed, ck, member)
+  push_all(owners, ck, ARGV[3])
+  push_all(scores, ck, score)
+  push_all(idx, ARGV[2], ck)
+end
+call_chunked('ZREM', KEYS[1], members)
+for lane, ms in pairs(lane_members) do call_chunked('ZREM', lane, ms) end
+call_chunked('HSET', KEYS[2], claimed)
+call_chunked('HSET', KEYS[3], owners)
+call_chunked('HSET', KEYS[5], scores)
+call_chunked('ZADD', KEYS[4], idx)
+local counts = {}
+if reclaimed then counts = hmget_chunked(KEYS[6], cks) end
+local out = {}
+for i, p in ipairs(picked) do
+  out[#out + 1] = cks[i]
+  out[#out + 1] = p[1]
+  out[#out + 1] = p[2]
+  out[#out + 1] = tonumber(counts[i] or '0') or 0
 end
 return out
 "#
@@ -183,41 +228,82 @@ return out
 
 /// ACK: for each message, if the caller still owns the claim, pushes the
 /// result, applies the list TTL, drops the claim and cleans the producer's
-/// keys when they still hold this token; otherwise writes nothing.
+/// keys when they still hold this token; otherwise writes nothing. A claim
+/// key that comes twice is settled once (the second is a lost lease, as it
+/// was when each message was checked after the one before).
 /// KEYS: claimed, owners, idx, scores, reclaims. ARGV: count, then per
 /// message claim key, owner, result list, result JSON, ttl seconds, id,
 /// token. Returns `{acked, lease_lost}`.
+///
+/// The batch is settled in a fixed number of calls (one `HMGET` of the
+/// owners, one `LPUSH` per result list, one `HDEL`/`ZREM` per key, one
+/// `MGET` and `DEL` for the producer's keys), not about a dozen calls per
+/// message: those calls were half the Redis CPU of a drain (issue 21).
 pub(super) static ACK: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(&format!(
+        "{BATCHED}{}",
         r#"
-local acked, lost = 0, 0
 local n = tonumber(ARGV[1])
+if n == 0 then return {0, 0} end
+local cks = {}
+for i = 0, n - 1 do cks[#cks + 1] = ARGV[2 + i * 7] end
+local holders = hmget_chunked(KEYS[2], cks)
+local acked, lost = 0, 0
+local settled, seen = {}, {}
+-- Results per list in message order, the list's TTL the last positive
+-- one (as an EXPIRE after each push left it), lists in first-use order.
+local lists, pushes, ttls = {}, {}, {}
+local producer_keys, producer_tokens = {}, {}
 for i = 0, n - 1 do
   local b = 1 + i * 7
   local ck, owner, list, res = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4]
   local ttl, id, token = tonumber(ARGV[b + 5]), ARGV[b + 6], ARGV[b + 7]
-  if redis.call('HGET', KEYS[2], ck) == owner then
-    redis.call('LPUSH', list, res)
-    if ttl > 0 then redis.call('EXPIRE', list, ttl) end
-    redis.call('HDEL', KEYS[1], ck)
-    redis.call('HDEL', KEYS[2], ck)
-    redis.call('HDEL', KEYS[4], ck)
-    redis.call('HDEL', KEYS[5], ck)
-    redis.call('ZREM', KEYS[3], ck)
+  if holders[i + 1] == owner and not seen[ck] then
+    seen[ck] = true
+    settled[#settled + 1] = ck
+    if not pushes[list] then
+      pushes[list] = {}
+      lists[#lists + 1] = list
+    end
+    table.insert(pushes[list], res)
+    if ttl > 0 then ttls[list] = ttl end
     if token ~= '' then
-      local active = 'request-active:' .. id
-      if redis.call('GET', active) == token then redis.call('DEL', active) end
-      local cancel = 'request-cancel:' .. id
-      if redis.call('GET', cancel) == token then redis.call('DEL', cancel) end
+      push_all(producer_keys, 'request-active:' .. id, 'request-cancel:' .. id)
+      push_all(producer_tokens, token, token)
     end
     acked = acked + 1
   else
     lost = lost + 1
   end
 end
+for _, list in ipairs(lists) do
+  call_chunked('LPUSH', list, pushes[list])
+  if ttls[list] then redis.call('EXPIRE', list, ttls[list]) end
+end
+call_chunked('HDEL', KEYS[1], settled)
+call_chunked('HDEL', KEYS[2], settled)
+call_chunked('HDEL', KEYS[4], settled)
+call_chunked('HDEL', KEYS[5], settled)
+call_chunked('ZREM', KEYS[3], settled)
+-- A producer key is dropped only while it still holds this token, so a
+-- newer submission of the same id keeps its keys.
+if #producer_keys > 0 then
+  local held = {}
+  for i = 1, #producer_keys, CHUNK do
+    local part = redis.call('MGET', unpack(producer_keys, i, math.min(i + CHUNK - 1, #producer_keys)))
+    for _, v in ipairs(part) do held[#held + 1] = v end
+  end
+  local drop = {}
+  for i, key in ipairs(producer_keys) do
+    if held[i] == producer_tokens[i] then drop[#drop + 1] = key end
+  end
+  for i = 1, #drop, CHUNK do
+    redis.call('DEL', unpack(drop, i, math.min(i + CHUNK - 1, #drop)))
+  end
+end
 return {acked, lost}
-"#,
-    )
+"#
+    ))
 });
 
 /// RELEASE: returns an owned claim to a sorted set (pending at its queue
