@@ -57,7 +57,10 @@
 //! long-lived task named, a panic stops the run), [`redis`] (one Redis
 //! server or a cluster, for transports, gates, sources, the shared window
 //! and `serve`), [`clock`] (Unix time), [`headers`] (the header rules the
-//! gateway client, the config and `serve` share). `docs/architecture.md`,
+//! gateway client, the config and `serve` share), [`prompt`] (a request
+//! body's prompt text and block identities, the tokenization proxy the
+//! simulator's prefix cache and `serve`'s prefix order share).
+//! `docs/architecture.md`,
 //! "Code layout", draws the layers.
 
 /// The database clock in Unix milliseconds, for the statement text of the
@@ -81,6 +84,7 @@ pub mod eval;
 pub mod gate;
 pub mod gateway;
 pub mod headers;
+pub mod prompt;
 pub mod queue;
 pub mod redis;
 pub mod request;
