@@ -44,8 +44,9 @@
 //! - [`chart`]: SVG line charts (stacked panels over a shared time axis,
 //!   drawn with `plotters`) for the demo and `eval`.
 //! - [`serve`]: the OpenAI Files and Batches API (`sluicegate serve`):
-//!   batches become queue messages, their results output files; records
-//!   in SQLite (embedded) or Redis (replicas).
+//!   batches become queue messages (in file order, or grouped by model
+//!   and shared prompt prefix, `serve::order`), their results output
+//!   files; records in SQLite (embedded) or Redis (replicas).
 //! - [`app`]: wiring ([`app::run`]) and the shutdown order;
 //!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
