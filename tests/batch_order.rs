@@ -202,11 +202,11 @@ fn the_prefix_order_raises_the_prefix_cache_hit_rate_in_virtual_time() {
     let bodies = bodies();
     let arrival = virtual_run(&bodies, &(0..LINES).collect::<Vec<_>>());
     let prefix = virtual_run(&bodies, &prefix_order(&bodies));
-    println!(
+    eprintln!(
         "virtual time, {LINES} lines, {DOCUMENTS} documents shuffled, {IN_FLIGHT} in flight, one replica of 384 KV blocks:"
     );
     for (name, f) in [("arrival", arrival), ("model-prefix", prefix)] {
-        println!(
+        eprintln!(
             "  {name:>12}: prefix-cache hit rate {:.3}, {:.1} lines/s (simulated), {} preemptions",
             f.hit_rate, f.lines_per_s, f.preemptions
         );
@@ -301,11 +301,11 @@ async fn arrival_and_model_prefix_batches_through_serve_on_the_simulator() {
     let file = input_file(&bodies());
     let arrival = served_run(&file, "arrival").await;
     let prefix = served_run(&file, "model-prefix").await;
-    println!(
+    eprintln!(
         "serve + simulator (real time), {LINES} lines, {DOCUMENTS} documents shuffled, window {IN_FLIGHT}, one replica of 384 KV blocks:"
     );
     for (name, f) in [("arrival", arrival), ("model-prefix", prefix)] {
-        println!(
+        eprintln!(
             "  {name:>12}: prefix-cache hit rate {:.3}, {:.1} lines/s (wall, creation to completed), {} preemptions",
             f.hit_rate, f.lines_per_s, f.preemptions
         );

@@ -1274,8 +1274,10 @@ mod tests {
         // (A preempted request does meet its own blocks again when it is
         // readmitted, as in vLLM; this run has no preemption.)
         let go = |texts: bool| {
-            let mut c = EngineConfig::default();
-            c.max_num_seqs = 4; // requests queue
+            let mut c = EngineConfig {
+                max_num_seqs: 4, // requests queue
+                ..EngineConfig::default()
+            };
             c.step.jitter = 0.1;
             let mut e = Engine::new(c, 0, 42);
             for id in 0..20u64 {

@@ -169,7 +169,7 @@ mod tests {
         let mut text = String::from("\u{feff}");
         for i in 0..23 {
             if i == 5 {
-                text.push_str("\n");
+                text.push('\n');
             }
             let prefix: String = std::iter::repeat_n(['a', 'b', 'c'][i % 3], 200).collect();
             let model = ["m2", "m1"][i % 2];
