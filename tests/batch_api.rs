@@ -1559,18 +1559,10 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
         "model-prefix" => prefixed_lines(N),
         _ => completion_lines(N, 4),
     };
-    let (status, file) = api.upload("batch", lines.as_bytes()).await;
-    assert_eq!(status, 200, "upload: {file}");
-    let (status, batch) = api
-        .post(
-            "/v1/batches",
-            &json!({
-                "input_file_id": file["id"], "endpoint": "/v1/completions",
-                "completion_window": "24h", "metadata": {"sluicegate_order": order},
-            }),
-        )
+    let metadata = json!({"sluicegate_order": order});
+    let batch = api
+        .batch_with(&lines, "/v1/completions", "24h", &metadata)
         .await;
-    assert_eq!(status, 200, "create: {batch}");
     let id = batch["id"].as_str().expect("id").to_owned();
     // Killed as soon as the first chunk is in the queue: the intake is
     // then mid-way (it enqueues 500 lines per chunk).

@@ -26,6 +26,7 @@ use sluicegate::sim::config::EngineConfig;
 use sluicegate::sim::engine::{Engine, EngineEvent, RequestClass, SimRequest};
 use sluicegate::sim::{SimConfig, spawn_http};
 use support::serve::{Api, ServeSpec, start, terminal};
+use support::sim::metric_sum;
 
 /// Lines of the batch.
 const LINES: usize = 240;
@@ -197,20 +198,29 @@ fn prefix_order(bodies: &[Value]) -> Vec<usize> {
     plan(&keys).into_iter().map(|i| i as usize).collect()
 }
 
+/// Prints the figures of the arrival and the model-prefix run.
+fn show(title: &str, clock: &str, [arrival, prefix]: [Figures; 2]) {
+    eprintln!("{title}, one replica of 384 KV blocks:");
+    for (name, f) in [("arrival", arrival), ("model-prefix", prefix)] {
+        eprintln!(
+            "  {name:>12}: prefix-cache hit rate {:.3}, {:.1} lines/s ({clock}), {} preemptions",
+            f.hit_rate, f.lines_per_s, f.preemptions
+        );
+    }
+}
+
 #[test]
 fn the_prefix_order_raises_the_prefix_cache_hit_rate_in_virtual_time() {
     let bodies = bodies();
     let arrival = virtual_run(&bodies, &(0..LINES).collect::<Vec<_>>());
     let prefix = virtual_run(&bodies, &prefix_order(&bodies));
-    eprintln!(
-        "virtual time, {LINES} lines, {DOCUMENTS} documents shuffled, {IN_FLIGHT} in flight, one replica of 384 KV blocks:"
+    show(
+        &format!(
+            "virtual time, {LINES} lines, {DOCUMENTS} documents shuffled, {IN_FLIGHT} in flight"
+        ),
+        "simulated",
+        [arrival, prefix],
     );
-    for (name, f) in [("arrival", arrival), ("model-prefix", prefix)] {
-        eprintln!(
-            "  {name:>12}: prefix-cache hit rate {:.3}, {:.1} lines/s (simulated), {} preemptions",
-            f.hit_rate, f.lines_per_s, f.preemptions
-        );
-    }
     // Deterministic (no jitter, no clock): the ordering of the two runs is
     // a property of the orders, not of a machine.
     assert!(
@@ -218,20 +228,6 @@ fn the_prefix_order_raises_the_prefix_cache_hit_rate_in_virtual_time() {
         "{prefix:?} against {arrival:?}"
     );
     assert!(prefix.hit_rate > 0.9, "{prefix:?}");
-}
-
-/// Sums a counter over the replicas on the simulator's `/metrics`.
-async fn counter(sim: &str, name: &str) -> f64 {
-    let text = reqwest::get(format!("{sim}/metrics"))
-        .await
-        .expect("simulator metrics")
-        .text()
-        .await
-        .expect("metrics body");
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{name}{{")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// One batch in `order` through `serve` on a fresh simulator: its
@@ -250,19 +246,11 @@ async fn served_run(file: &str, order: &str) -> Figures {
     spec.max_sys = IN_FLIGHT as u32;
     let served = start(&spec, None).await;
     let api = Api::new(&served.base, None);
-    let (status, uploaded) = api.upload("batch", file.as_bytes()).await;
-    assert_eq!(status, 200, "upload: {uploaded}");
     let began = Instant::now();
-    let (status, batch) = api
-        .post(
-            "/v1/batches",
-            &json!({
-                "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
-                "completion_window": "24h", "metadata": {"sluicegate_order": order},
-            }),
-        )
+    let metadata = json!({"sluicegate_order": order});
+    let batch = api
+        .batch_with(file, "/v1/chat/completions", "24h", &metadata)
         .await;
-    assert_eq!(status, 200, "create: {batch}");
     let id = batch["id"].as_str().expect("id");
     let done = api.wait_for(id, Duration::from_secs(300), terminal).await;
     let took = began.elapsed().as_secs_f64();
@@ -283,10 +271,10 @@ async fn served_run(file: &str, order: &str) -> Figures {
     }
     assert_eq!(answers.len(), LINES, "every custom_id answered");
     assert!(answers.values().all(|n| *n == 1), "each exactly once");
-    let base = sim.base_url();
-    let queries = counter(&base, "vllm:prefix_cache_queries_total").await;
-    let hits = counter(&base, "vllm:prefix_cache_hits_total").await;
-    let preemptions = counter(&base, "vllm:num_preemptions_total").await;
+    let (client, base) = (reqwest::Client::new(), sim.base_url());
+    let queries = metric_sum(&client, &base, &["vllm:prefix_cache_queries_total"]).await;
+    let hits = metric_sum(&client, &base, &["vllm:prefix_cache_hits_total"]).await;
+    let preemptions = metric_sum(&client, &base, &["vllm:num_preemptions_total"]).await;
     served.stop().await;
     sim.shutdown().await.expect("simulator stops");
     Figures {
@@ -301,13 +289,11 @@ async fn arrival_and_model_prefix_batches_through_serve_on_the_simulator() {
     let file = input_file(&bodies());
     let arrival = served_run(&file, "arrival").await;
     let prefix = served_run(&file, "model-prefix").await;
-    eprintln!(
-        "serve + simulator (real time), {LINES} lines, {DOCUMENTS} documents shuffled, window {IN_FLIGHT}, one replica of 384 KV blocks:"
+    show(
+        &format!(
+            "serve + simulator (real time), {LINES} lines, {DOCUMENTS} documents shuffled, window {IN_FLIGHT}"
+        ),
+        "wall, creation to completed",
+        [arrival, prefix],
     );
-    for (name, f) in [("arrival", arrival), ("model-prefix", prefix)] {
-        eprintln!(
-            "  {name:>12}: prefix-cache hit rate {:.3}, {:.1} lines/s (wall, creation to completed), {} preemptions",
-            f.hit_rate, f.lines_per_s, f.preemptions
-        );
-    }
 }
