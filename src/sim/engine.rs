@@ -269,7 +269,9 @@ fn release(cache: &mut PrefixCache, free_blocks: &mut u32, s: &mut Seq) {
 /// cached meanwhile (another request computed it), `s` joins that one and
 /// its own copy is freed.
 fn cache_computed(cache: &mut PrefixCache, free_blocks: &mut u32, s: &mut Seq, block_size: u32) {
-    let full = (s.computed / block_size).min(u32::try_from(s.req.prefix.len()).unwrap_or(u32::MAX));
+    // Prompt blocks only: generated tokens get no identity.
+    let prompt_blocks = s.computed.min(s.req.prompt_tokens) / block_size;
+    let full = prompt_blocks.min(u32::try_from(s.req.prefix.len()).unwrap_or(u32::MAX));
     while s.shared < full {
         // Joining a held copy frees ours; joining a free one takes it
         // out of the free space as ours goes back in (no change).
@@ -635,7 +637,7 @@ impl Engine {
         if !self.cfg.enable_prefix_caching || s.req.prefix.is_empty() {
             return (0, 0);
         }
-        let max = (s.num_tokens() - 1) / self.cfg.block_size;
+        let max = (s.num_tokens() - 1).min(s.req.prompt_tokens) / self.cfg.block_size;
         self.cache.hits(&s.req.prefix, max as usize)
     }
 
