@@ -33,8 +33,8 @@ pub const KEY_CHARS_PER_BLOCK: usize = 64;
 
 /// Blocks of a prompt the sort key compares (16 384 characters, about
 /// 4 096 tokens): lines that share more are ordered by position beyond
-/// it. A key holds 8 bytes per block, at most 1/8 of its line's size, so
-/// the keys of a whole file stay well under the file's size in memory.
+/// it. A key holds 8 bytes per 64 characters of prompt (and the model
+/// name), so the keys of a whole file stay a fraction of its size.
 pub const KEY_MAX_BLOCKS: usize = 256;
 
 /// How a batch's lines are ordered before they are enqueued.

@@ -89,8 +89,9 @@ impl InputLines {
 impl Engine {
     /// The lines of `batch`'s input in its order, the first `done`
     /// positions skipped. The planned order reads the file once more to
-    /// key every line (a key is at most 1/8 of its line,
-    /// `order::KEY_MAX_BLOCKS`), sorts the keys and keeps 16 bytes per line.
+    /// key every line (the model name and 8 bytes per 64 characters of
+    /// prompt, `order::KEY_MAX_BLOCKS`), sorts the keys and keeps 16 bytes
+    /// per line.
     pub(super) async fn input_lines(
         &self,
         batch: &BatchRecord,
