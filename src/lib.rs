@@ -44,8 +44,9 @@
 //! - [`chart`]: SVG line charts (stacked panels over a shared time axis,
 //!   drawn with `plotters`) for the demo and `eval`.
 //! - [`serve`]: the OpenAI Files and Batches API (`sluicegate serve`):
-//!   batches become queue messages, their results output files; records
-//!   in SQLite (embedded) or Redis (replicas).
+//!   batches become queue messages (in file order, or grouped by model
+//!   and shared prompt prefix, `serve::order`), their results output
+//!   files; records in SQLite (embedded) or Redis (replicas).
 //! - [`app`]: wiring ([`app::run`]) and the shutdown order;
 //!   [`cli`]: the subcommands (parse flags, call `app`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
@@ -57,7 +58,10 @@
 //! long-lived task named, a panic stops the run), [`redis`] (one Redis
 //! server or a cluster, for transports, gates, sources, the shared window
 //! and `serve`), [`clock`] (Unix time), [`headers`] (the header rules the
-//! gateway client, the config and `serve` share). `docs/architecture.md`,
+//! gateway client, the config and `serve` share), [`prompt`] (a request
+//! body's prompt text and block identities, the tokenization proxy the
+//! simulator's prefix cache and `serve`'s prefix order share).
+//! `docs/architecture.md`,
 //! "Code layout", draws the layers.
 
 /// The database clock in Unix milliseconds, for the statement text of the
@@ -81,6 +85,7 @@ pub mod eval;
 pub mod gate;
 pub mod gateway;
 pub mod headers;
+pub mod prompt;
 pub mod queue;
 pub mod redis;
 pub mod request;

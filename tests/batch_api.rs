@@ -550,6 +550,11 @@ fn bad_serve_keys_stop_check_config_and_serve_naming_the_key() {
         "dispatcher = \"elsewhere\"\n",
         "serve.dispatcher: unknown value \"elsewhere\"; allowed: in-process, separate",
     );
+    serve_table_is_refused(
+        &dir,
+        "order = \"shuffled\"\n",
+        "serve.order: unknown value \"shuffled\"; allowed: arrival, model-prefix, model-prefix-v1",
+    );
 }
 
 #[test]
@@ -1440,6 +1445,42 @@ impl IntakeQueue<'_> {
             Self::Redis(redis) => redis.int(&["ZCARD", "batch-api"]),
         }
     }
+
+    /// The prompts of the first `n` messages enqueued (embedded only).
+    fn first_prompts(&self, n: usize) -> Vec<String> {
+        let Self::Embedded(path) = self else {
+            return Vec::new();
+        };
+        let db = rusqlite::Connection::open(path).expect("queue file");
+        let mut query = db
+            .prepare("SELECT body FROM messages ORDER BY seq LIMIT ?1")
+            .expect("query");
+        let rows = query
+            .query_map([n as i64], |r| r.get::<_, Vec<u8>>(0))
+            .expect("rows");
+        rows.map(|body| {
+            let body: Value = serde_json::from_slice(&body.expect("row")).expect("message");
+            body["payload"]["prompt"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect()
+    }
+}
+
+/// `n` completion lines whose prompts start with one of 5 long prefixes
+/// (100 characters: one shared 64-character block), spread through the
+/// file, each prompt still unique.
+fn prefixed_lines(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            let prefix: String = std::iter::repeat_n(['v', 'w', 'x', 'y', 'z'][(i * 7) % 5], 100).collect();
+            format!(
+                "{{\"custom_id\":\"r{i}\",\"method\":\"POST\",\"url\":\"/v1/completions\",\"body\":{{\"model\":\"sim-model\",\"prompt\":\"{prefix} {i}\",\"max_tokens\":4}}}}\n"
+            )
+        })
+        .collect()
 }
 
 /// `sluicegate serve --config <file>` in `cwd`: the API and telemetry on
@@ -1498,8 +1539,10 @@ async fn counting_gateway() -> wiremock::MockServer {
 /// (some chunks in the queue, not all) resumes the intake after the last
 /// chunk it enqueued: the gateway gets each line exactly once, and the
 /// output has each `custom_id` once. Before, the intake restarted at line
-/// 1 and the chunks enqueued before the kill were sent twice.
-async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue<'_>) {
+/// 1 and the chunks enqueued before the kill were sent twice. With
+/// `order` `model-prefix` (issue 26 item 7) the lines are enqueued grouped
+/// by prefix and the progress counts positions of that order.
+async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue<'_>, order: &str) {
     const N: usize = 20_000;
     let dir = support::TempDir::new("serve-intake");
     let data = dir.0.join("data");
@@ -1512,8 +1555,13 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
         IntakeQueue::Embedded(_) => IntakeQueue::Embedded(data.join("sluicegate.db")),
         redis => redis,
     };
+    let lines = match order {
+        "model-prefix" => prefixed_lines(N),
+        _ => completion_lines(N, 4),
+    };
+    let metadata = json!({"sluicegate_order": order});
     let batch = api
-        .batch(&completion_lines(N, 4), "/v1/completions", "24h")
+        .batch_with(&lines, "/v1/completions", "24h", &metadata)
         .await;
     let id = batch["id"].as_str().expect("id").to_owned();
     // Killed as soon as the first chunk is in the queue: the intake is
@@ -1529,6 +1577,15 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
         at_kill > 0 && at_kill < N as i64,
         "killed mid-intake: {at_kill} of {N} enqueued"
     );
+    if order == "model-prefix" {
+        // The first chunk is one prefix group (4 000 lines each), in file
+        // order within it; in file order it would hold all five.
+        let first = queue.first_prompts(500);
+        assert_eq!(first.len(), 500);
+        let starts: std::collections::BTreeSet<char> =
+            first.iter().filter_map(|p| p.chars().next()).collect();
+        assert_eq!(starts.len(), 1, "{starts:?}");
+    }
     let _second = serve_with_config(&dir.0, &data, transport, &gateway.uri(), false, ports);
     answered(&api).await;
     let done = api.wait_for(&id, Duration::from_secs(600), terminal).await;
@@ -1563,7 +1620,15 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_during_intake_sends_no_line_twice() {
     let transport = "transport = \"embedded\"\n";
-    a_killed_intake_sends_no_line_twice(transport, IntakeQueue::Embedded(Default::default())).await;
+    let queue = IntakeQueue::Embedded(Default::default());
+    a_killed_intake_sends_no_line_twice(transport, queue, "arrival").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_a_prefix_ordered_intake_sends_no_line_twice() {
+    let transport = "transport = \"embedded\"\n";
+    let queue = IntakeQueue::Embedded(Default::default());
+    a_killed_intake_sends_no_line_twice(transport, queue, "model-prefix").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1573,7 +1638,7 @@ async fn a_server_killed_during_intake_on_redis_sends_no_line_twice() {
         "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
         redis.port
     );
-    a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis)).await;
+    a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis), "arrival").await;
 }
 
 /// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.

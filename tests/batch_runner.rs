@@ -47,16 +47,8 @@ fn read_output(path: &Path) -> Vec<Value> {
 }
 
 async fn completed_requests(base: &str) -> f64 {
-    let text = reqwest::get(format!("{base}/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    text.lines()
-        .filter(|l| l.starts_with("vllm:request_success_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let names = ["vllm:request_success_total"];
+    support::sim::metric_sum(&reqwest::Client::new(), base, &names).await
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -267,6 +267,16 @@ spelled! {
         Separate = "separate",
     }
 
+    /// The order `sluicegate serve` enqueues a batch's lines in
+    /// (`serve.order`; a batch's metadata may pick its own).
+    pub enum ServeOrder, as_str {
+        /// The input file's order (default).
+        Arrival = "arrival",
+        /// By model, then by shared prompt prefix (llm-d's
+        /// `model-prefix-v1`).
+        ModelPrefix = "model-prefix" | "model-prefix-v1",
+    }
+
     /// Which header carries the queue's inference objective; the config
     /// spelling is the header name.
     pub enum ObjectiveHeader, header_name {
@@ -594,6 +604,11 @@ section! {
         /// picker); names, case-insensitive. Checked at start: a header
         /// the gateway client sets or refuses cannot be listed.
         pass_headers: Vec<String> = Vec::new(), as_string_list;
+        /// The order a batch's lines are enqueued in: `arrival` (the
+        /// file's) or `model-prefix` (by model, then shared prompt prefix,
+        /// so the engines' prefix cache hits); a batch's metadata key
+        /// `sluicegate_order` overrides it.
+        order: ServeOrder = ServeOrder::Arrival, choice(ServeOrder::CHOICES);
         /// Redis transport: the list the batch requests' results go to
         /// (unless the queue sets `result_queue_name`); only serve reads it.
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;

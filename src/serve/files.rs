@@ -62,6 +62,16 @@ pub async fn read_line<R: AsyncBufRead + Unpin>(
     reader: &mut R,
     max: u64,
 ) -> std::io::Result<Option<Line>> {
+    Ok(read_line_len(reader, max).await?.map(|(line, _)| line))
+}
+
+/// [`read_line`], and the bytes it consumed (line ending included): where
+/// the next line starts, for a reader that comes back to a line by its
+/// offset.
+pub async fn read_line_len<R: AsyncBufRead + Unpin>(
+    reader: &mut R,
+    max: u64,
+) -> std::io::Result<Option<(Line, u64)>> {
     let mut buf = Vec::new();
     let n = (&mut *reader)
         .take(max.saturating_add(1))
@@ -70,6 +80,7 @@ pub async fn read_line<R: AsyncBufRead + Unpin>(
     if n == 0 {
         return Ok(None);
     }
+    let mut consumed = n as u64;
     let ended = buf.last() == Some(&b'\n');
     if ended || buf.len() as u64 <= max {
         if ended {
@@ -78,7 +89,7 @@ pub async fn read_line<R: AsyncBufRead + Unpin>(
         if buf.last() == Some(&b'\r') {
             buf.pop();
         }
-        return Ok(Some(Line::Text(buf)));
+        return Ok(Some((Line::Text(buf), consumed)));
     }
     // Too long: skip the rest of the line in small pieces.
     loop {
@@ -87,8 +98,9 @@ pub async fn read_line<R: AsyncBufRead + Unpin>(
             .take(64 * 1024)
             .read_until(b'\n', &mut buf)
             .await?;
+        consumed += n as u64;
         if n == 0 || buf.last() == Some(&b'\n') {
-            return Ok(Some(Line::TooLong));
+            return Ok(Some((Line::TooLong, consumed)));
         }
     }
 }
@@ -114,5 +126,16 @@ mod tests {
                 Line::Text(b"last-no-newline".to_vec()),
             ]
         );
+    }
+
+    #[tokio::test]
+    async fn consumed_lengths_add_up_to_each_line_start() {
+        let text = b"short\r\nthis line is too long\nok\nlast".to_vec();
+        let mut reader = tokio::io::BufReader::new(&text[..]);
+        let mut starts = vec![0u64];
+        while let Some((_, n)) = read_line_len(&mut reader, 15).await.expect("reads") {
+            starts.push(starts.last().copied().unwrap_or(0) + n);
+        }
+        assert_eq!(starts, vec![0, 7, 29, 32, 36]);
     }
 }

@@ -21,6 +21,7 @@ use tokio::io::AsyncWriteExt;
 use super::auth::Keys;
 use super::engine::{CreateError, Engine};
 use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id};
+use super::order::{self, Order};
 use super::quota::{Exceeded, LimitKind};
 use super::retention::ExpiresAfter;
 use crate::batch::endpoint::Endpoint;
@@ -60,6 +61,8 @@ pub struct AppState {
     /// `serve.pass_headers`: copied from a batch's creation onto each of
     /// its requests.
     pub pass_headers: Vec<axum::http::HeaderName>,
+    /// `serve.order`: a batch's order unless its metadata names one.
+    pub order: Order,
 }
 
 type Shared = Arc<AppState>;
@@ -597,12 +600,32 @@ async fn create_batch(
         output_expires_after,
     });
     batch.headers = passed_headers(&state.pass_headers, &headers)?;
+    batch.order = batch_order(&batch.metadata, state.order)?;
     let batch = match state.engine.create(batch).await {
         Ok(batch) => batch,
         Err(CreateError::Limit(e)) => return Err(ApiError::limit(&tenant_of, e)),
         Err(CreateError::Engine(e)) => return Err(ApiError::internal(e)),
     };
     Ok(axum::Json(batch.api(0, 0)))
+}
+
+/// A batch's line order: its metadata's [`order::METADATA_KEY`] when
+/// given (a value that is no order is a 400 naming `metadata`), else the
+/// server's.
+fn batch_order(metadata: &BTreeMap<String, String>, server: Order) -> Result<Order, ApiError> {
+    let Some(value) = metadata.get(order::METADATA_KEY) else {
+        return Ok(server);
+    };
+    Order::parse(value).ok_or_else(|| {
+        ApiError::invalid(
+            format!(
+                "Invalid 'metadata': `{}` is `{value}`; allowed: {}.",
+                order::METADATA_KEY,
+                Order::spellings()
+            ),
+            Some("metadata"),
+        )
+    })
 }
 
 /// The configured pass-through headers the creation carries, by name.
@@ -848,6 +871,30 @@ mod tests {
         assert!(metadata(wide).is_ok());
         let number = BTreeMap::from([("k".to_owned(), json!(1))]);
         assert!(metadata(number).is_err());
+    }
+
+    #[test]
+    fn a_batch_order_comes_from_its_metadata_or_the_server() {
+        let with = |v: &str| BTreeMap::from([(order::METADATA_KEY.to_owned(), v.to_owned())]);
+        let none = BTreeMap::new();
+        assert_eq!(
+            batch_order(&none, Order::ModelPrefix).ok(),
+            Some(Order::ModelPrefix)
+        );
+        assert_eq!(
+            batch_order(&with("arrival"), Order::ModelPrefix).ok(),
+            Some(Order::Arrival)
+        );
+        assert_eq!(
+            batch_order(&with("model-prefix-v1"), Order::Arrival).ok(),
+            Some(Order::ModelPrefix)
+        );
+        let e = batch_order(&with("shuffled"), Order::Arrival).expect_err("not an order");
+        assert_eq!(
+            (e.status, e.param),
+            (StatusCode::BAD_REQUEST, Some("metadata"))
+        );
+        assert!(e.message.contains("arrival, model-prefix"), "{}", e.message);
     }
 
     #[test]

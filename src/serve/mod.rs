@@ -10,7 +10,8 @@
 //! cancel on the configured queue), `engine` (validation, collection,
 //! expiry, cancel, finalizing), `quota` (per-tenant limits on enqueued
 //! work), `retention` (file expiry and its
-//! sweeper), `http` (the endpoints). This file wires
+//! sweeper), `order` (the order a batch's lines are enqueued in:
+//! arrival, or by model and shared prompt prefix), `http` (the endpoints). This file wires
 //! them for [`start`].
 
 pub mod auth;
@@ -18,6 +19,7 @@ pub mod engine;
 pub mod files;
 pub mod http;
 pub mod model;
+pub mod order;
 pub mod quota;
 pub mod retention;
 pub mod sink;
@@ -424,6 +426,7 @@ pub async fn start(
         engine,
         keys,
         pass_headers,
+        order: serve.order.into(),
     }));
     let graceful = stop.clone().cancelled_owned();
     tasks.spawn("serve: batch api server", async move {

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::order::Order;
 use crate::clock::unix_secs;
 
 /// A batch's lifecycle state, spelled as the OpenAI API spells it.
@@ -204,6 +205,12 @@ pub struct BatchRecord {
     /// requests; left out of the stored JSON when empty.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
+    /// The order its lines are enqueued in (`serve.order` or its
+    /// metadata's `sluicegate_order`), fixed at creation so an intake
+    /// resumed by a server with another setting keeps it; left out of the
+    /// stored JSON when `arrival`.
+    #[serde(default, skip_serializing_if = "Order::is_arrival")]
+    pub order: Order,
 }
 
 /// What a new batch is made of (`POST /v1/batches`).
@@ -257,6 +264,7 @@ impl BatchRecord {
             touched_at: created_at,
             held: None,
             headers: BTreeMap::new(),
+            order: Order::Arrival,
         }
     }
 

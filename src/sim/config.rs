@@ -125,6 +125,10 @@ pub struct EngineConfig {
     pub long_prefill_token_threshold: u32,
     /// Waiting-queue order and preemption victim choice.
     pub policy: SchedPolicy,
+    /// vLLM's automatic prefix caching (`--enable-prefix-caching`, on by
+    /// default in V1): full prompt blocks are cached and shared by
+    /// identity; requests whose prompt content is unknown are unaffected.
+    pub enable_prefix_caching: bool,
     /// Step duration model.
     pub step: StepModel,
 }
@@ -139,6 +143,7 @@ impl Default for EngineConfig {
             max_model_len: 8192,
             long_prefill_token_threshold: 0,
             policy: SchedPolicy::Fcfs,
+            enable_prefix_caching: true,
             step: StepModel::default(),
         }
     }

@@ -30,12 +30,7 @@ pub(super) struct EmbedRequest {
 
 /// FNV-1a, 64 bits: a stable seed from bytes.
 fn fnv(bytes: &[u8]) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        hash ^= u64::from(*b);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    hash
+    crate::prompt::fnv1a(crate::prompt::FNV_OFFSET, bytes)
 }
 
 /// Reads an embeddings body: `input` in OpenAI's four forms (a string,

@@ -5,13 +5,23 @@
 //! then applies the end ([`Engine::finish_step`]), which emits tokens. Between
 //! the two, new requests only join the waiting queue, as in vLLM where the
 //! scheduler runs once per forward pass.
+//!
+//! Prefix caching (`engine.enable_prefix_caching`, on by default as in
+//! vLLM V1): a request that carries the identities of its prompt's full
+//! blocks ([`SimRequest::prefix`]) starts its prefill after the leading
+//! blocks found in the replica's [`PrefixCache`], sharing them with their
+//! other holders; its own full prompt blocks are cached as they are
+//! computed. A request without identities (the load generators') shares
+//! nothing and runs exactly as before.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use super::config::{EngineConfig, SchedPolicy};
 use super::metrics::{ReplicaGauges, ReplicaHistograms};
+use super::prefix::PrefixCache;
 
 /// Simulated time in seconds since the scenario started.
 pub type SimTime = f64;
@@ -45,6 +55,10 @@ pub struct SimRequest {
     pub priority: i32,
     /// Emit an event per token (HTTP streaming); otherwise only completion.
     pub stream: bool,
+    /// Identities of the prompt's full KV blocks, in order, each chained
+    /// on its predecessor's (`crate::prompt::blocks`); empty when the
+    /// prompt's content is unknown, which caches and hits nothing.
+    pub prefix: Arc<[u64]>,
 }
 
 impl SimRequest {
@@ -159,8 +173,11 @@ struct Seq {
     generated: u32,
     /// Tokens whose KV is computed.
     computed: u32,
-    /// KV blocks held.
+    /// KV blocks held privately (not in the prefix cache).
     blocks: u32,
+    /// Leading prompt blocks held through the prefix cache (shared with
+    /// any other sequence holding the same identities).
+    shared: u32,
     /// Tokens scheduled in the step in progress (0 = not scheduled).
     scheduled: u32,
     /// Whether the scheduled work is a decode (one token after a full context).
@@ -230,6 +247,40 @@ fn itl_summary(itls: &[f32]) -> (Option<f64>, Option<f64>, Option<f64>) {
         Some(f64::from(v[idx])),
         v.last().map(|x| f64::from(*x)),
     )
+}
+
+/// Gives back everything `s` holds: its private blocks become free, its
+/// cached ones are let go (and stay cached while free). The last block is
+/// let go first, so it is evicted first, as vLLM frees a request's blocks
+/// in reverse: a shorter prefix stays useful to more prompts.
+fn release(cache: &mut PrefixCache, free_blocks: &mut u32, s: &mut Seq) {
+    *free_blocks += s.blocks;
+    for id in s.req.prefix[..s.shared as usize].iter().rev() {
+        if cache.release(*id) {
+            *free_blocks += 1;
+        }
+    }
+    s.blocks = 0;
+    s.shared = 0;
+}
+
+/// Caches the prompt blocks of `s` that its prefill has completed: each
+/// private block becomes a cached one it holds. When an equal block was
+/// cached meanwhile (another request computed it), `s` joins that one and
+/// its own copy is freed.
+fn cache_computed(cache: &mut PrefixCache, free_blocks: &mut u32, s: &mut Seq, block_size: u32) {
+    // Prompt blocks only: generated tokens get no identity.
+    let prompt_blocks = s.computed.min(s.req.prompt_tokens) / block_size;
+    let full = prompt_blocks.min(u32::try_from(s.req.prefix.len()).unwrap_or(u32::MAX));
+    while s.shared < full {
+        // Joining a held copy frees ours; joining a free one takes it
+        // out of the free space as ours goes back in (no change).
+        if cache.hold_computed(s.req.prefix[s.shared as usize]) == Some(false) {
+            *free_blocks += 1;
+        }
+        s.blocks -= 1;
+        s.shared += 1;
+    }
 }
 
 /// Priority-queue key: (priority, arrival bits, id). Non-negative f64 bit
@@ -383,7 +434,15 @@ pub struct Engine {
     waiting: WaitQueue,
     /// Running sequences in admission order (the fcfs preemption order).
     running: Vec<Seq>,
+    /// Free KV blocks, the free cached ones included (as vLLM counts
+    /// them: evictable space is free space).
     free_blocks: u32,
+    /// Cached prompt blocks; its free ones are part of `free_blocks`.
+    cache: PrefixCache,
+    /// `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits`: prompt
+    /// tokens looked up and found, of requests not preempted before.
+    prefix_queries_total: u64,
+    prefix_hits_total: u64,
     next_order: u64,
     /// Whether a step is in progress and when it ends.
     step_end: Option<SimTime>,
@@ -422,6 +481,9 @@ impl Engine {
             waiting,
             running: Vec::new(),
             free_blocks,
+            cache: PrefixCache::default(),
+            prefix_queries_total: 0,
+            prefix_hits_total: 0,
             next_order: 0,
             step_end: None,
             last_work: StepWork::default(),
@@ -457,6 +519,7 @@ impl Engine {
             generated: 0,
             computed: 0,
             blocks: 0,
+            shared: 0,
             scheduled: 0,
             decoding: false,
             first_token_at: None,
@@ -514,6 +577,8 @@ impl Engine {
             prompt_tokens_total: self.prompt_tokens_total,
             generation_tokens_total: self.generation_tokens_total,
             success_total: self.success_total,
+            prefix_cache_queries_total: self.prefix_queries_total,
+            prefix_cache_hits_total: self.prefix_hits_total,
         }
     }
 
@@ -553,6 +618,29 @@ impl Engine {
         tokens.div_ceil(self.cfg.block_size)
     }
 
+    /// Takes `n` free blocks (the caller checked there are): never-cached
+    /// space first, then the least recently freed cached blocks, which
+    /// leave the cache. (vLLM keeps one LRU queue of all free blocks; the
+    /// model spends the space that holds no prefix first.)
+    fn take_blocks(&mut self, n: u32) {
+        let uncached = self.free_blocks - self.cache.free_len();
+        if n > uncached {
+            self.cache.evict(n - uncached);
+        }
+        self.free_blocks -= n;
+    }
+
+    /// `(hits, free among them)`: the leading blocks of `s`'s prompt found
+    /// in the cache. At least the last token is computed again (vLLM needs
+    /// its logits), so a prompt that is all cached hits one block less.
+    fn prefix_hits(&self, s: &Seq) -> (u32, u32) {
+        if !self.cfg.enable_prefix_caching || s.req.prefix.is_empty() {
+            return (0, 0);
+        }
+        let max = (s.num_tokens() - 1).min(s.req.prompt_tokens) / self.cfg.block_size;
+        self.cache.hits(&s.req.prefix, max as usize)
+    }
+
     /// Index of the running request to preempt, by policy.
     fn victim(&self) -> Option<usize> {
         match self.cfg.policy {
@@ -574,8 +662,7 @@ impl Engine {
     fn preempt(&mut self, i: usize) -> u32 {
         let mut s = self.running.remove(i);
         let refund = s.scheduled;
-        self.free_blocks += s.blocks;
-        s.blocks = 0;
+        release(&mut self.cache, &mut self.free_blocks, &mut s);
         s.computed = 0;
         s.scheduled = 0;
         s.decoding = false;
@@ -591,14 +678,16 @@ impl Engine {
     fn schedule_running(&mut self, i: &mut usize, n: u32, budget: &mut u32) -> bool {
         loop {
             let s = &self.running[*i];
-            let need = self.blocks_for(s.computed + n).saturating_sub(s.blocks);
+            let need = self
+                .blocks_for(s.computed + n)
+                .saturating_sub(s.blocks + s.shared);
             if need <= self.free_blocks {
                 let decoding = s.is_decode();
                 let s = &mut self.running[*i];
                 s.blocks += need;
                 s.scheduled = n;
                 s.decoding = decoding;
-                self.free_blocks -= need;
+                self.take_blocks(need);
                 *budget -= n;
                 return true;
             }
@@ -656,19 +745,35 @@ impl Engine {
                 let Some(head) = self.waiting.front() else {
                     break;
                 };
-                let n = head.needed().min(budget).min(chunk_cap);
-                let need = self.blocks_for(head.computed + n);
-                if need > self.free_blocks {
+                // A waiting request has no KV (new, or preempted and
+                // reset): its prefill starts after its cached blocks.
+                let (hit, hit_free) = self.prefix_hits(head);
+                let hit_tokens = hit * self.cfg.block_size;
+                let n = (head.needed() - hit_tokens).min(budget).min(chunk_cap);
+                let need = self.blocks_for(hit_tokens + n) - hit;
+                // Free cached blocks it takes leave the free space too.
+                if need + hit_free > self.free_blocks {
                     break;
                 }
                 let Some(mut s) = self.waiting.pop_front() else {
                     break;
                 };
+                for id in &s.req.prefix[..hit as usize] {
+                    if self.cache.acquire(*id) {
+                        self.free_blocks -= 1;
+                    }
+                }
+                self.take_blocks(need);
+                if self.cfg.enable_prefix_caching && s.preemptions == 0 {
+                    self.prefix_queries_total += u64::from(s.num_tokens());
+                    self.prefix_hits_total += u64::from(hit_tokens);
+                }
+                s.shared = hit;
+                s.computed = hit_tokens;
                 s.blocks = need;
                 s.scheduled = n;
                 s.decoding = false;
                 s.first_scheduled_at.get_or_insert(now);
-                self.free_blocks -= need;
                 budget -= n;
                 self.running.push(s);
             }
@@ -720,6 +825,15 @@ impl Engine {
             }
             s.computed += s.scheduled;
             s.scheduled = 0;
+            if self.cfg.enable_prefix_caching {
+                cache_computed(
+                    &mut self.cache,
+                    &mut self.free_blocks,
+                    s,
+                    self.cfg.block_size,
+                );
+            }
+            let s = &mut self.running[i];
             if s.computed < s.num_tokens() {
                 i += 1;
                 continue;
@@ -750,8 +864,8 @@ impl Engine {
                 });
             }
             if s.generated >= s.target {
-                let s = self.running.remove(i);
-                self.free_blocks += s.blocks;
+                let mut s = self.running.remove(i);
+                release(&mut self.cache, &mut self.free_blocks, &mut s);
                 self.success_total += 1;
                 self.hist.e2e.observe(end - s.req.arrival);
                 if let Some(t) = s.first_scheduled_at {
@@ -772,8 +886,8 @@ impl Engine {
     /// in the current step is wasted, as in vLLM.
     pub fn abort(&mut self, id: u64) -> Option<RequestRecord> {
         if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
-            let s = self.running.remove(i);
-            self.free_blocks += s.blocks;
+            let mut s = self.running.remove(i);
+            release(&mut self.cache, &mut self.free_blocks, &mut s);
             return Some(s.record(self.replica, Outcome::Aborted, None));
         }
         self.waiting
@@ -795,6 +909,7 @@ impl Engine {
                 .map(|s| s.record(self.replica, Outcome::Unfinished, None)),
         );
         self.free_blocks = self.cfg.num_gpu_blocks;
+        self.cache.clear();
         self.step_end = None;
         out
     }
@@ -820,6 +935,7 @@ mod tests {
             max_tokens: 1024,
             priority: 0,
             stream: true,
+            prefix: Arc::default(),
         }
     }
 
@@ -1051,6 +1167,136 @@ mod tests {
         let (a, _) = run(&mut busy, 5.0);
         let (b, _) = run(&mut fresh, 5.0);
         assert_eq!(finished(&a), finished(&b));
+    }
+
+    /// A request whose prompt is `text`, its blocks cut as the HTTP front
+    /// cuts them (64 characters for 16 tokens).
+    fn prompted(id: u64, text: &str, out: u32) -> SimRequest {
+        let tokens = u32::try_from(text.chars().count() / 4).expect("short");
+        SimRequest {
+            prefix: crate::prompt::blocks("m", text, 64, 512).into(),
+            ..req(id, tokens, out)
+        }
+    }
+
+    /// Runs `r` alone after whatever ran before; its first step's prefill.
+    fn first_prefill(e: &mut Engine, r: SimRequest, now: f64) -> (u32, f64) {
+        e.add_request(r);
+        e.start_step(now);
+        let prefill = e.last_work().prefill_tokens;
+        e.finish_step(&mut Vec::new());
+        let (_, end) = run(e, now + 1.0);
+        (prefill, end)
+    }
+
+    #[test]
+    fn a_repeated_prefix_skips_its_cached_prefill() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        let shared = "s".repeat(1024);
+        let (first, end) = first_prefill(&mut e, prompted(1, &format!("{shared}aaaa"), 5), 0.0);
+        assert_eq!(first, 257);
+        // 16 full shared blocks are cached; the second prompt differs only
+        // in its last (partial) block.
+        let (second, _) = first_prefill(&mut e, prompted(2, &format!("{shared}bbbb"), 5), end);
+        assert_eq!(second, 257 - 256);
+        let g = e.gauges();
+        assert_eq!(g.prefix_cache_queries_total, 257 * 2);
+        assert_eq!(g.prefix_cache_hits_total, 256);
+        assert_eq!(e.kv_usage(), 0.0, "cached blocks are free space");
+    }
+
+    #[test]
+    fn a_prompt_that_is_all_cached_computes_its_last_block_again() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        let text = "p".repeat(512);
+        let (_, end) = first_prefill(&mut e, prompted(1, &text, 3), 0.0);
+        let (second, _) = first_prefill(&mut e, prompted(2, &text, 3), end);
+        assert_eq!(second, 16, "the last block is recomputed for its logits");
+        assert_eq!(e.gauges().prefix_cache_hits_total, 128 - 16);
+    }
+
+    #[test]
+    fn a_different_first_block_misses_everything_after_it() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        let tail = "t".repeat(960);
+        let (_, end) = first_prefill(
+            &mut e,
+            prompted(1, &format!("{}{tail}", "a".repeat(64)), 2),
+            0.0,
+        );
+        // Blocks 2..16 have the same text, but a block's identity carries
+        // its predecessors': nothing is found.
+        let (second, _) = first_prefill(
+            &mut e,
+            prompted(2, &format!("{}{tail}", "b".repeat(64)), 2),
+            end,
+        );
+        assert_eq!(second, 256);
+        assert_eq!(e.gauges().prefix_cache_hits_total, 0);
+        assert_eq!(e.gauges().prefix_cache_queries_total, 512);
+    }
+
+    #[test]
+    fn kv_pressure_evicts_the_least_recently_freed_blocks_tail_first() {
+        let mut c = cfg();
+        c.num_gpu_blocks = 40; // 640 tokens
+        c.max_model_len = 640;
+        let mut e = Engine::new(c, 0, 1);
+        let a = "a".repeat(1280); // 320 tokens, 20 blocks
+        let (_, end) = first_prefill(&mut e, prompted(1, &a, 1), 0.0);
+        // 32 blocks for an unrelated prompt: 20 never-cached blocks are
+        // free, so 12 cached blocks of `a` are evicted, its last ones.
+        let (_, end) = first_prefill(&mut e, prompted(2, &"z".repeat(2048), 1), end);
+        let (third, _) = first_prefill(&mut e, prompted(3, &a, 1), end);
+        assert_eq!(third, 320 - 8 * 16, "the first 8 blocks survived");
+        assert_eq!(e.gauges().prefix_cache_hits_total, 8 * 16);
+        assert_eq!(e.kv_usage(), 0.0);
+    }
+
+    #[test]
+    fn shared_blocks_are_held_once_while_both_run() {
+        let mut e = Engine::new(cfg(), 0, 1);
+        let shared = "s".repeat(640); // 10 blocks
+        let (_, end) = first_prefill(&mut e, prompted(1, &format!("{shared}x"), 1), 0.0);
+        e.add_request(prompted(2, &format!("{shared}{}", "y".repeat(64)), 50));
+        e.add_request(prompted(3, &format!("{shared}{}", "z".repeat(64)), 50));
+        e.start_step(end);
+        e.finish_step(&mut Vec::new());
+        // The 10 shared blocks are held once between them, plus each one's
+        // own last block.
+        let used = (e.kv_usage() * 8192.0).round() as u32;
+        assert_eq!(used, 10 + 2);
+        let (ev, _) = run(&mut e, end + 1.0);
+        assert_eq!(finished(&ev).len(), 2);
+        assert_eq!(e.kv_usage(), 0.0);
+    }
+
+    #[test]
+    fn prompts_that_share_nothing_run_as_without_the_cache() {
+        // (A preempted request does meet its own blocks again when it is
+        // readmitted, as in vLLM; this run has no preemption.)
+        let go = |texts: bool| {
+            let mut c = EngineConfig {
+                max_num_seqs: 4, // requests queue
+                ..EngineConfig::default()
+            };
+            c.step.jitter = 0.1;
+            let mut e = Engine::new(c, 0, 42);
+            for id in 0..20u64 {
+                let text: String = std::iter::repeat_n(char::from(b'a' + id as u8), 1200).collect();
+                let r = if texts {
+                    prompted(id, &text, 40)
+                } else {
+                    req(id, 300, 40)
+                };
+                e.add_request(r);
+            }
+            let (ev, end) = run(&mut e, 0.0);
+            (finished(&ev), end.to_bits())
+        };
+        let (with, without) = (go(true), go(false));
+        assert_eq!(with.0.len(), 20);
+        assert_eq!(with, without);
     }
 
     #[test]

@@ -120,6 +120,11 @@ pub struct ReplicaGauges {
     pub generation_tokens_total: u64,
     /// `vllm:request_success_total`.
     pub success_total: u64,
+    /// `vllm:prefix_cache_queries_total`: prompt tokens looked up in the
+    /// prefix cache.
+    pub prefix_cache_queries_total: u64,
+    /// `vllm:prefix_cache_hits_total`: prompt tokens found there.
+    pub prefix_cache_hits_total: u64,
 }
 
 /// What a gate can observe of the pool at one instant.
@@ -261,6 +266,18 @@ pub fn render(snap: &MetricsSnapshot, l: &ExpositionLabels) -> String {
             "counter",
             "Number of generation tokens processed.",
             |g| g.generation_tokens_total as f64,
+        ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            |g| g.prefix_cache_queries_total as f64,
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            |g| g.prefix_cache_hits_total as f64,
         ),
     ];
     if l.legacy_vllm_names {
@@ -588,6 +605,8 @@ mod tests {
         );
         assert!(text.contains("vllm:cache_config_info{engine=\"0\",inference_pool=\"p\",model_name=\"m\",pod=\"p-0\",block_size=\"16\",num_gpu_blocks=\"100\"} 1.0"));
         assert!(text.contains("vllm:gpu_cache_usage_perc{"));
+        assert!(text.contains("vllm:prefix_cache_queries_total{engine=\"0\",inference_pool=\"p\",model_name=\"m\",pod=\"p-0\"} 0.0"));
+        assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter"));
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! - [`config`]: the `sim.toml` shape, defaults and validation.
 //! - [`engine`]: one replica's V1-style scheduler, KV blocks, preemption and
 //!   step-time model (pure, deterministic).
+//!   Its prefix cache (vLLM's automatic prefix caching, block identities
+//!   from `crate::prompt`) is `prefix.rs`.
 //! - [`pool`]: replicas plus gateway routing, 429/503 admission and flow control.
 //! - [`load`]: seeded arrival processes and CSV trace replay.
 //! - [`metrics`]: vLLM and endpoint-picker metrics with real names, text
@@ -26,6 +28,7 @@ pub mod http;
 pub mod load;
 pub mod metrics;
 pub mod pool;
+mod prefix;
 pub mod runner;
 pub mod sweep;
 

@@ -278,6 +278,7 @@ mod tests {
             max_tokens: 100,
             priority: 0,
             stream: false,
+            prefix: std::sync::Arc::default(),
         }
     }
 

@@ -569,6 +569,7 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
                 max_tokens: a.max_tokens,
                 priority: a.priority,
                 stream: false,
+                prefix: std::sync::Arc::default(),
             };
             next_interactive_id += 1;
             let adm = pool.submit(req.clone());
@@ -614,6 +615,7 @@ pub fn run(scenario: &Scenario, policy: &mut dyn BatchPolicy) -> Result<RunRepor
                         max_tokens: m,
                         priority: prio,
                         stream: false,
+                        prefix: std::sync::Arc::default(),
                     };
                     next_batch_id += 1;
                     let adm = pool.submit(req.clone());

@@ -423,3 +423,73 @@ def test_a_batch_over_the_tenant_limit_raises_rate_limit_error():
     c.batches.cancel(held.id)
     poll(c, held.id)
     assert create(c, [line("r3")]).status == "validating"
+
+
+def test_a_prefix_ordered_batch_answers_every_custom_id_once():
+    # Issue 26 item 7: lines sharing three long system prompts, shuffled,
+    # in a batch whose metadata asks for the model-prefix order (on the
+    # sync and the async client): reordered before dispatch, every
+    # custom_id still comes back exactly once, answered.
+    systems = [f"You are assistant {k}. " + ("Follow the house style. " * 40) for k in range(3)]
+    lines = []
+    for i in range(60):
+        body = {
+            "model": "sim-model",
+            "messages": [
+                {"role": "system", "content": systems[(i * 7) % 3]},
+                {"role": "user", "content": f"Question {i}: what changed?"},
+            ],
+            "max_tokens": 4,
+        }
+        lines.append(
+            json.dumps(
+                {"custom_id": f"p-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+            )
+        )
+    c = client()
+    f = upload(c, lines)
+    want = {f"p-{i}" for i in range(60)}
+
+    def check(b):
+        assert b.status == "completed", b
+        assert b.metadata == {"sluicegate_order": "model-prefix"}
+        assert b.request_counts.total == 60 and b.request_counts.completed == 60
+        out = jsonl(c, b.output_file_id)
+        ids = [o["custom_id"] for o in out]
+        assert len(ids) == len(set(ids)) == 60 and set(ids) == want
+        assert all(o["response"]["status_code"] == 200 for o in out)
+        assert all(o["response"]["body"]["object"] == "chat.completion" for o in out)
+
+    b = c.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"sluicegate_order": "model-prefix"},
+    )
+    check(poll(c, b.id)[0])
+
+    async def run_async():
+        ac = openai.AsyncOpenAI(base_url=BASE, api_key=KEY_A, max_retries=0, timeout=30)
+        b = await ac.batches.create(
+            input_file_id=f.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"sluicegate_order": "model-prefix"},
+        )
+        give_up = time.monotonic() + 60
+        while b.status not in TERMINAL:
+            assert time.monotonic() < give_up, f"batch stuck: {b}"
+            await asyncio.sleep(0.1)
+            b = await ac.batches.retrieve(b.id)
+        await ac.close()
+        return b
+
+    check(asyncio.run(run_async()))
+
+    shuffled = lambda: c.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"sluicegate_order": "shuffled"},
+    )
+    assert bad_request(shuffled) == "metadata"

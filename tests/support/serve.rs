@@ -406,6 +406,18 @@ impl Api {
 
     /// Uploads `lines` and creates a batch on `endpoint` with `window`.
     pub async fn batch(&self, lines: &str, endpoint: &str, window: &str) -> Value {
+        let metadata = serde_json::json!({"run": "test"});
+        self.batch_with(lines, endpoint, window, &metadata).await
+    }
+
+    /// [`Api::batch`] with its `metadata`.
+    pub async fn batch_with(
+        &self,
+        lines: &str,
+        endpoint: &str,
+        window: &str,
+        metadata: &Value,
+    ) -> Value {
         let (status, file) = self.upload("batch", lines.as_bytes()).await;
         assert_eq!(status, 200, "upload: {file}");
         let (status, batch) = self
@@ -413,7 +425,7 @@ impl Api {
                 "/v1/batches",
                 &serde_json::json!({
                     "input_file_id": file["id"], "endpoint": endpoint,
-                    "completion_window": window, "metadata": {"run": "test"},
+                    "completion_window": window, "metadata": metadata,
                 }),
             )
             .await;

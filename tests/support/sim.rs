@@ -41,19 +41,29 @@ pub async fn flood(sim: &SimHandle, n: usize, max_tokens: u32) -> Vec<tokio::tas
 /// Requests running or waiting at the pool, summed over its replicas, from
 /// its own `/metrics` (the truth a gate must respect).
 pub async fn pool_in_flight(client: &reqwest::Client, sim: &SimHandle) -> f64 {
+    let names = ["vllm:num_requests_running", "vllm:num_requests_waiting"];
+    metric_sum(client, &sim.base_url(), &names).await
+}
+
+/// Every series of the metrics `names` on the simulator at `base`, summed
+/// (over replicas and labels).
+pub async fn metric_sum(client: &reqwest::Client, base: &str, names: &[&str]) -> f64 {
     let text = client
-        .get(format!("{}/metrics", sim.base_url()))
+        .get(format!("{base}/metrics"))
         .send()
         .await
         .expect("simulator metrics")
         .text()
         .await
         .expect("simulator metrics body");
-    text.lines()
-        .filter(|l| {
-            l.starts_with("vllm:num_requests_running{")
-                || l.starts_with("vllm:num_requests_waiting{")
+    let named = |line: &str| {
+        names.iter().any(|n| {
+            line.strip_prefix(n)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
         })
+    };
+    text.lines()
+        .filter(|l| named(l))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }

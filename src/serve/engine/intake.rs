@@ -289,25 +289,23 @@ impl Engine {
     /// code (`batch_cancelled`, `batch_expired`), so the counts still
     /// reach the total.
     ///
-    /// Each chunk goes in with the number of lines read through it
+    /// Lines go in the batch's order (`lines.rs`), and each chunk with
+    /// the number of positions of that order read through it
     /// (`Sink::enqueue`), so an intake resumed after its server died
     /// skips what is already enqueued and no request is sent twice.
     pub(super) async fn enqueue_all(&self, batch: &BatchRecord) -> Result<(), EngineError> {
-        let mut reader = self.open_input(batch).await?;
         let done_lines = self.sink.progress(&batch.id).await?;
-        let (mut n, mut enqueued) = (0u64, 0u64);
+        let mut lines = self.input_lines(batch, done_lines).await?;
+        let (mut n, mut enqueued) = (done_lines, 0u64);
         let mut seen = HashSet::new();
         let mut chunk = Vec::with_capacity(CHUNK);
         let mut stopped: Option<Stop> = None;
         loop {
-            let line = read_line(&mut reader, self.limits.max_line_bytes).await?;
+            let line = lines.next().await?;
             let end = line.is_none();
-            if let Some(line) = line {
+            if let Some((number, line)) = line {
                 n += 1;
-                if n <= done_lines {
-                    continue;
-                }
-                if let Ok(Some(message)) = self.check_line(batch, n, &line, &mut seen) {
+                if let Ok(Some(message)) = self.check_line(batch, number, &line, &mut seen) {
                     chunk.push(message);
                 }
             }

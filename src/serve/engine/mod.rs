@@ -14,7 +14,8 @@
 //! request may be sent before the last line is checked, and holding the
 //! file in memory is not allowed (`serve.max_file_bytes` may be large).
 //!
-//! One file per step: `intake.rs`, `collect.rs`, `stop.rs`, `sweep.rs`;
+//! One file per step: `intake.rs` (its lines in the batch's order from
+//! `lines.rs`), `collect.rs`, `stop.rs`, `sweep.rs`;
 //! this file holds the engine, creation and the step runner.
 
 use std::collections::HashSet;
@@ -34,6 +35,7 @@ use crate::telemetry::BatchApiMetrics;
 
 mod collect;
 mod intake;
+mod lines;
 mod stop;
 mod sweep;
 
@@ -348,7 +350,7 @@ mod tests {
     use crate::queue::embedded::EmbeddedQueue;
     use crate::serve::store::SqliteStore;
 
-    fn engine(dir: &std::path::Path) -> Engine {
+    pub(super) fn engine(dir: &std::path::Path) -> Engine {
         let queue = EmbeddedQueue::open(dir.join("queue.db"), "q").expect("queue");
         Engine::new(
             Store::Sqlite(SqliteStore::open(&dir.join("batches.db")).expect("store")),
@@ -367,7 +369,7 @@ mod tests {
         )
     }
 
-    fn record(status: BatchStatus) -> BatchRecord {
+    pub(super) fn record(status: BatchStatus) -> BatchRecord {
         let mut batch = BatchRecord::new(crate::serve::model::NewBatch {
             tenant: "t".into(),
             endpoint: "/v1/completions".into(),

@@ -155,6 +155,7 @@ impl Live {
                 max_tokens: a.max_tokens,
                 priority: a.priority,
                 stream: self.interactive_log.is_some(),
+                prefix: std::sync::Arc::default(),
             });
             if let (Admission::Rejected(_), Some(log)) = (admission, &mut self.interactive_log)
                 && let Some(t) = log.open.remove(&id).and_then(|i| log.timings.get_mut(i))

@@ -1,5 +1,7 @@
 //! Parsing an OpenAI request body into what the engine needs.
 
+use std::sync::Arc;
+
 use serde_json::Value;
 
 use crate::sim::bad_request::{BadRequest, bad_request};
@@ -25,6 +27,21 @@ pub(super) struct Parsed {
     pub(super) priority: i32,
     /// Embeddings only: the vectors to answer with.
     pub(super) embed: Option<EmbedRequest>,
+    /// The prompt's block identities, for the prefix cache.
+    pub(super) prefix: Arc<[u64]>,
+}
+
+/// The identities of the prompt's full KV blocks: its text
+/// (`crate::prompt::text`) cut into blocks of `block_size` tokens at
+/// `chars_per_token` characters each (64 characters by default), chained
+/// from the model name.
+fn prefix_blocks(model: &str, body: &Value, cfg: &SimConfig) -> Arc<[u64]> {
+    let tokens_per_block = f64::from(cfg.engine.block_size);
+    let chars = (tokens_per_block * cfg.http.chars_per_token)
+        .round()
+        .max(1.0) as usize;
+    let max = (cfg.engine.max_model_len / cfg.engine.block_size) as usize;
+    crate::prompt::blocks(model, &crate::prompt::text(body), chars, max).into()
 }
 
 pub(super) fn text_tokens(text: &str, chars_per_token: f64) -> u64 {
@@ -183,6 +200,7 @@ pub(super) fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Ba
         ));
     }
     Ok(Parsed {
+        prefix: prefix_blocks(&model, &v, cfg),
         model,
         prompt_tokens: prompt_tokens as u32, // < max_model_len, checked above
         max_tokens,

@@ -86,6 +86,7 @@ pub(super) async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
             max_tokens: p.max_tokens,
             priority: p.priority,
             stream: p.stream,
+            prefix: p.prefix.clone(),
         };
         live.next_id += 1;
         let target = req.target_output();
