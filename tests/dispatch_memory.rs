@@ -17,7 +17,9 @@ use sluicegate::gate::{
     LocalMaxConcurrencyGate, Observation,
 };
 use sluicegate::gateway::{GatewayClient, GatewaySettings, Target};
-use sluicegate::queue::MemoryQueue;
+use sluicegate::queue::{
+    AckReport, Completion, Delivery, DeliveryTag, MemoryQueue, NackReason, Queue, QueueError,
+};
 use sluicegate::result::{ErrorCode, ResultRecord};
 use sluicegate::tasks::Tasks;
 use sluicegate::telemetry::Metrics;
@@ -77,9 +79,22 @@ impl Harness {
         settings: DispatchSettings,
         retry: RetryPolicy,
     ) -> Self {
+        Self::start_through(queue.clone(), queue, gateway_url, gate, settings, retry)
+    }
+
+    /// Dispatches from `dispatched` (a wrapper of `queue`, say), while
+    /// results are read from `queue`.
+    fn start_through(
+        queue: Arc<MemoryQueue>,
+        dispatched: Arc<dyn Queue>,
+        gateway_url: &str,
+        gate: Box<dyn DispatchGate>,
+        settings: DispatchSettings,
+        retry: RetryPolicy,
+    ) -> Self {
         let metrics = Arc::new(Metrics::new());
         let dispatcher = QueueDispatcher {
-            queue: queue.clone(),
+            queue: dispatched,
             gate: Arc::new(FailClosed::new(gate, settings.max_staleness)),
             gateway: GatewayClient::new(GatewaySettings {
                 attempt_timeout: Duration::from_secs(5),
@@ -939,4 +954,162 @@ async fn large_bodies_stay_within_the_byte_budget() {
     let peak = peak.load(Ordering::SeqCst);
     assert!(peak <= 4, "peak in flight {peak}: over the byte budget");
     assert!(peak >= 2, "the budget is used (peak {peak})");
+}
+
+/// The memory queue behind a pull that takes `delay` (a Redis claim's
+/// round trip, drawn out), counting what the dispatcher does meanwhile.
+#[derive(Debug)]
+struct SlowPull {
+    inner: Arc<MemoryQueue>,
+    delay: Duration,
+    /// Requests the gateway has received so far.
+    sent: Arc<AtomicUsize>,
+    /// Pulls during whose second half the gateway received a request.
+    overlapped: AtomicUsize,
+    /// Pulls running now, and the most at once.
+    pulls: AtomicUsize,
+    most_pulls: AtomicUsize,
+    /// Leased and not yet settled, and the most at once.
+    leased: AtomicUsize,
+    most_leased: AtomicUsize,
+}
+
+impl SlowPull {
+    fn settled(&self, n: usize) {
+        self.leased.fetch_sub(n, Ordering::SeqCst);
+    }
+}
+
+impl Queue for SlowPull {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn receive(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            let running = self.pulls.fetch_add(1, Ordering::SeqCst) + 1;
+            self.most_pulls.fetch_max(running, Ordering::SeqCst);
+            tokio::time::sleep(self.delay / 2).await;
+            let halfway = self.sent.load(Ordering::SeqCst);
+            tokio::time::sleep(self.delay / 2).await;
+            if self.sent.load(Ordering::SeqCst) > halfway {
+                self.overlapped.fetch_add(1, Ordering::SeqCst);
+            }
+            let got = self.inner.receive(max, lease, wait).await;
+            if let Ok(deliveries) = &got {
+                let now =
+                    self.leased.fetch_add(deliveries.len(), Ordering::SeqCst) + deliveries.len();
+                self.most_leased.fetch_max(now, Ordering::SeqCst);
+            }
+            self.pulls.fetch_sub(1, Ordering::SeqCst);
+            got
+        })
+    }
+
+    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
+        self.settled(completions.len());
+        self.inner.ack(completions)
+    }
+
+    fn nack(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.settled(1);
+        self.inner.nack(tag, delay, reason)
+    }
+
+    fn extend_lease(
+        &self,
+        tags: Vec<DeliveryTag>,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.extend_lease(tags, lease)
+    }
+
+    fn dead_letter(
+        &self,
+        tag: DeliveryTag,
+        last_error: ResultRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.settled(1);
+        self.inner.dead_letter(tag, last_error)
+    }
+
+    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        self.inner.backlog()
+    }
+}
+
+/// Counts the requests it receives and answers each after 20 ms.
+struct CountArrivals(Arc<AtomicUsize>);
+
+impl Respond for CountArrivals {
+    fn respond(&self, _: &Request) -> ResponseTemplate {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        ResponseTemplate::new(200)
+            .set_body_string(r#"{"choices":[]}"#)
+            .set_delay(Duration::from_millis(20))
+    }
+}
+
+/// Issue 21: a pull from a slow queue runs beside the sends instead of
+/// stalling them (the Redis drain's claim script and the sends it feeds
+/// had taken turns). The buffer keeps sending while a pull is out, and
+/// one pull runs at a time (what it asked for counts as buffered, so the
+/// lookahead bound of `pull_size` holds with it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_pull_runs_beside_the_sends_one_pull_at_a_time() {
+    let sent = Arc::new(AtomicUsize::new(0));
+    let server = gateway(CountArrivals(sent.clone())).await;
+    let memory = Arc::new(MemoryQueue::new("q"));
+    for i in 0..300 {
+        memory.push_message(message(&format!("m{i}"), 3600));
+    }
+    let slow = Arc::new(SlowPull {
+        inner: memory.clone(),
+        delay: Duration::from_millis(100),
+        sent,
+        overlapped: AtomicUsize::new(0),
+        pulls: AtomicUsize::new(0),
+        most_pulls: AtomicUsize::new(0),
+        leased: AtomicUsize::new(0),
+        most_leased: AtomicUsize::new(0),
+    });
+    let settings = DispatchSettings {
+        max_sys: 8.0,
+        tenant_lookahead: 64,
+        receive_batch: 64,
+        ..fast_settings()
+    };
+    let h = Harness::start_through(
+        memory,
+        slow.clone(),
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        settings,
+        no_retry_limit(),
+    );
+    let results = h.wait_for_results(300).await;
+    h.stop().await;
+    let ids: std::collections::HashSet<_> = results.iter().map(|r| r.id.clone()).collect();
+    assert_eq!((results.len(), ids.len()), (300, 300), "one result each");
+    let overlapped = slow.overlapped.load(Ordering::SeqCst);
+    let most_pulls = slow.most_pulls.load(Ordering::SeqCst);
+    let most_leased = slow.most_leased.load(Ordering::SeqCst);
+    eprintln!(
+        "pulls with sends in their second half: {overlapped}; most leased and unacked {most_leased}"
+    );
+    assert!(
+        overlapped >= 2,
+        "sends stalled while pulls ran ({overlapped} overlapped)"
+    );
+    assert_eq!(most_pulls, 1, "one pull at a time");
 }

@@ -7,6 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
 use tokio::time::Instant;
@@ -21,9 +23,10 @@ use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
 use crate::clock::unix_secs;
 use crate::gate::{Admission, AdmissionRequest, DropAnswer, Ticket};
-use crate::queue::{Delivery, NackReason};
+use crate::queue::{Delivery, NackReason, QueueError};
 use crate::request::{log_id, parse_message, source_result_id};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::tasks::sleep_unless;
 use crate::telemetry::traces as trace_attr;
 
 /// How often a parked message asks its gate again when nothing else wakes it.
@@ -66,6 +69,10 @@ pub(super) async fn receive_loop(
     // queue, and the Unix second of the last one of the buffer.
     let mut swept_period = u128::MAX;
     let mut buffer_swept = i64::MIN;
+    // A pull running beside the releases, and one that came back while the
+    // receiver slept (taken in at the top of the next turn).
+    let mut prefetch: Option<Prefetch> = None;
+    let mut came_back: Option<Pulled> = None;
     while !shutdown.is_cancelled() {
         let changed = shared.changed.notified();
         tokio::pin!(changed);
@@ -81,6 +88,26 @@ pub(super) async fn receive_loop(
         // now plus the bounded lookahead, and nothing while the window is
         // shut (`pull_size`).
         {
+            // A pull that ran beside the releases and came back.
+            if let Some(p) = prefetch.as_mut() {
+                came_back = came_back.or_else(|| (&mut p.pull).now_or_never());
+                if came_back.is_some() {
+                    prefetch = None;
+                }
+            }
+            if let Some(received) = came_back.take() {
+                match take_pulled(shared, &mut fair, received, results, &mut receive_errors).await {
+                    Ok(got) => pulled = got,
+                    Err(pause) => {
+                        if fair.is_empty() && !sleep_unless(shutdown, pause).await {
+                            break;
+                        }
+                    }
+                }
+            }
+            // What a running pull asked for counts as buffered: the
+            // lookahead bound holds with it.
+            let outstanding = prefetch.as_ref().map_or(0, |p| p.want);
             let open = shared.is_open(now);
             let room = usize::try_from(available).unwrap_or(usize::MAX);
             let room = match settings.unit {
@@ -95,48 +122,48 @@ pub(super) async fn receive_loop(
             want = pull_size(
                 room,
                 open,
-                fair.len(),
+                fair.len() + outstanding,
                 settings.tenant_lookahead,
                 settings.receive_batch,
             )
-            .min(within_bytes);
-            if want > 0 {
-                // Long-poll only when there is nothing to release meanwhile.
-                let wait = if fair.is_empty() {
-                    settings.receive_wait
-                } else {
-                    Duration::ZERO
-                };
+            .min(within_bytes.saturating_sub(outstanding));
+            if want > 0 && prefetch.is_none() && !fair.is_empty() {
+                // Something to release meanwhile: the pull runs beside the
+                // releases instead of stalling them for the queue's round
+                // trip (issue 21: a Redis claim script and the sends it
+                // feeds had taken turns, each waiting for the other).
+                let mut p = Prefetch::start(shared, want, settings.lease);
+                match (&mut p.pull).now_or_never() {
+                    // A queue that answers at once (memory) is taken in
+                    // now; after an error the buffer goes on and the next
+                    // turn pulls again.
+                    Some(received) => {
+                        pulled =
+                            take_pulled(shared, &mut fair, received, results, &mut receive_errors)
+                                .await
+                                .unwrap_or(false);
+                    }
+                    None => prefetch = Some(p),
+                }
+            } else if want > 0 && prefetch.is_none() {
+                // Nothing to release meanwhile: wait for the pull,
+                // long-polling, and hold no turn of the pool while it
+                // waits (merge policies).
+                let wait = settings.receive_wait;
                 if !wait.is_zero() {
-                    // Nothing buffered: this queue holds no turn while it
-                    // long-polls (merge policies).
                     shared.contending(false);
                 }
                 let received = tokio::select! {
                     () = shutdown.cancelled() => break,
                     r = shared.queue().receive(want, settings.lease, wait) => r,
                 };
-                match received {
-                    Ok(deliveries) => {
-                        receive_errors = 0;
-                        pulled = !deliveries.is_empty() || !wait.is_zero();
-                        for delivery in deliveries {
-                            take_in(shared, &mut fair, delivery, results).await;
+                match take_pulled(shared, &mut fair, received, results, &mut receive_errors).await {
+                    Ok(got) => pulled = got || !wait.is_zero(),
+                    Err(pause) => {
+                        if !sleep_unless(shutdown, pause).await {
+                            break;
                         }
-                    }
-                    Err(error) => {
-                        receive_errors = receive_errors.saturating_add(1);
-                        let pause = Duration::from_millis(100)
-                            .saturating_mul(1 << receive_errors.min(6))
-                            .min(settings.poll_interval.max(Duration::from_secs(5)));
-                        tracing::warn!(%error, queue = shared.queue().name(), "receive failed");
-                        if fair.is_empty() {
-                            tokio::select! {
-                                () = shutdown.cancelled() => break,
-                                () = tokio::time::sleep(pause) => {}
-                            }
-                            continue;
-                        }
+                        continue;
                     }
                 }
             }
@@ -217,6 +244,10 @@ pub(super) async fn receive_loop(
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = &mut changed => {}
+            received = Prefetch::wait(&mut prefetch) => {
+                prefetch = None;
+                came_back = Some(received);
+            }
             () = tokio::time::sleep_until(
                 shared.next_look(Instant::now()).min(Instant::now() + until_next_sweep())
             ) => {}
@@ -224,11 +255,89 @@ pub(super) async fn receive_loop(
     }
     // No longer contending for the pool's turns.
     shared.take_turn(Instant::now(), false, false);
+    // A pull still running is let finish (one round trip; no longer than
+    // the grace) so its leases go back at once rather than expiring.
+    if let Some(p) = prefetch.take() {
+        tokio::select! {
+            () = abandon.cancelled() => {}
+            received = p.pull => came_back = Some(received),
+        }
+    }
+    if let Some(Ok(deliveries)) = came_back.take() {
+        for delivery in deliveries {
+            shared
+                .nack(delivery.tag, Duration::ZERO, NackReason::Shutdown)
+                .await;
+        }
+    }
     // Buffered leases go back at once rather than expiring.
     for ready in fair.drain() {
         shared
             .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
             .await;
+    }
+}
+
+/// What one pull of the queue brought.
+type Pulled = Result<Vec<Delivery>, QueueError>;
+
+/// A pull that runs beside the releases: at most one at a time, started
+/// only while the buffer holds something to release (an empty buffer
+/// waits for its pull, or long-polls, as before).
+struct Prefetch {
+    /// How many it asked for (counted as buffered until it comes back).
+    want: usize,
+    pull: BoxFuture<'static, Pulled>,
+}
+
+impl Prefetch {
+    fn start(shared: &Arc<Shared>, want: usize, lease: Duration) -> Self {
+        let shared = Arc::clone(shared);
+        Self {
+            want,
+            pull: Box::pin(
+                async move { shared.queue().receive(want, lease, Duration::ZERO).await },
+            ),
+        }
+    }
+
+    /// The running pull's answer; never, without one.
+    async fn wait(prefetch: &mut Option<Self>) -> Pulled {
+        match prefetch {
+            Some(p) => (&mut p.pull).await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// Takes a pull's deliveries into the buffer: whether it brought any. On
+/// an error, counts it, logs it and returns the pause before the next try
+/// (doubling with consecutive errors).
+async fn take_pulled(
+    shared: &Arc<Shared>,
+    fair: &mut FairQueue<Ready>,
+    received: Pulled,
+    results: &Results,
+    receive_errors: &mut u32,
+) -> Result<bool, Duration> {
+    match received {
+        Ok(deliveries) => {
+            *receive_errors = 0;
+            let got = !deliveries.is_empty();
+            for delivery in deliveries {
+                take_in(shared, fair, delivery, results).await;
+            }
+            Ok(got)
+        }
+        Err(error) => {
+            *receive_errors = receive_errors.saturating_add(1);
+            let settings = shared.settings();
+            let pause = Duration::from_millis(100)
+                .saturating_mul(1 << (*receive_errors).min(6))
+                .min(settings.poll_interval.max(Duration::from_secs(5)));
+            tracing::warn!(%error, queue = shared.queue().name(), "receive failed");
+            Err(pause)
+        }
     }
 }
 
