@@ -7,6 +7,7 @@
 //! (PostgreSQL, on upstream's tables). [`open`]
 //! builds the configured transport's queues.
 
+mod client;
 pub mod embedded;
 mod lanes;
 mod memory;
@@ -28,6 +29,10 @@ use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
 
 use embedded::EmbeddedError;
+pub use client::{
+    CancelOutcome, Client, ClientError, ClientTarget, Cursor, Description, Mark, Outgoing,
+    ReadResult, ResultPage,
+};
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
 pub use open::{DEFAULT_EMBEDDED_PATH, OpenError, Transports, default_redis_config, open};
