@@ -35,7 +35,10 @@ pub use client::{
 };
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
-pub use open::{DEFAULT_EMBEDDED_PATH, OpenError, Transports, default_redis_config, open};
+pub use open::{
+    DEFAULT_EMBEDDED_PATH, OpenError, Transports, client_target, default_redis_config, open,
+    open_client,
+};
 
 /// Transport handle of one delivery. Opaque to the dispatcher; a new tag
 /// per delivery, so a holder whose lease expired cannot acknowledge a

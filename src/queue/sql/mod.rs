@@ -43,7 +43,7 @@ use super::{
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
-pub use client::{SqlCancel, SqlClient, StoredResult};
+pub use client::{SqlCancel, SqlClient, SqlQueueClient, StoredResult};
 pub use db::{Db, SqlError};
 
 /// Result route (upstream's `result_queue_name` default) when neither the
