@@ -6,16 +6,17 @@
 //! drain-sql` through PostgreSQL (`bench_sql.rs`).
 
 use std::process::ExitCode;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
-use super::submit::RedisArgs;
+use super::args::RedisArgs;
 use crate::config::Config;
-use crate::queue::redis::{Keys, Submission, enqueue};
-use crate::request::parse_message;
+use crate::queue::redis::{Keys, RedisClient};
+use crate::queue::{Client, Outgoing};
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum BenchCommand {
@@ -137,6 +138,19 @@ pub(super) fn status_kib(pid: &str, key: &str) -> Option<f64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
+/// The requests `bench-<i>` for `ids`, with `deadline` (Unix seconds),
+/// each asking for `max_tokens` tokens: what every drain enqueues.
+pub(super) fn bench_requests(ids: Range<usize>, deadline: i64, max_tokens: u32) -> Vec<Outgoing> {
+    ids.map(|i| Outgoing {
+        body: format!(
+            r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":{max_tokens}}}}}"#
+        )
+        .into(),
+        deadline,
+    })
+    .collect()
+}
+
 pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
     use axum::routing::post;
     let app = axum::Router::new().fallback(post(|| async {
@@ -171,25 +185,13 @@ async fn drain(args: DrainArgs) -> Result<(), String> {
         .map_err(|e| format!("redis: {e}"))?;
     let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
 
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(0));
-    let deadline = now_ms / 1000 + 3600;
+    let deadline = crate::clock::unix_secs() + 3600;
     let fill = Instant::now();
+    // The queue's result list is configured below: messages name none.
+    let client = RedisClient::new(conn.clone(), args.queue.clone(), None, None);
     for start in (0..args.messages).step_by(1000) {
-        let batch: Vec<Submission> = (start..(start + 1000).min(args.messages))
-            .map(|i| {
-                let line = format!(
-                    r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
-                );
-                // Built from a fixed, valid template.
-                let message = parse_message(line.as_bytes()).map_err(|e| e.reason)?;
-                Ok(Submission::new(message, &args.queue, now_ms + i as i64))
-            })
-            .collect::<Result<_, String>>()?;
-        enqueue(&mut conn, &args.queue, &batch)
-            .await
-            .map_err(|e| format!("redis: {e}"))?;
+        let requests = bench_requests(start..(start + 1000).min(args.messages), deadline, 1);
+        (client.enqueue(requests, None).await).map_err(|e| e.to_string())?;
     }
     let fill_secs = fill.elapsed().as_secs_f64();
 

@@ -1,218 +1,21 @@
-//! The Pub/Sub side of the producer tools: `submit --pubsub-topic`,
-//! `results --pubsub-subscription`, and `sluicegate pubsub setup`.
+//! `sluicegate pubsub setup` and `sluicegate bench drain-pubsub` (the
+//! producer tools reach Pub/Sub through the queue's client like every
+//! transport: `submit --pubsub-topic`, `results --pubsub-subscription`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
 
-use super::results::{Format, Sink, openai_line};
-use crate::batch::input::ParsedInput;
-use crate::config::{PubSubConfig, parse_duration};
-use crate::queue::pubsub::{
-    DEFAULT_MAX_DELIVERY_ATTEMPTS, SetupPlan, connect, publish_confirmed, pubsub_message, setup,
-};
-use crate::result::ResultRecord;
+use super::args::PubSubArgs;
+use super::output::bar;
+use crate::config::parse_duration;
+use crate::queue::pubsub::{DEFAULT_MAX_DELIVERY_ATTEMPTS, PubSubClient, SetupPlan, setup};
+use crate::queue::{Client, Cursor};
 
 /// Messages per publish batch (Pub/Sub allows 1000 per request).
 const PUBLISH_CHUNK: usize = 1000;
-/// Messages per Pull of the results reader.
-const PULL: i32 = 1000;
-
-/// Which project and credentials (shared by the Pub/Sub tools).
-#[derive(Debug, Args)]
-pub(super) struct PubSubArgs {
-    /// GCP project (the config's `pubsub.project_id`).
-    #[arg(long, env = "SLUICEGATE_PUBSUB_PROJECT_ID")]
-    pubsub_project: Option<String>,
-    /// Emulator `host:port` (anonymous); `PUBSUB_EMULATOR_HOST` works too.
-    #[arg(long, env = "SLUICEGATE_PUBSUB_EMULATOR_HOST")]
-    pubsub_emulator_host: Option<String>,
-    /// Service-account key file; default: application default credentials.
-    #[arg(long, env = "SLUICEGATE_PUBSUB_CREDENTIALS_FILE")]
-    pubsub_credentials_file: Option<std::path::PathBuf>,
-}
-
-impl PubSubArgs {
-    async fn client(&self) -> Result<gcloud_pubsub::client::Client, String> {
-        let project_id = self
-            .pubsub_project
-            .clone()
-            .ok_or("--pubsub-project (or SLUICEGATE_PUBSUB_PROJECT_ID) is required")?;
-        let config = PubSubConfig {
-            project_id,
-            result_topic_id: None,
-            emulator_host: self.pubsub_emulator_host.clone(),
-            credentials_file: self.pubsub_credentials_file.clone(),
-            ..PubSubConfig::default()
-        };
-        connect(&config).await.map_err(|e| e.to_string())
-    }
-}
-
-fn bar(len: Option<u64>, what: &str) -> ProgressBar {
-    let bar = len.map_or_else(ProgressBar::new_spinner, ProgressBar::new);
-    bar.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{bar:40}} {{pos}}/{{len}} {what} {{per_sec}} {{msg}}"
-        ))
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
-}
-
-/// Publishes the valid lines of `parsed` to `topic`, each as the plain
-/// request JSON (upstream's Pub/Sub format: messages carry the bare request),
-/// every publish confirmed before the count moves.
-pub(super) async fn submit(args: &PubSubArgs, topic: &str, parsed: &ParsedInput) -> ExitCode {
-    let client = match args.client().await {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
-    let publisher = client.topic(topic).new_publisher(None);
-    let bar = bar(Some(parsed.valid.len() as u64), "lines");
-    let started = Instant::now();
-    let mut submitted = 0usize;
-    for chunk in parsed.valid.chunks(PUBLISH_CHUNK) {
-        let messages = chunk
-            .iter()
-            .map(|l| pubsub_message(l.body.to_vec(), HashMap::new()))
-            .collect();
-        for (line, outcome) in chunk
-            .iter()
-            .zip(publish_confirmed(&publisher, messages).await)
-        {
-            if let Err(status) = outcome {
-                bar.abandon();
-                eprintln!(
-                    "pubsub: {status}; {submitted} lines submitted before the failure (line {} onwards not confirmed)",
-                    line.line
-                );
-                return ExitCode::FAILURE;
-            }
-            submitted += 1;
-        }
-        bar.inc(chunk.len() as u64);
-    }
-    bar.finish_and_clear();
-    let secs = started.elapsed().as_secs_f64().max(1e-9);
-    println!(
-        "submitted {submitted} requests to topic `{topic}` in {secs:.2}s ({:.0}/s); {} bad lines",
-        submitted as f64 / secs,
-        parsed.invalid.len()
-    );
-    if parsed.invalid.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
-}
-
-/// What `results --pubsub-subscription` reads.
-pub(super) struct ResultsRead<'a> {
-    pub(super) subscription: &'a str,
-    pub(super) expect: Option<u64>,
-    pub(super) timeout: Option<Duration>,
-    pub(super) format: Format,
-}
-
-/// Pulls results from a subscription on the result topic into `out`,
-/// writing and flushing each batch before acknowledging it (a crash
-/// re-reads, never loses). A result whose `(id, request_token)` this run
-/// already wrote is skipped: the raw topic can repeat one after a
-/// dispatcher died between publishing and acknowledging
-/// (`docs/transports.md`).
-pub(super) async fn results(args: &PubSubArgs, read: ResultsRead<'_>, mut out: Sink) -> ExitCode {
-    let client = match args.client().await {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
-        }
-    };
-    let sub = client.subscription(read.subscription);
-    let bar = bar(read.expect, "results");
-    let started = Instant::now();
-    let mut seen: HashSet<(String, Option<String>)> = HashSet::new();
-    let (mut got, mut errors, mut unparsable, mut duplicates) = (0u64, 0u64, 0u64, 0u64);
-    loop {
-        if read.expect.is_some_and(|n| got >= n)
-            || read.timeout.is_some_and(|t| started.elapsed() >= t)
-        {
-            break;
-        }
-        let pulled = match sub.pull(PULL, None).await {
-            Ok(p) => p,
-            Err(status) => {
-                bar.suspend(|| eprintln!("pubsub: {status}; retrying"));
-                tokio::time::sleep(Duration::from_millis(500)).await;
-                continue;
-            }
-        };
-        if pulled.is_empty() {
-            if read.expect.is_none() {
-                break;
-            }
-            continue;
-        }
-        let mut ack_ids = Vec::with_capacity(pulled.len());
-        for m in pulled {
-            ack_ids.push(m.ack_id.clone());
-            let text = String::from_utf8_lossy(&m.message.data).into_owned();
-            let line = match serde_json::from_str::<ResultRecord>(&text) {
-                Ok(record) => {
-                    if !seen.insert((record.id.clone(), record.request_token.clone())) {
-                        duplicates += 1;
-                        continue;
-                    }
-                    if record.status_code.is_none_or(|s| !(200..300).contains(&s)) {
-                        errors += 1;
-                    }
-                    match read.format {
-                        Format::Native => text,
-                        Format::Openai => openai_line(&record, got + 1).to_string(),
-                    }
-                }
-                Err(_) => {
-                    unparsable += 1;
-                    text
-                }
-            };
-            got += 1;
-            if let Err(e) = out.line(&line) {
-                eprintln!("{e}");
-                return ExitCode::FAILURE;
-            }
-            bar.inc(1);
-        }
-        if let Err(e) = out.flush() {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-        if let Err(status) = sub.ack(ack_ids).await {
-            bar.suspend(|| eprintln!("pubsub ack: {status}; these results may be read again"));
-        }
-    }
-    bar.finish_and_clear();
-    out.summary(&format!(
-        "collected {got} results from subscription `{}` into {} ({errors} not 2xx, {unparsable} unparsable, {duplicates} repeated results skipped) in {:.1}s",
-        read.subscription,
-        out.name(),
-        started.elapsed().as_secs_f64()
-    ));
-    match read.expect {
-        Some(n) if got < n => {
-            eprintln!("expected {n} results, got {got}");
-            ExitCode::FAILURE
-        }
-        _ => ExitCode::SUCCESS,
-    }
-}
 
 /// `sluicegate pubsub setup`.
 #[derive(Debug, Args)]
@@ -341,7 +144,7 @@ pub(crate) struct DrainArgs {
 /// instant gateway and reads the results back in this process until all
 /// N are in.
 pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
-    use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
+    use super::bench::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
     let client = args.pubsub.client().await?;
     let tag = format!(
         "bench-{}",
@@ -363,24 +166,16 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
     };
     setup(&client, &plan).await.map_err(|e| e.to_string())?;
     let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
-    let deadline = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-        + 3600;
+    let deadline = crate::clock::unix_secs() + 3600;
     let fill = Instant::now();
-    let publisher = client.topic(&plan.request_topic).new_publisher(None);
+    let queue = PubSubClient::new(
+        &client,
+        Some(plan.request_topic.clone()),
+        plan.result_subscription.clone(),
+    );
     for start in (0..args.messages).step_by(PUBLISH_CHUNK) {
-        let messages = (start..(start + PUBLISH_CHUNK).min(args.messages))
-            .map(|i| {
-                let line = format!(
-                    r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
-                );
-                pubsub_message(line.into_bytes(), HashMap::new())
-            })
-            .collect();
-        for outcome in publish_confirmed(&publisher, messages).await {
-            outcome.map_err(|e| format!("publish: {e}"))?;
-        }
+        let requests = bench_requests(start..(start + PUBLISH_CHUNK).min(args.messages), deadline, 1);
+        (queue.enqueue(requests, None).await).map_err(|e| e.to_string())?;
     }
     let fill_secs = fill.elapsed().as_secs_f64();
     let emulator = args
@@ -431,25 +226,12 @@ gate_type = "constant"
     )
     .await
     .map_err(|e| e.to_string())?;
-    let reader = client.subscription(plan.result_subscription.as_deref().unwrap_or_default());
     let mut seen = HashSet::new();
     while seen.len() < args.messages {
-        let pulled = reader
-            .pull(PULL, None)
-            .await
-            .map_err(|e| format!("pull results: {e}"))?;
-        let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
-        for m in pulled {
-            if let Some(id) = m.message.attributes.get("id") {
-                seen.insert(id.clone());
-            }
-        }
-        if !ids.is_empty() {
-            reader
-                .ack(ids)
-                .await
-                .map_err(|e| format!("ack results: {e}"))?;
-        }
+        let page = (queue.results(Cursor::default(), crate::queue::pubsub::MAX_PULL).await)
+            .map_err(|e| e.to_string())?;
+        seen.extend((page.results.iter()).filter_map(|r| r.record.as_ref().map(|r| r.id.clone())));
+        (queue.confirm(page.results, Vec::new()).await).map_err(|e| e.to_string())?;
         bar.set_position(seen.len() as u64);
     }
     let (secs, cpu) = stopwatch.stop();
