@@ -101,7 +101,8 @@ impl ReadResult {
 
     /// Whether the gateway answered it with a 2xx.
     pub fn is_success(&self) -> bool {
-        (self.record.as_ref()).is_some_and(|r| r.status_code.is_some_and(|s| (200..300).contains(&s)))
+        (self.record.as_ref())
+            .is_some_and(|r| r.status_code.is_some_and(|s| (200..300).contains(&s)))
     }
 }
 
@@ -308,4 +309,17 @@ pub enum ClientTarget {
         /// The result route (`async_results.route`).
         route: String,
     },
+}
+
+impl ClientTarget {
+    /// This target with `list` as the Redis result list when the queue
+    /// names none (the Batch API's `serve.result_list`): its messages then
+    /// name it, and its results are read from it. Other transports have
+    /// no list to name.
+    pub fn or_result_list(mut self, list: &str) -> Self {
+        if let Self::Redis { result_list, .. } = &mut self {
+            result_list.get_or_insert_with(|| list.to_owned());
+        }
+        self
+    }
 }
