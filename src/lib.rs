@@ -15,7 +15,10 @@
 //!   sets, `src/queue/redis/`), [`queue::embedded`] (the durable SQLite
 //!   store, `src/queue/embedded/`), [`queue::pubsub`] (Google Cloud
 //!   Pub/Sub, `src/queue/pubsub/`), [`queue::sql`] (PostgreSQL,
-//!   `src/queue/sql/`); [`queue::open`] builds the configured one.
+//!   `src/queue/sql/`); [`queue::open`] builds the configured one. Beside
+//!   it the client face, [`queue::Client`] (enqueue, cancel, results after
+//!   a cursor, active ids), one per transport, opened by
+//!   [`queue::open_client`]: what the producer commands and `serve` use.
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission
 //!   verdicts), the gates, and the staleness / fail-closed wrappers.
@@ -47,7 +50,9 @@
 //!   batches become queue messages, their results output files; records
 //!   in SQLite (embedded) or Redis (replicas).
 //! - [`app`]: wiring ([`app::run`]) and the shutdown order;
-//!   [`cli`]: the subcommands (parse flags, call `app`).
+//!   [`cli`]: the subcommands (parse flags, call `app`; shared connection
+//!   flags in `args.rs`, output formats in `output.rs`, benchmarks in
+//!   `bench/`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 //! - [`eval`]: gate quality in virtual time (`sluicegate eval`): the
 //!   production gates, window and congestion hold driving the simulator,
