@@ -467,7 +467,9 @@ impl Client for MemoryQueue {
         max: usize,
     ) -> BoxFuture<'_, Result<ResultPage, ClientError>> {
         let state = self.lock();
-        let from = usize::try_from(cursor.0).unwrap_or(0).min(state.results.len());
+        let from = usize::try_from(cursor.0)
+            .unwrap_or(0)
+            .min(state.results.len());
         let page: Vec<ReadResult> = (state.results[from..].iter().take(max))
             // A result is plain strings and numbers: serialising cannot fail.
             .map(|r| ReadResult::kept(serde_json::to_string(r).unwrap_or_default()))

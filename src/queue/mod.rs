@@ -28,11 +28,11 @@ use tokio::time::Instant;
 use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
 
-use embedded::EmbeddedError;
 pub use client::{
     CancelOutcome, Client, ClientError, ClientTarget, Cursor, Description, Mark, Outgoing,
     ReadResult, ResultPage,
 };
+use embedded::EmbeddedError;
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
 pub use open::{

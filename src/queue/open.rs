@@ -245,7 +245,8 @@ pub async fn open_client(target: ClientTarget) -> Result<Arc<dyn Client>, OpenEr
 
 /// The embedded store file `[embedded]` names, or the default.
 fn embedded_path(config: &Config) -> PathBuf {
-    (config.embedded.as_ref()).map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone())
+    (config.embedded.as_ref())
+        .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone())
 }
 
 /// Opens the `[sql]` database once (creating the schema) and one queue per

@@ -8,8 +8,7 @@ use futures_util::future::BoxFuture;
 use super::{EmbeddedCancel, EmbeddedError, EmbeddedQueue};
 use crate::queue::QueueError;
 use crate::queue::client::{
-    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult,
-    ResultPage,
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
 };
 
 /// A producer and result reader on one queue of an embedded store.
@@ -92,11 +91,13 @@ impl Client for EmbeddedClient {
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
         Box::pin(async move {
             let n = requests.len() as u64;
-            let items: Vec<(Bytes, i64)> =
-                (requests.into_iter()).map(|r| (r.body, r.deadline)).collect();
+            let items: Vec<(Bytes, i64)> = (requests.into_iter())
+                .map(|r| (r.body, r.deadline))
+                .collect();
             self.off_thread(move |queue| {
-                let meta: Vec<(&str, &str)> =
-                    (mark.iter()).map(|m| (m.key.as_str(), m.value.as_str())).collect();
+                let meta: Vec<(&str, &str)> = (mark.iter())
+                    .map(|m| (m.key.as_str(), m.value.as_str()))
+                    .collect();
                 queue.enqueue_with_deadlines(&items, &meta)
             })
             .await?;
@@ -138,7 +139,9 @@ impl Client for EmbeddedClient {
             let results = (rows.into_iter())
                 // A result is plain strings and numbers: serialising cannot
                 // fail, and gives back the text the store holds.
-                .map(|(_, record)| ReadResult::kept(serde_json::to_string(&record).unwrap_or_default()))
+                .map(|(_, record)| {
+                    ReadResult::kept(serde_json::to_string(&record).unwrap_or_default())
+                })
                 .collect();
             Ok(ResultPage { results, cursor })
         })
@@ -158,7 +161,10 @@ impl Client for EmbeddedClient {
 
     fn why_empty(&self) -> BoxFuture<'_, Option<String>> {
         Box::pin(async move {
-            (self.off_thread(|queue| Ok(Self::explain_empty(queue))).await).ok()
+            (self
+                .off_thread(|queue| Ok(Self::explain_empty(queue)))
+                .await)
+                .ok()
         })
     }
 }

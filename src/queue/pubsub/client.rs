@@ -121,7 +121,8 @@ impl Client for PubSubClient {
                 return Err(self.unsupported("read results without a result subscription"));
             };
             let max = i32::try_from(max.clamp(1, super::MAX_PULL)).unwrap_or(1000);
-            let pulled = (subscription.pull(max, None).await).map_err(Self::error("pull results"))?;
+            let pulled =
+                (subscription.pull(max, None).await).map_err(Self::error("pull results"))?;
             let results = (pulled.into_iter())
                 .map(|m| {
                     let raw = String::from_utf8_lossy(&m.message.data).into_owned();

@@ -8,11 +8,11 @@ use futures_util::future::BoxFuture;
 
 use super::DEFAULT_RESULT_LIST;
 use super::producer::{self, Submission, fifo_steps_ms};
+use crate::queue::QueueError;
 use crate::queue::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, Receipt,
     ResultPage,
 };
-use crate::queue::QueueError;
 use crate::redis::{RedisConnection, hash_tag};
 use crate::request::parse_message;
 
@@ -63,7 +63,10 @@ impl RedisClient {
     /// time it counts from: after every message this client enqueued
     /// before, or afresh once the clock has passed them.
     fn steps(&self, now_ms: i64, n: usize) -> (i64, u64) {
-        let mut order = self.order.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut order = self
+            .order
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (base, next) = *order;
         let reached = fifo_steps_ms(next);
         let start = match now_ms > base.saturating_add(reached) {
@@ -112,10 +115,11 @@ impl Client for RedisClient {
             let (base_ms, first) = self.steps(now_ms, requests.len());
             let mut batch = Vec::with_capacity(requests.len());
             for (index, request) in requests.iter().enumerate() {
-                let mut message = parse_message(&request.body).map_err(|f| ClientError::Invalid {
-                    index,
-                    reason: f.reason,
-                })?;
+                let mut message =
+                    parse_message(&request.body).map_err(|f| ClientError::Invalid {
+                        index,
+                        reason: f.reason,
+                    })?;
                 if self.name_list {
                     message.internal.result_queue_name = Some(self.result_list.clone());
                 }

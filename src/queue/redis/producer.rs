@@ -91,10 +91,7 @@ impl Submission {
     /// instead of the enqueue time: a producer that enqueues in several
     /// round trips keeps one order across them (`RedisClient`).
     pub fn in_sequence_from(mut self, base_ms: i64, n: u64) -> Self {
-        self.score = queue_score(
-            self.deadline,
-            base_ms.saturating_add(fifo_steps_ms(n) + 1),
-        );
+        self.score = queue_score(self.deadline, base_ms.saturating_add(fifo_steps_ms(n) + 1));
         self
     }
 }

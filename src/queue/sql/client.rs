@@ -9,13 +9,12 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::db::{Db, SqlError};
-use crate::queue::QueueError;
-use crate::queue::client::{
-    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult,
-    ResultPage,
-};
 use super::schema::partition_of;
 use crate::config::EndpointUrl;
+use crate::queue::QueueError;
+use crate::queue::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
+};
 use crate::request::parse_message;
 use crate::result::{ErrorCode, ResultRecord};
 
@@ -325,8 +324,9 @@ impl Client for SqlQueueClient {
             if mark.is_some() {
                 return Err(self.unsupported(crate::queue::client::NO_MARKS));
             }
-            let items: Vec<(Bytes, i64)> =
-                (requests.into_iter()).map(|r| (r.body, r.deadline)).collect();
+            let items: Vec<(Bytes, i64)> = (requests.into_iter())
+                .map(|r| (r.body, r.deadline))
+                .collect();
             (self.client.enqueue(&self.queue, &items).await).map_err(Self::error("enqueue"))
         })
     }
@@ -359,7 +359,9 @@ impl Client for SqlQueueClient {
             let rows = (self.client.results_after(&self.route, cursor.0, max).await)
                 .map_err(Self::error("read results"))?;
             let cursor = rows.last().map_or(cursor, |r| Cursor(r.seq));
-            let results = (rows.into_iter()).map(|r| ReadResult::kept(r.raw)).collect();
+            let results = (rows.into_iter())
+                .map(|r| ReadResult::kept(r.raw))
+                .collect();
             Ok(ResultPage { results, cursor })
         })
     }
@@ -369,7 +371,9 @@ impl Client for SqlQueueClient {
             let active = (self.client.active_ids(&self.queue, &ids).await)
                 .map_err(Self::error("check active ids"))?;
             // In the order given (the statement's order is the table's).
-            Ok(Some(ids.into_iter().filter(|id| active.contains(id)).collect()))
+            Ok(Some(
+                ids.into_iter().filter(|id| active.contains(id)).collect(),
+            ))
         })
     }
 }

@@ -117,13 +117,16 @@ impl Engine {
                 }
                 return;
             }
-            let (ours, foreign): (Vec<ReadResult>, Vec<ReadResult>) =
-                (page.results.into_iter()).partition(|r| {
+            let (ours, foreign): (Vec<ReadResult>, Vec<ReadResult>) = (page.results.into_iter())
+                .partition(|r| {
                     (r.record.as_ref()).is_some_and(|r| split_message_id(&r.id).is_some())
                 });
             let records = ours.iter().filter_map(|r| r.record.clone()).collect();
             let settled = match self.apply(records).await {
-                Ok(()) => client.confirm(ours, foreign).await.map_err(EngineError::from),
+                Ok(()) => client
+                    .confirm(ours, foreign)
+                    .await
+                    .map_err(EngineError::from),
                 Err(error) => Err(error),
             };
             if let Err(error) = settled {

@@ -353,10 +353,7 @@ mod tests {
         Engine::new(
             Store::Sqlite(SqliteStore::open(&dir.join("batches.db")).expect("store")),
             Bodies::open(dir).expect("bodies"),
-            Sink::new(
-                Arc::new(EmbeddedClient::new(queue)),
-                "serve.intake.".into(),
-            ),
+            Sink::new(Arc::new(EmbeddedClient::new(queue)), "serve.intake.".into()),
             Limits {
                 in_flight_grace: Duration::from_secs(120),
                 max_file_bytes: 1 << 20,
