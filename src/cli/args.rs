@@ -13,7 +13,7 @@ use crate::queue::{Client, ClientTarget, OpenError, open_client};
 use crate::redis::{RedisConnection, connection};
 
 /// How long connecting to PostgreSQL may take.
-pub(super) const SQL_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+const SQL_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where Redis is.
 #[derive(Debug, Args)]
@@ -104,7 +104,7 @@ impl PubSubArgs {
 }
 
 /// `--sql-url`: a `postgres://` or `postgresql://` URL.
-pub(super) fn sql_url(url: &str) -> Result<EndpointUrl, String> {
+fn sql_url(url: &str) -> Result<EndpointUrl, String> {
     match url::Url::parse(url) {
         Ok(u) if matches!(u.scheme(), "postgres" | "postgresql") => Ok(EndpointUrl::new(u)),
         Ok(u) => Err(format!(
@@ -115,10 +115,38 @@ pub(super) fn sql_url(url: &str) -> Result<EndpointUrl, String> {
     }
 }
 
+/// The store `--embedded PATH` or `--sql-url URL` names, if either is
+/// given: `queue` in it, results of the `sql` transport under `route`.
+/// Only a producer may `create` a missing embedded store.
+pub(super) fn store_target(
+    embedded: Option<&PathBuf>,
+    sql: Option<&str>,
+    queue: &str,
+    route: &str,
+    create: bool,
+) -> Option<Result<ClientTarget, String>> {
+    if let Some(path) = embedded {
+        return Some(Ok(ClientTarget::Embedded {
+            path: path.clone(),
+            queue: queue.to_owned(),
+            create,
+        }));
+    }
+    let url = sql?;
+    Some(sql_url(url).map(|url| ClientTarget::Sql {
+        url,
+        connect_timeout: SQL_CONNECT_TIMEOUT,
+        queue: queue.to_owned(),
+        route: route.to_owned(),
+    }))
+}
+
 /// Opens the client the flags chose (`target`, or why the flags are
 /// wrong), saying on standard error why it cannot: exit 2 for flags and
 /// settings, 1 when the queue cannot be reached or opened.
-pub(super) async fn open(target: Result<ClientTarget, String>) -> Result<Arc<dyn Client>, ExitCode> {
+pub(super) async fn open(
+    target: Result<ClientTarget, String>,
+) -> Result<Arc<dyn Client>, ExitCode> {
     let target = target.map_err(|e| {
         eprintln!("{e}");
         ExitCode::from(super::EXIT_CONFIG)

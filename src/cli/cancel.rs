@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use super::args::{RedisArgs, sql_url};
+use super::args::{RedisArgs, store_target};
 use crate::queue::{CancelOutcome, ClientTarget};
 
 #[derive(Debug, Args)]
@@ -40,25 +40,13 @@ impl CancelArgs {
     /// The queue the flags name: Redis unless `--embedded` or `--sql-url`
     /// says otherwise (Redis cancels by id, whatever the queue).
     fn target(&self) -> Result<ClientTarget, String> {
-        let queue = self.queue.clone();
-        if let Some(path) = &self.embedded {
-            return Ok(ClientTarget::Embedded {
-                path: path.clone(),
-                queue,
-                create: false,
-            });
-        }
-        if let Some(url) = &self.sql_url {
-            return Ok(ClientTarget::Sql {
-                url: sql_url(url)?,
-                connect_timeout: super::args::SQL_CONNECT_TIMEOUT,
-                queue,
-                route: self.route.clone(),
-            });
+        let (embedded, sql) = (self.embedded.as_ref(), self.sql_url.as_deref());
+        if let Some(store) = store_target(embedded, sql, &self.queue, &self.route, false) {
+            return store;
         }
         Ok(ClientTarget::Redis {
             config: self.redis.config()?,
-            queue,
+            queue: self.queue.clone(),
             result_list: None,
             fairness_attribute: None,
         })

@@ -6,10 +6,6 @@
 mod args;
 mod batch;
 mod bench;
-mod bench_hold;
-mod bench_memory;
-mod bench_replicas;
-mod bench_sql;
 mod cancel;
 mod demo;
 mod eval;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use super::args::{PubSubArgs, RedisArgs, sql_url};
+use super::args::{PubSubArgs, RedisArgs, store_target};
 use super::output::{Format, Output, bar, openai_line};
 use crate::queue::{Client, ClientTarget, Cursor};
 
@@ -84,20 +84,9 @@ impl ResultsArgs {
     /// The queue the flags name: Redis unless `--embedded`, `--sql-url`
     /// or `--pubsub-subscription` says otherwise.
     fn target(&self) -> Result<ClientTarget, String> {
-        if let Some(path) = &self.embedded {
-            return Ok(ClientTarget::Embedded {
-                path: path.clone(),
-                queue: self.queue.clone(),
-                create: false,
-            });
-        }
-        if let Some(url) = &self.sql_url {
-            return Ok(ClientTarget::Sql {
-                url: sql_url(url)?,
-                connect_timeout: super::args::SQL_CONNECT_TIMEOUT,
-                queue: self.queue.clone(),
-                route: self.route.clone(),
-            });
+        let (embedded, sql) = (self.embedded.as_ref(), self.sql_url.as_deref());
+        if let Some(store) = store_target(embedded, sql, &self.queue, &self.route, false) {
+            return store;
         }
         if let Some(subscription) = &self.pubsub_subscription {
             return Ok(ClientTarget::PubSub {
@@ -289,7 +278,14 @@ async fn collect(client: &dyn Client, read: Read, output: Option<PathBuf>) -> Ex
         eprintln!("{why}");
     }
     if read.summary || !out.is_stdout() {
-        out.summary(&summary(client, &counts, cursor, read.cursor, &out, started));
+        out.summary(&summary(
+            client,
+            &counts,
+            cursor,
+            read.cursor,
+            &out,
+            started,
+        ));
     }
     match read.expect {
         Some(n) if counts.got < n => {

@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-use super::args::{PubSubArgs, RedisArgs, sql_url};
+use super::args::{PubSubArgs, RedisArgs, store_target};
 use super::output::bar;
 use crate::batch::input::{DuplicateIds, ParsedInput, parse_input_with};
 use crate::config::parse_duration;
@@ -67,21 +67,10 @@ impl SubmitArgs {
     /// The queue the flags name: Redis unless `--embedded`, `--sql-url`
     /// or `--pubsub-topic` says otherwise.
     fn target(&self) -> Result<ClientTarget, String> {
-        let queue = self.queue.clone();
-        if let Some(path) = &self.embedded {
-            return Ok(ClientTarget::Embedded {
-                path: path.clone(),
-                queue,
-                create: true,
-            });
-        }
-        if let Some(url) = &self.sql_url {
-            return Ok(ClientTarget::Sql {
-                url: sql_url(url)?,
-                connect_timeout: super::args::SQL_CONNECT_TIMEOUT,
-                queue,
-                route: crate::queue::sql::DEFAULT_RESULT_ROUTE.to_owned(),
-            });
+        let route = crate::queue::sql::DEFAULT_RESULT_ROUTE;
+        let (embedded, sql) = (self.embedded.as_ref(), self.sql_url.as_deref());
+        if let Some(store) = store_target(embedded, sql, &self.queue, route, true) {
+            return store;
         }
         if let Some(topic) = &self.pubsub_topic {
             return Ok(ClientTarget::PubSub {
@@ -92,7 +81,7 @@ impl SubmitArgs {
         }
         Ok(ClientTarget::Redis {
             config: self.redis.config()?,
-            queue,
+            queue: self.queue.clone(),
             result_list: self.result_list.clone(),
             fairness_attribute: self.fairness_attribute.clone(),
         })

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::bench::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
+use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
 use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{ConstantGate, FailClosed};
 use crate::gateway::{GatewayClient, GatewaySettings, Target};

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use crate::redis::RedisConnection;
 use clap::Args;
 
-use super::args::RedisArgs;
-use super::bench::bench_requests;
+use super::measure::bench_requests;
+use crate::cli::args::RedisArgs;
 use crate::dispatch::shared_window::Keys as WindowKeys;
 use crate::queue::Client;
 use crate::queue::redis::{Keys, RedisClient};

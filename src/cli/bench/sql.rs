@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use tokio_util::sync::CancellationToken;
 
-use super::bench::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
+use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
 use crate::config::{Config, EndpointUrl};
 use crate::queue::Client;
 use crate::queue::sql::{SqlClient, SqlQueueClient};

@@ -1,42 +1,19 @@
 //! `sluicegate bench drain`: N messages through a real Redis and a gateway
 //! that answers instantly; prints messages/s, CPU seconds per 1 000
-//! messages and peak RSS (docs/benchmarks.md). `bench drain-memory` is in
-//! `bench_memory.rs`, `bench hold` in `bench_hold.rs`; `bench
-//! drain-pubsub` drains through Pub/Sub (`src/cli/pubsub.rs`), `bench
-//! drain-sql` through PostgreSQL (`bench_sql.rs`).
+//! messages, peak RSS, peak in flight and Redis commands per 1 000
+//! messages (docs/benchmarks.md).
 
-use std::process::ExitCode;
-use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use clap::{Args, Subcommand};
+use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
-use super::args::RedisArgs;
+use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
+use crate::cli::args::RedisArgs;
 use crate::config::Config;
+use crate::queue::Client;
 use crate::queue::redis::{Keys, RedisClient};
-use crate::queue::{Client, Outgoing};
-
-#[derive(Debug, Subcommand)]
-pub(crate) enum BenchCommand {
-    /// Drain N messages from Redis through an instant gateway.
-    Drain(DrainArgs),
-    /// Drain N messages from the in-memory queue through an instant
-    /// gateway: the dispatch core without a transport.
-    DrainMemory(super::bench_memory::DrainMemoryArgs),
-    /// Hold N concurrent slow requests in one dispatcher process.
-    Hold(super::bench_hold::HoldArgs),
-    /// Drain N messages from a Pub/Sub subscription (the emulator or a
-    /// real project) through an instant gateway.
-    DrainPubsub(super::pubsub::DrainArgs),
-    /// Drain N messages from PostgreSQL (the `sql` transport) through an
-    /// instant gateway.
-    DrainSql(super::bench_sql::DrainSqlArgs),
-    /// 1, 2, 4 replicas on one Redis queue with the shared window, against
-    /// the simulator: global in flight against the window, throughput.
-    Replicas(super::bench_replicas::ReplicasArgs),
-}
 
 #[derive(Debug, Args)]
 pub(crate) struct DrainArgs {
@@ -53,121 +30,7 @@ pub(crate) struct DrainArgs {
     max_sys: f64,
 }
 
-pub(super) async fn run(command: BenchCommand) -> ExitCode {
-    let (name, outcome) = match command {
-        BenchCommand::Drain(args) => ("drain", drain(args).await),
-        BenchCommand::DrainMemory(args) => (
-            "drain-memory",
-            super::bench_memory::drain_memory(args).await,
-        ),
-        BenchCommand::Hold(args) => ("hold", super::bench_hold::hold(args).await),
-        BenchCommand::DrainPubsub(args) => ("drain-pubsub", super::pubsub::drain(args).await),
-        BenchCommand::DrainSql(args) => ("drain-sql", super::bench_sql::drain_sql(args).await),
-        BenchCommand::Replicas(args) => ("replicas", super::bench_replicas::replicas(args).await),
-    };
-    match outcome {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("bench {name}: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// CPU seconds (user + system) so far of process `pid` (`self` for this
-/// one), from /proc.
-pub(super) fn cpu_seconds(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may contain spaces).
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    // USER_HZ is 100 on Linux.
-    Some((utime + stime) / 100.0)
-}
-
-/// Wall time and this process's CPU since [`Stopwatch::start`]: what every
-/// in-process drain benchmark reports.
-pub(super) struct Stopwatch {
-    started: Instant,
-    cpu_before: f64,
-}
-
-impl Stopwatch {
-    pub(super) fn start() -> Self {
-        Self {
-            started: Instant::now(),
-            cpu_before: cpu_seconds("self").unwrap_or(0.0),
-        }
-    }
-
-    /// Seconds elapsed and CPU seconds used since the start.
-    pub(super) fn stop(&self) -> (f64, f64) {
-        (
-            self.started.elapsed().as_secs_f64(),
-            cpu_seconds("self").unwrap_or(0.0) - self.cpu_before,
-        )
-    }
-}
-
-/// The figures every drain benchmark prints, in the form
-/// `scripts/bench-compare.sh` reads: messages/s, CPU seconds per 1 000
-/// messages (`counted`: whose CPU that is) and this process's peak RSS.
-pub(super) fn print_drain_figures(messages: usize, secs: f64, cpu: f64, counted: &str) {
-    println!(
-        "  drained in {secs:.2}s: {:.0} messages/s",
-        messages as f64 / secs
-    );
-    println!(
-        "  CPU: {:.3}s per 1000 messages ({counted})",
-        cpu / messages as f64 * 1000.0
-    );
-    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
-}
-
-/// Peak resident set size of process `pid` in MiB, from /proc.
-pub(super) fn peak_rss_mib(pid: &str) -> Option<f64> {
-    status_kib(pid, "VmHWM:").map(|kib| kib / 1024.0)
-}
-
-/// A `kB` line (`VmHWM:`, `VmRSS:`) of /proc/<pid>/status.
-pub(super) fn status_kib(pid: &str, key: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with(key))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// The requests `bench-<i>` for `ids`, with `deadline` (Unix seconds),
-/// each asking for `max_tokens` tokens: what every drain enqueues.
-pub(super) fn bench_requests(ids: Range<usize>, deadline: i64, max_tokens: u32) -> Vec<Outgoing> {
-    ids.map(|i| Outgoing {
-        body: format!(
-            r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":{max_tokens}}}}}"#
-        )
-        .into(),
-        deadline,
-    })
-    .collect()
-}
-
-pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
-    use axum::routing::post;
-    let app = axum::Router::new().fallback(post(|| async {
-        (
-            [("content-type", "application/json")],
-            r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#,
-        )
-    }));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    Ok((format!("http://{addr}"), task))
-}
-
-async fn drain(args: DrainArgs) -> Result<(), String> {
+pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
     let redis_config = args.redis.config()?;
     let mut conn = args.redis.connect()?;
     let results = format!("{}-results", args.queue);
