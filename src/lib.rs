@@ -61,8 +61,11 @@
 //! Under all of them, the ground floor: [`tasks`] (the task tree: every
 //! long-lived task named, a panic stops the run), [`redis`] (one Redis
 //! server or a cluster, for transports, gates, sources, the shared window
-//! and `serve`), [`clock`] (Unix time), [`headers`] (the header rules the
-//! gateway client, the config and `serve` share). `docs/architecture.md`,
+//! and `serve`), [`postgres`] (one PostgreSQL connection and the `sql`
+//! tables, for the `sql` transport and the `sql-quota` gate), [`clock`]
+//! (Unix time), [`headers`] (the header rules the
+//! gateway client, the config and `serve` share), [`secret`] (secrets and
+//! URLs that may carry a password: never printed, masked when shown). `docs/architecture.md`,
 //! "Code layout", draws the layers.
 
 /// The database clock in Unix milliseconds, for the statement text of the
@@ -86,10 +89,12 @@ pub mod eval;
 pub mod gate;
 pub mod gateway;
 pub mod headers;
+pub mod postgres;
 pub mod queue;
 pub mod redis;
 pub mod request;
 pub mod result;
+pub mod secret;
 pub mod serve;
 pub mod sim;
 pub mod source;

@@ -8,9 +8,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
-use super::db::{Db, SqlError};
-use super::schema::partition_of;
 use crate::config::EndpointUrl;
+use crate::postgres::{Db, SqlError, partition_of};
 use crate::queue::QueueError;
 use crate::queue::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
