@@ -5,6 +5,10 @@
 use std::ops::Range;
 use std::time::Instant;
 
+use tokio_util::sync::CancellationToken;
+
+use crate::app::{RunOptions, Running};
+use crate::config::Config;
 use crate::queue::Outgoing;
 
 /// CPU seconds (user + system) so far of process `pid` (`self` for this
@@ -82,6 +86,18 @@ pub(super) fn bench_requests(ids: Range<usize>, deadline: i64, max_tokens: u32) 
         deadline,
     })
     .collect()
+}
+
+/// Starts the dispatcher of `config` in this process, as every drain
+/// runs it; cancelling the token stops it (then `Running::wait`).
+pub(super) async fn start_dispatcher(
+    config: &Config,
+) -> Result<(Running, CancellationToken), String> {
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone().cancelled_owned();
+    let running = (crate::app::start(config, RunOptions::default(), stop).await)
+        .map_err(|e| e.to_string())?;
+    Ok((running, shutdown))
 }
 
 pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 
-use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
+use super::measure::{
+    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+};
 use crate::cli::args::PubSubArgs;
 use crate::cli::output::bar;
 use crate::queue::pubsub::{DEFAULT_MAX_DELIVERY_ATTEMPTS, PubSubClient, SetupPlan, setup};
@@ -109,16 +111,9 @@ gate_type = "constant"
     );
     let config = crate::config::Config::from_toml_str(&toml, &Default::default())
         .map_err(|e| e.to_string())?;
-    let shutdown = tokio_util::sync::CancellationToken::new();
     let bar = bar(Some(args.messages as u64), "results");
     let stopwatch = Stopwatch::start();
-    let running = crate::app::start(
-        &config,
-        crate::app::RunOptions::default(),
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let (running, shutdown) = start_dispatcher(&config).await?;
     let mut seen = HashSet::new();
     while seen.len() < args.messages {
         let page = (queue

@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tokio_util::sync::CancellationToken;
 
-use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
+use super::measure::{
+    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+};
 use crate::cli::args::RedisArgs;
 use crate::config::Config;
 use crate::queue::Client;
@@ -80,7 +81,6 @@ gate_type = "constant"
     let mut config =
         Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
     config.redis = Some(redis_config);
-    let shutdown = CancellationToken::new();
     let bar = ProgressBar::new(args.messages as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} results {per_sec}")
@@ -94,13 +94,7 @@ gate_type = "constant"
         .await
         .map_err(|e| format!("redis: {e}"))?;
     let stopwatch = Stopwatch::start();
-    let running = crate::app::start(
-        &config,
-        crate::app::RunOptions::default(),
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let (running, shutdown) = start_dispatcher(&config).await?;
     // The window's in flight, sampled: how wide it really opened, and so
     // how many gateway connections were open at once.
     let window = running.metrics.queue(&args.queue);

@@ -7,9 +7,10 @@
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use tokio_util::sync::CancellationToken;
 
-use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
+use super::measure::{
+    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+};
 use crate::config::{Config, EndpointUrl};
 use crate::queue::Client;
 use crate::queue::sql::{SqlClient, SqlQueueClient};
@@ -80,15 +81,8 @@ gate_type = "constant"
         max_sys = args.max_sys,
     );
     let config = Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
-    let shutdown = CancellationToken::new();
     let stopwatch = Stopwatch::start();
-    let running = crate::app::start(
-        &config,
-        crate::app::RunOptions::default(),
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let (running, shutdown) = start_dispatcher(&config).await?;
     let window = running.metrics.queue(&args.queue);
     let mut peak_in_flight = 0;
     loop {
