@@ -15,7 +15,10 @@
 //!   sets, `src/queue/redis/`), [`queue::embedded`] (the durable SQLite
 //!   store, `src/queue/embedded/`), [`queue::pubsub`] (Google Cloud
 //!   Pub/Sub, `src/queue/pubsub/`), [`queue::sql`] (PostgreSQL,
-//!   `src/queue/sql/`); [`queue::open`] builds the configured one.
+//!   `src/queue/sql/`); [`queue::open`] builds the configured one. Beside
+//!   it the client face, [`queue::Client`] (enqueue, cancel, results after
+//!   a cursor, active ids), one per transport, opened by
+//!   [`queue::open_client`]: what the producer commands and `serve` use.
 //! - [`request`]: parsing queue bytes into validated request messages.
 //! - [`gate`]: [`gate::DispatchGate`] (budget `D`, baseline `B`, admission
 //!   verdicts), the gates, and the staleness / fail-closed wrappers.
@@ -48,7 +51,9 @@
 //!   and shared prompt prefix, `serve::order`), their results output
 //!   files; records in SQLite (embedded) or Redis (replicas).
 //! - [`app`]: wiring ([`app::run`]) and the shutdown order;
-//!   [`cli`]: the subcommands (parse flags, call `app`).
+//!   [`cli`]: the subcommands (parse flags, call `app`; shared connection
+//!   flags in `args.rs`, output formats in `output.rs`, benchmarks in
+//!   `bench/`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 //! - [`eval`]: gate quality in virtual time (`sluicegate eval`): the
 //!   production gates, window and congestion hold driving the simulator,
@@ -57,10 +62,13 @@
 //! Under all of them, the ground floor: [`tasks`] (the task tree: every
 //! long-lived task named, a panic stops the run), [`redis`] (one Redis
 //! server or a cluster, for transports, gates, sources, the shared window
-//! and `serve`), [`clock`] (Unix time), [`headers`] (the header rules the
-//! gateway client, the config and `serve` share), [`prompt`] (a request
-//! body's prompt text and block identities, the tokenization proxy the
-//! simulator's prefix cache and `serve`'s prefix order share).
+//! and `serve`), [`postgres`] (one PostgreSQL connection and the `sql`
+//! tables, for the `sql` transport and the `sql-quota` gate), [`clock`]
+//! (Unix time), [`headers`] (the header rules the gateway client, the
+//! config and `serve` share), [`prompt`] (a request body's prompt text and
+//! block identities, the tokenization proxy the simulator's prefix cache
+//! and `serve`'s prefix order share), [`secret`] (secrets and URLs that
+//! may carry a password: never printed, masked when shown).
 //! `docs/architecture.md`,
 //! "Code layout", draws the layers.
 
@@ -86,10 +94,12 @@ pub mod gate;
 pub mod gateway;
 pub mod headers;
 pub mod prompt;
+pub mod postgres;
 pub mod queue;
 pub mod redis;
 pub mod request;
 pub mod result;
+pub mod secret;
 pub mod serve;
 pub mod sim;
 pub mod source;

@@ -15,7 +15,19 @@ use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Value};
 
-use crate::config::RedisConfig;
+/// Where a Redis is and how to sign in: what `[redis]` (and the producer
+/// tools' flags) say. `config::RedisConfig` implements it; this file stays
+/// on the ground floor, below the config that assembles it.
+pub trait RedisSettings {
+    /// `redis://` or `rediss://` URL, database number in the path.
+    fn url(&self) -> &url::Url;
+    /// ACL user name.
+    fn username(&self) -> Option<&str>;
+    /// Password (a password file was read into it at load).
+    fn password(&self) -> Option<&str>;
+    /// Whether `url` is a seed node of a Redis Cluster.
+    fn cluster(&self) -> bool;
+}
 
 /// Why a Redis client could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -141,21 +153,18 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Builds the client for `config`: URL (`redis://`, `rediss://`, database
 /// number in the path), then username and password from the config, the
 /// password file or the URL, in that order.
-pub fn client(config: &RedisConfig) -> Result<Client, ConnectError> {
-    let mut info = config
-        .url
-        .expose()
-        .as_str()
+pub fn client(config: &dyn RedisSettings) -> Result<Client, ConnectError> {
+    let mut info = (config.url().as_str())
         .into_connection_info()
         .map_err(ConnectError::Url)?;
     let mut settings = info.redis_settings().clone();
-    if let Some(user) = config.username.as_deref().filter(|u| !u.is_empty()) {
+    if let Some(user) = config.username().filter(|u| !u.is_empty()) {
         settings = settings.set_username(user);
     }
     // A `password_file` was read into `password` when the config (or the
     // command's flags) were loaded.
-    if let Some(password) = &config.password {
-        settings = settings.set_password(password.expose());
+    if let Some(password) = config.password() {
+        settings = settings.set_password(password);
     }
     info = info.set_redis_settings(settings);
     Client::open(info).map_err(ConnectError::Url)
@@ -164,8 +173,8 @@ pub fn client(config: &RedisConfig) -> Result<Client, ConnectError> {
 /// The shared connection for `config`: a manager for one server, a
 /// cluster connection when `cluster` is set. Both connect lazily, so an
 /// unreachable Redis is an error of the first command, not of start-up.
-pub fn connection(config: &RedisConfig) -> Result<RedisConnection, ConnectError> {
-    if config.cluster {
+pub fn connection(config: &dyn RedisSettings) -> Result<RedisConnection, ConnectError> {
+    if config.cluster() {
         cluster(config, Some(RESPONSE_TIMEOUT)).map(RedisConnection::Cluster)
     } else {
         manager(&client(config)?).map(RedisConnection::Single)
@@ -175,13 +184,13 @@ pub fn connection(config: &RedisConfig) -> Result<RedisConnection, ConnectError>
 /// A lazily connecting cluster connection seeded by `config.url`, with the
 /// configured credentials. `response_timeout: None` is for blocking reads.
 fn cluster(
-    config: &RedisConfig,
+    config: &dyn RedisSettings,
     response_timeout: Option<Duration>,
 ) -> Result<ClusterConnection, ConnectError> {
     cluster_connection(
-        config.url.expose().as_str(),
-        config.username.as_deref(),
-        config.password.as_ref().map(|p| p.expose()),
+        config.url().as_str(),
+        config.username(),
+        config.password(),
         CONNECT_TIMEOUT,
         response_timeout,
     )
@@ -216,8 +225,10 @@ pub fn cluster_connection(
 
 /// A connection without response timeout for blocking commands (`BRPOP`),
 /// to one server or to the cluster `config` names.
-pub async fn blocking_connection(config: &RedisConfig) -> Result<RedisConnection, ConnectError> {
-    if config.cluster {
+pub async fn blocking_connection(
+    config: &dyn RedisSettings,
+) -> Result<RedisConnection, ConnectError> {
+    if config.cluster() {
         return cluster(config, None).map(RedisConnection::Cluster);
     }
     let client = client(config)?;

@@ -1,17 +1,16 @@
-//! `sluicegate cancel`: cancels active submissions by id. Redis follows
-//! the upstream protocol (the active token is copied to
-//! `request-cancel:<id>`); an embedded store (`--embedded PATH`) removes
-//! waiting messages and answers them `CANCELLED` at once.
+//! `sluicegate cancel`: cancels active submissions by id through the
+//! queue's client ([`crate::queue::Client`]). Redis follows the upstream
+//! protocol (the active token is copied to `request-cancel:<id>`); an
+//! embedded store (`--embedded PATH`) and PostgreSQL (`--sql-url`) remove
+//! waiting messages and answer them `CANCELLED` at once.
 
-use std::path::Path;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
 
-use super::submit::RedisArgs;
-use crate::queue::embedded::{EmbeddedCancel, EmbeddedQueue};
-use crate::queue::redis::{CancelOutcome, cancel};
+use super::args::{RedisArgs, store_target};
+use crate::queue::{CancelOutcome, ClientTarget};
 
 #[derive(Debug, Args)]
 pub(crate) struct CancelArgs {
@@ -37,68 +36,51 @@ pub(crate) struct CancelArgs {
     ids: Vec<String>,
 }
 
-pub(super) async fn run(args: CancelArgs) -> ExitCode {
-    if let Some(store) = &args.embedded {
-        return cancel_embedded(store, &args.queue, &args.ids);
-    }
-    if let Some(url) = &args.sql_url {
-        return super::sql::cancel(url, &args.queue, &args.route, &args.ids).await;
-    }
-    let mut conn = match args.redis.connect() {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::from(2);
+impl CancelArgs {
+    /// The queue the flags name: Redis unless `--embedded` or `--sql-url`
+    /// says otherwise (Redis cancels by id, whatever the queue).
+    fn target(&self) -> Result<ClientTarget, String> {
+        let (embedded, sql) = (self.embedded.as_ref(), self.sql_url.as_deref());
+        if let Some(store) = store_target(embedded, sql, &self.queue, &self.route, false) {
+            return store;
         }
-    };
-    let (mut cancelled, mut inactive) = (0usize, 0usize);
-    for id in &args.ids {
-        match cancel(&mut conn, id).await {
-            Ok(CancelOutcome::Cancelled) => {
-                cancelled += 1;
-                println!("{id}: cancelled");
-            }
-            Ok(CancelOutcome::NotActive) => {
-                inactive += 1;
-                println!("{id}: not active (finished, expired or unknown)");
-            }
-            Err(error) => {
-                eprintln!("{id}: redis: {error}");
-                return ExitCode::FAILURE;
-            }
-        }
+        Ok(ClientTarget::Redis {
+            config: self.redis.config()?,
+            queue: self.queue.clone(),
+            result_list: None,
+            fairness_attribute: None,
+        })
     }
-    println!("{cancelled} cancelled, {inactive} not active");
-    ExitCode::SUCCESS
 }
 
-/// `cancel --embedded PATH`: the same lines and summary as the Redis path.
-fn cancel_embedded(store: &Path, queue: &str, ids: &[String]) -> ExitCode {
-    let queue = match EmbeddedQueue::open_existing(store, queue) {
-        Ok(q) => q,
-        Err(e) => {
-            eprintln!("{e}");
+pub(super) async fn run(args: CancelArgs) -> ExitCode {
+    let client = match super::args::open(args.target()).await {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let outcomes = match client.cancel(args.ids.clone()).await {
+        Ok(outcomes) => outcomes,
+        Err(error) => {
+            eprintln!("{error}");
             return ExitCode::FAILURE;
         }
     };
     let (mut cancelled, mut inactive) = (0usize, 0usize);
-    for id in ids {
-        match queue.cancel(id) {
-            Ok(EmbeddedCancel::Cancelled(_)) => {
+    for (id, outcome) in args.ids.iter().zip(outcomes) {
+        match outcome {
+            CancelOutcome::Cancelled => {
                 cancelled += 1;
                 println!("{id}: cancelled");
             }
-            Ok(EmbeddedCancel::InFlight) => {
+            CancelOutcome::InFlight => {
                 inactive += 1;
-                println!("{id}: not cancelled (in flight: a worker is sending it now)");
+                println!(
+                    "{id}: flagged (in flight: answered CANCELLED unless a worker already sent it)"
+                );
             }
-            Ok(EmbeddedCancel::NotPending) => {
+            CancelOutcome::NotActive => {
                 inactive += 1;
                 println!("{id}: not active (finished, expired or unknown)");
-            }
-            Err(error) => {
-                eprintln!("{id}: {error}");
-                return ExitCode::FAILURE;
             }
         }
     }

@@ -3,23 +3,19 @@
 
 #![allow(clippy::print_stdout)] // A CLI prints its answers.
 
+mod args;
 mod batch;
 mod bench;
-mod bench_hold;
-mod bench_memory;
-mod bench_replicas;
-mod bench_sql;
 mod cancel;
 mod demo;
-mod embedded;
 mod eval;
+mod output;
 mod probe;
 mod pubsub;
 mod results;
 mod serve;
 mod sim;
 mod sim_sweep;
-mod sql;
 mod submit;
 
 use std::io::Write as _;
@@ -65,7 +61,7 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Deprecated: `results --embedded PATH` (hidden; prints a notice).
     #[command(hide = true)]
-    ResultsEmbedded(embedded::ResultsEmbeddedArgs),
+    ResultsEmbedded(results::ResultsEmbeddedArgs),
     /// Enqueue requests (JSON lines or OpenAI Batch API lines) into a Redis
     /// queue or, with `--embedded PATH`, an embedded store.
     Submit(submit::SubmitArgs),
@@ -264,7 +260,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Run(args) => run_dispatcher(args).await,
         Command::Batch(args) => batch::run(args).await,
         Command::Demo(args) => demo::run(args).await,
-        Command::ResultsEmbedded(args) => embedded::results(&args),
+        Command::ResultsEmbedded(args) => results::run_embedded_alias(args).await,
         Command::Submit(args) => submit::run(args).await,
         Command::Results(args) => results::run(args).await,
         Command::Cancel(args) => cancel::run(args).await,

@@ -15,7 +15,8 @@
 //! environment and flags layered onto one loose tree), `check` (tree →
 //! typed: unknown keys, cross-key rules), `values` (every loose → typed
 //! conversion, shared with gate parameters), `gate` ([`GateSpec`]),
-//! `render` (summary and redacted TOML), `duration`, `secret`, `error`.
+//! `render` (summary and redacted TOML), `duration`, `error`; secrets and
+//! URLs that may hold one are `crate::secret`, on the ground floor.
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -40,7 +41,6 @@ mod error;
 mod gate;
 mod layer;
 mod render;
-mod secret;
 mod tenant_limits;
 mod tier;
 mod values;
@@ -62,15 +62,15 @@ use values::{
 
 use crate::telemetry::LogFormat;
 
+pub use crate::secret::{
+    EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
+};
 pub use duration::{format_duration, parse_duration};
 pub use error::{ConfigError, ConfigErrors};
 pub use gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
 };
 pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
-pub use secret::{
-    EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
-};
 pub use tenant_limits::{TenantLimit, TenantLimits};
 pub use tier::Tier;
 // Loose value conversions the gates' parameter adapters share.
@@ -614,6 +614,26 @@ section! {
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;
         /// Redis transport: prefix of the batch-record keys.
         key_prefix: String = "sluicegate:batchapi:".to_owned(), as_nonempty_string;
+    }
+}
+
+/// `[redis]` is what the Redis connections of every user (transport,
+/// gates, sources, the shared window, `serve`) are built from.
+impl crate::redis::RedisSettings for RedisConfig {
+    fn url(&self) -> &url::Url {
+        self.url.expose()
+    }
+
+    fn username(&self) -> Option<&str> {
+        self.username.as_deref()
+    }
+
+    fn password(&self) -> Option<&str> {
+        self.password.as_ref().map(Secret::expose)
+    }
+
+    fn cluster(&self) -> bool {
+        self.cluster
     }
 }
 

@@ -13,8 +13,8 @@ use url::Url;
 
 use super::duration::{format_duration, parse_duration};
 use super::error::ConfigError;
-use super::secret::{EndpointUrl, Secret};
 use super::tenant_limits::{TenantLimit, TenantLimits};
+use crate::secret::{EndpointUrl, Secret};
 
 /// Collects errors and knows where overridden keys came from.
 #[derive(Default)]

@@ -34,7 +34,7 @@ use super::{
     GateError, GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
 };
 use crate::config::EndpointUrl;
-use crate::queue::sql::{Db, SqlError};
+use crate::postgres::{Db, SqlError};
 
 /// Parameters of `sql-quota`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

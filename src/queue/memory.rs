@@ -19,6 +19,10 @@ use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, NO_MARKS, Outgoing, ReadResult,
+    ResultPage,
+};
 use super::lanes::{TenantLanes, interleave, tenant_of};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError, long_poll,
@@ -417,6 +421,72 @@ impl Queue for MemoryQueue {
         let n = (state.pending.len() + state.leased.len()) as u64;
         drop(state);
         Box::pin(std::future::ready(Ok(Some(n))))
+    }
+}
+
+/// The memory queue's client face: requests pushed in order, results read
+/// by their write position (1 for the first). There is no producer
+/// outside this process, so no cancel and no marks.
+impl Client for MemoryQueue {
+    fn describe(&self) -> Description {
+        let place = format!("`{}`", self.name);
+        Description {
+            results: place.clone(),
+            place,
+            items: "requests",
+            active: "waiting in this queue",
+        }
+    }
+
+    fn transport(&self) -> &'static str {
+        "memory"
+    }
+
+    fn enqueue(
+        &self,
+        requests: Vec<Outgoing>,
+        mark: Option<Mark>,
+    ) -> BoxFuture<'_, Result<u64, ClientError>> {
+        if mark.is_some() {
+            return Box::pin(std::future::ready(Err(self.unsupported(NO_MARKS))));
+        }
+        let n = requests.len() as u64;
+        for request in requests {
+            self.push(request.body, request.deadline);
+        }
+        Box::pin(std::future::ready(Ok(n)))
+    }
+
+    fn cancel(&self, _ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
+        Box::pin(std::future::ready(Err(self.unsupported("cancel requests"))))
+    }
+
+    fn results(
+        &self,
+        cursor: Cursor,
+        max: usize,
+    ) -> BoxFuture<'_, Result<ResultPage, ClientError>> {
+        let state = self.lock();
+        let from = usize::try_from(cursor.0)
+            .unwrap_or(0)
+            .min(state.results.len());
+        let page: Vec<ReadResult> = (state.results[from..].iter().take(max))
+            // A result is plain strings and numbers: serialising cannot fail.
+            .map(|r| ReadResult::kept(serde_json::to_string(r).unwrap_or_default()))
+            .collect();
+        let cursor = Cursor(i64::try_from(from + page.len()).unwrap_or(i64::MAX));
+        Box::pin(std::future::ready(Ok(ResultPage {
+            results: page,
+            cursor,
+        })))
+    }
+
+    fn active(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Option<Vec<String>>, ClientError>> {
+        let waiting: HashSet<String> = (self.unsettled().iter())
+            .filter_map(|b| parse_message(b).ok().map(|m| m.request.id))
+            .collect();
+        let active = ids.into_iter().filter(|id| waiting.contains(id)).collect();
+        Box::pin(std::future::ready(Ok(Some(active))))
     }
 }
 

@@ -7,6 +7,7 @@
 //! (PostgreSQL, on upstream's tables). [`open`]
 //! builds the configured transport's queues.
 
+mod client;
 pub mod embedded;
 mod lanes;
 mod memory;
@@ -27,10 +28,17 @@ use tokio::time::Instant;
 use crate::request::AttemptRecord;
 use crate::result::ResultRecord;
 
+pub use client::{
+    CancelOutcome, Client, ClientError, ClientTarget, Cursor, Description, Mark, Outgoing,
+    ReadResult, ResultPage,
+};
 use embedded::EmbeddedError;
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
-pub use open::{DEFAULT_EMBEDDED_PATH, OpenError, Transports, default_redis_config, open};
+pub use open::{
+    DEFAULT_EMBEDDED_PATH, OpenError, Transports, client_target, default_redis_config, open,
+    open_client,
+};
 
 /// Transport handle of one delivery. Opaque to the dispatcher; a new tag
 /// per delivery, so a holder whose lease expired cannot acknowledge a

@@ -1,19 +1,20 @@
 //! Opening the configured transport: one queue per `[[queue]]`, in config
-//! order, so the wiring never has to check that the two lists match.
+//! order, so the wiring never has to check that the two lists match; and
+//! the client face of one queue ([`open_client`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Config, EndpointUrl, RedisConfig, TransportKind};
+use crate::config::{Config, EndpointUrl, QueueConfig, RedisConfig, TransportKind};
 use crate::tasks::Tasks;
 use crate::telemetry::Metrics;
 
-use super::embedded::{EmbeddedError, EmbeddedQueue};
-use super::pubsub::{PubSubError, PubSubQueue};
-use super::redis::{RedisQueue, RedisQueueSettings};
-use super::sql::{Db, SqlError, SqlQueue, SqlQueueSettings};
-use super::{MemoryQueue, Queue, TenantLanes};
+use super::embedded::{EmbeddedClient, EmbeddedError, EmbeddedQueue};
+use super::pubsub::{PubSubClient, PubSubError, PubSubQueue};
+use super::redis::{RedisClient, RedisQueue, RedisQueueSettings};
+use super::sql::{Db, SqlClient, SqlError, SqlQueue, SqlQueueClient, SqlQueueSettings};
+use super::{Client, ClientTarget, MemoryQueue, Queue, TenantLanes};
 use crate::redis::{ConnectError, connection, hash_tag, key_slot};
 
 /// Store file of the embedded transport when `[embedded]` names none.
@@ -112,6 +113,13 @@ pub enum OpenError {
     /// created.
     #[error(transparent)]
     Sql(#[from] SqlError),
+    /// The configuration does not say where this transport's client
+    /// writes and reads.
+    #[error(
+        "transport: `{}` has no client opened from the config (memory queues live in their process; Pub/Sub needs a request topic and a result subscription)",
+        .0.as_str()
+    )]
+    NoClient(TransportKind),
 }
 
 /// Opens one queue per `[[queue]]` on the configured transport. Redis is
@@ -140,10 +148,7 @@ pub async fn open(
         )),
         TransportKind::Redis => open_redis(config, tasks).await,
         TransportKind::Embedded => {
-            let path = config
-                .embedded
-                .as_ref()
-                .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone());
+            let path = embedded_path(config);
             let mut queues = Vec::with_capacity(config.queues.len());
             for q in &config.queues {
                 let queue =
@@ -156,6 +161,92 @@ pub async fn open(
         TransportKind::PubSub => open_pubsub(config, tasks, metrics).await,
         TransportKind::Sql => open_sql(config).await,
     }
+}
+
+/// The client target of `queue` on the configured transport: the same
+/// queue, result list or route and store as the dispatcher's.
+pub fn client_target(config: &Config, queue: &QueueConfig) -> Result<ClientTarget, OpenError> {
+    let name = queue.queue_name.clone();
+    match config.transport {
+        TransportKind::Redis => Ok(ClientTarget::Redis {
+            config: config.redis.clone().unwrap_or_else(default_redis_config),
+            queue: name,
+            result_list: queue.result_queue_name.clone(),
+            fairness_attribute: config.gateway.fairness_attribute.clone(),
+        }),
+        TransportKind::Embedded => Ok(ClientTarget::Embedded {
+            path: embedded_path(config),
+            queue: name,
+            create: true,
+        }),
+        TransportKind::Sql => {
+            // Config loading requires [sql] url for this transport; the
+            // defaults only keep this total.
+            let sql = config.sql.clone().unwrap_or_default();
+            Ok(ClientTarget::Sql {
+                url: sql.url.clone().ok_or(SqlError::MissingUrl)?,
+                connect_timeout: sql.connect_timeout,
+                queue: name,
+                // Precedence queue > [sql], as the dispatcher routes them.
+                route: (queue.result_queue_name.clone()).unwrap_or(sql.result_queue_name),
+            })
+        }
+        kind @ (TransportKind::Memory | TransportKind::PubSub) => Err(OpenError::NoClient(kind)),
+    }
+}
+
+/// Opens the client face of the queue `target` names. Redis connects
+/// lazily (an unreachable server is an error of the first call); the
+/// others connect or open their store here.
+pub async fn open_client(target: ClientTarget) -> Result<Arc<dyn Client>, OpenError> {
+    Ok(match target {
+        ClientTarget::Memory(queue) => queue,
+        ClientTarget::Redis {
+            config,
+            queue,
+            result_list,
+            fairness_attribute,
+        } => Arc::new(RedisClient::new(
+            connection(&config)?,
+            queue,
+            result_list,
+            fairness_attribute,
+        )),
+        ClientTarget::Embedded {
+            path,
+            queue,
+            create,
+        } => {
+            let opened = match create {
+                true => EmbeddedQueue::open(&path, queue),
+                false => EmbeddedQueue::open_existing(&path, queue),
+            };
+            Arc::new(EmbeddedClient::new(opened.map_err(OpenError::Embedded)?))
+        }
+        ClientTarget::PubSub {
+            config,
+            topic,
+            subscription,
+        } => {
+            let client = super::pubsub::connect(&config).await?;
+            Arc::new(PubSubClient::new(&client, topic, subscription))
+        }
+        ClientTarget::Sql {
+            url,
+            connect_timeout,
+            queue,
+            route,
+        } => {
+            let client = SqlClient::open(&url, connect_timeout).await?;
+            Arc::new(SqlQueueClient::new(client, queue, route))
+        }
+    })
+}
+
+/// The embedded store file `[embedded]` names, or the default.
+fn embedded_path(config: &Config) -> PathBuf {
+    (config.embedded.as_ref())
+        .map_or_else(|| PathBuf::from(DEFAULT_EMBEDDED_PATH), |e| e.path.clone())
 }
 
 /// Opens the `[sql]` database once (creating the schema) and one queue per

@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::{AppError, RunOptions, Running};
 use crate::config::{Config, ServeConfig, ServeDispatcher, TransportKind};
-use crate::queue::embedded::{EmbeddedError, EmbeddedQueue};
+use crate::queue::{OpenError, client_target, open_client};
 use crate::redis::{ConnectError, hash_tag, key_slot};
 use crate::tasks::Tasks;
 use crate::telemetry::{Health, Metrics};
@@ -122,9 +122,9 @@ pub enum ServeError {
     /// The store could not be opened.
     #[error(transparent)]
     Store(#[from] StoreError),
-    /// The embedded queue could not be opened.
-    #[error("embedded.path: {0}")]
-    Embedded(#[from] EmbeddedError),
+    /// The queue's client could not be opened.
+    #[error(transparent)]
+    OpenQueue(#[from] OpenError),
     /// The Redis client could not be built.
     #[error(transparent)]
     Redis(#[from] ConnectError),
@@ -331,8 +331,11 @@ pub async fn start(
     };
     let fairness = config.gateway.fairness_attribute.clone();
     let queue_name = queue_config.queue_name.clone();
-    let engine;
-    match config.transport {
+    // The queue is reached through its client, whatever the transport;
+    // only the store of records differs: Redis beside a Redis queue (so
+    // replicas share it), SQLite beside an embedded one.
+    let target = client_target(config, queue_config)?.or_result_list(&serve.result_list);
+    let store = match config.transport {
         TransportKind::Redis => {
             let redis_config = config
                 .redis
@@ -355,52 +358,28 @@ pub async fn start(
                 });
             }
             let conn = crate::redis::connection(&redis_config)?;
-            let sink = Sink::Redis {
-                conn: conn.clone(),
-                queue: queue_name,
-                result_list: list.clone(),
-                fairness_attribute: fairness.clone(),
-                key_prefix: serve.key_prefix.clone(),
-            };
-            let store = Store::Redis(RedisStore::new(conn.clone(), serve.key_prefix.clone()));
-            engine = Arc::new(
-                Engine::new(
-                    store,
-                    bodies,
-                    sink,
-                    limits,
-                    fairness,
-                    metrics.batch_api(&queue_config.queue_name),
-                    tasks.clone(),
-                )
-                .with_tenant_limits(serve.tenant_limits.clone()),
-            );
-            let collector = engine.clone().collect_redis(conn, list, stop.clone());
-            tasks.spawn("serve: result collector", collector);
+            Store::Redis(RedisStore::new(conn, serve.key_prefix.clone()))
         }
-        _ => {
-            let path = (config.embedded.as_ref()).map_or_else(
-                || PathBuf::from(crate::queue::DEFAULT_EMBEDDED_PATH),
-                |e| e.path.clone(),
-            );
-            let queue = EmbeddedQueue::open(&path, queue_name)?;
-            let sqlite = SqliteStore::open(&serve.data_dir.join(STORE_FILE))?;
-            engine = Arc::new(
-                Engine::new(
-                    Store::Sqlite(sqlite.clone()),
-                    bodies,
-                    Sink::Embedded(queue.clone()),
-                    limits,
-                    fairness,
-                    metrics.batch_api(&queue_config.queue_name),
-                    tasks.clone(),
-                )
-                .with_tenant_limits(serve.tenant_limits.clone()),
-            );
-            let collector = engine.clone().collect_embedded(queue, sqlite, stop.clone());
-            tasks.spawn("serve: result collector", collector);
-        }
-    }
+        _ => Store::Sqlite(SqliteStore::open(&serve.data_dir.join(STORE_FILE))?),
+    };
+    let client = open_client(target).await?;
+    let sink = Sink::new(client, store.intake_mark_prefix());
+    let engine = Arc::new(
+        Engine::new(
+            store,
+            bodies,
+            sink,
+            limits,
+            fairness,
+            metrics.batch_api(&queue_config.queue_name),
+            tasks.clone(),
+        )
+        .with_tenant_limits(serve.tenant_limits.clone()),
+    );
+    tasks.spawn(
+        "serve: result collector",
+        engine.clone().collect(stop.clone()),
+    );
     tasks.spawn(
         "serve: batch sweeps",
         engine.clone().run_sweeps(stop.clone()),

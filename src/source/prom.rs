@@ -96,7 +96,7 @@ impl PromClient {
             .map_err(|e| SourceError::Client(Arc::new(e)))?;
         Ok(Self {
             backend: Backend::Http(client),
-            shown_url: crate::config::mask_url(url),
+            shown_url: crate::secret::mask_url(url),
             timeout,
         })
     }

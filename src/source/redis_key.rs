@@ -78,7 +78,7 @@ impl RedisEndpoint {
             format!("redis://{address}")
         };
         let shown = url::Url::parse(&url)
-            .map(|u| crate::config::mask_url(&u))
+            .map(|u| crate::secret::mask_url(&u))
             .unwrap_or_else(|_| address.to_owned());
         let info = redis::IntoConnectionInfo::into_connection_info(url.as_str())
             .map_err(|e| SourceError::Redis(Arc::new(e)))?;

@@ -53,7 +53,7 @@ impl Scrape {
 
     /// The URL, password masked.
     pub fn describe_url(&self) -> String {
-        crate::config::mask_url(&self.url)
+        crate::secret::mask_url(&self.url)
     }
 
     async fn read(&self) -> Result<Timestamped<Arc<Exposition>>, SourceError> {
@@ -113,6 +113,6 @@ impl Source for Scrape {
     }
 
     fn describe(&self) -> String {
-        crate::config::mask_url(&self.url)
+        crate::secret::mask_url(&self.url)
     }
 }

@@ -18,9 +18,11 @@
 //! again with a new tag; the dead holder's tag no longer matches, so it can
 //! never acknowledge.
 
+mod client;
 mod lanes;
 mod schema;
 
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -37,6 +39,7 @@ use super::{
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::ResultRecord;
 
+pub use client::EmbeddedClient;
 pub use lanes::TenantLanes;
 
 /// How often an empty receive looks again for messages written by another
@@ -357,6 +360,38 @@ impl EmbeddedQueue {
         &self,
         matches: impl Fn(&str) -> bool,
     ) -> Result<(u64, u64), EmbeddedError> {
+        self.cancel_matching(matches, |_, _| {})
+    }
+
+    /// [`EmbeddedQueue::cancel`] for each of `ids`, in one pass over the
+    /// queue: what each came to, in the order given.
+    pub fn cancel_ids(&self, ids: &[String]) -> Result<Vec<EmbeddedCancel>, EmbeddedError> {
+        let mut seen: HashMap<String, (u64, u64)> = HashMap::new();
+        let wanted: HashSet<&str> = ids.iter().map(String::as_str).collect();
+        self.cancel_matching(
+            |id| wanted.contains(id),
+            |id, leased| {
+                let (cancelled, in_flight) = seen.entry(id.to_owned()).or_default();
+                *if leased { in_flight } else { cancelled } += 1;
+            },
+        )?;
+        Ok(ids
+            .iter()
+            .map(|id| match seen.get(id) {
+                None => EmbeddedCancel::NotPending,
+                Some((0, _)) => EmbeddedCancel::InFlight,
+                Some((n, _)) => EmbeddedCancel::Cancelled(*n),
+            })
+            .collect())
+    }
+
+    /// The pass behind [`EmbeddedQueue::cancel_where`]; `each` hears every
+    /// matching id and whether it was leased.
+    fn cancel_matching(
+        &self,
+        matches: impl Fn(&str) -> bool,
+        mut each: impl FnMut(&str, bool),
+    ) -> Result<(u64, u64), EmbeddedError> {
         let now = crate::clock::unix_millis();
         self.inner.write(|tx, queue| {
             let rows: Vec<(i64, Vec<u8>, bool)> = {
@@ -375,6 +410,7 @@ impl EmbeddedQueue {
                 if !matches(id) {
                     continue;
                 }
+                each(id, leased);
                 if leased {
                     // Leased is not yet sent: a dispatcher may hold it in
                     // its lookahead or at a gate. The mark makes

@@ -22,6 +22,7 @@
 //! hand-back does to each), `connect` (credentials and emulator), `setup`
 //! (`sluicegate pubsub setup`).
 
+mod client;
 mod connect;
 mod hold;
 mod message;
@@ -54,6 +55,7 @@ use crate::tasks::Tasks;
 use crate::telemetry::metrics::PubSubMetrics;
 use hold::{Held, Leases, Plan};
 
+pub use client::PubSubClient;
 pub use connect::{EMULATOR_ENV, Target, connect, connect_to, target};
 pub use message::{MAX_PULL, result_message};
 pub use setup::{DEFAULT_MAX_DELIVERY_ATTEMPTS, SetupPlan, setup};

@@ -12,6 +12,7 @@
 //!   their original score, moves due retries back to their origin queue at
 //!   their deadline score, and watches reachability for readiness.
 
+mod client;
 mod producer;
 mod scripts;
 
@@ -35,6 +36,7 @@ use crate::result::{ErrorCode, ResultRecord};
 use crate::tasks::Tasks;
 
 use crate::redis::{RedisConnection, hash_tag};
+pub use client::RedisClient;
 pub use producer::{CancelOutcome, Mark, Submission, cancel, enqueue, enqueue_marked, queue_score};
 
 /// Upstream's retry set, shared by every queue.

@@ -82,17 +82,26 @@ impl Submission {
     /// deadlines: its score moves `n` FIFO steps (62.5 ms each) past the
     /// enqueue time, so a file submitted within one step keeps its order
     /// (Redis orders equal scores by member bytes, not arrival).
-    pub fn in_sequence(mut self, n: u64) -> Self {
-        let offset = i64::try_from(n)
-            .unwrap_or(i64::MAX / 128)
-            .saturating_mul(125)
-            / 2;
-        self.score = queue_score(
-            self.deadline,
-            self.enqueued_at_ms.saturating_add(offset + 1),
-        );
+    pub fn in_sequence(self, n: u64) -> Self {
+        let enqueued_at_ms = self.enqueued_at_ms;
+        self.in_sequence_from(enqueued_at_ms, n)
+    }
+
+    /// [`Submission::in_sequence`] counting the steps from `base_ms`
+    /// instead of the enqueue time: a producer that enqueues in several
+    /// round trips keeps one order across them (`RedisClient`).
+    pub fn in_sequence_from(mut self, base_ms: i64, n: u64) -> Self {
+        self.score = queue_score(self.deadline, base_ms.saturating_add(fifo_steps_ms(n) + 1));
         self
     }
+}
+
+/// The span of `n` FIFO steps (62.5 ms each) in milliseconds.
+pub(super) fn fifo_steps_ms(n: u64) -> i64 {
+    i64::try_from(n)
+        .unwrap_or(i64::MAX / 128)
+        .saturating_mul(125)
+        / 2
 }
 
 /// Enqueues `batch` into `queue`: in one pipelined round trip on a single

@@ -1,15 +1,19 @@
-//! The producer's side of the `sql` transport (`submit`, `results`,
-//! `cancel`): plain methods on [`SqlClient`], one statement each, so the
-//! command-line code only calls them.
+//! The producer's side of the `sql` transport: plain methods on
+//! [`SqlClient`], one statement each, and [`SqlQueueClient`], the
+//! [`crate::queue::Client`] face of one queue and its result route.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 
-use super::db::{Db, SqlError};
-use super::schema::partition_of;
 use crate::config::EndpointUrl;
+use crate::postgres::{Db, SqlError, partition_of};
+use crate::queue::QueueError;
+use crate::queue::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
+};
 use crate::request::parse_message;
 use crate::result::{ErrorCode, ResultRecord};
 
@@ -268,6 +272,108 @@ impl SqlClient {
         Ok(rows
             .first()
             .map_or(0, |r| u64::try_from(r.get::<_, i64>(0)).unwrap_or(0)))
+    }
+}
+
+/// [`SqlClient`] on one queue and its result route: the transport's
+/// [`Client`]. Results stay in the table; the cursor is their write
+/// position (`async_results.seq`).
+#[derive(Debug, Clone)]
+pub struct SqlQueueClient {
+    client: SqlClient,
+    queue: String,
+    route: String,
+}
+
+impl SqlQueueClient {
+    /// The client of `queue`, whose results are written under `route`.
+    pub fn new(client: SqlClient, queue: String, route: String) -> Self {
+        Self {
+            client,
+            queue,
+            route,
+        }
+    }
+
+    fn error(op: &'static str) -> impl Fn(tokio_postgres::Error) -> ClientError {
+        move |source| QueueError::Sql { op, source }.into()
+    }
+}
+
+impl Client for SqlQueueClient {
+    fn describe(&self) -> Description {
+        Description {
+            place: format!("queue `{}` (sql)", self.queue),
+            results: format!("route `{}`", self.route),
+            items: "messages",
+            active: "waiting in this queue",
+        }
+    }
+
+    fn transport(&self) -> &'static str {
+        "sql"
+    }
+
+    fn enqueue(
+        &self,
+        requests: Vec<Outgoing>,
+        mark: Option<Mark>,
+    ) -> BoxFuture<'_, Result<u64, ClientError>> {
+        Box::pin(async move {
+            if mark.is_some() {
+                return Err(self.unsupported(crate::queue::client::NO_MARKS));
+            }
+            let items: Vec<(Bytes, i64)> = (requests.into_iter())
+                .map(|r| (r.body, r.deadline))
+                .collect();
+            (self.client.enqueue(&self.queue, &items).await).map_err(Self::error("enqueue"))
+        })
+    }
+
+    /// One statement per id, so each gets its own outcome.
+    fn cancel(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
+        Box::pin(async move {
+            let mut outcomes = Vec::with_capacity(ids.len());
+            for id in &ids {
+                let done = (self.client)
+                    .cancel(&self.queue, &self.route, std::slice::from_ref(id))
+                    .await
+                    .map_err(Self::error("cancel"))?;
+                outcomes.push(match done {
+                    SqlCancel { cancelled: 1.., .. } => CancelOutcome::Cancelled,
+                    SqlCancel { in_flight: 1.., .. } => CancelOutcome::InFlight,
+                    SqlCancel { .. } => CancelOutcome::NotActive,
+                });
+            }
+            Ok(outcomes)
+        })
+    }
+
+    fn results(
+        &self,
+        cursor: Cursor,
+        max: usize,
+    ) -> BoxFuture<'_, Result<ResultPage, ClientError>> {
+        Box::pin(async move {
+            let rows = (self.client.results_after(&self.route, cursor.0, max).await)
+                .map_err(Self::error("read results"))?;
+            let cursor = rows.last().map_or(cursor, |r| Cursor(r.seq));
+            let results = (rows.into_iter())
+                .map(|r| ReadResult::kept(r.raw))
+                .collect();
+            Ok(ResultPage { results, cursor })
+        })
+    }
+
+    fn active(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Option<Vec<String>>, ClientError>> {
+        Box::pin(async move {
+            let active = (self.client.active_ids(&self.queue, &ids).await)
+                .map_err(Self::error("check active ids"))?;
+            // In the order given (the statement's order is the table's).
+            Ok(Some(
+                ids.into_iter().filter(|id| active.contains(id)).collect(),
+            ))
+        })
     }
 }
 

@@ -22,12 +22,11 @@
 //!   row a claim finds (flagged by upstream's producer) is answered
 //!   `CANCELLED` without being handed out.
 //!
-//! Files: `schema.rs` (tables), `db.rs` (the reconnecting connection),
-//! `client.rs` (the producer's side: enqueue, cancel, read results).
+//! Files: `client.rs` (the producer's side: enqueue, cancel, read
+//! results); the reconnecting connection and the tables are the ground
+//! floor's [`crate::postgres`], shared with the `sql-quota` gate.
 
 mod client;
-mod db;
-mod schema;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,8 +42,8 @@ use super::{
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
-pub use client::{SqlCancel, SqlClient, StoredResult};
-pub use db::{Db, SqlError};
+pub use crate::postgres::{Db, SqlError};
+pub use client::{SqlCancel, SqlClient, SqlQueueClient, StoredResult};
 
 /// Result route (upstream's `result_queue_name` default) when neither the
 /// queue nor `[sql]` names one.

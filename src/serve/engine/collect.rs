@@ -9,10 +9,10 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::batch::output::openai_line;
-use crate::queue::embedded::EmbeddedQueue;
+use crate::queue::{Cursor, ReadResult, ResultPage};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::serve::model::{BatchRecord, BatchStatus, Stop, new_id, split_message_id};
-use crate::serve::store::{Recorded, StoreError};
+use crate::serve::store::Recorded;
 use crate::tasks::sleep_unless;
 
 use super::{Engine, EngineError};
@@ -95,119 +95,51 @@ impl Engine {
         Ok(())
     }
 
-    /// Applies results of the embedded queue from the saved position on,
-    /// until `stop`.
-    pub async fn collect_embedded(
-        self: Arc<Self>,
-        queue: EmbeddedQueue,
-        position: crate::serve::store::SqliteStore,
-        stop: CancellationToken,
-    ) {
-        let mut after = position.collected_up_to().await.unwrap_or(0);
+    /// Applies the queue's results from the saved position on, until
+    /// `stop`. A page is confirmed only after it is recorded (re-reading
+    /// is harmless: the first result per request wins); results of other
+    /// producers are handed back to the client as foreign (a Redis list
+    /// keeps them in `<list>-unclaimed`, never dropped).
+    pub async fn collect(self: Arc<Self>, stop: CancellationToken) {
+        let client = self.sink.client().clone();
+        let mut cursor = Cursor(self.store.collected_up_to().await.unwrap_or(0));
         while !stop.is_cancelled() {
-            let q = queue.clone();
-            let page =
-                tokio::task::spawn_blocking(move || q.results_after(after, COLLECT_PAGE)).await;
-            let rows = match page {
-                Ok(Ok(rows)) => rows,
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, "cannot read results; retrying");
-                    Vec::new()
-                }
+            let page = match client.results(cursor, COLLECT_PAGE).await {
+                Ok(page) => page,
                 Err(error) => {
                     tracing::warn!(%error, "cannot read results; retrying");
-                    Vec::new()
+                    ResultPage::default()
                 }
             };
-            if rows.is_empty() {
+            if page.results.is_empty() {
                 if sleep_unless(&stop, COLLECT_IDLE).await {
                     continue;
                 }
                 return;
             }
-            let last = rows.last().map_or(after, |r| r.0);
-            let applied = match self.apply(rows.into_iter().map(|r| r.1).collect()).await {
-                Ok(()) => last,
-                Err(error) => {
-                    tracing::warn!(%error, "cannot record results; retrying");
-                    after
-                }
+            let (ours, foreign): (Vec<ReadResult>, Vec<ReadResult>) = (page.results.into_iter())
+                .partition(|r| {
+                    (r.record.as_ref()).is_some_and(|r| split_message_id(&r.id).is_some())
+                });
+            let records = ours.iter().filter_map(|r| r.record.clone()).collect();
+            let settled = match self.apply(records).await {
+                Ok(()) => client
+                    .confirm(ours, foreign)
+                    .await
+                    .map_err(EngineError::from),
+                Err(error) => Err(error),
             };
-            if applied != after {
-                after = applied;
-                if let Err(error) = position.set_collected_up_to(after).await {
+            if let Err(error) = settled {
+                tracing::warn!(%error, "cannot record results; retrying");
+                if !sleep_unless(&stop, COLLECT_IDLE).await {
+                    return;
+                }
+                continue;
+            }
+            if page.cursor != cursor {
+                cursor = page.cursor;
+                if let Err(error) = self.store.set_collected_up_to(cursor.0).await {
                     tracing::warn!(%error, "cannot save the collector position");
-                }
-            } else if !sleep_unless(&stop, COLLECT_IDLE).await {
-                return;
-            }
-        }
-    }
-
-    /// Applies results from the Redis result `list`, oldest first, until
-    /// `stop`. An entry is removed only after it is recorded; results of
-    /// other producers are moved to `<list>-unclaimed`, never dropped.
-    pub async fn collect_redis(
-        self: Arc<Self>,
-        conn: crate::redis::RedisConnection,
-        list: String,
-        stop: CancellationToken,
-    ) {
-        let unclaimed = format!("{list}-unclaimed");
-        let mut conn = conn;
-        while !stop.is_cancelled() {
-            let items: Result<Vec<String>, _> = redis::cmd("LRANGE")
-                .arg(&list)
-                .arg(-(COLLECT_PAGE as i64))
-                .arg(-1)
-                .query_async(&mut conn)
-                .await;
-            let items = match items {
-                Ok(items) => items,
-                Err(error) => {
-                    tracing::warn!(%error, "cannot read results from redis; retrying");
-                    Vec::new()
-                }
-            };
-            if items.is_empty() {
-                if sleep_unless(&stop, COLLECT_IDLE).await {
-                    continue;
-                }
-                return;
-            }
-            // LPUSH puts the newest first: the tail is the oldest.
-            for item in items.iter().rev() {
-                let result: Option<ResultRecord> = serde_json::from_str(item).ok();
-                let ours = result
-                    .as_ref()
-                    .is_some_and(|r| split_message_id(&r.id).is_some());
-                let step = async {
-                    match result {
-                        Some(r) if ours => self.apply(vec![r]).await?,
-                        _ => {
-                            redis::cmd("LPUSH")
-                                .arg(&unclaimed)
-                                .arg(item)
-                                .query_async::<()>(&mut conn)
-                                .await
-                                .map_err(StoreError::from)?;
-                        }
-                    }
-                    redis::cmd("LREM")
-                        .arg(&list)
-                        .arg(-1)
-                        .arg(item)
-                        .query_async::<()>(&mut conn)
-                        .await
-                        .map_err(StoreError::from)?;
-                    Ok::<(), EngineError>(())
-                };
-                if let Err(error) = step.await {
-                    tracing::warn!(%error, "cannot record a result; retrying");
-                    if !sleep_unless(&stop, COLLECT_IDLE).await {
-                        return;
-                    }
-                    break;
                 }
             }
         }

@@ -347,7 +347,7 @@ mod tests {
 
     use super::*;
     use crate::clock::unix_secs;
-    use crate::queue::embedded::EmbeddedQueue;
+    use crate::queue::embedded::{EmbeddedClient, EmbeddedQueue};
     use crate::serve::store::SqliteStore;
 
     pub(super) fn engine(dir: &std::path::Path) -> Engine {
@@ -355,7 +355,7 @@ mod tests {
         Engine::new(
             Store::Sqlite(SqliteStore::open(&dir.join("batches.db")).expect("store")),
             Bodies::open(dir).expect("bodies"),
-            Sink::Embedded(queue),
+            Sink::new(Arc::new(EmbeddedClient::new(queue)), "serve.intake.".into()),
             Limits {
                 in_flight_grace: Duration::from_secs(120),
                 max_file_bytes: 1 << 20,

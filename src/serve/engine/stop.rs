@@ -52,11 +52,8 @@ impl Engine {
 
     /// Asks the queue to stop the batch's requests not yet sent.
     pub(super) async fn stop_requests(&self, batch: &BatchRecord) -> Result<(), EngineError> {
-        let ids = match self.sink.needs_ids() {
-            true => self.message_ids(batch).await?,
-            false => Vec::new(),
-        };
-        self.sink.cancel(&batch.id, ids).await?;
+        let ids = self.message_ids(batch).await?;
+        self.sink.cancel(ids).await?;
         Ok(())
     }
 

@@ -226,4 +226,33 @@ impl Store {
     pub async fn status_counts(&self) -> Result<Vec<(BatchStatus, u64)>, StoreError> {
         both!(self, s => s.status_counts().await)
     }
+
+    /// The queue result position the collector has applied up to (0 at
+    /// first). Only the embedded queue keeps its results, so only its
+    /// server has a position to remember; a Redis result list is consumed
+    /// as it is read.
+    pub async fn collected_up_to(&self) -> Result<i64, StoreError> {
+        match self {
+            Store::Sqlite(s) => s.collected_up_to().await,
+            Store::Redis(_) => Ok(0),
+        }
+    }
+
+    /// Saves the collector's position (see [`Store::collected_up_to`]).
+    pub async fn set_collected_up_to(&self, position: i64) -> Result<(), StoreError> {
+        match self {
+            Store::Sqlite(s) => s.set_collected_up_to(position).await,
+            Store::Redis(_) => Ok(()),
+        }
+    }
+
+    /// The start of a batch's intake mark key, in this store's namespace
+    /// (the mark lives with the queue: a `meta` row of the embedded queue
+    /// file, or a Redis key beside the records).
+    pub fn intake_mark_prefix(&self) -> String {
+        match self {
+            Store::Sqlite(_) => "serve.intake.".to_owned(),
+            Store::Redis(s) => s.intake_mark_prefix(),
+        }
+    }
 }

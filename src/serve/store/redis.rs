@@ -177,6 +177,12 @@ impl RedisStore {
         self.keys.key(parts)
     }
 
+    /// The start of a batch's intake mark key: `<prefix>intake:` (the
+    /// queue's client tags it into the queue's slot on a cluster).
+    pub fn intake_mark_prefix(&self) -> String {
+        format!("{}intake:", self.keys.prefix)
+    }
+
     fn of_batch(&self, kind: &str, batch: &str) -> String {
         self.keys.of_batch(kind, batch)
     }

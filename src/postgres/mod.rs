@@ -1,12 +1,17 @@
-//! One PostgreSQL connection shared by a transport's queues and the
-//! `sql-quota` gate, reconnected on demand: a server restart costs the
+//! One PostgreSQL connection shared by the `sql` transport's queues and
+//! the `sql-quota` gate, reconnected on demand: a server restart costs the
 //! statements in flight (errors the callers retry), never the process.
+//! On the ground floor beside `redis.rs`: the transport and the gate both
+//! stand on it. `schema.rs` holds the tables (upstream's `sql` tables and
+//! ours), created when a connection opens.
 //!
 //! Statements are prepared once per connection and cached by their text,
 //! so a claim or an ack is one round trip. tokio-postgres pipelines the
 //! statements of concurrent callers over the one connection; every
 //! multi-step change is a single statement (CTEs), so no caller needs a
 //! transaction of its own.
+
+mod schema;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,8 +21,9 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
-use super::schema;
-use crate::config::EndpointUrl;
+use crate::secret::EndpointUrl;
+
+pub(crate) use schema::partition_of;
 
 /// Why the database could not be opened.
 #[derive(Debug, thiserror::Error)]

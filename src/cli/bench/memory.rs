@@ -10,15 +10,15 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use clap::Args;
 
-use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
+use super::measure::{Stopwatch, bench_requests, instant_gateway, print_drain_figures};
 use crate::dispatch::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{ConstantGate, FailClosed};
 use crate::gateway::{GatewayClient, GatewaySettings, Target};
-use crate::queue::MemoryQueue;
+use crate::queue::{Client, MemoryQueue};
 use crate::tasks::Tasks;
 use crate::telemetry::Metrics;
 use tokio_util::sync::CancellationToken;
@@ -36,17 +36,11 @@ pub(crate) struct DrainMemoryArgs {
 pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
     let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
     let queue = Arc::new(MemoryQueue::new("bench-drain-memory"));
-    let deadline = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-        + 3600;
+    let deadline = crate::clock::unix_secs() + 3600;
     // Every message is in the queue before the clock starts, as the Redis
     // drain enqueues before it starts the dispatcher.
-    for i in 0..args.messages {
-        queue.push_message(format!(
-            r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
-        ));
-    }
+    let requests = bench_requests(0..args.messages, deadline, 1);
+    (queue.enqueue(requests, None).await).map_err(|e| e.to_string())?;
     let settings = DispatchSettings {
         max_sys: args.max_sys,
         receive_wait: Duration::from_millis(50),

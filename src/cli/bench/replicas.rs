@@ -6,15 +6,16 @@
 //! throughput (docs/benchmarks.md).
 
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use crate::redis::RedisConnection;
 use clap::Args;
 
-use super::submit::RedisArgs;
+use super::measure::bench_requests;
+use crate::cli::args::RedisArgs;
 use crate::dispatch::shared_window::Keys as WindowKeys;
-use crate::queue::redis::{Keys, Submission, enqueue};
-use crate::request::parse_message;
+use crate::queue::Client;
+use crate::queue::redis::{Keys, RedisClient};
 use crate::sim::{SimConfig, SimHandle, spawn_http};
 
 #[derive(Debug, Args)]
@@ -119,23 +120,11 @@ async fn run_once(
         del.arg(key);
     }
     del.query_async::<()>(conn).await.map_err(redis_error)?;
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(0));
-    let deadline = now_ms / 1000 + 3600;
-    let batch: Vec<Submission> = (0..args.messages)
-        .map(|i| {
-            let line = format!(
-                r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":{}}}}}"#,
-                args.max_tokens
-            );
-            let message = parse_message(line.as_bytes()).map_err(|e| e.reason)?;
-            Ok(Submission::new(message, &args.queue, now_ms + i as i64))
-        })
-        .collect::<Result<_, String>>()?;
-    enqueue(conn, &args.queue, &batch)
-        .await
-        .map_err(redis_error)?;
+    let deadline = crate::clock::unix_secs() + 3600;
+    // The replicas' queue names the result list: messages name none.
+    let client = RedisClient::new(conn.clone(), args.queue.clone(), None, None);
+    let requests = bench_requests(0..args.messages, deadline, args.max_tokens);
+    (client.enqueue(requests, None).await).map_err(|e| e.to_string())?;
 
     let started = Instant::now();
     let children: Vec<Replica> = (0..count)

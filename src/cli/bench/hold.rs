@@ -79,10 +79,10 @@ pub(super) async fn hold(args: HoldArgs) -> Result<(), String> {
     // it has been waited for.
     let (mut peak_rss, mut cpu, mut rss_at_peak_hold) = (0.0f64, 0.0f64, 0.0f64);
     let status = loop {
-        if let Some(rss) = super::bench::peak_rss_mib(&pid) {
+        if let Some(rss) = super::measure::peak_rss_mib(&pid) {
             peak_rss = peak_rss.max(rss);
         }
-        if let Some(c) = super::bench::cpu_seconds(&pid) {
+        if let Some(c) = super::measure::cpu_seconds(&pid) {
             cpu = c;
         }
         if counts.in_flight.load(Ordering::Relaxed) == args.requests {
@@ -158,7 +158,7 @@ fn write_requests(path: &Path, n: usize, stream: bool) -> Result<(), String> {
 
 /// Resident set size now, in MiB.
 fn current_rss_mib(pid: &str) -> Option<f64> {
-    super::bench::status_kib(pid, "VmRSS:").map(|kib| kib / 1024.0)
+    super::measure::status_kib(pid, "VmRSS:").map(|kib| kib / 1024.0)
 }
 
 /// A gateway that holds every request for `delay`, then answers 200 (in

@@ -4,15 +4,16 @@
 //! messages, peak RSS) so `scripts/bench-compare.sh` sets it beside the
 //! Redis drain.
 
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use clap::Args;
-use tokio_util::sync::CancellationToken;
 
-use super::bench::{Stopwatch, instant_gateway, print_drain_figures};
+use super::measure::{
+    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+};
 use crate::config::{Config, EndpointUrl};
-use crate::queue::sql::SqlClient;
+use crate::queue::Client;
+use crate::queue::sql::{SqlClient, SqlQueueClient};
 
 #[derive(Debug, Args)]
 pub(crate) struct DrainSqlArgs {
@@ -47,23 +48,11 @@ pub(super) async fn drain_sql(args: DrainSqlArgs) -> Result<(), String> {
         .await
         .map_err(|e| format!("sql: {e}"))?;
     let (gateway, _gateway_task) = instant_gateway().await.map_err(|e| e.to_string())?;
-    let deadline = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(0))
-        + 3600;
-    let items: Vec<(Bytes, i64)> = (0..args.messages)
-        .map(|i| {
-            let line = format!(
-                r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":1}}}}"#
-            );
-            (Bytes::from(line), deadline)
-        })
-        .collect();
+    let deadline = crate::clock::unix_secs() + 3600;
+    let requests = bench_requests(0..args.messages, deadline, 1);
     let fill = Instant::now();
-    client
-        .enqueue(&args.queue, &items)
-        .await
-        .map_err(|e| format!("sql: {e}"))?;
+    let queue = SqlQueueClient::new(client.clone(), args.queue.clone(), route.clone());
+    (queue.enqueue(requests, None).await).map_err(|e| e.to_string())?;
     let fill_secs = fill.elapsed().as_secs_f64();
 
     let toml = format!(
@@ -92,15 +81,8 @@ gate_type = "constant"
         max_sys = args.max_sys,
     );
     let config = Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
-    let shutdown = CancellationToken::new();
     let stopwatch = Stopwatch::start();
-    let running = crate::app::start(
-        &config,
-        crate::app::RunOptions::default(),
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let (running, shutdown) = start_dispatcher(&config).await?;
     let window = running.metrics.queue(&args.queue);
     let mut peak_in_flight = 0;
     loop {

@@ -1,0 +1,117 @@
+//! What the benchmarks measure with: wall and CPU time, peak RSS from
+//! /proc, a gateway in this process that answers at once, and the small
+//! requests every drain enqueues.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::app::{RunOptions, Running};
+use crate::config::Config;
+use crate::queue::Outgoing;
+
+/// CPU seconds (user + system) so far of process `pid` (`self` for this
+/// one), from /proc.
+pub(super) fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    // USER_HZ is 100 on Linux.
+    Some((utime + stime) / 100.0)
+}
+
+/// Wall time and this process's CPU since [`Stopwatch::start`]: what every
+/// in-process drain benchmark reports.
+pub(super) struct Stopwatch {
+    started: Instant,
+    cpu_before: f64,
+}
+
+impl Stopwatch {
+    pub(super) fn start() -> Self {
+        Self {
+            started: Instant::now(),
+            cpu_before: cpu_seconds("self").unwrap_or(0.0),
+        }
+    }
+
+    /// Seconds elapsed and CPU seconds used since the start.
+    pub(super) fn stop(&self) -> (f64, f64) {
+        (
+            self.started.elapsed().as_secs_f64(),
+            cpu_seconds("self").unwrap_or(0.0) - self.cpu_before,
+        )
+    }
+}
+
+/// The figures every drain benchmark prints, in the form
+/// `scripts/bench-compare.sh` reads: messages/s, CPU seconds per 1 000
+/// messages (`counted`: whose CPU that is) and this process's peak RSS.
+pub(super) fn print_drain_figures(messages: usize, secs: f64, cpu: f64, counted: &str) {
+    println!(
+        "  drained in {secs:.2}s: {:.0} messages/s",
+        messages as f64 / secs
+    );
+    println!(
+        "  CPU: {:.3}s per 1000 messages ({counted})",
+        cpu / messages as f64 * 1000.0
+    );
+    println!("  peak RSS: {:.1} MiB", peak_rss_mib("self").unwrap_or(0.0));
+}
+
+/// Peak resident set size of process `pid` in MiB, from /proc.
+pub(super) fn peak_rss_mib(pid: &str) -> Option<f64> {
+    status_kib(pid, "VmHWM:").map(|kib| kib / 1024.0)
+}
+
+/// A `kB` line (`VmHWM:`, `VmRSS:`) of /proc/<pid>/status.
+pub(super) fn status_kib(pid: &str, key: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// The requests `bench-<i>` for `ids`, with `deadline` (Unix seconds),
+/// each asking for `max_tokens` tokens: what every drain enqueues.
+pub(super) fn bench_requests(ids: Range<usize>, deadline: i64, max_tokens: u32) -> Vec<Outgoing> {
+    ids.map(|i| Outgoing {
+        body: format!(
+            r#"{{"id":"bench-{i}","deadline":{deadline},"payload":{{"model":"m","prompt":"hello","max_tokens":{max_tokens}}}}}"#
+        )
+        .into(),
+        deadline,
+    })
+    .collect()
+}
+
+/// Starts the dispatcher of `config` in this process, as every drain
+/// runs it; cancelling the token stops it (then `Running::wait`).
+pub(super) async fn start_dispatcher(
+    config: &Config,
+) -> Result<(Running, CancellationToken), String> {
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone().cancelled_owned();
+    let running = (crate::app::start(config, RunOptions::default(), stop).await)
+        .map_err(|e| e.to_string())?;
+    Ok((running, shutdown))
+}
+
+pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::JoinHandle<()>)> {
+    use axum::routing::post;
+    let app = axum::Router::new().fallback(post(|| async {
+        (
+            [("content-type", "application/json")],
+            r#"{"id":"cmpl","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#,
+        )
+    }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((format!("http://{addr}"), task))
+}

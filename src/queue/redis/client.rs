@@ -1,0 +1,284 @@
+//! The Redis transport's client face ([`crate::queue::Client`]): the
+//! upstream producer protocol (`producer.rs`) on one queue, results read
+//! from the queue's result list.
+
+use std::sync::Mutex;
+
+use futures_util::future::BoxFuture;
+
+use super::DEFAULT_RESULT_LIST;
+use super::producer::{self, Submission, fifo_steps_ms};
+use crate::queue::QueueError;
+use crate::queue::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, Receipt,
+    ResultPage,
+};
+use crate::redis::{RedisConnection, hash_tag};
+use crate::request::parse_message;
+
+/// Ids per `MGET` of the active check.
+const ACTIVE_CHUNK: usize = 1000;
+
+/// A producer and result reader on one Redis queue.
+#[derive(Debug)]
+pub struct RedisClient {
+    conn: RedisConnection,
+    /// The pending sorted set.
+    queue: String,
+    /// The list results are read from; enqueued messages name it when
+    /// `name_list` is set.
+    result_list: String,
+    name_list: bool,
+    /// The dispatcher's fairness attribute: messages are also filed in
+    /// their tenant's lane.
+    fairness_attribute: Option<String>,
+    /// Where the queue's FIFO order among equal deadlines stands: the
+    /// enqueue time (Unix ms) the scores count from and the next message's
+    /// step after it. Kept across enqueues so a file submitted in many
+    /// chunks keeps its order (the steps of one chunk can run past the
+    /// next chunk's clock).
+    order: Mutex<(i64, u64)>,
+}
+
+impl RedisClient {
+    /// A client of `queue`; `result_list` as in
+    /// [`crate::queue::ClientTarget::Redis`].
+    pub fn new(
+        conn: RedisConnection,
+        queue: String,
+        result_list: Option<String>,
+        fairness_attribute: Option<String>,
+    ) -> Self {
+        Self {
+            conn,
+            queue,
+            name_list: result_list.is_some(),
+            result_list: result_list.unwrap_or_else(|| DEFAULT_RESULT_LIST.to_owned()),
+            fairness_attribute,
+            order: Mutex::new((0, 0)),
+        }
+    }
+
+    /// The first FIFO step for `n` messages enqueued at `now_ms`, and the
+    /// time it counts from: after every message this client enqueued
+    /// before, or afresh once the clock has passed them.
+    fn steps(&self, now_ms: i64, n: usize) -> (i64, u64) {
+        let mut order = self
+            .order
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (base, next) = *order;
+        let reached = fifo_steps_ms(next);
+        let start = match now_ms > base.saturating_add(reached) {
+            true => (now_ms, 0),
+            false => (base, next),
+        };
+        *order = (start.0, start.1 + n as u64);
+        start
+    }
+
+    /// A mark's key: on a cluster in the queue's hash slot, so it is set in
+    /// the same `MULTI` as the queue's `ZADD`.
+    fn mark_key(&self, key: &str) -> String {
+        match self.conn.is_cluster() {
+            true => format!("{{{}}}:{key}", hash_tag(&self.queue).unwrap_or(&self.queue)),
+            false => key.to_owned(),
+        }
+    }
+
+    fn error(op: &'static str) -> impl Fn(redis::RedisError) -> ClientError {
+        move |source| QueueError::Redis { op, source }.into()
+    }
+}
+
+impl Client for RedisClient {
+    fn describe(&self) -> Description {
+        Description {
+            place: format!("`{}`", self.queue),
+            results: format!("`{}`", self.result_list),
+            items: "requests",
+            active: "active (`request-active:<id>`)",
+        }
+    }
+
+    fn transport(&self) -> &'static str {
+        "redis"
+    }
+
+    fn enqueue(
+        &self,
+        requests: Vec<Outgoing>,
+        mark: Option<Mark>,
+    ) -> BoxFuture<'_, Result<u64, ClientError>> {
+        Box::pin(async move {
+            let now_ms = crate::clock::unix_millis();
+            let (base_ms, first) = self.steps(now_ms, requests.len());
+            let mut batch = Vec::with_capacity(requests.len());
+            for (index, request) in requests.iter().enumerate() {
+                let mut message =
+                    parse_message(&request.body).map_err(|f| ClientError::Invalid {
+                        index,
+                        reason: f.reason,
+                    })?;
+                if self.name_list {
+                    message.internal.result_queue_name = Some(self.result_list.clone());
+                }
+                let tenant = (self.fairness_attribute.as_deref())
+                    .map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
+                batch.push(
+                    Submission::new(message, &self.queue, now_ms)
+                        .in_sequence_from(base_ms, first + index as u64)
+                        .in_lane(tenant),
+                );
+            }
+            let mark = mark.map(|m| producer::Mark {
+                key: self.mark_key(&m.key),
+                value: m.value,
+                ttl_secs: m.ttl.as_secs(),
+            });
+            let mut conn = self.conn.clone();
+            producer::enqueue_marked(&mut conn, &self.queue, &batch, mark.as_ref())
+                .await
+                .map_err(Self::error("enqueue"))?;
+            Ok(batch.len() as u64)
+        })
+    }
+
+    fn mark(&self, key: String) -> BoxFuture<'_, Result<Option<String>, ClientError>> {
+        Box::pin(async move {
+            redis::cmd("GET")
+                .arg(self.mark_key(&key))
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Self::error("get mark"))
+        })
+    }
+
+    fn forget_mark(&self, key: String) -> BoxFuture<'_, Result<(), ClientError>> {
+        Box::pin(async move {
+            redis::cmd("DEL")
+                .arg(self.mark_key(&key))
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Self::error("forget mark"))
+        })
+    }
+
+    fn cancel(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let mut outcomes = Vec::with_capacity(ids.len());
+            for id in &ids {
+                let done = producer::cancel(&mut conn, id)
+                    .await
+                    .map_err(Self::error("cancel"))?;
+                outcomes.push(match done {
+                    producer::CancelOutcome::Cancelled => CancelOutcome::Cancelled,
+                    producer::CancelOutcome::NotActive => CancelOutcome::NotActive,
+                });
+            }
+            Ok(outcomes)
+        })
+    }
+
+    /// The oldest `max` entries of the result list (`LPUSH` puts the
+    /// newest at the head, so they are its tail), left in it until
+    /// confirmed; the cursor is ignored.
+    fn results(
+        &self,
+        _cursor: Cursor,
+        max: usize,
+    ) -> BoxFuture<'_, Result<ResultPage, ClientError>> {
+        Box::pin(async move {
+            let from = -i64::try_from(max.max(1)).unwrap_or(i64::MAX);
+            let items: Vec<String> = redis::cmd("LRANGE")
+                .arg(&self.result_list)
+                .arg(from)
+                .arg(-1)
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Self::error("read results"))?;
+            let results = (items.into_iter().rev())
+                .map(|raw| ReadResult::with_receipt(raw, Receipt::ListEntry))
+                .collect();
+            Ok(ResultPage {
+                results,
+                cursor: Cursor::default(),
+            })
+        })
+    }
+
+    /// Removes each entry by value (several readers may share the list);
+    /// a foreign one is first pushed to `<list>-unclaimed`, never dropped.
+    fn confirm(
+        &self,
+        taken: Vec<ReadResult>,
+        foreign: Vec<ReadResult>,
+    ) -> BoxFuture<'_, Result<(), ClientError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let unclaimed = format!("{}-unclaimed", self.result_list);
+            // One command at a time: on a cluster the unclaimed list may
+            // live in another slot than the result list.
+            for read in &foreign {
+                redis::cmd("LPUSH")
+                    .arg(&unclaimed)
+                    .arg(&read.raw)
+                    .query_async::<()>(&mut conn)
+                    .await
+                    .map_err(Self::error("set a result aside"))?;
+                remove(&mut conn, &self.result_list, &read.raw).await?;
+            }
+            if taken.is_empty() {
+                return Ok(());
+            }
+            let mut pipe = redis::pipe();
+            for read in &taken {
+                pipe.cmd("LREM")
+                    .arg(&self.result_list)
+                    .arg(-1)
+                    .arg(&read.raw)
+                    .ignore();
+            }
+            pipe.query_async::<()>(&mut conn)
+                .await
+                .map_err(Self::error("remove results"))
+        })
+    }
+
+    /// The ids with a `request-active:<id>` key (submitted, not finished).
+    fn active(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Option<Vec<String>>, ClientError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let mut active = Vec::new();
+            for chunk in ids.chunks(ACTIVE_CHUNK) {
+                // One MGET per chunk: a cluster connection splits it by slot.
+                let mut mget = redis::cmd("MGET");
+                for id in chunk {
+                    mget.arg(format!("request-active:{id}"));
+                }
+                let found: Vec<Option<String>> = mget
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(Self::error("check active ids"))?;
+                active.extend(
+                    (chunk.iter().zip(found))
+                        .filter(|(_, token)| token.is_some())
+                        .map(|(id, _)| id.clone()),
+                );
+            }
+            Ok(Some(active))
+        })
+    }
+}
+
+/// Removes the oldest entry equal to `raw` from `list`.
+async fn remove(conn: &mut RedisConnection, list: &str, raw: &str) -> Result<(), ClientError> {
+    redis::cmd("LREM")
+        .arg(list)
+        .arg(-1)
+        .arg(raw)
+        .query_async::<()>(conn)
+        .await
+        .map_err(RedisClient::error("remove a result"))
+}
