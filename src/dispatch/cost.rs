@@ -33,24 +33,36 @@ struct CostFields<'a> {
     max_output_tokens: Option<u64>,
 }
 
-/// Cost of a request with this payload in `unit`: 1 for requests; prompt
-/// estimate + `max_tokens` for tokens; payload length for bytes. Never 0,
-/// so every request uses some window.
-pub fn request_cost(unit: Unit, payload: &RawValue) -> u64 {
+/// Cost of a request with this payload, sent to `endpoint` (the request's
+/// own, when it names one), in `unit`: 1 for requests; prompt estimate +
+/// `max_tokens` for tokens (the prompt alone for embeddings, which
+/// generate nothing); payload length for bytes. Never 0, so every request
+/// uses some window.
+pub fn request_cost(unit: Unit, payload: &RawValue, endpoint: Option<&str>) -> u64 {
     match unit {
         Unit::Requests => 1,
         Unit::Bytes => (payload.get().len() as u64).max(1),
         Unit::Tokens => {
             let fields: CostFields<'_> = serde_json::from_str(payload.get()).unwrap_or_default();
             let prompt_tokens = prompt_estimate(&fields);
-            let output = fields
-                .max_tokens
-                .or(fields.max_completion_tokens)
-                .or(fields.max_output_tokens)
-                .unwrap_or(DEFAULT_MAX_TOKENS);
+            let output = if is_embeddings(endpoint) {
+                0
+            } else {
+                fields
+                    .max_tokens
+                    .or(fields.max_completion_tokens)
+                    .or(fields.max_output_tokens)
+                    .unwrap_or(DEFAULT_MAX_TOKENS)
+            };
             (prompt_tokens + output).max(1)
         }
     }
+}
+
+/// Whether `endpoint` is OpenAI's embeddings endpoint (a path, or a URL
+/// ending in it).
+fn is_embeddings(endpoint: Option<&str>) -> bool {
+    endpoint.is_some_and(|e| e.trim_end_matches('/').ends_with("/v1/embeddings"))
 }
 
 /// Estimated prompt tokens of a request with this payload (what a
@@ -107,21 +119,39 @@ mod tests {
     #[test]
     fn token_cost_is_prompt_estimate_plus_max_tokens() {
         let p = raw(r#"{"prompt":"abcdefgh","max_tokens":10}"#);
-        assert_eq!(request_cost(Unit::Tokens, &p), 2 + 10);
+        assert_eq!(request_cost(Unit::Tokens, &p, None), 2 + 10);
         let c = raw(r#"{"messages":[{"role":"user","content":"abcd"}],"max_completion_tokens":5}"#);
         // "user" + "abcd" = 8 chars = 2 tokens.
-        assert_eq!(request_cost(Unit::Tokens, &c), 2 + 5);
+        assert_eq!(request_cost(Unit::Tokens, &c, None), 2 + 5);
         // `/v1/responses`: text in `input`, cap in `max_output_tokens`.
         let r = raw(r#"{"input":"abcdefgh","max_output_tokens":7}"#);
-        assert_eq!(request_cost(Unit::Tokens, &r), 2 + 7);
+        assert_eq!(request_cost(Unit::Tokens, &r, None), 2 + 7);
         let none = raw(r#"{"model":"m"}"#);
-        assert_eq!(request_cost(Unit::Tokens, &none), DEFAULT_MAX_TOKENS);
+        assert_eq!(request_cost(Unit::Tokens, &none, None), DEFAULT_MAX_TOKENS);
+    }
+
+    #[test]
+    fn embeddings_cost_their_input_only() {
+        let e = raw(r#"{"model":"m","input":"abcdefgh"}"#);
+        assert_eq!(request_cost(Unit::Tokens, &e, Some("/v1/embeddings")), 2);
+        let url = Some("http://gw/v1/embeddings/");
+        assert_eq!(request_cost(Unit::Tokens, &e, url), 2);
+        assert_eq!(
+            request_cost(Unit::Tokens, &e, Some("/v1/responses")),
+            2 + DEFAULT_MAX_TOKENS
+        );
+        // Never 0: an empty input still uses some window.
+        let empty = raw(r#"{"model":"m","input":""}"#);
+        assert_eq!(
+            request_cost(Unit::Tokens, &empty, Some("/v1/embeddings")),
+            1
+        );
     }
 
     #[test]
     fn request_and_byte_costs() {
         let p = raw(r#"{"a":1}"#);
-        assert_eq!(request_cost(Unit::Requests, &p), 1);
-        assert_eq!(request_cost(Unit::Bytes, &p), 7);
+        assert_eq!(request_cost(Unit::Requests, &p, None), 1);
+        assert_eq!(request_cost(Unit::Bytes, &p, None), 7);
     }
 }

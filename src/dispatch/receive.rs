@@ -679,7 +679,11 @@ pub(super) async fn check(
             return None;
         }
     };
-    let cost = request_cost(shared.settings().unit, &message.request.payload);
+    let cost = request_cost(
+        shared.settings().unit,
+        &message.request.payload,
+        message.request.endpoint.as_deref(),
+    );
     let pace_cost = shared.settings().pace.map_or(1, |pace| {
         pace.cost(super::cost::prompt_tokens(&message.request.payload))
     });

@@ -29,12 +29,12 @@ pub struct Estimate {
 }
 
 impl Estimate {
-    /// Adds one input line (the request `body` of a batch line; `None`
-    /// when the line does not parse: it still counts as a request, and
-    /// validation will refuse the batch).
-    pub fn add_line(&mut self, body: Option<&RawValue>) {
+    /// Adds one input line of a batch to `endpoint` (the request `body` of
+    /// a batch line; `None` when the line does not parse: it still counts
+    /// as a request, and validation will refuse the batch).
+    pub fn add_line(&mut self, body: Option<&RawValue>, endpoint: &str) {
         self.requests += 1;
-        let tokens = body.map_or(0, |b| request_cost(Unit::Tokens, b));
+        let tokens = body.map_or(0, |b| request_cost(Unit::Tokens, b, Some(endpoint)));
         self.tokens = self.tokens.saturating_add(tokens);
     }
 
@@ -138,9 +138,12 @@ mod tests {
         let mut e = Estimate::default();
         let body =
             RawValue::from_string(r#"{"prompt":"abcdefgh","max_tokens":10}"#.into()).expect("json");
-        e.add_line(Some(&body));
-        e.add_line(None);
+        e.add_line(Some(&body), "/v1/completions");
+        e.add_line(None, "/v1/completions");
         assert_eq!(e, est(2, 12));
+        // Embeddings generate nothing: their input alone.
+        e.add_line(Some(&body), "/v1/embeddings");
+        assert_eq!(e, est(3, 14));
     }
 
     #[test]

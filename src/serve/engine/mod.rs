@@ -211,7 +211,7 @@ impl Engine {
         if limit.is_unlimited() {
             self.store.insert_batch(&batch).await?;
         } else {
-            let asked = self.estimate(&batch.input_file_id).await?;
+            let asked = self.estimate(&batch.input_file_id, &batch.endpoint).await?;
             batch.held = Some(asked);
             loop {
                 let version = self.store.tenant_version(&batch.tenant).await?;
@@ -230,7 +230,7 @@ impl Engine {
     /// as validation counts them (blank lines skipped, a leading
     /// byte-order mark ignored). A file that cannot be read holds nothing:
     /// validation refuses it.
-    async fn estimate(&self, file_id: &str) -> Result<Estimate, EngineError> {
+    async fn estimate(&self, file_id: &str, endpoint: &str) -> Result<Estimate, EngineError> {
         /// The one field of a batch line the estimate reads.
         #[derive(serde::Deserialize)]
         struct Body<'a> {
@@ -246,7 +246,7 @@ impl Engine {
         while let Some(line) = read_line(&mut reader, self.limits.max_line_bytes).await? {
             n += 1;
             let Line::Text(bytes) = line else {
-                estimate.add_line(None);
+                estimate.add_line(None, endpoint);
                 continue;
             };
             let bytes: &[u8] = &bytes;
@@ -258,7 +258,7 @@ impl Engine {
                 continue;
             }
             let body = serde_json::from_slice::<Body<'_>>(bytes).ok();
-            estimate.add_line(body.and_then(|b| b.body));
+            estimate.add_line(body.and_then(|b| b.body), endpoint);
         }
         Ok(estimate)
     }
