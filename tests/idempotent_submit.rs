@@ -207,3 +207,131 @@ async fn memory_refuses_a_key_instead_of_ignoring_it() {
         Err(ClientError::Unsupported { .. })
     ));
 }
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+/// Runs `sluicegate ARGS…` with `env`; exit code, stdout, stderr.
+fn sluicegate(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("SLUICEGATE_IDEMPOTENCY_KEY")
+        .output()
+        .expect("sluicegate runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `submit --idempotency-key` twice with one file, once with another,
+/// then `status`; `place` holds the flags naming the queue. Returns the
+/// status output.
+fn submit_twice_then_conflict(dir: &TempDir, place: &[&str], env: &[(&str, &str)]) -> String {
+    let file = |name: &str, prompt: &str| {
+        let path = dir.0.join(name);
+        let lines: Vec<String> = ["x-1", "x-2"]
+            .iter()
+            .map(|id| {
+                serde_json::json!({"custom_id": id, "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "m", "prompt": prompt}})
+                .to_string()
+            })
+            .collect();
+        std::fs::write(&path, lines.join("\n")).expect("write");
+        path.display().to_string()
+    };
+    let (a, b) = (file("a.jsonl", "Hi"), file("b.jsonl", "Bye"));
+    let submit = |f: &str| {
+        let mut args = vec!["submit", "--idempotency-key", "nightly-42"];
+        args.extend(place);
+        args.push(f);
+        sluicegate(&args, env)
+    };
+    let (code, out, err) = submit(&a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("submitted 2") && out.contains("`nightly-42`"),
+        "{out}"
+    );
+    let (code, out, err) = submit(&a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("already exists"), "{out}");
+    assert!(
+        out.contains("`x-1`, `x-2`") && out.contains("nothing enqueued"),
+        "{out}"
+    );
+    let (code, out, err) = submit(&b);
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("idempotency key `nightly-42`"), "{err}");
+    let mut args = vec!["status", "--idempotency-key", "nightly-42"];
+    args.extend(place);
+    let (code, out, err) = sluicegate(&args, env);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("2 requests"), "{out}");
+    let mut args = vec!["status", "--idempotency-key", "other"];
+    args.extend(place);
+    let (code, _, err) = sluicegate(&args, env);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("`other`"), "{err}");
+    out
+}
+
+#[tokio::test]
+async fn cli_submit_with_a_key_on_redis_enqueues_once() {
+    let server = RedisServer::start();
+    let dir = TempDir::new("idem-cli-redis");
+    let url = server.url();
+    let status = submit_twice_then_conflict(
+        &dir,
+        &["--queue", "idem-cli"],
+        &[("SLUICEGATE_REDIS_URL", url.as_str())],
+    );
+    assert!(
+        status.contains("state: 2 pending, results present for 0 of 2"),
+        "{status}"
+    );
+    assert_eq!(server.int(&["ZCARD", "idem-cli"]), 2);
+}
+
+#[tokio::test]
+async fn cli_submit_with_a_key_in_an_embedded_store_enqueues_once() {
+    let dir = TempDir::new("idem-cli-embedded");
+    let store = dir.0.join("store.db").display().to_string();
+    let status = submit_twice_then_conflict(&dir, &["--embedded", &store], &[]);
+    assert!(
+        status.contains("state: 2 pending, results present for 0 of 2"),
+        "{status}"
+    );
+    // A cancel answers both at once: the status then counts their results.
+    let (code, out, err) = sluicegate(&["cancel", "--embedded", &store, "x-1", "x-2"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = sluicegate(
+        &[
+            "status",
+            "--idempotency-key",
+            "nightly-42",
+            "--embedded",
+            &store,
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("state: 0 pending, results present for 2 of 2"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn cli_submit_with_a_key_on_sql_enqueues_once() {
+    let pg = Postgres::start();
+    let dir = TempDir::new("idem-cli-sql");
+    let url = pg.url();
+    let status = submit_twice_then_conflict(&dir, &["--sql-url", &url], &[]);
+    assert!(
+        status.contains("state: 2 pending, results present for 0 of 2"),
+        "{status}"
+    );
+}
