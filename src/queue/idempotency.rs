@@ -173,13 +173,28 @@ pub(crate) fn encode(record: &SubmissionRecord) -> String {
 /// under the two routes.
 pub fn identity(messages: &[Message], request_route: &str, result_route: &str) -> String {
     let requests: Vec<Value> = messages.iter().map(canonical_request).collect();
-    let doc = canonical(&serde_json::json!({
+    canonical_sha256(&serde_json::json!({
         "request_route": request_route,
         "result_route": result_route,
         "requests": requests,
-    }));
-    let digest = Sha256::digest(doc.to_string().as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    }))
+}
+
+/// SHA-256 (lowercase hex) of `value`'s canonical JSON (object keys
+/// sorted at every depth): the identity of a JSON body (the Batch API's
+/// `Idempotency-Key`).
+pub fn canonical_sha256(value: &Value) -> String {
+    sha256_hex(canonical(value).to_string().as_bytes())
+}
+
+/// SHA-256 of `bytes`, lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The fields of a request that make its identity (upstream's list).

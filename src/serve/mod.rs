@@ -17,6 +17,7 @@ pub mod auth;
 pub mod engine;
 pub mod files;
 pub mod http;
+pub mod idempotency;
 pub mod model;
 pub mod quota;
 pub mod retention;
