@@ -95,14 +95,7 @@ pub(crate) fn prepare(
     keep: Duration,
 ) -> Result<Prepared, ClientError> {
     check_key(key)?;
-    let mut messages = Vec::with_capacity(requests.len());
-    for (index, request) in requests.iter().enumerate() {
-        let message = parse_message(&request.body).map_err(|f| ClientError::Invalid {
-            index,
-            reason: f.reason,
-        })?;
-        messages.push(message);
-    }
+    let messages = parse_all(requests)?;
     let last_deadline = (messages.iter())
         .map(|m| m.request.deadline)
         .max()
@@ -122,6 +115,39 @@ pub(crate) fn prepare(
         expires_at: last_deadline.saturating_add(keep),
     };
     Ok(Prepared { messages, record })
+}
+
+/// Parses every request to enqueue; the first that is not one is
+/// [`ClientError::Invalid`] with its index.
+pub(crate) fn parse_all(requests: &[Outgoing]) -> Result<Vec<Message>, ClientError> {
+    (requests.iter().enumerate())
+        .map(|(index, request)| {
+            parse_message(&request.body).map_err(|f| ClientError::Invalid {
+                index,
+                reason: f.reason,
+            })
+        })
+        .collect()
+}
+
+/// What a transport's keyed enqueue did: `None`, it wrote `record` with
+/// the requests; `Some(text)`, the key already held `text`.
+pub(crate) fn settle(
+    record: SubmissionRecord,
+    found: Option<String>,
+) -> Result<Submitted, ClientError> {
+    match found {
+        None => Ok(Submitted::New(record)),
+        Some(text) => self::found(decode(&record.key, &text)?, &record),
+    }
+}
+
+/// A lookup's answer from the stored text, if any.
+pub(crate) fn read(
+    key: &str,
+    text: Option<String>,
+) -> Result<Option<SubmissionRecord>, ClientError> {
+    text.map(|t| decode(key, &t)).transpose()
 }
 
 /// Refuses an empty key, one longer than [`MAX_KEY_LEN`] or one with
@@ -252,14 +278,14 @@ mod tests {
         prepare("k", &requests, "q", "r", Duration::from_secs(60)).expect("valid")
     }
 
-    const A: &str = r#"{"id":"a","deadline":4000000000,"payload":{"x":1,"b":[{"z":1,"a":2}]}}"#;
+    const A: &str = r#"{"id":"a","deadline":2000000000,"payload":{"x":1,"b":[{"z":1,"a":2}]}}"#;
     const A_REORDERED: &str =
-        r#"{"payload":{"b":[{"a":2,"z":1}],"x":1},"deadline":4000000000,"id":"a"}"#;
-    const B: &str = r#"{"id":"b","deadline":4000000000,"payload":{}}"#;
+        r#"{"payload":{"b":[{"a":2,"z":1}],"x":1},"deadline":2000000000,"id":"a"}"#;
+    const B: &str = r#"{"id":"b","deadline":2000000000,"payload":{}}"#;
 
     #[test]
     fn identity_ignores_key_order_and_the_token() {
-        let envelope = r#"{"internal":{"request_token":"t1"},"request_kind":"redis","data":{"id":"a","deadline":4000000000,"payload":{"x":1,"b":[{"z":1,"a":2}]}}}"#;
+        let envelope = r#"{"internal":{"request_token":"t1"},"request_kind":"redis","data":{"id":"a","deadline":2000000000,"payload":{"x":1,"b":[{"z":1,"a":2}]}}}"#;
         let a = prepared(&[A]).record.identity;
         assert_eq!(a, prepared(&[A_REORDERED]).record.identity);
         assert_eq!(a, prepared(&[envelope]).record.identity);
@@ -289,7 +315,7 @@ mod tests {
     #[test]
     fn record_expires_after_the_last_deadline_plus_keep() {
         let record = prepared(&[A, B]).record;
-        assert_eq!(record.expires_at, 4_000_000_060);
+        assert_eq!(record.expires_at, 2_000_000_060);
         assert_eq!(record.requests.len(), 2);
         assert_eq!(decode("k", &encode(&record)).expect("round trip"), record);
     }

@@ -125,10 +125,7 @@ impl Client for EmbeddedClient {
             let found = self
                 .off_thread(move |q| q.enqueue_idempotent(&items, &store_key, &text, expires_at))
                 .await?;
-            match found {
-                None => Ok(Submitted::New(record)),
-                Some(text) => idempotency::found(idempotency::decode(&key, &text)?, &record),
-            }
+            idempotency::settle(record, found)
         })
     }
 
@@ -136,7 +133,7 @@ impl Client for EmbeddedClient {
         Box::pin(async move {
             let store_key = key.clone();
             let text = (self.off_thread(move |q| q.idempotency_record(&store_key))).await?;
-            text.map(|t| idempotency::decode(&key, &t)).transpose()
+            idempotency::read(&key, text)
         })
     }
 

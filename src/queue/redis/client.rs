@@ -17,7 +17,7 @@ use crate::queue::client::{
 };
 use crate::queue::idempotency::{self, SubmissionRecord, Submitted};
 use crate::redis::{RedisConnection, hash_tag};
-use crate::request::{Message, parse_message};
+use crate::request::Message;
 
 /// Ids per `MGET` of the active check.
 const ACTIVE_CHUNK: usize = 1000;
@@ -145,15 +145,7 @@ impl Client for RedisClient {
         mark: Option<Mark>,
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
         Box::pin(async move {
-            let mut messages = Vec::with_capacity(requests.len());
-            for (index, request) in requests.iter().enumerate() {
-                let message = parse_message(&request.body).map_err(|f| ClientError::Invalid {
-                    index,
-                    reason: f.reason,
-                })?;
-                messages.push(message);
-            }
-            let batch = self.submissions(messages);
+            let batch = self.submissions(idempotency::parse_all(&requests)?);
             let mark = mark.map(|m| producer::Mark {
                 key: self.mark_key(&m.key),
                 value: m.value,
@@ -195,10 +187,7 @@ impl Client for RedisClient {
             )
             .await
             .map_err(Self::error("enqueue idempotently"))?;
-            match found {
-                None => Ok(Submitted::New(record)),
-                Some(text) => idempotency::found(idempotency::decode(&key, &text)?, &record),
-            }
+            idempotency::settle(record, found)
         })
     }
 
@@ -210,7 +199,7 @@ impl Client for RedisClient {
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Self::error("look up an idempotency key"))?;
-            text.map(|t| idempotency::decode(&key, &t)).transpose()
+            idempotency::read(&key, text)
         })
     }
 

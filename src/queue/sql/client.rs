@@ -374,10 +374,7 @@ impl Client for SqlQueueClient {
                 .enqueue_idempotent(&self.queue, &items, &key, &text, record.expires_at)
                 .await
                 .map_err(Self::error("enqueue idempotently"))?;
-            match found {
-                None => Ok(Submitted::New(record)),
-                Some(text) => idempotency::found(idempotency::decode(&key, &text)?, &record),
-            }
+            idempotency::settle(record, found)
         })
     }
 
@@ -385,7 +382,7 @@ impl Client for SqlQueueClient {
         Box::pin(async move {
             let text = (self.client.idempotency_record(&self.queue, &key).await)
                 .map_err(Self::error("look up an idempotency key"))?;
-            text.map(|t| idempotency::decode(&key, &t)).transpose()
+            idempotency::read(&key, text)
         })
     }
 
