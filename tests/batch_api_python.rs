@@ -1,5 +1,5 @@
 //! The Batch API driven by the official `openai` Python client
-//! (`tests/python/test_batch_api.py`), against real servers and our
+//! (`tests/python/test_batch_api.py`, `test_idempotency.py`), against real servers and our
 //! simulator as the pool. The client lives in `target/py-venv`, which
 //! `scripts/test.sh` creates; without it this test fails and says how to
 //! make it (set `SLUICEGATE_SKIP_PYTHON_SUITE=1` to skip it knowingly).
@@ -88,7 +88,8 @@ async fn the_openai_python_client_drives_the_batch_api() {
         output.status.success(),
         "the Python client suite failed:\n{text}"
     );
-    assert!(text.contains("16 passed"), "every Python test ran:\n{text}");
+    assert!(text.contains("20 passed"), "every Python test ran:
+{text}");
     open.stop().await;
     closed.stop().await;
     short.stop().await;

@@ -16,6 +16,7 @@ mod results;
 mod serve;
 mod sim;
 mod sim_sweep;
+mod status;
 mod submit;
 
 use std::io::Write as _;
@@ -71,6 +72,9 @@ enum Command {
     Results(results::ResultsArgs),
     /// Cancel active submissions by id (Redis, or `--embedded PATH`).
     Cancel(cancel::CancelArgs),
+    /// The submission an idempotency key records and its state: pending
+    /// ids, results present (Redis, `--embedded PATH` or `--sql-url`).
+    Status(status::StatusArgs),
     /// Serve the OpenAI Files and Batches API in front of the queue, with
     /// the dispatcher in the same process unless `serve.dispatcher =
     /// "separate"` (`docs/batch-api.md`).
@@ -264,6 +268,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Submit(args) => submit::run(args).await,
         Command::Results(args) => results::run(args).await,
         Command::Cancel(args) => cancel::run(args).await,
+        Command::Status(args) => status::run(args).await,
         Command::Serve(args) => serve::run(args).await,
         Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,

@@ -8,6 +8,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Args;
 
@@ -15,10 +16,14 @@ use super::args::{PubSubArgs, RedisArgs, store_target};
 use super::output::bar;
 use crate::batch::input::{DuplicateIds, ParsedInput, parse_input_with};
 use crate::config::parse_duration;
-use crate::queue::{ClientTarget, Outgoing};
+use crate::queue::{Client, ClientError, ClientTarget, Outgoing, SubmissionRecord, Submitted};
 
 /// Lines sent per enqueue.
 const CHUNK: usize = 1000;
+
+/// Exit code of a submit whose idempotency key records another
+/// submission.
+pub(crate) const EXIT_IDEMPOTENCY_CONFLICT: u8 = 3;
 
 #[derive(Debug, Args)]
 pub(crate) struct SubmitArgs {
@@ -58,6 +63,21 @@ pub(crate) struct SubmitArgs {
     /// (without it such a file is refused and nothing is submitted).
     #[arg(long)]
     allow_duplicates: bool,
+    /// Record the submission under this key (Redis, `--embedded`,
+    /// `--sql-url`): the whole file is enqueued at once with the record,
+    /// a repeat of the same file enqueues nothing and exits 0, another
+    /// file under the key exits 3 (`status --idempotency-key` shows it).
+    #[arg(
+        long,
+        env = "SLUICEGATE_IDEMPOTENCY_KEY",
+        conflicts_with = "pubsub_topic"
+    )]
+    idempotency_key: Option<String>,
+    /// How long the key's record outlives the file's last deadline: at
+    /// least as long as its results are kept (a lookup after it finds
+    /// nothing).
+    #[arg(long, default_value = "7d")]
+    idempotency_keep: String,
     /// Request lines: sluicegate/upstream request JSON, envelopes, or
     /// OpenAI Batch API lines (`custom_id`, `method`, `url`, `body`).
     file: PathBuf,
@@ -171,6 +191,16 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
+    if let Some(key) = args.idempotency_key {
+        let keep = match parse_duration(&args.idempotency_keep) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("--idempotency-keep: {e}");
+                return ExitCode::from(super::EXIT_CONFIG);
+            }
+        };
+        return submit_idempotent(client.as_ref(), key, &parsed, keep).await;
+    }
     let words = client.describe();
     let ids: Vec<String> = parsed.valid.iter().map(|l| l.custom_id.clone()).collect();
     match client.active(ids).await {
@@ -215,6 +245,73 @@ pub(super) async fn run(args: SubmitArgs) -> ExitCode {
         0 => ExitCode::SUCCESS,
         _ => ExitCode::FAILURE,
     }
+}
+
+/// The whole file under `key` in one enqueue: its record covers every
+/// line in order, so a repeat is recognised as a whole (no chunks, no
+/// progress bar).
+async fn submit_idempotent(
+    client: &dyn Client,
+    key: String,
+    parsed: &ParsedInput,
+    keep: Duration,
+) -> ExitCode {
+    let words = client.describe();
+    let requests = (parsed.valid.iter())
+        .map(|l| Outgoing {
+            body: l.body.clone(),
+            deadline: l.deadline,
+        })
+        .collect();
+    let bad = parsed.invalid.len();
+    match client.enqueue_idempotent(key, requests, keep).await {
+        Ok(Submitted::New(record)) => println!(
+            "submitted {} {} to {} under idempotency key `{}` (identity {}); {bad} bad lines",
+            record.requests.len(),
+            words.items,
+            words.place,
+            record.key,
+            record.identity
+        ),
+        Ok(Submitted::Existing(record)) => println!(
+            "submission under idempotency key `{}` already exists: {} {} in {} (identity {}: {}); nothing enqueued",
+            record.key,
+            record.requests.len(),
+            words.items,
+            words.place,
+            record.identity,
+            list_ids(&record)
+        ),
+        Err(error @ ClientError::IdempotencyConflict { .. }) => {
+            eprintln!("{error}; nothing enqueued");
+            return ExitCode::from(EXIT_IDEMPOTENCY_CONFLICT);
+        }
+        Err(error) => {
+            eprintln!("{error}; nothing enqueued");
+            return match error {
+                ClientError::Unsupported { .. } | ClientError::IdempotencyKey { .. } => {
+                    ExitCode::from(super::EXIT_CONFIG)
+                }
+                _ => ExitCode::FAILURE,
+            };
+        }
+    }
+    match bad {
+        0 => ExitCode::SUCCESS,
+        _ => ExitCode::FAILURE,
+    }
+}
+
+/// A record's ids for a line of output, the first [`LIST_IDS`] of them.
+pub(super) fn list_ids(record: &SubmissionRecord) -> String {
+    let mut shown: Vec<String> = (record.requests.iter())
+        .take(LIST_IDS)
+        .map(|r| format!("`{}`", r.id))
+        .collect();
+    if record.requests.len() > LIST_IDS {
+        shown.push(format!("and {} more", record.requests.len() - LIST_IDS));
+    }
+    shown.join(", ")
 }
 
 #[cfg(test)]

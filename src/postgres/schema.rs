@@ -17,6 +17,10 @@
 //! - `async_requests.retry_count`: failed attempts.
 //! - `sluicegate_dead_letters`: messages that used up their attempts.
 //! - `sluicegate_sql_meta`: the schema version this build writes.
+//! - `sluicegate_idempotency`: the submission an idempotency key records
+//!   per queue (JSON) and its expiry (Unix s), written in the statement
+//!   that inserts the rows (`queue/sql/client.rs`). Added without a
+//!   version change: an older build never reads it.
 //!
 //! Both queue tables churn their whole contents (every row is inserted,
 //! updated by its claim and deleted by its ack), so autovacuum runs on a
@@ -172,6 +176,14 @@ CREATE TABLE IF NOT EXISTS sluicegate_dead_letters (
     at_ms         BIGINT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS sluicegate_dead_letters_queue ON sluicegate_dead_letters (queue, seq);
+CREATE TABLE IF NOT EXISTS sluicegate_idempotency (
+    queue      TEXT   NOT NULL,
+    key        TEXT   NOT NULL,
+    record     TEXT   NOT NULL,
+    expires_at BIGINT NOT NULL,
+    PRIMARY KEY (queue, key)
+);
+CREATE INDEX IF NOT EXISTS sluicegate_idempotency_expiry ON sluicegate_idempotency (queue, expires_at);
 CREATE TABLE IF NOT EXISTS async_quota_keys (
     key TEXT PRIMARY KEY
 );

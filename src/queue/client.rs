@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
+use super::idempotency::{SubmissionRecord, Submitted};
 use super::{MemoryQueue, QueueError};
 use crate::config::{EndpointUrl, PubSubConfig, RedisConfig};
 use crate::result::ResultRecord;
@@ -158,6 +159,35 @@ pub enum ClientError {
         /// Why.
         reason: String,
     },
+    /// An idempotency key already records a different submission (other
+    /// requests, another order or other routes).
+    #[error(
+        "idempotency key `{key}` already records a different submission (identity {recorded}; this one is {offered})"
+    )]
+    IdempotencyConflict {
+        /// The key.
+        key: String,
+        /// The recorded submission's identity.
+        recorded: String,
+        /// This submission's identity.
+        offered: String,
+    },
+    /// An idempotency key that cannot be used.
+    #[error("idempotency key `{key}` is refused: {reason}")]
+    IdempotencyKey {
+        /// The key.
+        key: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// The record under an idempotency key is not one this build reads.
+    #[error("idempotency key `{key}` holds an unreadable record: {reason}")]
+    IdempotencyRecord {
+        /// The key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// The producer's side of a queue: enqueue requests, cancel them, read
@@ -189,9 +219,24 @@ pub enum ClientError {
 ///   their owner (a Redis list moves them to `<list>-unclaimed`).
 /// - `active` returns the ids among `ids` still submitted and unsettled,
 ///   in the order given; `None` when the transport cannot tell.
+/// - `enqueue_idempotent` enqueues `requests` and records them under the
+///   caller's `key` in the same transaction (Redis: one script; a store:
+///   one transaction), unless the key is already recorded: then it
+///   enqueues nothing and returns the record when its identity (see
+///   [`super::idempotency`]) equals this submission's, else
+///   [`ClientError::IdempotencyConflict`] naming the key. The record is
+///   kept at least `keep` past the last deadline of its requests (pass at
+///   least the time results are kept), then removed. A whole file under
+///   one key is one submission: the identity covers every request in
+///   order. Transports that cannot write the record with the requests
+///   (Pub/Sub, memory, a Redis Cluster) answer `Unsupported`, never
+///   ignore the key.
+/// - `lookup` returns the record under `key`, `None` when there is none
+///   (never recorded, or expired: a caller must not treat that as leave
+///   to submit again).
 /// - Errors are [`ClientError::Queue`] (the backend, often retryable) or
 ///   `Unsupported`; nothing is lost by an error, but an enqueue may have
-///   to be repeated.
+///   to be repeated (with a key, repeating it is safe).
 pub trait Client: Send + Sync + fmt::Debug {
     /// Names the transport's places for messages to a user.
     fn describe(&self) -> Description;
@@ -215,6 +260,24 @@ pub trait Client: Send + Sync + fmt::Debug {
     fn forget_mark(&self, key: String) -> BoxFuture<'_, Result<(), ClientError>> {
         let _ = key;
         Box::pin(std::future::ready(Err(self.unsupported(NO_MARKS))))
+    }
+
+    /// Enqueues `requests` recorded under `key`, or finds the submission
+    /// the key records (see the contract). Default: unsupported.
+    fn enqueue_idempotent(
+        &self,
+        key: String,
+        requests: Vec<Outgoing>,
+        keep: Duration,
+    ) -> BoxFuture<'_, Result<Submitted, ClientError>> {
+        let _ = (key, requests, keep);
+        Box::pin(std::future::ready(Err(self.unsupported(NO_IDEMPOTENCY))))
+    }
+
+    /// The submission recorded under `key`, if any. Default: unsupported.
+    fn lookup(&self, key: String) -> BoxFuture<'_, Result<Option<SubmissionRecord>, ClientError>> {
+        let _ = key;
+        Box::pin(std::future::ready(Err(self.unsupported(NO_IDEMPOTENCY))))
     }
 
     /// Cancels the unsent requests with these ids; one outcome per id.
@@ -255,6 +318,10 @@ pub trait Client: Send + Sync + fmt::Debug {
         }
     }
 }
+
+/// What a transport without idempotency records cannot do.
+pub(crate) const NO_IDEMPOTENCY: &str =
+    "record an idempotency key with its requests (use redis, embedded or sql)";
 
 /// What a transport without marks cannot do.
 pub(crate) const NO_MARKS: &str = "record an intake mark with its requests";

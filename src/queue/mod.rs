@@ -9,6 +9,7 @@
 
 mod client;
 pub mod embedded;
+pub mod idempotency;
 mod lanes;
 mod memory;
 mod open;
@@ -33,6 +34,7 @@ pub use client::{
     ReadResult, ResultPage,
 };
 use embedded::EmbeddedError;
+pub use idempotency::{SubmissionRecord, Submitted, SubmittedRequest};
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
 pub use open::{

@@ -15,11 +15,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 use super::auth::Keys;
 use super::engine::{CreateError, Engine};
+use super::idempotency::{self, Claim, KeyName, Scope};
 use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id};
 use super::order::{self, Order};
 use super::quota::{Exceeded, LimitKind};
@@ -27,6 +29,7 @@ use super::retention::ExpiresAfter;
 use crate::batch::endpoint::Endpoint;
 use crate::clock::unix_secs;
 use crate::config::parse_duration;
+use crate::queue::idempotency::{canonical_sha256, hex};
 
 /// Most `metadata` pairs on a batch (OpenAI's limit).
 const MAX_METADATA: usize = 16;
@@ -117,6 +120,24 @@ impl ApiError {
         }
     }
 
+    /// 409 for an `Idempotency-Key` that made an object from another
+    /// request (OpenAI's error shape; the code is ours).
+    fn conflict(key: &str) -> Self {
+        Self {
+            status: StatusCode::CONFLICT,
+            message: format!(
+                "Idempotency-Key `{key}` was already used with a different request; use a new key for a new request"
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("idempotency_key_conflict"),
+        }
+    }
+
+    fn bad_key(e: idempotency::BadKey) -> Self {
+        Self::invalid(e.to_string(), None)
+    }
+
     fn internal(error: impl std::fmt::Display) -> Self {
         tracing::error!(%error, "batch api request failed");
         Self {
@@ -202,8 +223,12 @@ pub fn router(state: Shared) -> Router {
 async fn upload(
     State(state): State<Shared>,
     Tenant(tenant): Tenant,
+    headers: axum::http::HeaderMap,
     mut form: Multipart,
 ) -> Result<axum::Json<Value>, ApiError> {
+    let key = idempotency::key(&headers).map_err(ApiError::bad_key)?;
+    // The file's bytes make its fingerprint with its purpose and expiry.
+    let mut hasher = Sha256::new();
     let bodies = &state.engine.bodies;
     let max = state.engine.limits.max_file_bytes;
     let mut purpose = None;
@@ -280,6 +305,7 @@ async fn upload(
                             oversize = true;
                             continue;
                         }
+                        hasher.update(&chunk);
                         internal!(out.write_all(&chunk).await);
                     }
                     internal!(out.flush().await);
@@ -339,8 +365,52 @@ async fn upload(
         expires_at: (state.engine.limits.retention)
             .expires_at(created_at, expires_after.map(ExpiresAfter::seconds)),
     };
-    internal!(bodies.commit(&temp, &file.id).await);
-    internal!(state.engine.store.put_file(&file).await);
+    if let Some(key) = &key {
+        let fingerprint = canonical_sha256(&json!({
+            "purpose": file.purpose,
+            "expires_after": [expiry_anchor, expiry_seconds],
+            "sha256": hex(&hasher.finalize()),
+        }));
+        let store = &state.engine.store;
+        let claimed = idempotency::claim(
+            store,
+            KeyName {
+                tenant: &file.tenant,
+                scope: Scope::File,
+                key,
+            },
+            &fingerprint,
+            &file.id,
+            file.expires_at,
+            |id| async move { Ok(store.file(&id).await?.is_some()) },
+        )
+        .await;
+        match internal!(claimed) {
+            Claim::New => {}
+            Claim::Existing(id) => {
+                let _ = std::fs::remove_file(&temp);
+                let first = own_file(&state, &file.tenant, &id).await?;
+                return Ok(axum::Json(first.api()));
+            }
+            Claim::Conflict => {
+                let _ = std::fs::remove_file(&temp);
+                return Err(ApiError::conflict(key));
+            }
+        }
+    }
+    let stored = async {
+        bodies.commit(&temp, &file.id).await?;
+        state.engine.store.put_file(&file).await?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    }
+    .await;
+    if let Err(error) = stored {
+        if let Some(key) = &key {
+            // The key made nothing: a retry may use it.
+            let _ = idempotency::release(&state.engine.store, &file.tenant, Scope::File, key).await;
+        }
+        return Err(ApiError::internal(error));
+    }
     Ok(axum::Json(file.api()))
 }
 
@@ -540,6 +610,7 @@ async fn create_batch(
     headers: axum::http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<axum::Json<Value>, ApiError> {
+    let key = idempotency::key(&headers).map_err(ApiError::bad_key)?;
     let req: CreateBatch = serde_json::from_slice(&body)
         .map_err(|e| ApiError::invalid(format!("the body is not a valid request: {e}"), None))?;
     let input_file_id = req
@@ -601,7 +672,38 @@ async fn create_batch(
     });
     batch.headers = passed_headers(&state.pass_headers, &headers)?;
     batch.order = batch_order(&batch.metadata, state.order)?;
-    let batch = match state.engine.create(batch).await {
+    if let Some(key) = &key {
+        // The body was read as a request above, so it is JSON.
+        let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        let store = &state.engine.store;
+        let claimed = idempotency::claim(
+            store,
+            KeyName {
+                tenant: &tenant_of,
+                scope: Scope::Batch,
+                key,
+            },
+            &canonical_sha256(&body),
+            &batch.id,
+            None,
+            |id| async move { Ok(store.batch(&id).await?.is_some()) },
+        )
+        .await;
+        match internal!(claimed) {
+            Claim::New => {}
+            Claim::Existing(id) => {
+                let first = own_batch(&state, &tenant_of, &id).await?;
+                return Ok(axum::Json(batch_json(&state, &first).await?));
+            }
+            Claim::Conflict => return Err(ApiError::conflict(key)),
+        }
+    }
+    let created = state.engine.create(batch).await;
+    if let (Err(_), Some(key)) = (&created, &key) {
+        // The key made nothing: a retry may use it.
+        let _ = idempotency::release(&state.engine.store, &tenant_of, Scope::Batch, key).await;
+    }
+    let batch = match created {
         Ok(batch) => batch,
         Err(CreateError::Limit(e)) => return Err(ApiError::limit(&tenant_of, e)),
         Err(CreateError::Engine(e)) => return Err(ApiError::internal(e)),

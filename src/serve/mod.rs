@@ -18,6 +18,7 @@ pub mod auth;
 pub mod engine;
 pub mod files;
 pub mod http;
+pub mod idempotency;
 pub mod model;
 pub mod order;
 pub mod quota;

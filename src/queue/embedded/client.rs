@@ -2,6 +2,8 @@
 //! and marks in one transaction, cancels that answer waiting messages at
 //! once, results read by write position (they stay in the store).
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
@@ -10,6 +12,7 @@ use crate::queue::QueueError;
 use crate::queue::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
 };
+use crate::queue::idempotency::{self, SubmissionRecord, Submitted};
 
 /// A producer and result reader on one queue of an embedded store.
 #[derive(Debug, Clone)]
@@ -102,6 +105,35 @@ impl Client for EmbeddedClient {
             })
             .await?;
             Ok(n)
+        })
+    }
+
+    fn enqueue_idempotent(
+        &self,
+        key: String,
+        requests: Vec<Outgoing>,
+        keep: Duration,
+    ) -> BoxFuture<'_, Result<Submitted, ClientError>> {
+        Box::pin(async move {
+            let queue = self.queue.inner.queue.clone();
+            let record = idempotency::prepare(&key, &requests, &queue, &queue, keep)?.record;
+            let items: Vec<(Bytes, i64)> = (requests.into_iter())
+                .map(|r| (r.body, r.deadline))
+                .collect();
+            let (text, expires_at) = (idempotency::encode(&record), record.expires_at);
+            let store_key = key.clone();
+            let found = self
+                .off_thread(move |q| q.enqueue_idempotent(&items, &store_key, &text, expires_at))
+                .await?;
+            idempotency::settle(record, found)
+        })
+    }
+
+    fn lookup(&self, key: String) -> BoxFuture<'_, Result<Option<SubmissionRecord>, ClientError>> {
+        Box::pin(async move {
+            let store_key = key.clone();
+            let text = (self.off_thread(move |q| q.idempotency_record(&store_key))).await?;
+            idempotency::read(&key, text)
         })
     }
 

@@ -19,6 +19,7 @@
 //! never acknowledge.
 
 mod client;
+mod idempotency;
 mod lanes;
 mod schema;
 
@@ -151,6 +152,22 @@ struct Inner {
     lanes: Option<TenantLanes>,
 }
 
+/// Inserts `(bytes, deadline)` pairs into `queue`, visible from `now_ms`.
+fn insert_messages(
+    tx: &rusqlite::Transaction<'_>,
+    queue: &str,
+    items: &[(Bytes, i64)],
+    now_ms: i64,
+) -> rusqlite::Result<()> {
+    let mut insert = tx.prepare_cached(
+        "INSERT INTO messages (queue, deadline, body, retry_count, visible_at_ms) VALUES (?1, ?2, ?3, 0, ?4)",
+    )?;
+    for (body, deadline) in items {
+        insert.execute(params![queue, deadline, body.as_ref(), now_ms])?;
+    }
+    Ok(())
+}
+
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -241,14 +258,7 @@ impl EmbeddedQueue {
     ) -> Result<(), EmbeddedError> {
         let now = crate::clock::unix_millis();
         self.inner.write(|tx, queue| {
-            {
-                let mut insert = tx.prepare_cached(
-                    "INSERT INTO messages (queue, deadline, body, retry_count, visible_at_ms) VALUES (?1, ?2, ?3, 0, ?4)",
-                )?;
-                for (body, deadline) in items {
-                    insert.execute(params![queue, deadline, body.as_ref(), now])?;
-                }
-            }
+            insert_messages(tx, queue, items, now)?;
             for (key, value) in meta {
                 tx.execute(
                     "INSERT INTO meta (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = excluded.value",

@@ -12,6 +12,11 @@
 //! - `messages.tenant` and `lanes(queue, tenant)` (version 2): the tenant
 //!   lanes of a dispatcher with a fairness attribute (`lanes.rs`); NULL
 //!   until a claim files the row. A version 1 file gains them on open.
+//! - `idempotency(queue, key)`: the submission an idempotency key
+//!   records (JSON) and when it may go (`expires_at`, Unix s); written in
+//!   the enqueue's transaction (`idempotency.rs`). A new table, made by
+//!   `IF NOT EXISTS` on open: older builds never read it, so the version
+//!   stays.
 
 use std::path::Path;
 
@@ -56,6 +61,13 @@ CREATE TABLE IF NOT EXISTS lanes (
     queue  TEXT NOT NULL,
     tenant TEXT NOT NULL,
     PRIMARY KEY (queue, tenant)
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    queue      TEXT    NOT NULL,
+    key        TEXT    NOT NULL,
+    record     TEXT    NOT NULL,
+    expires_at INTEGER NOT NULL,
+    PRIMARY KEY (queue, key)
 );
 CREATE TABLE IF NOT EXISTS dead_letters (
     seq        INTEGER PRIMARY KEY AUTOINCREMENT,

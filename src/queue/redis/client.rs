@@ -3,18 +3,21 @@
 //! from the queue's result list.
 
 use std::sync::Mutex;
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 
 use super::DEFAULT_RESULT_LIST;
+use super::idempotent;
 use super::producer::{self, Submission, fifo_steps_ms};
 use crate::queue::QueueError;
 use crate::queue::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, Receipt,
     ResultPage,
 };
+use crate::queue::idempotency::{self, SubmissionRecord, Submitted};
 use crate::redis::{RedisConnection, hash_tag};
-use crate::request::parse_message;
+use crate::request::Message;
 
 /// Ids per `MGET` of the active check.
 const ACTIVE_CHUNK: usize = 1000;
@@ -86,6 +89,37 @@ impl RedisClient {
         }
     }
 
+    /// `messages` as this queue's submissions: fresh tokens, routed to
+    /// the result list when it is named, filed in their lanes, in order.
+    fn submissions(&self, messages: Vec<Message>) -> Vec<Submission> {
+        let now_ms = crate::clock::unix_millis();
+        let (base_ms, first) = self.steps(now_ms, messages.len());
+        (messages.into_iter().enumerate())
+            .map(|(index, mut message)| {
+                if self.name_list {
+                    message.internal.result_queue_name = Some(self.result_list.clone());
+                }
+                let tenant = (self.fairness_attribute.as_deref())
+                    .map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
+                Submission::new(message, &self.queue, now_ms)
+                    .in_sequence_from(base_ms, first + index as u64)
+                    .in_lane(tenant)
+            })
+            .collect()
+    }
+
+    /// Idempotency records need one script over the queue and the active
+    /// keys, which a cluster spreads over slots (`idempotent.rs`).
+    fn check_single_server(&self) -> Result<(), ClientError> {
+        match self.conn.is_cluster() {
+            true => Err(ClientError::Unsupported {
+                transport: "redis cluster",
+                what: "record an idempotency key with its requests (the active keys live in other slots than the queue)",
+            }),
+            false => Ok(()),
+        }
+    }
+
     fn error(op: &'static str) -> impl Fn(redis::RedisError) -> ClientError {
         move |source| QueueError::Redis { op, source }.into()
     }
@@ -111,26 +145,7 @@ impl Client for RedisClient {
         mark: Option<Mark>,
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
         Box::pin(async move {
-            let now_ms = crate::clock::unix_millis();
-            let (base_ms, first) = self.steps(now_ms, requests.len());
-            let mut batch = Vec::with_capacity(requests.len());
-            for (index, request) in requests.iter().enumerate() {
-                let mut message =
-                    parse_message(&request.body).map_err(|f| ClientError::Invalid {
-                        index,
-                        reason: f.reason,
-                    })?;
-                if self.name_list {
-                    message.internal.result_queue_name = Some(self.result_list.clone());
-                }
-                let tenant = (self.fairness_attribute.as_deref())
-                    .map(|a| message.request.metadata.get(a).cloned().unwrap_or_default());
-                batch.push(
-                    Submission::new(message, &self.queue, now_ms)
-                        .in_sequence_from(base_ms, first + index as u64)
-                        .in_lane(tenant),
-                );
-            }
+            let batch = self.submissions(idempotency::parse_all(&requests)?);
             let mark = mark.map(|m| producer::Mark {
                 key: self.mark_key(&m.key),
                 value: m.value,
@@ -141,6 +156,50 @@ impl Client for RedisClient {
                 .await
                 .map_err(Self::error("enqueue"))?;
             Ok(batch.len() as u64)
+        })
+    }
+
+    /// The record's TTL runs from now to its `expires_at`.
+    fn enqueue_idempotent(
+        &self,
+        key: String,
+        requests: Vec<Outgoing>,
+        keep: Duration,
+    ) -> BoxFuture<'_, Result<Submitted, ClientError>> {
+        Box::pin(async move {
+            self.check_single_server()?;
+            let prepared =
+                idempotency::prepare(&key, &requests, &self.queue, &self.result_list, keep)?;
+            let batch = self.submissions(prepared.messages);
+            let mut record = prepared.record;
+            for (entry, s) in record.requests.iter_mut().zip(&batch) {
+                entry.token = Some(s.token.clone());
+            }
+            let ttl = u64::try_from(record.expires_at - crate::clock::unix_secs()).unwrap_or(1);
+            let mut conn = self.conn.clone();
+            let found = idempotent::enqueue(
+                &mut conn,
+                &self.queue,
+                &batch,
+                &idempotent::record_key(&self.queue, &key),
+                &idempotency::encode(&record),
+                ttl,
+            )
+            .await
+            .map_err(Self::error("enqueue idempotently"))?;
+            idempotency::settle(record, found)
+        })
+    }
+
+    fn lookup(&self, key: String) -> BoxFuture<'_, Result<Option<SubmissionRecord>, ClientError>> {
+        Box::pin(async move {
+            self.check_single_server()?;
+            let text: Option<String> = redis::cmd("GET")
+                .arg(idempotent::record_key(&self.queue, &key))
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Self::error("look up an idempotency key"))?;
+            idempotency::read(&key, text)
         })
     }
 

@@ -13,6 +13,7 @@
 //!   their deadline score, and watches reachability for readiness.
 
 mod client;
+mod idempotent;
 mod producer;
 mod scripts;
 

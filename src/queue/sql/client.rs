@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use tokio_postgres::types::ToSql;
 
 use crate::config::EndpointUrl;
 use crate::postgres::{Db, SqlError, partition_of};
@@ -14,6 +15,7 @@ use crate::queue::QueueError;
 use crate::queue::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
 };
+use crate::queue::idempotency::{self, SubmissionRecord, Submitted};
 use crate::request::parse_message;
 use crate::result::{ErrorCode, ResultRecord};
 
@@ -54,6 +56,26 @@ pub struct SqlCancel {
 const INSERT: &str = "INSERT INTO async_requests (id, request_token, queue, partition_id, deadline, payload, created_at)
      SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[], $7::bigint[])
      ON CONFLICT (id, request_token) DO NOTHING";
+/// `INSERT` guarded by an idempotency record (`$8` queue, `$9` key, `$10`
+/// record, `$11` expiry): one statement, so the record and the rows are
+/// written together or not at all. Returns how many records it inserted
+/// (0: the key was taken, no row was inserted).
+const IDEM_INSERT: &str = "WITH rec AS (
+         INSERT INTO sluicegate_idempotency (queue, key, record, expires_at)
+         VALUES ($8, $9, $10, $11)
+         ON CONFLICT (queue, key) DO NOTHING
+         RETURNING 1),
+     ins AS (
+         INSERT INTO async_requests (id, request_token, queue, partition_id, deadline, payload, created_at)
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::bigint[], $6::text[], $7::bigint[])
+         WHERE EXISTS (SELECT 1 FROM rec)
+         ON CONFLICT (id, request_token) DO NOTHING
+         RETURNING 1)
+     SELECT (SELECT COUNT(*) FROM rec), (SELECT COUNT(*) FROM ins)";
+const IDEM_EXPIRE: &str =
+    "DELETE FROM sluicegate_idempotency WHERE queue = $1 AND expires_at <= $2";
+const IDEM_LOOKUP: &str = "SELECT record FROM sluicegate_idempotency
+     WHERE queue = $1 AND key = $2 AND expires_at > $3";
 const FLAG: &str =
     "UPDATE async_requests SET cancelled = 1 WHERE queue = $1 AND id = ANY($2::text[])
      RETURNING id, request_token, lease_tag IS NOT NULL";
@@ -111,46 +133,51 @@ impl SqlClient {
         queue: &str,
         items: &[(Bytes, i64)],
     ) -> Result<u64, tokio_postgres::Error> {
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        let created = now_micros();
         let mut inserted = 0;
         for (c, chunk) in items.chunks(CHUNK).enumerate() {
-            let n = chunk.len();
-            let (mut ids, mut tokens, mut parts, mut deadlines, mut payloads, mut at) = (
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-                Vec::with_capacity(n),
-            );
-            for (i, (body, deadline)) in chunk.iter().enumerate() {
-                let (id, token) = match parse_message(body) {
-                    Ok(m) => (
-                        m.request.id.clone(),
-                        m.token().unwrap_or_default().to_owned(),
-                    ),
-                    Err(_) => (format!("{:016x}", fxhash(body)), String::new()),
-                };
-                parts.push(partition_of(&id));
-                ids.push(id);
-                tokens.push(token);
-                deadlines.push(*deadline);
-                payloads.push(String::from_utf8_lossy(body).into_owned());
-                let seq = i64::try_from(c * CHUNK + i).unwrap_or(i64::MAX);
-                at.push(created.saturating_add(seq));
-            }
-            let queues = vec![queue.to_owned(); n];
-            inserted += self
-                .db
-                .execute(
-                    INSERT,
-                    &[&ids, &tokens, &queues, &parts, &deadlines, &payloads, &at],
-                )
-                .await?;
+            let rows = Rows::new(queue, chunk, created, c * CHUNK);
+            inserted += self.db.execute(INSERT, &rows.params()).await?;
         }
         Ok(inserted)
+    }
+
+    /// [`SqlClient::enqueue`] with an idempotency record of `key` (kept
+    /// until `expires_at`, Unix s), in one statement: when `queue` already
+    /// records `key`, nothing is inserted and the recorded text is
+    /// returned. Expired records are removed first.
+    pub async fn enqueue_idempotent(
+        &self,
+        queue: &str,
+        items: &[(Bytes, i64)],
+        key: &str,
+        record: &str,
+        expires_at: i64,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        let now = crate::clock::unix_secs();
+        self.db.execute(IDEM_EXPIRE, &[&queue, &now]).await?;
+        let rows = Rows::new(queue, items, now_micros(), 0);
+        let mut params = rows.params();
+        params.extend([&queue as &(dyn ToSql + Sync), &key, &record, &expires_at]);
+        let found = self.db.query(IDEM_INSERT, &params).await?;
+        let inserted = found.first().is_some_and(|r| r.get::<_, i64>(0) > 0);
+        match inserted {
+            true => Ok(None),
+            // Recorded by this statement's rival, or before: read it (a
+            // rival's commit may postdate this statement's snapshot).
+            false => self.idempotency_record(queue, key).await,
+        }
+    }
+
+    /// The record `queue` keeps under `key`, unless it has expired.
+    pub async fn idempotency_record(
+        &self,
+        queue: &str,
+        key: &str,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        let now = crate::clock::unix_secs();
+        let rows = self.db.query(IDEM_LOOKUP, &[&queue, &key, &now]).await?;
+        Ok(rows.first().map(|r| r.get(0)))
     }
 
     /// Cancels every unsettled row of `queue` with one of `ids`: waiting
@@ -330,6 +357,35 @@ impl Client for SqlQueueClient {
         })
     }
 
+    fn enqueue_idempotent(
+        &self,
+        key: String,
+        requests: Vec<Outgoing>,
+        keep: Duration,
+    ) -> BoxFuture<'_, Result<Submitted, ClientError>> {
+        Box::pin(async move {
+            let record =
+                idempotency::prepare(&key, &requests, &self.queue, &self.route, keep)?.record;
+            let items: Vec<(Bytes, i64)> = (requests.into_iter())
+                .map(|r| (r.body, r.deadline))
+                .collect();
+            let text = idempotency::encode(&record);
+            let found = (self.client)
+                .enqueue_idempotent(&self.queue, &items, &key, &text, record.expires_at)
+                .await
+                .map_err(Self::error("enqueue idempotently"))?;
+            idempotency::settle(record, found)
+        })
+    }
+
+    fn lookup(&self, key: String) -> BoxFuture<'_, Result<Option<SubmissionRecord>, ClientError>> {
+        Box::pin(async move {
+            let text = (self.client.idempotency_record(&self.queue, &key).await)
+                .map_err(Self::error("look up an idempotency key"))?;
+            idempotency::read(&key, text)
+        })
+    }
+
     /// One statement per id, so each gets its own outcome.
     fn cancel(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
         Box::pin(async move {
@@ -375,6 +431,74 @@ impl Client for SqlQueueClient {
             ))
         })
     }
+}
+
+/// The columns of rows to insert, as the arrays `INSERT` unnests.
+struct Rows {
+    ids: Vec<String>,
+    tokens: Vec<String>,
+    queues: Vec<String>,
+    parts: Vec<i32>,
+    deadlines: Vec<i64>,
+    payloads: Vec<String>,
+    created: Vec<i64>,
+}
+
+impl Rows {
+    /// The rows of `items` in `queue`; the id and token are read from the
+    /// bytes (an unparsable message is stored under a hash of its bytes).
+    /// `created_at` counts up from `created` by position (`first` is the
+    /// position of the first item), so rows keep submission order.
+    fn new(queue: &str, items: &[(Bytes, i64)], created: i64, first: usize) -> Self {
+        let n = items.len();
+        let mut rows = Self {
+            ids: Vec::with_capacity(n),
+            tokens: Vec::with_capacity(n),
+            queues: vec![queue.to_owned(); n],
+            parts: Vec::with_capacity(n),
+            deadlines: Vec::with_capacity(n),
+            payloads: Vec::with_capacity(n),
+            created: Vec::with_capacity(n),
+        };
+        for (i, (body, deadline)) in items.iter().enumerate() {
+            let (id, token) = match parse_message(body) {
+                Ok(m) => (
+                    m.request.id.clone(),
+                    m.token().unwrap_or_default().to_owned(),
+                ),
+                Err(_) => (format!("{:016x}", fxhash(body)), String::new()),
+            };
+            rows.parts.push(partition_of(&id));
+            rows.ids.push(id);
+            rows.tokens.push(token);
+            rows.deadlines.push(*deadline);
+            rows.payloads
+                .push(String::from_utf8_lossy(body).into_owned());
+            let seq = i64::try_from(first + i).unwrap_or(i64::MAX);
+            rows.created.push(created.saturating_add(seq));
+        }
+        rows
+    }
+
+    /// `$1`–`$7` of `INSERT`.
+    fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.ids,
+            &self.tokens,
+            &self.queues,
+            &self.parts,
+            &self.deadlines,
+            &self.payloads,
+            &self.created,
+        ]
+    }
+}
+
+/// Now in Unix microseconds (`async_requests.created_at`).
+fn now_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
 /// FNV-1a 64 of a body: a stable row id for a message without one.

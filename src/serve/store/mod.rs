@@ -74,6 +74,16 @@ pub struct Recorded {
 /// cursor of the next page, `None` after the last.
 pub type ResultPage = (Vec<(bool, String)>, Option<u64>);
 
+/// What an `Idempotency-Key` records for one tenant on one endpoint
+/// (`super::idempotency`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KeyRecord {
+    /// SHA-256 of the request that made the object.
+    pub fingerprint: String,
+    /// The object it made (a file or batch id).
+    pub object_id: String,
+}
+
 /// The configured store.
 #[derive(Debug, Clone)]
 pub enum Store {
@@ -96,6 +106,26 @@ impl Store {
     /// Saves a file record (new, or replacing one with the same id).
     pub async fn put_file(&self, file: &FileRecord) -> Result<(), StoreError> {
         both!(self, s => s.put_file(file).await)
+    }
+
+    /// Records `record` under `(tenant, scope, key)` unless something is
+    /// recorded there; returns what was (`None`: this one went in). A
+    /// record with `expires_at` (Unix s) may go after it.
+    pub async fn claim_key(
+        &self,
+        tenant: &str,
+        scope: &str,
+        key: &str,
+        record: &KeyRecord,
+        expires_at: Option<i64>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        both!(self, s => s.claim_key(tenant, scope, key, record, expires_at).await)
+    }
+
+    /// Forgets the record under `(tenant, scope, key)` (nothing when
+    /// absent).
+    pub async fn forget_key(&self, tenant: &str, scope: &str, key: &str) -> Result<(), StoreError> {
+        both!(self, s => s.forget_key(tenant, scope, key).await)
     }
 
     /// A file record by id, any tenant.

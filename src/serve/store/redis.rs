@@ -31,7 +31,7 @@
 
 use crate::redis::RedisConnection;
 
-use super::{Recorded, ResultPage, StoreError, decode, encode};
+use super::{KeyRecord, Recorded, ResultPage, StoreError, decode, encode};
 use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
 
 /// KEYS: batch, active, status. ARGV: old, new, id, old status, new
@@ -300,6 +300,49 @@ impl RedisStore {
             .key(self.key(&["expiring"]))
             .arg(id)
             .invoke_async::<i64>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// `SET NX` (with `EXAT` when the record expires), then the value
+    /// that was there when it was not set; a record that expired in
+    /// between is claimed again.
+    pub(super) async fn claim_key(
+        &self,
+        tenant: &str,
+        scope: &str,
+        key: &str,
+        record: &KeyRecord,
+        expires_at: Option<i64>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let name = self.key(&["idem:", scope, ":", tenant, ":", key]);
+        let text = encode(record);
+        let mut conn = self.conn.clone();
+        loop {
+            let mut set = redis::cmd("SET");
+            set.arg(&name).arg(&text).arg("NX");
+            if let Some(at) = expires_at {
+                set.arg("EXAT").arg(at.max(1));
+            }
+            let done: Option<String> = set.query_async(&mut conn).await?;
+            if done.is_some() {
+                return Ok(None);
+            }
+            if let Some(found) = self.get(&name).await? {
+                return Ok(Some(found));
+            }
+        }
+    }
+
+    pub(super) async fn forget_key(
+        &self,
+        tenant: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
+        redis::cmd("DEL")
+            .arg(self.key(&["idem:", scope, ":", tenant, ":", key]))
+            .query_async::<()>(&mut self.conn.clone())
             .await?;
         Ok(())
     }

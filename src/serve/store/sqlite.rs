@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::{Recorded, ResultPage, StoreError, decode, encode};
+use super::{KeyRecord, Recorded, ResultPage, StoreError, decode, encode};
 use crate::serve::model::{BatchRecord, BatchStatus, FileRecord};
 
 const SCHEMA: &str = "
@@ -42,6 +42,18 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 -- Bumped by every batch inserted against a tenant limit: the limit's
 -- compare-and-set (`Store::insert_batch_if`).
 CREATE TABLE IF NOT EXISTS tenant_versions (tenant TEXT PRIMARY KEY, version INTEGER NOT NULL);
+-- `Idempotency-Key` records (`Store::claim_key`): removed with the file
+-- they point to, or by the sweep once `expires_at` (Unix s) has passed.
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    tenant TEXT NOT NULL,
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    object_id TEXT NOT NULL,
+    record TEXT NOT NULL,
+    expires_at INTEGER,
+    PRIMARY KEY (tenant, scope, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_object ON idempotency_keys (object_id);
 CREATE TABLE IF NOT EXISTS counts (
     batch TEXT PRIMARY KEY,
     ok INTEGER NOT NULL DEFAULT 0,
@@ -111,10 +123,72 @@ impl SqliteStore {
         text.map(|t| decode(id, &t)).transpose()
     }
 
+    /// The file and the `Idempotency-Key` record that made it, together.
     pub(super) async fn delete_file(&self, id: &str) -> Result<(), StoreError> {
         let id = id.to_owned();
-        self.run(move |c| c.execute("DELETE FROM files WHERE id = ?1", [id]).map(drop))
-            .await
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            tx.execute("DELETE FROM files WHERE id = ?1", [&id])?;
+            tx.execute("DELETE FROM idempotency_keys WHERE object_id = ?1", [&id])?;
+            tx.commit()
+        })
+        .await
+    }
+
+    pub(super) async fn claim_key(
+        &self,
+        tenant: &str,
+        scope: &str,
+        key: &str,
+        record: &KeyRecord,
+        expires_at: Option<i64>,
+    ) -> Result<Option<KeyRecord>, StoreError> {
+        let (tenant, scope, key) = (tenant.to_owned(), scope.to_owned(), key.to_owned());
+        let (object, text) = (record.object_id.clone(), encode(record));
+        let now = crate::clock::unix_secs();
+        let name = key.clone();
+        let found: Option<String> = self
+            .run(move |c| {
+                let tx = c.transaction()?;
+                tx.execute(
+                    "DELETE FROM idempotency_keys WHERE tenant = ?1 AND scope = ?2 AND key = ?3 AND expires_at <= ?4",
+                    params![tenant, scope, key, now],
+                )?;
+                let found: Option<String> = tx
+                    .query_row(
+                        "SELECT record FROM idempotency_keys WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+                        params![tenant, scope, key],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                if found.is_none() {
+                    tx.execute(
+                        "INSERT INTO idempotency_keys (tenant, scope, key, object_id, record, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                        params![tenant, scope, key, object, text, expires_at],
+                    )?;
+                }
+                tx.commit()?;
+                Ok(found)
+            })
+            .await?;
+        found.map(|t| decode(&name, &t)).transpose()
+    }
+
+    pub(super) async fn forget_key(
+        &self,
+        tenant: &str,
+        scope: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
+        let (tenant, scope, key) = (tenant.to_owned(), scope.to_owned(), key.to_owned());
+        self.run(move |c| {
+            c.execute(
+                "DELETE FROM idempotency_keys WHERE tenant = ?1 AND scope = ?2 AND key = ?3",
+                params![tenant, scope, key],
+            )
+            .map(drop)
+        })
+        .await
     }
 
     pub(super) async fn expired_files(&self, now: i64) -> Result<Vec<FileRecord>, StoreError> {
