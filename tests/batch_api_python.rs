@@ -88,8 +88,7 @@ async fn the_openai_python_client_drives_the_batch_api() {
         output.status.success(),
         "the Python client suite failed:\n{text}"
     );
-    assert!(text.contains("20 passed"), "every Python test ran:
-{text}");
+    assert!(text.contains("20 passed"), "every Python test ran:\n{text}");
     open.stop().await;
     closed.stop().await;
     short.stop().await;
