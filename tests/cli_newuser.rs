@@ -327,10 +327,18 @@ fn compatibility_metric_mapping_names_only_real_metrics() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/compatibility.md"),
     )
     .expect("docs/compatibility.md");
-    let section = doc
-        .split("## Metric names")
-        .nth(1)
-        .expect("a metric names section");
+    // The sections about metrics ("Metric names", "Metric labels and
+    // units"), each up to the next heading: elsewhere `sluicegate_` may
+    // start another kind of name (a metadata key, say).
+    let section: String = doc
+        .split("\n#")
+        .filter(|part| {
+            part.trim_start_matches('#')
+                .trim_start()
+                .starts_with("Metric ")
+        })
+        .collect();
+    assert!(section.contains("Metric names"), "a metric names section");
     let mut named = 0;
     for word in section.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
         if word.starts_with("sluicegate_") && !word.ends_with('_') {
