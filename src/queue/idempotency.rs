@@ -5,7 +5,7 @@
 //! what was accepted ([`crate::queue::Client::lookup`]).
 //!
 //! A submission's identity is the SHA-256 of the canonical JSON of its
-//! requests in order (each one's id, created, deadline, payload, metadata,
+//! requests in order (each one's id, payload, metadata,
 //! headers and endpoint, object keys sorted) and its resolved request and
 //! result routes; never the generated request token or timestamps, so a
 //! caller can compute it before submitting. This file holds what every
@@ -223,7 +223,10 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The fields of a request that make its identity (upstream's list).
+/// The fields of a request that make its identity: upstream's list
+/// without `created` and `deadline`, which `submit` fills from the clock
+/// for lines that carry none, so a retry a second later would otherwise
+/// conflict with its own first try.
 fn canonical_request(message: &Message) -> Value {
     let r = &message.request;
     // The payload was validated as JSON when the message was parsed; a
@@ -232,8 +235,6 @@ fn canonical_request(message: &Message) -> Value {
         .unwrap_or_else(|_| Value::String(r.payload.get().to_owned()));
     serde_json::json!({
         "id": r.id,
-        "created": r.created,
-        "deadline": r.deadline,
         "payload": payload,
         "metadata": r.metadata,
         "headers": r.headers,
@@ -284,11 +285,14 @@ mod tests {
     const B: &str = r#"{"id":"b","deadline":2000000000,"payload":{}}"#;
 
     #[test]
-    fn identity_ignores_key_order_and_the_token() {
+    fn identity_ignores_key_order_the_token_and_the_deadline() {
         let envelope = r#"{"internal":{"request_token":"t1"},"request_kind":"redis","data":{"id":"a","deadline":2000000000,"payload":{"x":1,"b":[{"z":1,"a":2}]}}}"#;
         let a = prepared(&[A]).record.identity;
         assert_eq!(a, prepared(&[A_REORDERED]).record.identity);
         assert_eq!(a, prepared(&[envelope]).record.identity);
+        // A retry whose default deadline was taken a second later.
+        let later = A.replace("2000000000", "2000000001");
+        assert_eq!(a, prepared(&[&later]).record.identity);
         assert_eq!(a.len(), 64);
     }
 
