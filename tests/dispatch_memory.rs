@@ -1113,3 +1113,119 @@ async fn a_slow_pull_runs_beside_the_sends_one_pull_at_a_time() {
     );
     assert_eq!(most_pulls, 1, "one pull at a time");
 }
+
+/// A queue behind one connection lock, as the `sql` transport's `Db` is
+/// while it reconnects: a pull holds the lock across its round trip, and
+/// the deadline sweep needs it too.
+#[derive(Debug)]
+struct OneConnection {
+    inner: Arc<MemoryQueue>,
+    connection: tokio::sync::Mutex<()>,
+    round_trip: Duration,
+}
+
+impl Queue for OneConnection {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn receive(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            let _held = self.connection.lock().await;
+            tokio::time::sleep(self.round_trip).await;
+            self.inner.receive(max, lease, wait).await
+        })
+    }
+
+    fn receive_expired(
+        &self,
+        max: usize,
+        lease: Duration,
+        now_unix: i64,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        Box::pin(async move {
+            let _held = self.connection.lock().await;
+            self.inner.receive_expired(max, lease, now_unix).await
+        })
+    }
+
+    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
+        self.inner.ack(completions)
+    }
+
+    fn nack(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.nack(tag, delay, reason)
+    }
+
+    fn extend_lease(
+        &self,
+        tags: Vec<DeliveryTag>,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.extend_lease(tags, lease)
+    }
+
+    fn dead_letter(
+        &self,
+        tag: DeliveryTag,
+        last_error: ResultRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.dead_letter(tag, last_error)
+    }
+
+    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        self.inner.backlog()
+    }
+}
+
+/// Found in CI (`sql_transport::a_postgres_restart_mid_drain_loses_nothing`
+/// stalled at 65 of 300 after the restart): a pull running beside the
+/// releases was a future only the receiver polled. When the window filled,
+/// the receiver ran the deadline sweep, which waited for the connection
+/// lock the unpolled pull held (or had been handed), and nothing moved
+/// again. The pull must make progress on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_beside_the_sends_never_waits_for_the_receiver_to_poll_it() {
+    let server = gateway(
+        ResponseTemplate::new(200)
+            .set_body_string(r#"{"choices":[]}"#)
+            .set_delay(Duration::from_millis(50)),
+    )
+    .await;
+    let memory = Arc::new(MemoryQueue::new("q"));
+    for i in 0..60 {
+        memory.push_message(message(&format!("m{i}"), 3600));
+    }
+    let locked = Arc::new(OneConnection {
+        inner: memory.clone(),
+        connection: tokio::sync::Mutex::new(()),
+        round_trip: Duration::from_millis(100),
+    });
+    let settings = DispatchSettings {
+        max_sys: 4.0,
+        tenant_lookahead: 8,
+        receive_batch: 8,
+        ..fast_settings()
+    };
+    let h = Harness::start_through(
+        memory,
+        locked,
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        settings,
+        no_retry_limit(),
+    );
+    let results = h.wait_for_results(60).await;
+    assert_eq!(results.len(), 60, "the receiver stalled behind its own pull");
+    h.stop().await;
+}

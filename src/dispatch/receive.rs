@@ -132,7 +132,7 @@ pub(super) async fn receive_loop(
                 // releases instead of stalling them for the queue's round
                 // trip (issue 21: a Redis claim script and the sends it
                 // feeds had taken turns, each waiting for the other).
-                let mut p = Prefetch::start(shared, want, settings.lease);
+                let mut p = Prefetch::start(shared, tracker, want, settings.lease);
                 match (&mut p.pull).now_or_never() {
                     // A queue that answers at once (memory) is taken in
                     // now; after an error the buffer goes on and the next
@@ -284,6 +284,12 @@ type Pulled = Result<Vec<Delivery>, QueueError>;
 /// A pull that runs beside the releases: at most one at a time, started
 /// only while the buffer holds something to release (an empty buffer
 /// waits for its pull, or long-polls, as before).
+///
+/// The pull is a task of its own, not a future the receiver polls: the
+/// receiver also waits on the queue (the deadline sweep, nacks), and a
+/// transport behind one connection lock (the `sql` transport while it
+/// reconnects) would otherwise wait for a lock its own unpolled pull held,
+/// forever (found in CI after a PostgreSQL restart).
 struct Prefetch {
     /// How many it asked for (counted as buffered until it comes back).
     want: usize,
@@ -291,13 +297,13 @@ struct Prefetch {
 }
 
 impl Prefetch {
-    fn start(shared: &Arc<Shared>, want: usize, lease: Duration) -> Self {
+    fn start(shared: &Arc<Shared>, tracker: &TaskTracker, want: usize, lease: Duration) -> Self {
         let shared = Arc::clone(shared);
+        let task = tracker
+            .spawn(async move { shared.queue().receive(want, lease, Duration::ZERO).await });
         Self {
             want,
-            pull: Box::pin(
-                async move { shared.queue().receive(want, lease, Duration::ZERO).await },
-            ),
+            pull: Box::pin(task.map(|joined| joined.unwrap_or_else(|e| Err(QueueError::Task(e))))),
         }
     }
 

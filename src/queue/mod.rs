@@ -153,9 +153,9 @@ pub enum QueueError {
         #[source]
         source: tokio_postgres::Error,
     },
-    /// The blocking task running an embedded store operation panicked or
-    /// was cancelled.
-    #[error("queue operation failed: embedded store task failed: {0}")]
+    /// The task running a queue operation (an embedded store's blocking
+    /// call, a pull running beside the releases) panicked or was cancelled.
+    #[error("queue operation failed: its task failed: {0}")]
     Task(#[source] tokio::task::JoinError),
 }
 

@@ -45,6 +45,7 @@ use crate::telemetry::{Health, Metrics};
 use self::auth::{Keys, KeysError};
 use self::engine::{Engine, Limits};
 use self::files::Bodies;
+use self::model::BatchStatus;
 use self::retention::{Retention, Sweeper};
 use self::sink::Sink;
 use self::store::{RedisStore, SqliteStore, Store, StoreError};
@@ -372,7 +373,7 @@ pub async fn start(
             sink,
             limits,
             fairness,
-            metrics.batch_api(&queue_config.queue_name),
+            metrics.batch_api(&queue_config.queue_name, &BatchStatus::LABELS),
             tasks.clone(),
         )
         .with_tenant_limits(serve.tenant_limits.clone()),
@@ -388,7 +389,7 @@ pub async fn start(
     let sweeper = Sweeper {
         store: engine.store.clone(),
         bodies: engine.bodies.clone(),
-        metrics: metrics.batch_api(&queue_config.queue_name),
+        metrics: metrics.batch_api(&queue_config.queue_name, &BatchStatus::LABELS),
         every: limits.retention.sweep_every(),
     };
     tasks.spawn("serve: retention sweeper", sweeper.run(stop.clone()));

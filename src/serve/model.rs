@@ -44,6 +44,17 @@ impl BatchStatus {
         Self::Cancelled,
     ];
 
+    /// Every status's spelling, for the `sluicegate_batches` series.
+    pub const LABELS: [&'static str; 8] = {
+        let mut labels = [""; 8];
+        let mut i = 0;
+        while i < Self::ALL.len() {
+            labels[i] = Self::ALL[i].as_str();
+            i += 1;
+        }
+        labels
+    };
+
     /// The API spelling (also the metric label).
     pub const fn as_str(self) -> &'static str {
         match self {
