@@ -1226,6 +1226,10 @@ async fn a_pull_beside_the_sends_never_waits_for_the_receiver_to_poll_it() {
         no_retry_limit(),
     );
     let results = h.wait_for_results(60).await;
-    assert_eq!(results.len(), 60, "the receiver stalled behind its own pull");
+    assert_eq!(
+        results.len(),
+        60,
+        "the receiver stalled behind its own pull"
+    );
     h.stop().await;
 }

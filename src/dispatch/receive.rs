@@ -299,8 +299,8 @@ struct Prefetch {
 impl Prefetch {
     fn start(shared: &Arc<Shared>, tracker: &TaskTracker, want: usize, lease: Duration) -> Self {
         let shared = Arc::clone(shared);
-        let task = tracker
-            .spawn(async move { shared.queue().receive(want, lease, Duration::ZERO).await });
+        let task =
+            tracker.spawn(async move { shared.queue().receive(want, lease, Duration::ZERO).await });
         Self {
             want,
             pull: Box::pin(task.map(|joined| joined.unwrap_or_else(|e| Err(QueueError::Task(e))))),

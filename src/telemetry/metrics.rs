@@ -913,7 +913,9 @@ mod tests {
         let _ = metrics.pubsub("q");
         let _ = metrics.pool("p");
         // Per-tenant gauges have a series only for a tenant with a limit.
-        metrics.batch_api("q", &["completed"]).set_tenant_enqueued("t", 1, 2);
+        metrics
+            .batch_api("q", &["completed"])
+            .set_tenant_enqueued("t", 1, 2);
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");
