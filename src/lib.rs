@@ -68,8 +68,9 @@
 //! config and `serve` share), [`prompt`] (a request body's prompt text and
 //! block identities, the tokenization proxy the simulator's prefix cache
 //! and `serve`'s prefix order share), [`secret`] (secrets and URLs that
-//! may carry a password: never printed, masked when shown).
-//! `docs/architecture.md`,
+//! may carry a password: never printed, masked when shown),
+//! [`batch_status`] (the OpenAI batch states `serve` moves batches through
+//! and the telemetry counts). `docs/architecture.md`,
 //! "Code layout", draws the layers.
 
 /// The database clock in Unix milliseconds, for the statement text of the
@@ -84,6 +85,7 @@ macro_rules! now_ms {
 
 pub mod app;
 pub mod batch;
+pub mod batch_status;
 pub mod chart;
 pub mod cli;
 pub mod clock;

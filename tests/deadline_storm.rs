@@ -12,7 +12,13 @@
 //! as the final answer at once (48.5 s early).
 //!
 //! Lateness is measured against the deadline from the result's first
-//! appearance, polled every 50 ms (so it includes up to 50 ms of polling).
+//! appearance, polled every 50 ms (so it includes up to 50 ms of polling):
+//! from the start of the read that first shows it (the result was written
+//! after the read before it). "Before the deadline" means shown by a read
+//! that ended before the deadline: a read (Redis's through `redis-cli`)
+//! takes tens of milliseconds on a loaded machine, and a result written a
+//! millisecond after the deadline had counted as early when stamped with
+//! the read's start (found in a full test run).
 //! The congestion settings are the defaults (first hold 2 s, ceiling 60 s).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
@@ -72,12 +78,16 @@ gate_type = "constant"
     )
 }
 
+/// When a result was first shown: the wall times the read that showed it
+/// started and ended, its status and error code.
+type Seen = (f64, f64, Option<u16>, Option<String>);
+
 /// Polls `results` (id, status, error code) until all `MESSAGES` are in;
-/// returns each id's first-seen wall time with its result.
+/// returns each id's first read with its result.
 async fn collect(
     mut results: impl FnMut() -> Vec<(String, Option<u16>, Option<String>)>,
     give_up_at: f64,
-) -> HashMap<String, (f64, Option<u16>, Option<String>)> {
+) -> HashMap<String, Seen> {
     let mut seen = HashMap::new();
     while seen.len() < MESSAGES {
         assert!(
@@ -86,24 +96,31 @@ async fn collect(
             seen.len(),
             give_up_at - 0.0
         );
-        let now = unix_secs_f64();
-        for (id, status, code) in results() {
-            seen.entry(id).or_insert((now, status, code));
+        let started = unix_secs_f64();
+        let read = results();
+        let ended = unix_secs_f64();
+        for (id, status, code) in read {
+            seen.entry(id).or_insert((started, ended, status, code));
         }
         tokio::time::sleep(POLL).await;
     }
     seen
 }
 
-fn check(what: &str, deadline: i64, seen: &HashMap<String, (f64, Option<u16>, Option<String>)>) {
-    let mut lateness: Vec<f64> = seen.values().map(|(at, ..)| at - deadline as f64).collect();
+fn check(what: &str, deadline: i64, seen: &HashMap<String, Seen>) {
+    let mut lateness: Vec<f64> = seen
+        .values()
+        .map(|(started, ..)| started - deadline as f64)
+        .collect();
     lateness.sort_by(f64::total_cmp);
-    let early = lateness.iter().filter(|l| **l < 0.0).count();
+    let early = (seen.values())
+        .filter(|(_, ended, ..)| *ended < deadline as f64)
+        .count();
     let late = lateness.iter().filter(|l| **l > ON_TIME).count();
-    let http = seen.values().filter(|(_, s, _)| *s == Some(429)).count();
+    let http = seen.values().filter(|(_, _, s, _)| *s == Some(429)).count();
     let exceeded = seen
         .values()
-        .filter(|(_, _, c)| c.as_deref() == Some("DEADLINE_EXCEEDED"))
+        .filter(|(_, _, _, c)| c.as_deref() == Some("DEADLINE_EXCEEDED"))
         .count();
     println!(
         "{what}: {} answered; lateness vs deadline min {:+.2} s, median {:+.2} s, max {:+.2} s; \

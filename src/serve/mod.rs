@@ -45,7 +45,6 @@ use crate::telemetry::{Health, Metrics};
 use self::auth::{Keys, KeysError};
 use self::engine::{Engine, Limits};
 use self::files::Bodies;
-use self::model::BatchStatus;
 use self::retention::{Retention, Sweeper};
 use self::sink::Sink;
 use self::store::{RedisStore, SqliteStore, Store, StoreError};
@@ -373,7 +372,7 @@ pub async fn start(
             sink,
             limits,
             fairness,
-            metrics.batch_api(&queue_config.queue_name, &BatchStatus::LABELS),
+            metrics.batch_api(&queue_config.queue_name),
             tasks.clone(),
         )
         .with_tenant_limits(serve.tenant_limits.clone()),
@@ -389,7 +388,7 @@ pub async fn start(
     let sweeper = Sweeper {
         store: engine.store.clone(),
         bodies: engine.bodies.clone(),
-        metrics: metrics.batch_api(&queue_config.queue_name, &BatchStatus::LABELS),
+        metrics: metrics.batch_api(&queue_config.queue_name),
         every: limits.retention.sweep_every(),
     };
     tasks.spawn("serve: retention sweeper", sweeper.run(stop.clone()));

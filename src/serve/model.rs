@@ -9,74 +9,7 @@ use serde_json::{Value, json};
 use super::order::Order;
 use crate::clock::unix_secs;
 
-/// A batch's lifecycle state, spelled as the OpenAI API spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BatchStatus {
-    /// The input file is being checked and its requests enqueued.
-    Validating,
-    /// The input file was refused (`errors` says why, line by line).
-    Failed,
-    /// Requests are going through the queue and the gate.
-    InProgress,
-    /// Every request has a result; the output files are being written.
-    Finalizing,
-    /// Done; output and error files are ready.
-    Completed,
-    /// The completion window ended first; finished results are kept.
-    Expired,
-    /// A cancel was asked; requests in flight are finishing.
-    Cancelling,
-    /// Cancelled; finished results are kept.
-    Cancelled,
-}
-
-impl BatchStatus {
-    /// Every status, for the `batches` gauge.
-    pub const ALL: [Self; 8] = [
-        Self::Validating,
-        Self::Failed,
-        Self::InProgress,
-        Self::Finalizing,
-        Self::Completed,
-        Self::Expired,
-        Self::Cancelling,
-        Self::Cancelled,
-    ];
-
-    /// Every status's spelling, for the `sluicegate_batches` series.
-    pub const LABELS: [&'static str; 8] = {
-        let mut labels = [""; 8];
-        let mut i = 0;
-        while i < Self::ALL.len() {
-            labels[i] = Self::ALL[i].as_str();
-            i += 1;
-        }
-        labels
-    };
-
-    /// The API spelling (also the metric label).
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Validating => "validating",
-            Self::Failed => "failed",
-            Self::InProgress => "in_progress",
-            Self::Finalizing => "finalizing",
-            Self::Completed => "completed",
-            Self::Expired => "expired",
-            Self::Cancelling => "cancelling",
-            Self::Cancelled => "cancelled",
-        }
-    }
-
-    /// Whether nothing more happens to the batch.
-    pub const fn is_terminal(self) -> bool {
-        matches!(
-            self,
-            Self::Failed | Self::Completed | Self::Expired | Self::Cancelled
-        )
-    }
-}
+pub use crate::batch_status::BatchStatus;
 
 /// Why a running batch is being stopped before all its requests ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

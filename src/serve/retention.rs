@@ -275,7 +275,7 @@ mod tests {
         let sweeper = Sweeper {
             store: Store::Sqlite(SqliteStore::open(&dir.join("batches.db")).expect("store")),
             bodies: Bodies::open(&dir).expect("bodies"),
-            metrics: metrics.batch_api("q", &crate::serve::model::BatchStatus::LABELS),
+            metrics: metrics.batch_api("q"),
             every: Duration::from_secs(1),
         };
         let created = 1_000_000;

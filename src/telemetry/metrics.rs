@@ -11,6 +11,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::batch_status::BatchStatus;
+
 /// A gauge holding an `f64`.
 type FloatGauge = Gauge<f64, AtomicU64>;
 
@@ -594,9 +596,8 @@ impl Metrics {
                 outcome,
             });
         }
-        // A queue may take Batch API work (`sluicegate serve`); the batch
-        // statuses appear when the server starts (`batch_api`).
-        self.batch_requests_at_zero(name);
+        // A queue may take Batch API work (`sluicegate serve`).
+        let _ = self.batch_api(name);
         for reason in RETRY_REASONS {
             let _ = self.retries.get_or_create_owned(&ReasonLabels {
                 queue: queue(),
@@ -646,17 +647,24 @@ impl Metrics {
         }
     }
 
-    /// The Batch API server's handles for `queue`, every outcome and every
-    /// one of `statuses` (the server's batch statuses: telemetry sits
-    /// below `serve` and takes its vocabulary as given) created at zero.
-    pub fn batch_api(&self, queue: &str, statuses: &[&'static str]) -> BatchApiMetrics {
-        for &status in statuses {
-            let _ = self.batches.get_or_create_owned(&StatusLabels {
+    /// The Batch API server's handles for `queue`, every status and
+    /// outcome created at zero.
+    pub fn batch_api(&self, queue: &str) -> BatchApiMetrics {
+        for outcome in BATCH_OUTCOMES {
+            let _ = self.batch_requests.get_or_create_owned(&OutcomeLabels {
                 queue: queue.to_owned(),
-                status,
+                outcome,
             });
         }
-        self.batch_requests_at_zero(queue);
+        for status in BatchStatus::ALL {
+            let _ = self.batches.get_or_create_owned(&StatusLabels {
+                queue: queue.to_owned(),
+                status: status.as_str(),
+            });
+        }
+        let _ = self.batch_file_bytes.get_or_create_owned(&QueueLabel {
+            queue: queue.to_owned(),
+        });
         BatchApiMetrics {
             queue: queue.to_owned(),
             batches: self.batches.clone(),
@@ -665,19 +673,6 @@ impl Metrics {
             enqueued_requests: self.batch_enqueued_requests.clone(),
             enqueued_tokens: self.batch_enqueued_tokens.clone(),
         }
-    }
-
-    /// The Batch API's request outcomes and file bytes of `queue`, at zero.
-    fn batch_requests_at_zero(&self, queue: &str) {
-        for outcome in BATCH_OUTCOMES {
-            let _ = self.batch_requests.get_or_create_owned(&OutcomeLabels {
-                queue: queue.to_owned(),
-                outcome,
-            });
-        }
-        let _ = self.batch_file_bytes.get_or_create_owned(&QueueLabel {
-            queue: queue.to_owned(),
-        });
     }
 
     /// The registry in the Prometheus text format.
@@ -913,9 +908,7 @@ mod tests {
         let _ = metrics.pubsub("q");
         let _ = metrics.pool("p");
         // Per-tenant gauges have a series only for a tenant with a limit.
-        metrics
-            .batch_api("q", &["completed"])
-            .set_tenant_enqueued("t", 1, 2);
+        metrics.batch_api("q").set_tenant_enqueued("t", 1, 2);
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");

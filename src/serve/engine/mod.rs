@@ -364,7 +364,7 @@ mod tests {
                 retention: Retention::new(Duration::ZERO),
             },
             Some("userid".into()),
-            crate::telemetry::Metrics::new().batch_api("q", &BatchStatus::LABELS),
+            crate::telemetry::Metrics::new().batch_api("q"),
             Tasks::new(),
         )
     }
