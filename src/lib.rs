@@ -33,7 +33,8 @@
 //!   `shared_window.rs`), the retry policy (pure), fair shares among
 //!   tenants (pure, `fair.rs`), the inert-gate detector (pure,
 //!   `inert.rs`), settings from the typed config, and the dispatch loop
-//!   split by task (receive, send, settle, observe).
+//!   split by task (receive, send, settle, observe) over the state they
+//!   share (`state.rs`).
 //! - [`gateway`]: the HTTP client, endpoint and header rules, and response
 //!   classification.
 //! - [`result`]: result records and error codes.

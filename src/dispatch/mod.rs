@@ -5,8 +5,9 @@
 //! (`settings.rs`, from the typed config), inert-gate detection
 //! (`inert.rs`, pure), merge policies among a pool's queues (`merge.rs`,
 //! pure) and the loop that pulls, admits,
-//! sends and settles messages, split by task: `dispatcher.rs` (state, start
-//! and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
+//! sends and settles messages, split by task: `state.rs` (what the
+//! dispatcher is built from, the state its tasks share), `dispatcher.rs`
+//! (start and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
 
 pub mod congestion;
 pub mod cost;
@@ -24,12 +25,13 @@ mod send;
 mod settings;
 mod settle;
 pub mod shared_window;
+mod state;
 pub mod window;
 
 #[cfg(test)]
 mod tests;
 
-pub use dispatcher::QueueDispatcher;
+pub use state::QueueDispatcher;
 pub use pool::Pool;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use settings::{DispatchSettings, MAX_PARK, MAX_PARKED, RECEIVE_BATCH};

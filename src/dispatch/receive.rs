@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use super::congestion::Clearance;
 use super::cost::request_cost;
-use super::dispatcher::{Ready, Results, SendKind, Shared};
+use super::state::{Ready, Results, SendKind, Shared};
 use super::fair::FairQueue;
 use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;

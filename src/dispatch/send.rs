@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{AfterCongestion, after_congestion};
-use super::dispatcher::{Ready, Results, SendKind, Shared};
+use super::state::{Ready, Results, SendKind, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
 use crate::gate::{Classification, DispatchEvent, Ticket};

@@ -9,7 +9,7 @@ use opentelemetry::trace::SpanKind;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::dispatcher::{Results, Shared};
+use super::state::{Results, Shared};
 use crate::queue::{Completion, DeliveryTag};
 use crate::result::ResultRecord;
 use crate::telemetry::traces::{self as trace_attr, MessageTrace};

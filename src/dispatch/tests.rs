@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{CongestionHold, CongestionPolicy};
-use super::dispatcher::{SendKind, Shared};
+use super::state::{SendKind, Shared};
 use super::observe::observe_loop;
 use super::pace::{Pace, PaceUnit};
 use super::{DispatchSettings, QueueDispatcher, RetryPolicy};

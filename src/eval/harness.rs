@@ -30,7 +30,8 @@ use crate::gate::{
     Admission, AdmissionRequest, BuildError, Capacity, DispatchEvent, FailClosed, GateContext,
     Ticket, build_gate,
 };
-use crate::sim::engine::{RequestRecord, SimTime};
+use crate::sim::engine::RequestRecord;
+use crate::sim::time::SimTime;
 use crate::sim::runner::{BatchPolicy, PolicyInput};
 use crate::source::MetricsAccess;
 

@@ -31,10 +31,9 @@ use crate::result::ResultRecord;
 
 pub use client::{
     CancelOutcome, Client, ClientError, ClientTarget, Cursor, Description, Mark, Outgoing,
-    ReadResult, ResultPage,
+    ReadResult, ResultPage, SubmissionRecord, Submitted, SubmittedRequest,
 };
 use embedded::EmbeddedError;
-pub use idempotency::{SubmissionRecord, Submitted, SubmittedRequest};
 pub use lanes::TenantLanes;
 pub use memory::{DeadLetter, MemoryQueue};
 pub use open::{

@@ -22,9 +22,7 @@ use serde::Serialize;
 use super::config::{EngineConfig, SchedPolicy};
 use super::metrics::{ReplicaGauges, ReplicaHistograms};
 use super::prefix::PrefixCache;
-
-/// Simulated time in seconds since the scenario started.
-pub type SimTime = f64;
+use super::time::SimTime;
 
 /// Traffic class: the thing a gate must protect versus the thing it releases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

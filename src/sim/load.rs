@@ -10,7 +10,7 @@ use rand::rngs::Xoshiro256PlusPlus;
 use rand_distr::{Distribution, LogNormal};
 
 use super::config::{LoadConfig, LoadMode};
-use super::engine::SimTime;
+use super::time::SimTime;
 use super::error::SimError;
 
 /// One generated request (class and id are the caller's business).

@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::engine::SimTime;
+use super::time::SimTime;
 
 /// vLLM's `vllm:time_to_first_token_seconds` buckets.
 pub const TTFT_BUCKETS: [f64; 22] = [

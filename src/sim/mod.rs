@@ -17,7 +17,8 @@
 //! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`);
 //!   `endpoints.rs` reads `/v1/embeddings` and `/v1/responses` bodies and
 //!   shapes their answers; `bad_request.rs` is the 400 every parser returns.
-//! - [`error`]: the error type, [`SimError`].
+//! - [`error`]: the error type, [`SimError`]; [`time`]: the clock type,
+//!   [`time::SimTime`].
 
 mod bad_request;
 pub mod config;
@@ -31,6 +32,7 @@ pub mod pool;
 mod prefix;
 pub mod runner;
 pub mod sweep;
+pub mod time;
 
 pub use config::SimConfig;
 pub use error::SimError;

@@ -8,7 +8,8 @@
 use std::collections::BTreeMap;
 
 use super::config::{EngineConfig, GatewayConfig};
-use super::engine::{Engine, EngineEvent, Outcome, RequestRecord, SimRequest, SimTime};
+use super::engine::{Engine, EngineEvent, Outcome, RequestRecord, SimRequest};
+use super::time::SimTime;
 use super::metrics::{MetricsSnapshot, PoolObservation};
 
 /// The gateway's answer to a submitted request.

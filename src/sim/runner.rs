@@ -7,7 +7,8 @@ use rand::rngs::Xoshiro256PlusPlus;
 use serde::Serialize;
 
 use super::config::{EngineConfig, GatewayConfig, LoadConfig, validate_windows};
-use super::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest, SimTime};
+use super::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest};
+use super::time::SimTime;
 use super::error::SimError;
 use super::load::{LengthModel, LoadGenerator};
 use super::metrics::{LaggedView, PoolObservation, ViewConfig};

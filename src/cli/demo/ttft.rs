@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use crate::eval::score::ratio;
 use crate::sim::InteractiveTiming;
-use crate::sim::engine::SimTime;
+use crate::sim::time::SimTime;
 use crate::sim::runner::quantile;
 
 /// One pool's recording: its simulated time when read, and its

@@ -13,7 +13,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::sim::config::{LoadMode, SimConfig};
-use crate::sim::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest, SimTime};
+use crate::sim::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest};
+use crate::sim::time::SimTime;
 use crate::sim::error::SimError;
 use crate::sim::load::{Arrival, LoadGenerator};
 use crate::sim::metrics::{ExpositionLabels, LaggedView, MetricsSnapshot, ViewConfig};

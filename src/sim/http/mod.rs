@@ -12,7 +12,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use super::config::SimConfig;
-use super::engine::SimTime;
+use super::time::SimTime;
 use super::error::SimError;
 
 mod driver;
