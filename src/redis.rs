@@ -1,19 +1,16 @@
-//! Redis connections: one client per process built from `[redis]`, a
-//! [`RedisConnection`] for ordinary commands (a multiplexed
+//! Redis connections: one client per process built from `[redis]`, and a
+//! [`RedisConnection`] for every command (a multiplexed
 //! [`ConnectionManager`] that reconnects with backoff, or a slot-routing
-//! cluster connection), and dedicated connections without a response
-//! timeout for blocking reads (the manager's timeout would cut `BRPOP`
-//! short).
+//! cluster connection). Nothing blocks on the server (no `BRPOP`): every
+//! command has a response timeout.
 
 use std::fmt;
 use std::time::Duration;
 
-use redis::aio::{
-    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
-};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Client, Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Value};
+use redis::{Client, Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Value};
 
 /// Where a Redis is and how to sign in: what `[redis]` (and the producer
 /// tools' flags) say. `config::RedisConfig` implements it; this file stays
@@ -35,15 +32,6 @@ pub enum ConnectError {
     /// The URL is not a usable Redis URL.
     #[error("redis.url: {0}")]
     Url(#[source] redis::RedisError),
-    /// Redis could not be reached.
-    #[error("redis at {addr} is unreachable: {source}")]
-    Unreachable {
-        /// The address (password masked).
-        addr: String,
-        /// The connection error.
-        #[source]
-        source: redis::RedisError,
-    },
 }
 
 /// The connection every Redis user of the process shares: the transport,
@@ -59,9 +47,6 @@ pub enum RedisConnection {
     /// A Redis Cluster: commands are routed by key slot, topology changes
     /// and failovers are followed by the client.
     Cluster(ClusterConnection),
-    /// One dedicated connection to one server, without response timeout
-    /// or reconnect: for blocking reads, whose callers reconnect.
-    Direct(MultiplexedConnection),
 }
 
 impl RedisConnection {
@@ -77,7 +62,6 @@ impl fmt::Debug for RedisConnection {
         f.write_str(match self {
             Self::Single(_) => "RedisConnection::Single",
             Self::Cluster(_) => "RedisConnection::Cluster",
-            Self::Direct(_) => "RedisConnection::Direct",
         })
     }
 }
@@ -87,7 +71,6 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
-            Self::Direct(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -100,7 +83,6 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
-            Self::Direct(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -108,7 +90,6 @@ impl ConnectionLike for RedisConnection {
         match self {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
-            Self::Direct(c) => c.get_db(),
         }
     }
 }
@@ -175,31 +156,28 @@ pub fn client(config: &dyn RedisSettings) -> Result<Client, ConnectError> {
 /// unreachable Redis is an error of the first command, not of start-up.
 pub fn connection(config: &dyn RedisSettings) -> Result<RedisConnection, ConnectError> {
     if config.cluster() {
-        cluster(config, Some(RESPONSE_TIMEOUT)).map(RedisConnection::Cluster)
+        cluster(config).map(RedisConnection::Cluster)
     } else {
         manager(&client(config)?).map(RedisConnection::Single)
     }
 }
 
 /// A lazily connecting cluster connection seeded by `config.url`, with the
-/// configured credentials. `response_timeout: None` is for blocking reads.
-fn cluster(
-    config: &dyn RedisSettings,
-    response_timeout: Option<Duration>,
-) -> Result<ClusterConnection, ConnectError> {
+/// configured credentials.
+fn cluster(config: &dyn RedisSettings) -> Result<ClusterConnection, ConnectError> {
     cluster_connection(
         config.url().as_str(),
         config.username(),
         config.password(),
         CONNECT_TIMEOUT,
-        response_timeout,
+        Some(RESPONSE_TIMEOUT),
     )
     .map_err(ConnectError::Url)
 }
 
 /// A lazily connecting cluster connection seeded by `seed` (any node's
-/// URL), with credentials when given. `response_timeout: None` is for
-/// blocking reads.
+/// URL), with credentials when given. `response_timeout: None` waits as
+/// long as the server takes.
 pub fn cluster_connection(
     seed: &str,
     username: Option<&str>,
@@ -223,18 +201,6 @@ pub fn cluster_connection(
     Ok(client.get_pending_async_connection_with_config(cluster_config))
 }
 
-/// A connection without response timeout for blocking commands (`BRPOP`),
-/// to one server or to the cluster `config` names.
-pub async fn blocking_connection(
-    config: &dyn RedisSettings,
-) -> Result<RedisConnection, ConnectError> {
-    if config.cluster() {
-        return cluster(config, None).map(RedisConnection::Cluster);
-    }
-    let client = client(config)?;
-    blocking(&client).await.map(RedisConnection::Direct)
-}
-
 /// A connection manager that connects lazily and reconnects with
 /// exponential backoff; commands fail fast while Redis is down.
 pub fn manager(client: &Client) -> Result<ConnectionManager, ConnectError> {
@@ -245,25 +211,6 @@ pub fn manager(client: &Client) -> Result<ConnectionManager, ConnectError> {
         .set_min_delay(Duration::from_millis(100))
         .set_max_delay(Duration::from_secs(2));
     ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(ConnectError::Url)
-}
-
-/// A dedicated connection without response timeout, for blocking commands.
-pub async fn blocking(client: &Client) -> Result<MultiplexedConnection, ConnectError> {
-    let config = AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(CONNECT_TIMEOUT))
-        .set_response_timeout(None);
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .map_err(|source| ConnectError::Unreachable {
-            addr: masked_addr(client),
-            source,
-        })
-}
-
-/// The client's address for messages, without credentials.
-pub fn masked_addr(client: &Client) -> String {
-    client.get_connection_info().addr().to_string()
 }
 
 #[cfg(test)]
