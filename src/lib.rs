@@ -69,7 +69,9 @@
 //! config and `serve` share), [`prompt`] (a request body's prompt text and
 //! block identities, the tokenization proxy the simulator's prefix cache
 //! and `serve`'s prefix order share), [`secret`] (secrets and URLs that
-//! may carry a password: never printed, masked when shown),
+//! may carry a password: never printed, masked when shown), [`values`]
+//! (loose settings values to typed ones, duration text and the keyed
+//! [`values::ConfigError`], for the config and the gates' parameters),
 //! [`batch_status`] (the OpenAI batch states `serve` moves batches through
 //! and the telemetry counts). `docs/architecture.md`,
 //! "Code layout", draws the layers.
@@ -108,3 +110,4 @@ pub mod sim;
 pub mod source;
 pub mod tasks;
 pub mod telemetry;
+pub mod values;

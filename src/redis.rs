@@ -5,16 +5,57 @@
 //! command has a response timeout.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Client, Cmd, IntoConnectionInfo, Pipeline, RedisFuture, Value};
+use serde::Serialize;
 
-/// Where a Redis is and how to sign in: what `[redis]` (and the producer
-/// tools' flags) say. `config::RedisConfig` implements it; this file stays
-/// on the ground floor, below the config that assembles it.
+use crate::secret::{EndpointUrl, Secret};
+
+/// `[redis]`: connection for the Redis transport and Redis-backed gates
+/// (its keys, defaults and checks are declared in `config/`, which
+/// assembles the sections; the type is Redis's own).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RedisConfig {
+    /// `redis://` or `rediss://` URL (a password in it is masked when shown).
+    pub url: EndpointUrl,
+    /// ACL user name.
+    pub username: Option<String>,
+    /// Password (inline, or read from `password_file` at load).
+    pub password: Option<Secret>,
+    /// File the password was read from, when given that way.
+    pub password_file: Option<PathBuf>,
+    /// `url` is one seed node of a Redis Cluster: the queue, its results,
+    /// the shared window and quota keys are routed by hash slot.
+    pub cluster: bool,
+}
+
+/// `[redis]` is what the Redis connections of every user (transport,
+/// gates, sources, the shared window, `serve`) are built from.
+impl RedisSettings for RedisConfig {
+    fn url(&self) -> &url::Url {
+        self.url.expose()
+    }
+
+    fn username(&self) -> Option<&str> {
+        self.username.as_deref()
+    }
+
+    fn password(&self) -> Option<&str> {
+        self.password.as_ref().map(Secret::expose)
+    }
+
+    fn cluster(&self) -> bool {
+        self.cluster
+    }
+}
+
+/// Where a Redis is and how to sign in: what `[redis]` ([`RedisConfig`])
+/// and the producer tools' flags say.
 pub trait RedisSettings {
     /// `redis://` or `rediss://` URL, database number in the path.
     fn url(&self) -> &url::Url;

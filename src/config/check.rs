@@ -10,13 +10,13 @@ use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
-use super::gate::parse_gate_spec;
 use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
     MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section,
     SharedWindowKind, SqlConfig, TelemetryConfig, TransportKind, format_duration,
 };
+use crate::gate::parse_gate_spec;
 use crate::secret::{Secret, read_secret_file};
 
 /// The loose tree of one section or of the whole file.

@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use serde_json::{Map, Value};
 
 use super::check::{build, did_you_mean};
-use super::error::{ConfigError, ConfigErrors};
 use super::values::{Ctx, kind};
 use super::{Config, QueueConfig, SECTIONS};
 use crate::telemetry::traces::TRACE_ENV_VARS;
+use crate::values::{ConfigError, ConfigErrors};
 
 /// The loose tree: top-level keys, section tables and the `queue` array.
 type Tree = Map<String, Value>;

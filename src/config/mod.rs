@@ -13,10 +13,13 @@
 //! the `SLUICEGATE_<SECTION>_<KEY>` variables, error messages and the
 //! derived `Serialize` behind `config show`. Files: `layer` (file,
 //! environment and flags layered onto one loose tree), `check` (tree →
-//! typed: unknown keys, cross-key rules), `values` (every loose → typed
-//! conversion, shared with gate parameters), `gate` ([`GateSpec`]),
-//! `render` (summary and redacted TOML), `duration`, `error`; secrets and
-//! URLs that may hold one are `crate::secret`, on the ground floor.
+//! typed: unknown keys, cross-key rules), `values` (this config's own
+//! loose → typed conversions), `context` (the gates' build context from a
+//! loaded config), `render` (summary and redacted TOML). On the ground
+//! floor: the general conversions, duration text and [`ConfigError`]
+//! (`crate::values`, shared with the gates' parameters), secrets and URLs
+//! that may hold one (`crate::secret`); the gate catalogue ([`GateSpec`])
+//! is the gates' own (`crate::gate`).
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -36,9 +39,7 @@
 //! ```
 
 mod check;
-mod duration;
-mod error;
-mod gate;
+mod context;
 mod layer;
 mod render;
 mod tenant_limits;
@@ -54,29 +55,29 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use values::{
-    Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_u64, attempts,
-    choice, constant_url, duration_min, env_filter, header_name, host_port, http_url,
-    inline_secret, optional_i64, optional_string, path, pool_name, postgres_url, redis_url,
-    retention, socket_addr, tenant_limits, tenant_weights, url_path,
+    Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_string_list,
+    as_string_map, as_u64, as_u64_in, attempts, choice, constant_url, duration_min, env_filter,
+    header_name, host_port, http_url, inline_secret, optional_i64, optional_string, path,
+    pool_name, postgres_url, redis_url, retention, socket_addr, tenant_limits, tenant_weights,
+    url_path,
 };
 
 use crate::telemetry::LogFormat;
 
+pub use crate::gate::{
+    GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, Unit,
+    allowed_params,
+};
+pub use crate::postgres::SqlConfig;
+pub use crate::redis::RedisConfig;
 pub use crate::secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
-pub use duration::{format_duration, parse_duration};
-pub use error::{ConfigError, ConfigErrors};
-pub use gate::{
-    GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, allowed_params,
-};
+pub use crate::source::PrometheusConfig;
+pub use crate::values::{ConfigError, ConfigErrors, format_duration, parse_duration};
 pub use layer::{CONTRACT_ENV_VARS, ConfigSources, ENV_PREFIX, Overrides, known_env_vars};
 pub use tenant_limits::{TenantLimit, TenantLimits};
 pub use tier::Tier;
-// Loose value conversions the gates' parameter adapters share.
-pub(crate) use values::{
-    as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in, kind, show,
-};
 
 /// Declares a closed set of config spellings once: the enum, its spelling
 /// function, the accepted names (canonical first, then aliases) for
@@ -121,15 +122,20 @@ pub(crate) trait Section: Default {
 /// `with_defaults` form (`[[queue]]`, whose defaults depend on `[gateway]`)
 /// adds hand-parsed fields and extra keys, and makes a constructor taking
 /// the hand fields and the arguments the defaults use, instead of `Default`.
+/// A section marked `elsewhere` is a type its component declares (with
+/// the fields' docs): `[redis]` in `crate::redis`, `[prometheus]` in
+/// `crate::source`, `[sql]` in `crate::postgres`, so the gates and sources
+/// that take one stand below this config; its keys, defaults and
+/// conversions are declared here all the same.
 macro_rules! section {
-    ($($(#[$m:meta])* pub struct $name:ident in $section:literal {
+    ($($(#[$m:meta])* pub struct $name:ident in $section:literal $($elsewhere:ident)? {
         $($(#[$fm:meta])* $field:ident: $ty:ty = $default:expr, $conv:expr;)+
     })+) => {
         /// The sections with their keys, in file order: the one list the
         /// key checks, the environment overlay and error messages walk.
         pub(crate) const SECTIONS: &[(&str, &[&str])] = &[$(($section, $name::KEYS)),+];
         $(
-        section!(@struct $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
+        section!(@declare [$($elsewhere)?] $(#[$m])* $name {} { $($(#[$fm])* $field: $ty, $conv;)+ } []);
 
         impl Default for $name {
             fn default() -> Self {
@@ -164,6 +170,10 @@ macro_rules! section {
             }
         }
     };
+    (@declare [] $($rest:tt)*) => { section!(@struct $($rest)*); };
+    (@declare [elsewhere] $(#[$m:meta])* $name:ident $($rest:tt)*) => {
+        section!(@impl $name $($rest)*);
+    };
     (@struct $(#[$m:meta])* $name:ident { $($(#[$hm:meta])* $hand:ident: $hty:ty,)* }
         { $($(#[$fm:meta])* $field:ident: $ty:ty, $conv:expr;)+ } [$($extra:literal),*]) => {
         $(#[$m])*
@@ -173,6 +183,10 @@ macro_rules! section {
             $($(#[$fm])* pub $field: $ty,)+
         }
 
+        section!(@impl $name { $($hand: $hty,)* } { $($field: $ty, $conv;)+ } [$($extra),*]);
+    };
+    (@impl $name:ident { $($(#[$hm:meta])* $hand:ident: $hty:ty,)* }
+        { $($(#[$fm:meta])* $field:ident: $ty:ty, $conv:expr;)+ } [$($extra:literal),*]) => {
         impl $name {
             /// Every key the section accepts in a file.
             pub(crate) const KEYS: &'static [&'static str] =
@@ -205,16 +219,6 @@ spelled! {
         Embedded = "embedded",
         /// PostgreSQL, on upstream's `sql` transport tables.
         Sql = "sql",
-    }
-
-    /// The unit `max_SYS` and the headroom `N` are counted in.
-    pub enum Unit, as_str {
-        /// Requests in flight.
-        Requests = "requests",
-        /// Tokens in flight.
-        Tokens = "tokens",
-        /// Request body bytes in flight.
-        Bytes = "bytes",
     }
 
     /// How the real-valued headroom `N` becomes a whole number.
@@ -331,10 +335,10 @@ section! {
         /// Default `request_path_url` for queues; starts with '/'.
         request_path: String = "/v1/completions".to_owned(), url_path;
         /// Ceiling per attempt (each attempt is also bounded by the deadline).
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         attempt_timeout: Duration = Duration::from_secs(120), duration_min(NONZERO);
         /// TCP/TLS connect timeout.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
         /// Largest response body read; larger bodies are an error.
         max_response_bytes: u64 = 16 * 1024 * 1024, |v| as_u64_in(v, 1, u64::MAX);
@@ -360,36 +364,22 @@ section! {
         fairness_attribute: Option<String> = Some("userid".to_owned()), optional_string;
     }
 
-    /// `[redis]`: connection for the Redis transport and Redis-backed gates.
-    pub struct RedisConfig in "redis" {
-        /// `redis://` or `rediss://` URL (a password in it is masked when shown).
+    /// `[redis]` (`crate::redis::RedisConfig`, documented there).
+    pub struct RedisConfig in "redis" elsewhere {
         url: EndpointUrl = constant_url(DEFAULT_REDIS_URL), redis_url;
-        /// ACL user name.
         username: Option<String> = None, optional_string;
-        /// Password (inline, or read from `password_file` at load).
         password: Option<Secret> = None, inline_secret;
-        /// File the password was read from, when given that way.
         password_file: Option<PathBuf> = None, |v| path(v).map(Some);
-        /// `url` is one seed node of a Redis Cluster: the queue, its results,
-        /// the shared window and quota keys are routed by hash slot.
         cluster: bool = false, as_bool;
     }
 
-    /// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is
-    /// required when the section is present; the default is only a
-    /// placeholder.
-    pub struct PrometheusConfig in "prometheus" {
-        /// Base URL of the Prometheus HTTP API.
+    /// `[prometheus]` (`crate::source::PrometheusConfig`, documented there).
+    pub struct PrometheusConfig in "prometheus" elsewhere {
         url: EndpointUrl = constant_url("http://127.0.0.1:9090"), http_url;
-        /// Bearer token (inline, or read from `bearer_token_file` at load).
         bearer_token: Option<Secret> = None, inline_secret;
-        /// File the bearer token was read from.
         bearer_token_file: Option<PathBuf> = None, |v| path(v).map(Some);
-        /// Basic-auth user.
         basic_user: Option<String> = None, optional_string;
-        /// Basic-auth password (inline, or read from `basic_password_file` at load).
         basic_password: Option<Secret> = None, inline_secret;
-        /// File the basic-auth password was read from.
         basic_password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 
@@ -408,7 +398,7 @@ section! {
         /// wait, failed-attempt backoff) is kept leased by ack-deadline
         /// extensions, counted from its Pull; then it goes back to the
         /// broker (ack deadline 0), which counts a delivery attempt.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         max_hold: Duration = Duration::from_secs(3600), duration_min(Duration::from_secs(1));
         /// Most message bytes held leased for the pool at once; a hold
         /// beyond it goes back to the broker at once.
@@ -422,68 +412,52 @@ section! {
         path: PathBuf = PathBuf::from("sluicegate.db"), path;
     }
 
-    /// `[sql]`: the PostgreSQL database of the `sql` transport and the
-    /// `sql-quota` gate, on upstream's tables. `url` is required (or
-    /// upstream's `SQL_URL` variable).
-    pub struct SqlConfig in "sql" {
-        /// `postgres://` or `postgresql://` URL (a password in it is masked
-        /// when shown); `SLUICEGATE_SQL_URL` or upstream's `SQL_URL`.
+    /// `[sql]` (`crate::postgres::SqlConfig`, documented there).
+    pub struct SqlConfig in "sql" elsewhere {
         url: Option<EndpointUrl> = None, |v| postgres_url(v).map(Some);
-        /// Result route (`async_results.route`) for queues that set no
-        /// `result_queue_name` (upstream's default `result-sql`).
         result_queue_name: String = "result-sql".to_owned(), as_nonempty_string;
-        /// How often an empty receive looks for new rows again (upstream's
-        /// `poll_interval_ms`, default 1 s).
-        #[serde(serialize_with = "render::duration")]
         poll_interval: Duration = Duration::from_secs(1), duration_min(Duration::from_millis(10));
-        /// Most rows one claim statement leases (upstream's default 10).
         batch_size: usize = 10,
             |v| usize::try_from(as_u64_in(v, 1, 10_000)?).map_err(|_| "too large".to_owned());
-        /// Lease of a claimed row, renewed while it is worked on (upstream's
-        /// `lease_ttl_seconds`); unset: `dispatch.lease`. At least
-        /// `dispatch.lease`.
-        #[serde(serialize_with = "render::optional_duration")]
         lease_ttl: Option<Duration> = None, |v| duration_min(Duration::from_secs(1))(v).map(Some);
-        /// Connect timeout of the database connection.
-        #[serde(serialize_with = "render::duration")]
         connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
     }
 
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.
     pub struct DispatchConfig in "dispatch" {
         /// How often the gate is observed (also on demand when the window is used up).
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         poll_interval: Duration = Duration::from_secs(1), duration_min(NONZERO);
         /// Observations older than this count as no observation (budget 0).
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         max_staleness: Duration = Duration::from_secs(30), duration_min(NONZERO);
         /// Message lease / visibility timeout.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         lease: Duration = Duration::from_secs(30), duration_min(Duration::from_secs(1));
         /// Long-poll wait when the queue is empty.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         receive_wait: Duration = Duration::from_secs(1), duration_min(Duration::ZERO);
         /// Dead-letter after this many failed attempts; `None` (0) = unlimited
         /// (the deadline bounds retries). Never `Some(0)`.
         #[serde(serialize_with = "render::attempts")]
         max_attempts: Option<u32> = None, attempts;
         /// First retry delay after a 5xx or transport error.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         retry_initial_backoff: Duration = Duration::from_secs(1), duration_min(NONZERO);
         /// Largest retry delay.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         retry_max_backoff: Duration = Duration::from_secs(60), duration_min(NONZERO);
         /// First hold of every queue on the gateway after a 429/503; it
         /// doubles with each consecutive signal (jittered), and a longer
         /// `Retry-After` wins. Zero would let a storm through.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         congestion_backoff: Duration = Duration::from_secs(2), duration_min(NONZERO);
         /// Ceiling of the congestion hold computed from the backoff.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         congestion_max_backoff: Duration = Duration::from_secs(60), duration_min(NONZERO);
         /// Requeue delay when an admission gate says wait or refuse. Zero
         /// would re-claim a refused message in a loop.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         wait_requeue_delay: Duration = Duration::from_secs(1), duration_min(NONZERO);
         /// Messages the receiver may hold beyond what the window can send
         /// now, so it sees past one tenant's backlog at the head of the
@@ -499,7 +473,7 @@ section! {
         /// message larger than this still goes, alone.
         max_buffered_bytes: u64 = 256 * 1024 * 1024, |v| as_u64_in(v, 1, i64::MAX as u64);
         /// Time allowed for in-flight work at shutdown.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         shutdown_grace: Duration = Duration::from_secs(30), duration_min(Duration::ZERO);
         /// Where the pools' windows are shared across replicas: `off`
         /// (each process has its own window) or `redis` (a lease semaphore
@@ -509,7 +483,7 @@ section! {
         /// Lease on the units a replica holds in the shared window; it is
         /// renewed every third of it, and a replica whose lease lapses
         /// sends nothing new.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         shared_window_lease: Duration = Duration::from_secs(6),
             duration_min(Duration::from_secs(1));
         /// Units a replica takes from the shared window beyond its in
@@ -525,12 +499,12 @@ section! {
         /// Most units of `pace` that may start at once (the credit's cap).
         pace_burst: f64 = 1.0, as_positive_f64;
         /// Deadline given to submissions that carry none (submit tools).
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         default_deadline: Duration = Duration::from_secs(24 * 3600), duration_min(NONZERO);
         /// How long a gate's inert rule must hold before
         /// `sluicegate_gate_inert` reports it (`dispatch::inert`): long
         /// enough that a pool busy with interactive load is not inert.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         inert_after: Duration = Duration::from_secs(600), duration_min(NONZERO);
         /// How the queues of one pool take turns at its window:
         /// `first-come` (no turns), `random-robin` or `tier-priority`
@@ -592,7 +566,7 @@ section! {
         /// without `expires_after`, the output of a batch without
         /// `output_expires_after`); `0` keeps it until deleted. 30 days
         /// is OpenAI's default for `purpose=batch` files.
-        #[serde(serialize_with = "render::duration")]
+        #[serde(serialize_with = "crate::values::serialize_duration")]
         file_retention: Duration = Duration::from_secs(30 * 86_400), retention;
         /// Limits on each tenant's enqueued work (requests without a
         /// result, and their estimated tokens): `requests` and `tokens`
@@ -614,26 +588,6 @@ section! {
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;
         /// Redis transport: prefix of the batch-record keys.
         key_prefix: String = "sluicegate:batchapi:".to_owned(), as_nonempty_string;
-    }
-}
-
-/// `[redis]` is what the Redis connections of every user (transport,
-/// gates, sources, the shared window, `serve`) are built from.
-impl crate::redis::RedisSettings for RedisConfig {
-    fn url(&self) -> &url::Url {
-        self.url.expose()
-    }
-
-    fn username(&self) -> Option<&str> {
-        self.username.as_deref()
-    }
-
-    fn password(&self) -> Option<&str> {
-        self.password.as_ref().map(Secret::expose)
-    }
-
-    fn cluster(&self) -> bool {
-        self.cluster
     }
 }
 

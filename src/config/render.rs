@@ -4,27 +4,10 @@
 //! `serialize_with` helpers the key declarations name.
 
 use std::fmt::Write as _;
-use std::time::Duration;
 
 use serde::{Serialize, Serializer};
 
-use super::{Config, GateSpec, format_duration};
-
-/// A duration as text (`30s`), which loads back exactly.
-pub(crate) fn duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&format_duration(*d))
-}
-
-/// An optional duration as text; none is left out.
-pub(crate) fn optional_duration<S: Serializer>(
-    d: &Option<Duration>,
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    match d {
-        Some(d) => s.serialize_str(&format_duration(*d)),
-        None => s.serialize_none(),
-    }
-}
+use super::{Config, GateSpec};
 
 /// `max_attempts`: unlimited is spelled 0, as in the file.
 pub(crate) fn attempts<S: Serializer>(n: &Option<u32>, s: S) -> Result<S::Ok, S::Error> {

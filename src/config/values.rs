@@ -1,7 +1,8 @@
 //! Loose values (TOML, JSON, environment strings) → typed ones: the
-//! conversions named in the key declarations (`mod.rs`), of which the
-//! general ones also back the gate parameters' `loose` adapters; and the
-//! error sink that attributes errors to their origin.
+//! conversions named in the key declarations (`mod.rs`) that are this
+//! config's own (the general ones, shared with the gate parameters, are
+//! `crate::values`); and the error sink that attributes errors to their
+//! origin.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -11,10 +12,15 @@ use std::time::Duration;
 use serde_json::Value;
 use url::Url;
 
-use super::duration::{format_duration, parse_duration};
-use super::error::ConfigError;
+// The general readers live on the ground floor (gate parameters use them
+// too); the ones below are this config's own.
 use super::tenant_limits::{TenantLimit, TenantLimits};
 use crate::secret::{EndpointUrl, Secret};
+pub(crate) use crate::values::{
+    ConfigError, NONZERO, as_bool, as_duration, as_f64_in, as_nonempty_string, as_positive_f64,
+    as_string, as_string_list, as_string_map, as_u64, as_u64_in, choice, duration_min,
+    format_duration, kind, show,
+};
 
 /// Collects errors and knows where overridden keys came from.
 #[derive(Default)]
@@ -66,45 +72,6 @@ impl Ctx {
     }
 }
 
-/// Short description of a value for error messages (never used for secrets).
-pub(crate) fn show(v: &Value) -> String {
-    let s = v.to_string();
-    match s.char_indices().nth(77) {
-        Some((cut, _)) if s.chars().count() > 80 => format!("{}…", &s[..cut]),
-        _ => s,
-    }
-}
-
-/// The JSON kind of a value, for messages.
-pub(crate) fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "a table",
-    }
-}
-
-/// A string; numbers and booleans are accepted in their text form since
-/// upstream configurations carry every parameter as a string.
-pub(crate) fn as_string(v: &Value) -> Result<String, String> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Number(_) | Value::Bool(_) => Ok(v.to_string()),
-        other => Err(format!("expected a string, got {}", kind(other))),
-    }
-}
-
-/// A string that must not be empty.
-pub(crate) fn as_nonempty_string(v: &Value) -> Result<String, String> {
-    let s = as_string(v)?;
-    (!s.trim().is_empty())
-        .then_some(s)
-        .ok_or_else(|| "must not be empty".to_owned())
-}
-
 /// A pool name: non-empty, without `{`, `}` (it becomes a Redis hash tag)
 /// or whitespace.
 pub(crate) fn pool_name(v: &Value) -> Result<Option<String>, String> {
@@ -134,44 +101,6 @@ pub(crate) fn optional_i64(v: &Value) -> Result<Option<i64>, String> {
     }
 }
 
-/// A boolean, from `true`/`false` or their text form (environment values
-/// are strings).
-pub(crate) fn as_bool(v: &Value) -> Result<bool, String> {
-    match v {
-        Value::Bool(b) => Ok(*b),
-        Value::String(s) => match s.trim() {
-            "true" => Ok(true),
-            "false" => Ok(false),
-            _ => Err(format!("expected true or false, got {}", show(v))),
-        },
-        other => Err(format!("expected true or false, got {}", kind(other))),
-    }
-}
-
-/// A finite float, from a number or a decimal string.
-pub(crate) fn as_f64(v: &Value) -> Result<f64, String> {
-    let x = match v {
-        Value::Number(n) => n.as_f64().ok_or_else(|| format!("{n} is not a number"))?,
-        Value::String(s) => s
-            .trim()
-            .parse::<f64>()
-            .map_err(|_| format!("expected a number, got {}", show(v)))?,
-        other => return Err(format!("expected a number, got {}", kind(other))),
-    };
-    x.is_finite()
-        .then_some(x)
-        .ok_or_else(|| format!("expected a finite number, got {}", show(v)))
-}
-
-/// A float in `[min, max]`.
-pub(crate) fn as_f64_in(v: &Value, min: f64, max: f64) -> Result<f64, String> {
-    let x = as_f64(v)?;
-    (min..=max)
-        .contains(&x)
-        .then_some(x)
-        .ok_or_else(|| format!("must be in [{min}, {max}], got {x}"))
-}
-
 /// An optional HTTP header name (empty = none): refused at load when it
 /// is not a legal name, as a header the client could never write would
 /// fail every request.
@@ -191,63 +120,10 @@ pub(crate) fn header_name(v: &Value) -> Result<Option<String>, String> {
     Ok(Some(parsed.as_str().to_owned()))
 }
 
-/// A float strictly greater than zero.
-pub(crate) fn as_positive_f64(v: &Value) -> Result<f64, String> {
-    let x = as_f64(v)?;
-    (x > 0.0)
-        .then_some(x)
-        .ok_or_else(|| format!("must be greater than 0, got {x}"))
-}
-
-/// A non-negative integer, from a number or a decimal string.
-pub(crate) fn as_u64(v: &Value) -> Result<u64, String> {
-    let bad = || format!("expected a whole number >= 0, got {}", show(v));
-    match v {
-        Value::Number(n) => n.as_u64().ok_or_else(bad),
-        Value::String(s) => s.trim().parse::<u64>().map_err(|_| bad()),
-        other => Err(format!("expected a whole number, got {}", kind(other))),
-    }
-}
-
-/// An integer in `[lo, hi]`.
-pub(crate) fn as_u64_in(v: &Value, lo: u64, hi: u64) -> Result<u64, String> {
-    let x = as_u64(v)?;
-    (lo..=hi)
-        .contains(&x)
-        .then_some(x)
-        .ok_or_else(|| format!("must be in [{lo}, {hi}], got {x}"))
-}
-
 /// `max_attempts`: 0 means unlimited (`None`).
 pub(crate) fn attempts(v: &Value) -> Result<Option<u32>, String> {
     let n = as_u64_in(v, 0, u64::from(u32::MAX)).map_err(|e| format!("{e} (0 = unlimited)"))?;
     Ok(u32::try_from(n).ok().filter(|n| *n > 0))
-}
-
-/// A duration: text such as `"30s"` or a number of seconds.
-pub(crate) fn as_duration(v: &Value) -> Result<Duration, String> {
-    match v {
-        Value::String(s) => parse_duration(s),
-        Value::Number(n) => (n.as_f64().filter(|secs| (0.0..1e15).contains(secs)))
-            .map(Duration::from_secs_f64)
-            .ok_or_else(|| format!("expected a duration >= 0, got {n}")),
-        other => Err(format!(
-            "expected a duration such as \"30s\", got {}",
-            kind(other)
-        )),
-    }
-}
-
-/// Smallest duration that counts as "greater than 0".
-pub(crate) const NONZERO: Duration = Duration::from_nanos(1);
-
-/// A duration of at least `min`.
-pub(crate) fn duration_min(min: Duration) -> impl Fn(&Value) -> Result<Duration, String> {
-    move |v| match as_duration(v)? {
-        d if d >= min => Ok(d),
-        _ if min == NONZERO => Err("must be greater than 0".to_owned()),
-        _ => Err(format!("must be at least {}", format_duration(min))),
-    }
 }
 
 /// A retention: `0` (keep until deleted) or at least one second (expiry
@@ -259,51 +135,6 @@ pub(crate) fn retention(v: &Value) -> Result<Duration, String> {
             "must be 0 (keep files until deleted) or at least 1s, got {}",
             format_duration(d)
         )),
-    }
-}
-
-/// One of an enum's spellings (`CHOICES` of a `spelled!` enum).
-pub(crate) fn choice<T: Copy>(choices: &[(&str, T)]) -> impl Fn(&Value) -> Result<T, String> {
-    move |v| {
-        let allowed = choices
-            .iter()
-            .map(|(n, _)| *n)
-            .collect::<Vec<_>>()
-            .join(", ");
-        match v {
-            Value::String(s) => (choices.iter().find(|(n, _)| n == s).map(|(_, t)| *t))
-                .ok_or_else(|| format!("unknown value {s:?}; allowed: {allowed}")),
-            other => Err(format!("expected one of {allowed}, got {}", show(other))),
-        }
-    }
-}
-
-/// The non-empty items of comma-separated text.
-fn comma_items(s: &str) -> impl Iterator<Item = &str> {
-    s.split(',').map(str::trim).filter(|p| !p.is_empty())
-}
-
-/// A string map: a table/object of scalars, a JSON object in a string, or
-/// `k=v,k2=v2` text.
-pub(crate) fn as_string_map(v: &Value) -> Result<BTreeMap<String, String>, String> {
-    match v {
-        Value::Object(m) => (m.iter())
-            .map(|(k, v)| {
-                as_string(v)
-                    .map(|s| (k.clone(), s))
-                    .map_err(|e| format!("{k}: {e}"))
-            })
-            .collect(),
-        Value::String(s) if s.trim_start().starts_with('{') => as_string_map(
-            &serde_json::from_str(s).map_err(|e| format!("expected a JSON object: {e}"))?,
-        ),
-        Value::String(s) => comma_items(s)
-            .map(|pair| match pair.split_once('=') {
-                Some((k, v)) => Ok((k.trim().to_owned(), v.trim().to_owned())),
-                None => Err(format!("expected key=value pairs, got {pair:?}")),
-            })
-            .collect(),
-        other => Err(format!("expected a table of strings, got {}", kind(other))),
     }
 }
 
@@ -400,19 +231,6 @@ fn set_limit(limit: &mut TenantLimit, key: &str, value: &Value, at: &str) -> Res
     Ok(())
 }
 
-/// A list of strings: an array, a JSON array in a string, or comma-separated
-/// text.
-pub(crate) fn as_string_list(v: &Value) -> Result<Vec<String>, String> {
-    match v {
-        Value::Array(a) => a.iter().map(as_string).collect(),
-        Value::String(s) if s.trim_start().starts_with('[') => as_string_list(
-            &serde_json::from_str(s).map_err(|e| format!("expected a JSON array: {e}"))?,
-        ),
-        Value::String(s) => Ok(comma_items(s).map(str::to_owned).collect()),
-        other => Err(format!("expected a list of strings, got {}", kind(other))),
-    }
-}
-
 /// A URL with one of `schemes` (`what` in messages) and a host.
 fn url(v: &Value, what: &str, schemes: &[&str]) -> Result<EndpointUrl, String> {
     let u = Url::parse(as_string(v)?.trim()).map_err(|e| format!("expected {what}: {e}"))?;
@@ -505,6 +323,7 @@ pub(crate) fn env_filter(v: &Value) -> Result<String, String> {
 mod tests {
     use super::*;
     use crate::config::DEFAULT_REDIS_URL;
+    use crate::values::as_f64;
     use serde_json::json;
 
     #[test]

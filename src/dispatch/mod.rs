@@ -31,7 +31,7 @@ pub mod window;
 #[cfg(test)]
 mod tests;
 
-pub use state::QueueDispatcher;
 pub use pool::Pool;
 pub use retry::{RetryDecision, RetryPolicy};
 pub use settings::{DispatchSettings, MAX_PARK, MAX_PARKED, RECEIVE_BATCH};
+pub use state::QueueDispatcher;

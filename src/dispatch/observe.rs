@@ -11,8 +11,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::state::{Shared, saturating_i64};
 use super::inert::{Change, InertDetector, InertReason, Reading};
+use super::state::{Shared, saturating_i64};
 use super::window::Applied;
 use crate::gate::Capacity;
 

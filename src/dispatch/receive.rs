@@ -17,10 +17,10 @@ use tokio_util::task::TaskTracker;
 
 use super::congestion::Clearance;
 use super::cost::request_cost;
-use super::state::{Ready, Results, SendKind, Shared};
 use super::fair::FairQueue;
 use super::send::{deadline_result, error_result, send_and_settle};
 use super::settle::settle;
+use super::state::{Ready, Results, SendKind, Shared};
 use crate::clock::unix_secs;
 use crate::gate::{Admission, AdmissionRequest, DropAnswer, Ticket};
 use crate::queue::{Delivery, NackReason, QueueError};

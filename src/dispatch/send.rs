@@ -10,9 +10,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{AfterCongestion, after_congestion};
-use super::state::{Ready, Results, SendKind, Shared};
 use super::retry::RetryDecision;
 use super::settle::settle;
+use super::state::{Ready, Results, SendKind, Shared};
 use crate::gate::{Classification, DispatchEvent, Ticket};
 use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
 use crate::queue::{DeliveryTag, NackReason};

@@ -12,9 +12,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{CongestionHold, CongestionPolicy};
-use super::state::{SendKind, Shared};
 use super::observe::observe_loop;
 use super::pace::{Pace, PaceUnit};
+use super::state::{SendKind, Shared};
 use super::{DispatchSettings, QueueDispatcher, RetryPolicy};
 use crate::gate::{Budget, DispatchGate, FailClosed, GateError, Observation};
 use crate::gateway::{GatewayClient, GatewaySettings, Target};

@@ -31,8 +31,8 @@ use crate::gate::{
     Ticket, build_gate,
 };
 use crate::sim::engine::RequestRecord;
-use crate::sim::time::SimTime;
 use crate::sim::runner::{BatchPolicy, PolicyInput};
+use crate::sim::time::SimTime;
 use crate::source::MetricsAccess;
 
 /// How readings become dispatches.

@@ -7,10 +7,12 @@
 
 use std::time::Duration;
 
-use crate::config::{Config, GateSpec, PrometheusConfig, QueueConfig, RedisConfig, Unit};
+use super::{GateSpec, Unit};
+use crate::postgres::SqlConfig;
+use crate::redis::RedisConfig;
 use crate::source::{
-    Cached, MetricsAccess, PromAuth, PromClient, RedisEndpoint, RedisKey, Scrape, Source,
-    SourceError,
+    Cached, MetricsAccess, PromAuth, PromClient, PrometheusConfig, RedisEndpoint, RedisKey, Scrape,
+    Source, SourceError,
 };
 use crate::tasks::Tasks;
 
@@ -88,7 +90,7 @@ pub struct GateContext {
     /// Redis credentials (`[redis]`), used by the `redis` gate.
     pub redis: Option<RedisConfig>,
     /// `[sql]`, for `sql-quota`.
-    pub sql: Option<crate::config::SqlConfig>,
+    pub sql: Option<SqlConfig>,
     /// How long a source reading is reused (single-flight cache TTL).
     pub cache_ttl: Duration,
     /// Data older than this is no data.
@@ -156,20 +158,6 @@ impl Default for Capacity {
 }
 
 impl GateContext {
-    /// The context of a loaded configuration: cache TTL = poll interval,
-    /// source timeout = the smaller of max_staleness and 10 s.
-    pub fn from_config(config: &Config) -> Self {
-        let d = &config.dispatch;
-        let mut ctx = Self::new(
-            config.prometheus.clone(),
-            config.redis.clone(),
-            d.poll_interval,
-            d.max_staleness,
-        );
-        ctx.sql.clone_from(&config.sql);
-        ctx
-    }
-
     /// A context with explicit timings.
     pub fn new(
         prometheus: Option<PrometheusConfig>,
@@ -196,17 +184,6 @@ impl GateContext {
             worker_pool_id: "default".to_owned(),
             tasks: Tasks::new(),
         }
-    }
-
-    /// This context for the gate of `queue` (its static capacity).
-    #[must_use]
-    pub fn for_queue(mut self, queue: &QueueConfig) -> Self {
-        self.capacity = Capacity {
-            max_sys: queue.max_sys,
-            unit: queue.unit,
-        };
-        self.worker_pool_id.clone_from(&queue.worker_pool_id);
-        self
     }
 
     /// `source` behind the single-flight cache with this context's timings.

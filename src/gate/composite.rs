@@ -5,12 +5,12 @@ use futures_util::future::{BoxFuture, join_all};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::GateSpec;
 use super::param::{GateParams, ParseCx, kind};
 use super::{
     Admission, AdmissionRequest, BuildError, Capacity, DispatchEvent, DispatchGate, Explanation,
     GateContext, GateError, Observation, Ticket,
 };
-use crate::config::GateSpec;
 
 /// Parameters of `composite`: the inner gates, in order (at least one).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -208,7 +208,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::config::GatingMode;
+    use crate::gate::GatingMode;
     use crate::gate::{Budget, Capacity, ConstantGate, LocalMaxConcurrencyGate};
 
     fn request<'a>(empty: &'a BTreeMap<String, String>) -> AdmissionRequest<'a> {

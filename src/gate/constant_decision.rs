@@ -201,7 +201,7 @@ mod tests {
 
     /// `key: message` of every error parsing `params` for `gate_type`.
     fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::config::GateSpec::parse(gate_type, &params, "q") {
+        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
             Ok(spec) => panic!("expected errors, parsed {spec:?}"),
             Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
         }
@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn config_names_the_key_and_the_allowed_decisions() {
-        use crate::config::GateSpec;
+        use crate::gate::GateSpec;
         use serde_json::json;
         let spec = GateSpec::parse("constant-decision", &json!({}), "q").expect("default");
         assert_eq!(

@@ -114,7 +114,7 @@ impl DispatchGate for DeadlineDropGate {
             if !self.min_remaining.is_zero() {
                 notes.push(format!(
                     "so does one with less than {} left (min_remaining)",
-                    crate::config::format_duration(self.min_remaining)
+                    crate::values::format_duration(self.min_remaining)
                 ));
             }
             Explanation {
@@ -180,7 +180,7 @@ mod tests {
 
     /// `key: message` of every error parsing `params` for `gate_type`.
     fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::config::GateSpec::parse(gate_type, &params, "q") {
+        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
             Ok(spec) => panic!("expected errors, parsed {spec:?}"),
             Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
         }
@@ -188,7 +188,7 @@ mod tests {
 
     #[test]
     fn config_takes_only_min_remaining() {
-        use crate::config::GateSpec;
+        use crate::gate::GateSpec;
         use serde_json::json;
         let spec = GateSpec::parse("deadline-drop", &json!({}), "q").expect("no parameters");
         assert_eq!(spec.to_upstream()["gate_params"]["min_remaining"], "0s");
@@ -196,7 +196,7 @@ mod tests {
             GateSpec::parse("deadline-drop", &json!({"min_remaining": "30s"}), "q").expect("ok");
         assert_eq!(
             spec,
-            crate::config::GateSpec::DeadlineDrop(DeadlineDropParams {
+            crate::gate::GateSpec::DeadlineDrop(DeadlineDropParams {
                 min_remaining: Duration::from_secs(30)
             })
         );

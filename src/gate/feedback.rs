@@ -11,13 +11,13 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
+use super::Unit;
 use super::control::{Aimd, AimdConfig, Signals, Step, attainment};
 use super::engine_signals::{History, OwnLoad, read_pages};
 use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
 use super::reading::{MetricGate, SourceReport, pool_reading};
 use super::slo_headroom::{Headroom, SloHeadroomParams};
 use super::{BuildError, DispatchEvent, DispatchGate, GateContext, GateError, Observation};
-use crate::config::Unit;
 use crate::source::{Cached, Scrape};
 
 /// Parameters of `feedback`.

@@ -294,7 +294,7 @@ mod tests {
 
     /// `key: message` of every error parsing `params` for `gate_type`.
     fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::config::GateSpec::parse(gate_type, &params, "q") {
+        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
             Ok(spec) => panic!("expected errors, parsed {spec:?}"),
             Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
         }
@@ -302,7 +302,7 @@ mod tests {
 
     #[test]
     fn config_requires_a_positive_rate_and_a_burst_of_at_least_one() {
-        use crate::config::GateSpec;
+        use crate::gate::GateSpec;
         use serde_json::json;
         let spec = GateSpec::parse(
             "local-rate-limit",

@@ -26,9 +26,11 @@
 //! `control.rs` holds the pure controllers of the feedback gates (AIMD
 //! window, Kalman trend, non-negative regression, histogram deltas) and
 //! `engine_signals.rs` what those gates read from vLLM pages.
-//! The catalogue of gates is [`crate::config::GateSpec`].
+//! `catalogue.rs` names every gate once ([`GateSpec`], parsed from the
+//! upstream shape); `unit.rs` holds the [`Unit`] budgets are counted in.
 
 mod build;
+mod catalogue;
 mod composite;
 mod constant;
 mod constant_decision;
@@ -52,6 +54,7 @@ mod redis_quota;
 mod slo_headroom;
 mod sql_quota;
 mod tier_priority;
+mod unit;
 mod vllm;
 mod wait_on_refuse;
 
@@ -65,6 +68,8 @@ use tokio::time::Instant;
 use crate::source::{RecordError, SourceError};
 
 pub use build::{BuildError, Capacity, GateContext, build_gate};
+pub(crate) use catalogue::parse_gate_spec;
+pub use catalogue::{GATE_TYPES, GateSpec, MAX_GATE_DEPTH, allowed_params};
 pub use composite::{CompositeGate, CompositeParams};
 pub use constant::{ConstantGate, ConstantParams};
 pub use constant_decision::{ConstantDecisionGate, ConstantDecisionParams, Decision};
@@ -87,6 +92,7 @@ pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaPar
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
 pub use sql_quota::{SqlQuotaGate, SqlQuotaParams};
 pub use tier_priority::{LoadSource, TierPriorityAdmissionParams, TierPriorityGate};
+pub use unit::Unit;
 pub use vllm::{EngineReading, Roofline, VllmGate, VllmParams, read_engines};
 pub use wait_on_refuse::{WaitOnRefuseGate, WaitOnRefuseParams};
 

@@ -18,9 +18,10 @@ use serde::{Deserialize, Serializer};
 use serde_json::{Map, Value};
 use url::Url;
 
+use super::GateSpec;
 use super::{BuildError, DispatchGate, GateContext};
-use crate::config::{ConfigError, GateSpec, format_duration};
-pub(crate) use crate::config::{kind, show};
+use crate::values::{ConfigError, format_duration};
+pub(crate) use crate::values::{kind, show};
 
 /// One gate's parameters: a serde struct (`deny_unknown_fields`, defaults
 /// for every field) that validates itself and builds its gate.
@@ -354,7 +355,7 @@ fn no_password(u: &Url) -> Result<(), String> {
 /// `#[serde(deserialize_with = "loose::…")]`.
 pub(crate) mod loose {
     use super::*;
-    use crate::config::{as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in};
+    use crate::values::{as_duration, as_f64, as_string, as_string_list, as_string_map, as_u64_in};
 
     fn value<'de, D: Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
         Value::deserialize(d)

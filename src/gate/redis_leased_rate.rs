@@ -559,7 +559,7 @@ mod tests {
 
     /// `key: message` of every error parsing `params` for `gate_type`.
     fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::config::GateSpec::parse(gate_type, &params, "q") {
+        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
             Ok(spec) => panic!("expected errors, parsed {spec:?}"),
             Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
         }
@@ -567,7 +567,7 @@ mod tests {
 
     #[test]
     fn config_takes_upstream_names_with_upstream_defaults() {
-        use crate::config::GateSpec;
+        use crate::gate::GateSpec;
         use serde_json::json;
         let spec = GateSpec::parse(
             "redis-leased-rate",
@@ -604,7 +604,7 @@ mod tests {
 
     #[test]
     fn builds_without_connecting_and_names_the_pool() {
-        use crate::config::GateSpec;
+        use crate::gate::GateSpec;
         use serde_json::json;
         let spec = GateSpec::parse(
             "redis-leased-rate",

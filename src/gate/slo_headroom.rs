@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::Unit;
 use super::control::{Admitted, HeadroomConfig, HeadroomInputs, HeadroomModel, KalmanConfig};
 use super::engine_signals::{History, Interval, OwnLoad, read_pages};
 use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
 use super::reading::{MetricGate, SourceReport, pool_reading};
 use super::{BuildError, DispatchEvent, DispatchGate, GateContext, GateError, Observation};
-use crate::config::Unit;
 use crate::source::{Cached, Scrape};
 
 /// Regression points the model needs before it is trusted.

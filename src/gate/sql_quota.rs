@@ -33,8 +33,8 @@ use super::{
     Admission, AdmissionRequest, Budget, BuildError, DispatchGate, Explanation, GateContext,
     GateError, GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
 };
-use crate::config::EndpointUrl;
 use crate::postgres::{Db, SqlError};
+use crate::secret::EndpointUrl;
 
 /// Parameters of `sql-quota`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -392,14 +392,14 @@ impl DispatchGate for SqlQuotaGate {
                 QuotaMode::RateLimit => format!(
                     "at most {} admissions per {} per `{}` value",
                     p.limit,
-                    crate::config::format_duration(p.window),
+                    crate::values::format_duration(p.window),
                     p.attribute
                 ),
                 QuotaMode::Concurrency => format!(
                     "at most {} requests in flight per `{}` value (holder lease {})",
                     p.limit,
                     p.attribute,
-                    crate::config::format_duration(p.lease)
+                    crate::values::format_duration(p.lease)
                 ),
             };
             let over = match (p.admit_overflow, p.gating_mode) {

@@ -42,7 +42,7 @@ use super::{
     Admission, AdmissionRequest, Budget, BuildError, Classification, DispatchEvent, DispatchGate,
     DropAnswer, Explanation, GateContext, GateError, Observation,
 };
-use crate::config::{GATE_TYPES, GateSpec};
+use super::{GATE_TYPES, GateSpec};
 use crate::source::{Cached, PromAuth, PromClient};
 
 /// The tier whose overflow is dropped rather than refused when saturated
@@ -814,7 +814,7 @@ mod tests {
 
     /// `key: message` of every error parsing `params` for `gate_type`.
     fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::config::GateSpec::parse(gate_type, &params, "q") {
+        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
             Ok(spec) => panic!("expected errors, parsed {spec:?}"),
             Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
         }

@@ -5,12 +5,12 @@ use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::GateSpec;
 use super::param::{GateParams, ParseCx};
 use super::{
     Admission, AdmissionRequest, BuildError, DispatchEvent, DispatchGate, GateContext, GateError,
     Observation,
 };
-use crate::config::GateSpec;
 
 /// Parameters of `wait-on-refuse`: the wrapped gate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,7 +87,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
-    use crate::config::GatingMode;
+    use crate::gate::GatingMode;
     use crate::gate::LocalMaxConcurrencyGate;
 
     #[tokio::test]

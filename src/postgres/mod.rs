@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde::Serialize;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
@@ -66,6 +67,34 @@ pub enum SqlError {
         /// Version this build writes.
         expected: u32,
     },
+}
+
+/// `[sql]`: the PostgreSQL database of the `sql` transport and the
+/// `sql-quota` gate, on upstream's tables. `url` is required (or
+/// upstream's `SQL_URL` variable). (Its keys, defaults and checks are
+/// declared in `config/`, which assembles the sections.)
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SqlConfig {
+    /// `postgres://` or `postgresql://` URL (a password in it is masked
+    /// when shown); `SLUICEGATE_SQL_URL` or upstream's `SQL_URL`.
+    pub url: Option<EndpointUrl>,
+    /// Result route (`async_results.route`) for queues that set no
+    /// `result_queue_name` (upstream's default `result-sql`).
+    pub result_queue_name: String,
+    /// How often an empty receive looks for new rows again (upstream's
+    /// `poll_interval_ms`, default 1 s).
+    #[serde(serialize_with = "crate::values::serialize_duration")]
+    pub poll_interval: Duration,
+    /// Most rows one claim statement leases (upstream's default 10).
+    pub batch_size: usize,
+    /// Lease of a claimed row, renewed while it is worked on (upstream's
+    /// `lease_ttl_seconds`); unset: `dispatch.lease`. At least
+    /// `dispatch.lease`.
+    #[serde(serialize_with = "crate::values::serialize_optional_duration")]
+    pub lease_ttl: Option<Duration>,
+    /// Connect timeout of the database connection.
+    #[serde(serialize_with = "crate::values::serialize_duration")]
+    pub connect_timeout: Duration,
 }
 
 struct Conn {

@@ -18,7 +18,7 @@ use std::time::Duration;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use super::client::{ClientError, Outgoing, SubmissionRecord, SubmittedRequest};
+use super::client::{ClientError, Outgoing, SubmissionRecord, Submitted, SubmittedRequest};
 use crate::request::{Message, parse_message};
 
 /// Longest idempotency key accepted: keys become Redis keys and table

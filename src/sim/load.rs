@@ -10,8 +10,8 @@ use rand::rngs::Xoshiro256PlusPlus;
 use rand_distr::{Distribution, LogNormal};
 
 use super::config::{LoadConfig, LoadMode};
-use super::time::SimTime;
 use super::error::SimError;
+use super::time::SimTime;
 
 /// One generated request (class and id are the caller's business).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use super::config::{EngineConfig, GatewayConfig};
 use super::engine::{Engine, EngineEvent, Outcome, RequestRecord, SimRequest};
-use super::time::SimTime;
 use super::metrics::{MetricsSnapshot, PoolObservation};
+use super::time::SimTime;
 
 /// The gateway's answer to a submitted request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

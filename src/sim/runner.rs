@@ -8,11 +8,11 @@ use serde::Serialize;
 
 use super::config::{EngineConfig, GatewayConfig, LoadConfig, validate_windows};
 use super::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest};
-use super::time::SimTime;
 use super::error::SimError;
 use super::load::{LengthModel, LoadGenerator};
 use super::metrics::{LaggedView, PoolObservation, ViewConfig};
 use super::pool::{Admission, Pool, PoolConfig};
+use super::time::SimTime;
 
 /// The batch backlog a dispatcher drains.
 #[derive(Debug, Clone, PartialEq, Serialize)]

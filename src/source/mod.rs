@@ -26,7 +26,7 @@ use tokio::time::Instant;
 
 pub use cache::Cached;
 pub use local::{MetricsAccess, MetricsEndpoint, PromAnswer};
-pub use prom::{PromAuth, PromClient, PromQuery, PromSample, PromVector};
+pub use prom::{PromAuth, PromClient, PromQuery, PromSample, PromVector, PrometheusConfig};
 pub use redis_key::{
     APPLIED_SUFFIX, BudgetRecord, DecisionAcks, RecordError, RedisEndpoint, RedisKey,
     parse_budget_record,

@@ -2,15 +2,18 @@
 //! (`prometheus-http-query`, on the process' one reqwest/rustls stack).
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use prometheus_http_query::response::Data;
 use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderValue};
+use serde::Serialize;
 use tokio::time::Instant;
 
 use super::{MetricsEndpoint, Source, SourceError, Timestamped};
+use crate::secret::{EndpointUrl, Secret};
 
 /// One series of an instant vector.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +27,26 @@ pub struct PromSample {
 /// The result of an instant query: every series (a scalar result is one
 /// series without labels).
 pub type PromVector = Vec<PromSample>;
+
+/// `[prometheus]`: where `prometheus-*` gates send PromQL. `url` is
+/// required when the section is present; the default is only a
+/// placeholder. (Its keys, defaults and checks are declared in `config/`,
+/// which assembles the sections; the type is the source's own.)
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PrometheusConfig {
+    /// Base URL of the Prometheus HTTP API.
+    pub url: EndpointUrl,
+    /// Bearer token (inline, or read from `bearer_token_file` at load).
+    pub bearer_token: Option<Secret>,
+    /// File the bearer token was read from.
+    pub bearer_token_file: Option<PathBuf>,
+    /// Basic-auth user.
+    pub basic_user: Option<String>,
+    /// Basic-auth password (inline, or read from `basic_password_file` at load).
+    pub basic_password: Option<Secret>,
+    /// File the basic-auth password was read from.
+    pub basic_password_file: Option<PathBuf>,
+}
 
 /// A Prometheus HTTP API client with its authentication and timeout.
 #[derive(Clone)]

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 
 use crate::eval::score::ratio;
 use crate::sim::InteractiveTiming;
-use crate::sim::time::SimTime;
 use crate::sim::runner::quantile;
+use crate::sim::time::SimTime;
 
 /// One pool's recording: its simulated time when read, and its
 /// interactive requests ([`crate::sim::SimHandle::interactive_timings`]).

@@ -9,7 +9,10 @@ use futures_util::future::BoxFuture;
 
 use super::{EmbeddedCancel, EmbeddedError, EmbeddedQueue};
 use crate::queue::QueueError;
-use crate::queue::client::{CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage, SubmissionRecord, Submitted};
+use crate::queue::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult,
+    ResultPage, SubmissionRecord, Submitted,
+};
 use crate::queue::idempotency;
 
 /// A producer and result reader on one queue of an embedded store.

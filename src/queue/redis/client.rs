@@ -11,7 +11,10 @@ use super::DEFAULT_RESULT_LIST;
 use super::idempotent;
 use super::producer::{self, Submission, fifo_steps_ms};
 use crate::queue::QueueError;
-use crate::queue::client::{CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, Receipt, ResultPage, SubmissionRecord, Submitted};
+use crate::queue::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, Receipt,
+    ResultPage, SubmissionRecord, Submitted,
+};
 use crate::queue::idempotency;
 use crate::redis::{RedisConnection, hash_tag};
 use crate::request::Message;

@@ -12,7 +12,10 @@ use tokio_postgres::types::ToSql;
 use crate::config::EndpointUrl;
 use crate::postgres::{Db, SqlError, partition_of};
 use crate::queue::QueueError;
-use crate::queue::client::{CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage, SubmissionRecord, Submitted};
+use crate::queue::client::{
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult,
+    ResultPage, SubmissionRecord, Submitted,
+};
 use crate::queue::idempotency;
 use crate::request::parse_message;
 use crate::result::{ErrorCode, ResultRecord};

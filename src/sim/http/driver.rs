@@ -14,11 +14,11 @@ use tokio_util::sync::CancellationToken;
 use super::*;
 use crate::sim::config::{LoadMode, SimConfig};
 use crate::sim::engine::{EngineEvent, Outcome, RequestClass, RequestRecord, SimRequest};
-use crate::sim::time::SimTime;
 use crate::sim::error::SimError;
 use crate::sim::load::{Arrival, LoadGenerator};
 use crate::sim::metrics::{ExpositionLabels, LaggedView, MetricsSnapshot, ViewConfig};
 use crate::sim::pool::{Admission, Pool, PoolConfig};
+use crate::sim::time::SimTime;
 
 /// What a handler waits for.
 #[derive(Debug)]

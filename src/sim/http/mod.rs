@@ -12,8 +12,8 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use super::config::SimConfig;
-use super::time::SimTime;
 use super::error::SimError;
+use super::time::SimTime;
 
 mod driver;
 mod request;

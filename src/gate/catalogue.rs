@@ -1,6 +1,7 @@
-//! Gate specifications: the closed set of gates a queue can use, parsed
+//! The gate catalogue: the closed set of gates a queue can use, parsed
 //! from the upstream shape (`gate_type` + `gate_params`, parameter values as
-//! strings or numbers).
+//! strings or numbers). The config loader parses each queue's gate with
+//! it; it lives here, beside the gates, so `gate/` stands below `config/`.
 //!
 //! Each gate is described once, in its own file under `src/gate/`: a
 //! parameters struct implementing [`GateParams`] (serde shape, defaults,
@@ -14,11 +15,9 @@ use std::sync::OnceLock;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
-use super::error::{ConfigError, ConfigErrors};
-use crate::gate::param::{ParseCx, allowed, kind, parse_params, show};
-use crate::gate::{self, BuildError, DispatchGate, GateContext, GateParams};
-
-pub use crate::gate::{GatingMode, MissingBudget, QuotaMode};
+use super::param::{ParseCx, allowed, parse_params};
+use super::{BuildError, DispatchGate, GateContext, GateParams};
+use crate::values::{ConfigError, ConfigErrors, kind, show};
 
 /// How deep gates may nest (composite in wait-on-refuse in …); deeper is an
 /// error, so hostile input cannot exhaust the stack.
@@ -87,43 +86,43 @@ macro_rules! gate_catalogue {
 
 gate_catalogue! {
     /// Always open: budget 1.0.
-    Constant(gate::ConstantParams) = "constant",
+    Constant(super::ConstantParams) = "constant",
     /// Minimum of the inner budgets; admission all-or-nothing.
-    Composite(gate::CompositeParams) = "composite",
+    Composite(super::CompositeParams) = "composite",
     /// Pod-local in-flight limit.
-    LocalMaxConcurrency(gate::LocalMaxConcurrencyParams) = "local-max-concurrency",
+    LocalMaxConcurrency(super::LocalMaxConcurrencyParams) = "local-max-concurrency",
     /// Turns the inner gate's refuse into wait.
-    WaitOnRefuse(gate::WaitOnRefuseParams) = "wait-on-refuse",
+    WaitOnRefuse(super::WaitOnRefuseParams) = "wait-on-refuse",
     /// Budget read from a Redis key written by an external controller.
-    Redis(gate::RedisParams) = "redis",
+    Redis(super::RedisParams) = "redis",
     /// `(1 − S) − (1 − threshold)` from the pool-saturation metric.
-    PrometheusSaturation(gate::PrometheusSaturationParams) = "prometheus-saturation",
+    PrometheusSaturation(super::PrometheusSaturationParams) = "prometheus-saturation",
     /// The EPP queue / running-requests cascade; `D − baseline`.
-    PrometheusBudget(gate::PrometheusBudgetParams) = "prometheus-budget",
+    PrometheusBudget(super::PrometheusBudgetParams) = "prometheus-budget",
     /// A PromQL query whose value is the budget.
-    PrometheusQuery(gate::PrometheusQueryParams) = "prometheus-query",
+    PrometheusQuery(super::PrometheusQueryParams) = "prometheus-query",
     /// Saturation scraped from a `/metrics` endpoint.
-    EndpointScrape(gate::EndpointScrapeParams) = "endpoint-scrape",
+    EndpointScrape(super::EndpointScrapeParams) = "endpoint-scrape",
     /// Per-tenant quota admission in Redis.
-    RedisQuota(gate::RedisQuotaParams) = "redis-quota",
+    RedisQuota(super::RedisQuotaParams) = "redis-quota",
     /// Per-tenant quota admission in the `sql` transport's PostgreSQL.
-    SqlQuota(gate::SqlQuotaParams) = "sql-quota",
+    SqlQuota(super::SqlQuotaParams) = "sql-quota",
     /// Tier-aware admission when the saturation gate says the pool is full.
-    TierPriorityAdmission(gate::TierPriorityAdmissionParams) = "tier-priority-admission",
+    TierPriorityAdmission(super::TierPriorityAdmissionParams) = "tier-priority-admission",
     /// Budget from vLLM servers' own `/metrics` (KV cache and queue).
-    Vllm(gate::VllmParams) = "vllm",
+    Vllm(super::VllmParams) = "vllm",
     /// AIMD window of own in-flight work from vLLM SLO attainment and 429s.
-    Feedback(gate::FeedbackParams) = "feedback",
+    Feedback(super::FeedbackParams) = "feedback",
     /// Own in-flight that keeps forecast interactive ITL within its SLO.
-    SloHeadroom(gate::SloHeadroomParams) = "slo-headroom",
+    SloHeadroom(super::SloHeadroomParams) = "slo-headroom",
     /// A token bucket at the rate a planner leases in a Redis hash.
-    RedisLeasedRate(gate::RedisLeasedRateParams) = "redis-leased-rate",
+    RedisLeasedRate(super::RedisLeasedRateParams) = "redis-leased-rate",
     /// A token bucket of this process, per queue.
-    LocalRateLimit(gate::LocalRateLimitParams) = "local-rate-limit",
+    LocalRateLimit(super::LocalRateLimitParams) = "local-rate-limit",
     /// Ends messages whose deadline has passed.
-    DeadlineDrop(gate::DeadlineDropParams) = "deadline-drop",
+    DeadlineDrop(super::DeadlineDropParams) = "deadline-drop",
     /// The same verdict for every message.
-    ConstantDecision(gate::ConstantDecisionParams) = "constant-decision",
+    ConstantDecision(super::ConstantDecisionParams) = "constant-decision",
 }
 
 /// Where a gate is, for errors: the gate itself (depth errors), its

@@ -40,7 +40,7 @@ impl ConfigError {
 }
 
 /// Every problem found while loading, in the order found, one per line.
-/// Never empty when returned by [`crate::config::Config::load`]; derefs to
+/// Never empty when returned by the config loader (`Config::load`); derefs to
 /// the slice of errors.
 #[derive(Debug, Clone, PartialEq, Eq, Default, thiserror::Error)]
 #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]

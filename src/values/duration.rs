@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use serde::Serializer;
+
 /// Units accepted in duration text, for error messages.
 const DURATION_UNITS: &str = "ns, us, ms, s, m, h, d (e.g. \"250ms\", \"30s\", \"5m\", \"1h30m\"; a plain number is seconds)";
 
@@ -81,5 +83,22 @@ pub fn format_duration(d: Duration) -> String {
         _ if nanos == 0 => "0s".to_owned(),
         Some((name, size)) => format!("{}{name}", nanos / size),
         None => format!("{nanos}ns"),
+    }
+}
+
+/// Serializes a duration as text (`30s`), which loads back exactly
+/// (`serialize_with` of settings that show durations).
+pub fn serialize_duration<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format_duration(*d))
+}
+
+/// Serializes an optional duration as text; none is left out.
+pub fn serialize_optional_duration<S: Serializer>(
+    d: &Option<Duration>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(&format_duration(*d)),
+        None => s.serialize_none(),
     }
 }
