@@ -9,7 +9,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 use crate::batch_status::BatchStatus;
 
@@ -220,17 +220,19 @@ impl PubSubMetrics {
             nacks: Counter::default(),
             deadline_extensions: Counter::default(),
             pull_restarts: Counter::default(),
-            publish_latency: Histogram::new(publish_buckets()),
+            publish_latency: publish_histogram(),
         }
     }
 }
 
 /// Buckets for a result publish round trip (milliseconds to seconds).
-fn publish_buckets() -> impl Iterator<Item = f64> {
-    [
-        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-    ]
-    .into_iter()
+fn publish_histogram() -> Histogram {
+    Histogram::new(
+        [
+            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+        ]
+        .into_iter(),
+    )
 }
 
 /// Histogram family with fixed buckets per family.
@@ -238,21 +240,50 @@ type HistogramFamily = Family<QueueLabel, Histogram, fn() -> Histogram>;
 
 /// Latency buckets from 5 ms to ~20 min: gateway attempts are LLM calls
 /// that take from milliseconds to many minutes.
-fn latency_buckets() -> impl Iterator<Item = f64> {
-    [
-        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-        600.0, 1200.0,
-    ]
-    .into_iter()
+fn latency_histogram() -> Histogram {
+    Histogram::new(
+        [
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+            300.0, 600.0, 1200.0,
+        ]
+        .into_iter(),
+    )
 }
 
 /// Buckets for the time from receiving a message to sending it (mostly
 /// sub-millisecond, long when the gate holds work back).
-fn delay_buckets() -> impl Iterator<Item = f64> {
-    [
-        0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
-    ]
-    .into_iter()
+fn delay_histogram() -> Histogram {
+    Histogram::new(
+        [
+            0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
+        ]
+        .into_iter(),
+    )
+}
+
+/// A family registered as `name` with `help` (counters get `_total` in
+/// the exposition); the registry keeps a clone, the caller the handle.
+fn family<L, M>(r: &mut Registry, name: &str, help: &str) -> Family<L, M>
+where
+    Family<L, M>: Metric + Clone,
+    L: Clone + std::hash::Hash + Eq,
+    M: Default,
+{
+    let family = Family::<L, M>::default();
+    r.register(name, help, family.clone());
+    family
+}
+
+/// A histogram family with `buckets`, registered as [`family`] does.
+fn histograms(
+    r: &mut Registry,
+    name: &str,
+    help: &str,
+    buckets: fn() -> Histogram,
+) -> HistogramFamily {
+    let family = HistogramFamily::new_with_constructor(buckets);
+    r.register(name, help, family.clone());
+    family
 }
 
 impl Default for Metrics {
@@ -262,286 +293,240 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates and registers every family.
+    /// Creates every family, each registered under its name and help.
     pub fn new() -> Self {
-        let mut m = Self {
-            registry: Registry::default(),
-            received: Family::default(),
-            sent: Family::default(),
-            outcomes: Family::default(),
-            attempts: Family::default(),
-            retries: Family::default(),
-            decisions: Family::default(),
-            congestion: Family::default(),
-            result_write_errors: Family::default(),
-            leases_lost: Family::default(),
-            in_flight: Family::default(),
-            window: Family::default(),
-            headroom: Family::default(),
-            available: Family::default(),
-            budget: Family::default(),
-            baseline: Family::default(),
-            gate_open: Family::default(),
-            source_available: Family::default(),
-            gate_inert: Family::default(),
-            observation_age: Family::default(),
-            parked: Family::default(),
-            awaiting_deadline: Family::default(),
-            backlog: Family::default(),
-            claims_held: Family::default(),
-            reclaims: Family::default(),
-            dead_letters: Family::default(),
-            attempt_latency: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
-            dispatch_delay: Family::new_with_constructor(|| Histogram::new(delay_buckets())),
-            batches: Family::default(),
-            batch_requests: Family::default(),
-            batch_file_bytes: Family::default(),
-            batch_enqueued_requests: Family::default(),
-            batch_enqueued_tokens: Family::default(),
-            pubsub: PubSubFamilies {
-                in_flight: Family::default(),
-                acks: Family::default(),
-                nacks: Family::default(),
-                deadline_extensions: Family::default(),
-                pull_restarts: Family::default(),
-                publish_latency: Family::new_with_constructor(|| Histogram::new(publish_buckets())),
-            },
-            shared_held: Family::default(),
-            shared_total: Family::default(),
-            shared_all_held: Family::default(),
-            shared_all_in_flight: Family::default(),
-            shared_renewals: Family::default(),
-            shared_failures: Family::default(),
-            shared_holds: Family::default(),
+        let mut registry = Registry::default();
+        let r = &mut registry;
+        let pubsub = PubSubFamilies {
+            in_flight: family(
+                r,
+                "sluicegate_pubsub_in_flight_messages",
+                "Pub/Sub deliveries held by this process (pulled, not yet acked or handed back; holds included)",
+            ),
+            acks: family(
+                r,
+                "sluicegate_pubsub_acks",
+                "Pub/Sub messages acknowledged after their result was confirmed",
+            ),
+            nacks: family(
+                r,
+                "sluicegate_pubsub_nacks",
+                "Pub/Sub messages handed back to the broker (ack deadline 0); waits for the pool are held, not counted",
+            ),
+            deadline_extensions: family(
+                r,
+                "sluicegate_pubsub_deadline_extensions",
+                "Ack deadline extensions of held Pub/Sub messages, one per message",
+            ),
+            pull_restarts: family(
+                r,
+                "sluicegate_pubsub_pull_stream_restarts",
+                "Times pulling resumed after a failed Pull; a budget change never counts",
+            ),
+            publish_latency: histograms(
+                r,
+                "sluicegate_pubsub_publish_duration_seconds",
+                "Result publish round trip, from publish to confirmation",
+                publish_histogram,
+            ),
         };
-        m.registry.register(
-            "sluicegate_batches",
-            "Batch API batches, by status (sluicegate serve)",
-            m.batches.clone(),
-        );
-        m.registry.register(
-            "sluicegate_batch_requests",
-            "Batch API requests settled, by outcome (sluicegate serve)",
-            m.batch_requests.clone(),
-        );
-        m.registry.register(
-            "sluicegate_batch_file_bytes",
-            "Bytes of Batch API file bodies held, by their records (sluicegate serve)",
-            m.batch_file_bytes.clone(),
-        );
-        m.registry.register(
-            "sluicegate_batch_enqueued_requests",
-            "Batch API requests of a tenant's unfinished batches without a result, held against serve.tenant_limits (sluicegate serve)",
-            m.batch_enqueued_requests.clone(),
-        );
-        m.registry.register(
-            "sluicegate_batch_enqueued_tokens",
-            "Estimated tokens of those requests, held against serve.tenant_limits (sluicegate serve)",
-            m.batch_enqueued_tokens.clone(),
-        );
-        let r = &mut m.registry;
-        r.register(
-            "sluicegate_requests_received",
-            "Messages received from the queue",
-            m.received.clone(),
-        );
-        r.register(
-            "sluicegate_requests_sent",
-            "Requests sent to the gateway (attempts)",
-            m.sent.clone(),
-        );
-        r.register(
-            "sluicegate_outcomes",
-            "Messages settled, by final outcome",
-            m.outcomes.clone(),
-        );
-        r.register(
-            "sluicegate_attempts",
-            "Gateway attempts by classification",
-            m.attempts.clone(),
-        );
-        r.register(
-            "sluicegate_retries",
-            "Messages returned to the queue for another try, by reason",
-            m.retries.clone(),
-        );
-        r.register(
-            "sluicegate_gate_decisions",
-            "Admission verdicts by verdict and reason",
-            m.decisions.clone(),
-        );
-        r.register(
-            "sluicegate_congestion_signals",
-            "429/503 answers that forced the budget to zero",
-            m.congestion.clone(),
-        );
-        r.register(
-            "sluicegate_result_write_errors",
-            "Failed attempts to write results (retried)",
-            m.result_write_errors.clone(),
-        );
-        r.register(
-            "sluicegate_leases_lost",
-            "Results not written because the message lease was lost",
-            m.leases_lost.clone(),
-        );
-        r.register(
-            "sluicegate_in_flight_requests",
-            "Own requests in flight at the gateway",
-            m.in_flight.clone(),
-        );
-        r.register(
-            "sluicegate_window_units",
-            "Dispatch window: own in-flight at observation time + N",
-            m.window.clone(),
-        );
-        r.register(
-            "sluicegate_headroom_units",
-            "N = max_SYS x (D - B) of the latest fresh observation",
-            m.headroom.clone(),
-        );
-        r.register(
-            "sluicegate_window_available_units",
-            "Units that may still be released now",
-            m.available.clone(),
-        );
-        r.register(
-            "sluicegate_budget_ratio",
-            "Latest budget D read by the gate",
-            m.budget.clone(),
-        );
-        r.register(
-            "sluicegate_baseline_ratio",
-            "Reserved baseline B",
-            m.baseline.clone(),
-        );
-        r.register(
-            "sluicegate_gate_open",
-            "1 when D > B and no congestion holds the window",
-            m.gate_open.clone(),
-        );
-        r.register(
-            "sluicegate_source_available",
-            "1 when the gate's metric source answered usably",
-            m.source_available.clone(),
-        );
-        r.register(
-            "sluicegate_gate_inert",
-            "1 while the gate has been inert for dispatch.inert_after, by reason (never_opens, max_sys_below_capacity)",
-            m.gate_inert.clone(),
-        );
-        r.register(
-            "sluicegate_observation_age_seconds",
-            "Age of the data behind the latest observation",
-            m.observation_age.clone(),
-        );
-        r.register(
-            "sluicegate_parked_requests",
-            "Messages parked at a gate (verdict wait)",
-            m.parked.clone(),
-        );
-        r.register(
-            "sluicegate_deadline_waiting_requests",
-            "Messages turned away by congestion with no attempt possible before their deadline, kept until it",
-            m.awaiting_deadline.clone(),
-        );
-        r.register(
-            "sluicegate_queue_backlog_messages",
-            "Messages waiting in the queue",
-            m.backlog.clone(),
-        );
-        r.register(
-            "sluicegate_queue_claims_held",
-            "Claims (leased messages) recorded in the transport, all holders",
-            m.claims_held.clone(),
-        );
-        r.register(
-            "sluicegate_queue_reclaims",
-            "Expired claims returned to the queue by this process",
-            m.reclaims.clone(),
-        );
-        r.register(
-            "sluicegate_queue_dead_letters",
-            "Messages moved to the dead letters by this process",
-            m.dead_letters.clone(),
-        );
-        r.register(
-            "sluicegate_attempt_duration_seconds",
-            "Gateway attempt latency",
-            m.attempt_latency.clone(),
-        );
-        r.register(
-            "sluicegate_dispatch_delay_seconds",
-            "Time from receiving a message to sending it",
-            m.dispatch_delay.clone(),
-        );
-        let p = &m.pubsub;
-        r.register(
-            "sluicegate_pubsub_in_flight_messages",
-            "Pub/Sub deliveries held by this process (pulled, not yet acked or handed back; holds included)",
-            p.in_flight.clone(),
-        );
-        r.register(
-            "sluicegate_pubsub_acks",
-            "Pub/Sub messages acknowledged after their result was confirmed",
-            p.acks.clone(),
-        );
-        r.register(
-            "sluicegate_pubsub_nacks",
-            "Pub/Sub messages handed back to the broker (ack deadline 0); waits for the pool are held, not counted",
-            p.nacks.clone(),
-        );
-        r.register(
-            "sluicegate_pubsub_deadline_extensions",
-            "Ack deadline extensions of held Pub/Sub messages, one per message",
-            p.deadline_extensions.clone(),
-        );
-        r.register(
-            "sluicegate_pubsub_pull_stream_restarts",
-            "Times pulling resumed after a failed Pull; a budget change never counts",
-            p.pull_restarts.clone(),
-        );
-        r.register(
-            "sluicegate_pubsub_publish_duration_seconds",
-            "Result publish round trip, from publish to confirmation",
-            p.publish_latency.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_held_units",
-            "Units this replica holds in the pool's shared window",
-            m.shared_held.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_total_units",
-            "The pool's window across replicas (the semaphore's total)",
-            m.shared_total.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_all_held_units",
-            "Units held by every replica of the pool",
-            m.shared_all_held.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_all_in_flight_units",
-            "In flight reported by every replica of the pool",
-            m.shared_all_in_flight.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_renewals",
-            "Successful shared-window syncs (lease renewals)",
-            m.shared_renewals.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_failures",
-            "Failed shared-window syncs or lost leases (window closed)",
-            m.shared_failures.clone(),
-        );
-        r.register(
-            "sluicegate_shared_window_holds_applied",
-            "429/503 holds published by another replica and applied here",
-            m.shared_holds.clone(),
-        );
-        m
+        Self {
+            received: family(
+                r,
+                "sluicegate_requests_received",
+                "Messages received from the queue",
+            ),
+            sent: family(
+                r,
+                "sluicegate_requests_sent",
+                "Requests sent to the gateway (attempts)",
+            ),
+            outcomes: family(
+                r,
+                "sluicegate_outcomes",
+                "Messages settled, by final outcome",
+            ),
+            attempts: family(
+                r,
+                "sluicegate_attempts",
+                "Gateway attempts by classification",
+            ),
+            retries: family(
+                r,
+                "sluicegate_retries",
+                "Messages returned to the queue for another try, by reason",
+            ),
+            decisions: family(
+                r,
+                "sluicegate_gate_decisions",
+                "Admission verdicts by verdict and reason",
+            ),
+            congestion: family(
+                r,
+                "sluicegate_congestion_signals",
+                "429/503 answers that forced the budget to zero",
+            ),
+            result_write_errors: family(
+                r,
+                "sluicegate_result_write_errors",
+                "Failed attempts to write results (retried)",
+            ),
+            leases_lost: family(
+                r,
+                "sluicegate_leases_lost",
+                "Results not written because the message lease was lost",
+            ),
+            in_flight: family(
+                r,
+                "sluicegate_in_flight_requests",
+                "Own requests in flight at the gateway",
+            ),
+            window: family(
+                r,
+                "sluicegate_window_units",
+                "Dispatch window: own in-flight at observation time + N",
+            ),
+            headroom: family(
+                r,
+                "sluicegate_headroom_units",
+                "N = max_SYS x (D - B) of the latest fresh observation",
+            ),
+            available: family(
+                r,
+                "sluicegate_window_available_units",
+                "Units that may still be released now",
+            ),
+            budget: family(
+                r,
+                "sluicegate_budget_ratio",
+                "Latest budget D read by the gate",
+            ),
+            baseline: family(r, "sluicegate_baseline_ratio", "Reserved baseline B"),
+            gate_open: family(
+                r,
+                "sluicegate_gate_open",
+                "1 when D > B and no congestion holds the window",
+            ),
+            source_available: family(
+                r,
+                "sluicegate_source_available",
+                "1 when the gate's metric source answered usably",
+            ),
+            gate_inert: family(
+                r,
+                "sluicegate_gate_inert",
+                "1 while the gate has been inert for dispatch.inert_after, by reason (never_opens, max_sys_below_capacity)",
+            ),
+            observation_age: family(
+                r,
+                "sluicegate_observation_age_seconds",
+                "Age of the data behind the latest observation",
+            ),
+            parked: family(
+                r,
+                "sluicegate_parked_requests",
+                "Messages parked at a gate (verdict wait)",
+            ),
+            awaiting_deadline: family(
+                r,
+                "sluicegate_deadline_waiting_requests",
+                "Messages turned away by congestion with no attempt possible before their deadline, kept until it",
+            ),
+            backlog: family(
+                r,
+                "sluicegate_queue_backlog_messages",
+                "Messages waiting in the queue",
+            ),
+            claims_held: family(
+                r,
+                "sluicegate_queue_claims_held",
+                "Claims (leased messages) recorded in the transport, all holders",
+            ),
+            reclaims: family(
+                r,
+                "sluicegate_queue_reclaims",
+                "Expired claims returned to the queue by this process",
+            ),
+            dead_letters: family(
+                r,
+                "sluicegate_queue_dead_letters",
+                "Messages moved to the dead letters by this process",
+            ),
+            attempt_latency: histograms(
+                r,
+                "sluicegate_attempt_duration_seconds",
+                "Gateway attempt latency",
+                latency_histogram,
+            ),
+            dispatch_delay: histograms(
+                r,
+                "sluicegate_dispatch_delay_seconds",
+                "Time from receiving a message to sending it",
+                delay_histogram,
+            ),
+            batches: family(
+                r,
+                "sluicegate_batches",
+                "Batch API batches, by status (sluicegate serve)",
+            ),
+            batch_requests: family(
+                r,
+                "sluicegate_batch_requests",
+                "Batch API requests settled, by outcome (sluicegate serve)",
+            ),
+            batch_file_bytes: family(
+                r,
+                "sluicegate_batch_file_bytes",
+                "Bytes of Batch API file bodies held, by their records (sluicegate serve)",
+            ),
+            batch_enqueued_requests: family(
+                r,
+                "sluicegate_batch_enqueued_requests",
+                "Batch API requests of a tenant's unfinished batches without a result, held against serve.tenant_limits (sluicegate serve)",
+            ),
+            batch_enqueued_tokens: family(
+                r,
+                "sluicegate_batch_enqueued_tokens",
+                "Estimated tokens of those requests, held against serve.tenant_limits (sluicegate serve)",
+            ),
+            shared_held: family(
+                r,
+                "sluicegate_shared_window_held_units",
+                "Units this replica holds in the pool's shared window",
+            ),
+            shared_total: family(
+                r,
+                "sluicegate_shared_window_total_units",
+                "The pool's window across replicas (the semaphore's total)",
+            ),
+            shared_all_held: family(
+                r,
+                "sluicegate_shared_window_all_held_units",
+                "Units held by every replica of the pool",
+            ),
+            shared_all_in_flight: family(
+                r,
+                "sluicegate_shared_window_all_in_flight_units",
+                "In flight reported by every replica of the pool",
+            ),
+            shared_renewals: family(
+                r,
+                "sluicegate_shared_window_renewals",
+                "Successful shared-window syncs (lease renewals)",
+            ),
+            shared_failures: family(
+                r,
+                "sluicegate_shared_window_failures",
+                "Failed shared-window syncs or lost leases (window closed)",
+            ),
+            shared_holds: family(
+                r,
+                "sluicegate_shared_window_holds_applied",
+                "429/503 holds published by another replica and applied here",
+            ),
+            pubsub,
+            registry,
+        }
     }
 
     /// Handles for one Pub/Sub queue's transport metrics.
