@@ -227,12 +227,9 @@ impl PubSubMetrics {
 
 /// Buckets for a result publish round trip (milliseconds to seconds).
 fn publish_histogram() -> Histogram {
-    Histogram::new(
-        [
-            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-        ]
-        .into_iter(),
-    )
+    Histogram::new([
+        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ])
 }
 
 /// Histogram family with fixed buckets per family.
@@ -241,24 +238,18 @@ type HistogramFamily = Family<QueueLabel, Histogram, fn() -> Histogram>;
 /// Latency buckets from 5 ms to ~20 min: gateway attempts are LLM calls
 /// that take from milliseconds to many minutes.
 fn latency_histogram() -> Histogram {
-    Histogram::new(
-        [
-            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-            300.0, 600.0, 1200.0,
-        ]
-        .into_iter(),
-    )
+    Histogram::new([
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        600.0, 1200.0,
+    ])
 }
 
 /// Buckets for the time from receiving a message to sending it (mostly
 /// sub-millisecond, long when the gate holds work back).
 fn delay_histogram() -> Histogram {
-    Histogram::new(
-        [
-            0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
-        ]
-        .into_iter(),
-    )
+    Histogram::new([
+        0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0,
+    ])
 }
 
 /// A family registered as `name` with `help` (counters get `_total` in
