@@ -26,6 +26,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::param::{GateParams, ParseCx, loose};
 use super::redis_quota::{quota_tenant, quota_verdict};
@@ -35,6 +36,7 @@ use super::{
 };
 use crate::postgres::{Db, SqlError};
 use crate::secret::EndpointUrl;
+use crate::tasks::{Tasks, sleep_unless};
 
 /// Parameters of `sql-quota`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -112,7 +114,12 @@ impl GateParams for SqlQuotaParams {
             gate_type: "sql-quota",
         })?;
         let timeout = sql.map_or(Duration::from_secs(5), |s| s.connect_timeout);
-        Ok(Box::new(SqlQuotaGate::new(url, timeout, self.clone())))
+        Ok(Box::new(SqlQuotaGate::new(
+            url,
+            timeout,
+            self.clone(),
+            ctx.tasks.clone(),
+        )))
     }
 }
 
@@ -122,6 +129,8 @@ pub struct SqlQuotaGate {
     inner: Arc<Inner>,
     /// The holder renewal starts on the first admission (in the runtime).
     renewing: Once,
+    /// The tree the renewal runs on.
+    tasks: Tasks,
 }
 
 #[derive(Debug)]
@@ -173,8 +182,14 @@ fn ms(d: Duration) -> i64 {
 }
 
 impl SqlQuotaGate {
-    /// The gate counting in the database at `url` with `params`.
-    pub fn new(url: EndpointUrl, connect_timeout: Duration, params: SqlQuotaParams) -> Self {
+    /// The gate counting in the database at `url` with `params`; its
+    /// holder renewal runs on `tasks`.
+    pub fn new(
+        url: EndpointUrl,
+        connect_timeout: Duration,
+        params: SqlQuotaParams,
+        tasks: Tasks,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 url,
@@ -184,6 +199,7 @@ impl SqlQuotaGate {
                 holder: Mutex::new(None),
             }),
             renewing: Once::new(),
+            tasks,
         }
     }
 
@@ -199,7 +215,13 @@ impl SqlQuotaGate {
         }
         self.renewing.call_once(|| {
             let weak = Arc::downgrade(&self.inner);
-            tokio::spawn(renew_loop(weak, self.inner.params.lease / 3));
+            let every = self.inner.params.lease / 3;
+            // Until the root token, not the drain: requests still in
+            // flight during the drain hold slots whose holder must not
+            // lapse (as `redis-quota`).
+            let stop = self.tasks.root_token().clone();
+            self.tasks
+                .spawn("sql-quota: holder renewal", renew_loop(weak, every, stop));
         });
     }
 
@@ -331,9 +353,8 @@ impl Inner {
     }
 }
 
-async fn renew_loop(inner: Weak<Inner>, every: Duration) {
-    loop {
-        tokio::time::sleep(every).await;
+async fn renew_loop(inner: Weak<Inner>, every: Duration, stop: CancellationToken) {
+    while sleep_unless(&stop, every).await {
         let Some(inner) = inner.upgrade() else {
             return;
         };
