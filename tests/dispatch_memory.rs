@@ -1233,3 +1233,112 @@ async fn a_pull_beside_the_sends_never_waits_for_the_receiver_to_poll_it() {
     );
     h.stop().await;
 }
+
+/// A queue whose every pull after the first never answers (a broker that
+/// stopped responding mid-run).
+#[derive(Debug)]
+struct StuckAfterFirstPull {
+    inner: Arc<MemoryQueue>,
+    pulls: AtomicUsize,
+}
+
+impl Queue for StuckAfterFirstPull {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn receive(
+        &self,
+        max: usize,
+        lease: Duration,
+        wait: Duration,
+    ) -> BoxFuture<'_, Result<Vec<Delivery>, QueueError>> {
+        if self.pulls.fetch_add(1, Ordering::SeqCst) == 0 {
+            return self.inner.receive(max, lease, wait);
+        }
+        Box::pin(std::future::pending())
+    }
+
+    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
+        self.inner.ack(completions)
+    }
+
+    fn nack(
+        &self,
+        tag: DeliveryTag,
+        delay: Duration,
+        reason: NackReason,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.nack(tag, delay, reason)
+    }
+
+    fn extend_lease(
+        &self,
+        tags: Vec<DeliveryTag>,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.extend_lease(tags, lease)
+    }
+
+    fn dead_letter(
+        &self,
+        tag: DeliveryTag,
+        last_error: ResultRecord,
+    ) -> BoxFuture<'_, Result<(), QueueError>> {
+        self.inner.dead_letter(tag, last_error)
+    }
+
+    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+        self.inner.backlog()
+    }
+}
+
+/// Found reading the drain: a pull running beside the releases was waited
+/// for at shutdown until the task tree's root token, which the
+/// application cancels only after every dispatcher has returned, so a pull
+/// that never answered held the shutdown forever. It is now waited for at
+/// most the shutdown grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_that_never_answers_does_not_hold_the_shutdown() {
+    let server = gateway(
+        ResponseTemplate::new(200)
+            .set_body_string(r#"{"choices":[]}"#)
+            .set_delay(Duration::from_millis(20)),
+    )
+    .await;
+    let memory = Arc::new(MemoryQueue::new("q"));
+    for i in 0..40 {
+        memory.push_message(message(&format!("m{i}"), 3600));
+    }
+    let stuck = Arc::new(StuckAfterFirstPull {
+        inner: memory.clone(),
+        pulls: AtomicUsize::new(0),
+    });
+    let settings = DispatchSettings {
+        max_sys: 2.0,
+        tenant_lookahead: 8,
+        receive_batch: 8,
+        shutdown_grace: Duration::from_secs(1),
+        ..fast_settings()
+    };
+    let h = Harness::start_through(
+        memory,
+        stuck.clone(),
+        &server.uri(),
+        Box::new(ConstantGate::default()),
+        settings,
+        no_retry_limit(),
+    );
+    // The first pull's messages are answered while the second pull hangs.
+    let first = h.wait_for_results(8).await.len();
+    assert!(first >= 8, "the first pull's messages answered ({first})");
+    assert!(
+        stuck.pulls.load(Ordering::SeqCst) >= 2,
+        "a second pull is out"
+    );
+    let stopped = tokio::time::timeout(Duration::from_secs(60), h.stop()).await;
+    assert!(
+        stopped.is_ok(),
+        "the drain waited for a pull that never answers"
+    );
+}

@@ -11,6 +11,7 @@ use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use opentelemetry::KeyValue;
 use opentelemetry::trace::SpanKind;
+use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -255,11 +256,14 @@ pub(super) async fn receive_loop(
     }
     // No longer contending for the pool's turns.
     shared.take_turn(Instant::now(), false, false);
-    // A pull still running is let finish (one round trip; no longer than
-    // the grace) so its leases go back at once rather than expiring.
+    // A pull still running is let finish (one round trip) so its leases
+    // go back at once rather than expiring, but for no longer than the
+    // grace: a pull that never answers is stopped, not waited for (the
+    // `abandon` token alone comes only after every dispatcher returned).
     if let Some(p) = prefetch.take() {
         tokio::select! {
-            () = abandon.cancelled() => {}
+            () = abandon.cancelled() => p.stop.abort(),
+            () = tokio::time::sleep(settings.shutdown_grace) => p.stop.abort(),
             received = p.pull => came_back = Some(received),
         }
     }
@@ -294,6 +298,8 @@ struct Prefetch {
     /// How many it asked for (counted as buffered until it comes back).
     want: usize,
     pull: BoxFuture<'static, Pulled>,
+    /// Stops the pull's task (what it leased then waits out its lease).
+    stop: AbortHandle,
 }
 
 impl Prefetch {
@@ -301,9 +307,11 @@ impl Prefetch {
         let shared = Arc::clone(shared);
         let task =
             tracker.spawn(async move { shared.queue().receive(want, lease, Duration::ZERO).await });
+        let stop = task.abort_handle();
         Self {
             want,
             pull: Box::pin(task.map(|joined| joined.unwrap_or_else(|e| Err(QueueError::Task(e))))),
+            stop,
         }
     }
 
