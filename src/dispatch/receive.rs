@@ -133,18 +133,17 @@ pub(super) async fn receive_loop(
                 // releases instead of stalling them for the queue's round
                 // trip (issue 21: a Redis claim script and the sends it
                 // feeds had taken turns, each waiting for the other).
-                let mut p = Prefetch::start(shared, tracker, want, settings.lease);
-                match (&mut p.pull).now_or_never() {
+                match Prefetch::start(shared, tracker, want, settings.lease) {
                     // A queue that answers at once (memory) is taken in
                     // now; after an error the buffer goes on and the next
                     // turn pulls again.
-                    Some(received) => {
+                    Pull::Answered(received) => {
                         pulled =
                             take_pulled(shared, &mut fair, received, results, &mut receive_errors)
                                 .await
                                 .unwrap_or(false);
                     }
-                    None => prefetch = Some(p),
+                    Pull::Running(p) => prefetch = Some(p),
                 }
             } else if want > 0 && prefetch.is_none() {
                 // Nothing to release meanwhile: wait for the pull,
@@ -289,11 +288,12 @@ type Pulled = Result<Vec<Delivery>, QueueError>;
 /// only while the buffer holds something to release (an empty buffer
 /// waits for its pull, or long-polls, as before).
 ///
-/// The pull is a task of its own, not a future the receiver polls: the
-/// receiver also waits on the queue (the deadline sweep, nacks), and a
-/// transport behind one connection lock (the `sql` transport while it
-/// reconnects) would otherwise wait for a lock its own unpolled pull held,
-/// forever (found in CI after a PostgreSQL restart).
+/// A pull the queue does not answer at once is a task of its own, not a
+/// future the receiver polls: the receiver also waits on the queue (the
+/// deadline sweep, nacks), and a transport behind one connection lock
+/// (the `sql` transport while it reconnects) would otherwise wait for a
+/// lock its own unpolled pull held, forever (found in CI after a
+/// PostgreSQL restart).
 struct Prefetch {
     /// How many it asked for (counted as buffered until it comes back).
     want: usize,
@@ -302,17 +302,31 @@ struct Prefetch {
     stop: AbortHandle,
 }
 
+/// What starting a pull beside the releases gave.
+enum Pull {
+    /// The queue answered at once (memory).
+    Answered(Pulled),
+    /// The pull runs on.
+    Running(Prefetch),
+}
+
 impl Prefetch {
-    fn start(shared: &Arc<Shared>, tracker: &TaskTracker, want: usize, lease: Duration) -> Self {
+    /// Asks the queue for `want` messages without waiting: its answer when
+    /// it has one at once, else the pull, moved to a task of its own.
+    fn start(shared: &Arc<Shared>, tracker: &TaskTracker, want: usize, lease: Duration) -> Pull {
         let shared = Arc::clone(shared);
-        let task =
-            tracker.spawn(async move { shared.queue().receive(want, lease, Duration::ZERO).await });
+        let mut pull: BoxFuture<'static, Pulled> =
+            Box::pin(async move { shared.queue().receive(want, lease, Duration::ZERO).await });
+        if let Some(received) = pull.as_mut().now_or_never() {
+            return Pull::Answered(received);
+        }
+        let task = tracker.spawn(pull);
         let stop = task.abort_handle();
-        Self {
+        Pull::Running(Self {
             want,
             pull: Box::pin(task.map(|joined| joined.unwrap_or_else(|e| Err(QueueError::Task(e))))),
             stop,
-        }
+        })
     }
 
     /// The running pull's answer; never, without one.
