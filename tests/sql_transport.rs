@@ -521,3 +521,31 @@ async fn run_exit_when_done_drains_the_queue_and_exits() {
     one_each(&all_results(&c).await, &want);
     assert_eq!(c.outstanding("ewd").await.expect("count"), 0);
 }
+
+/// Found in a full test run: `a_postgres_restart_mid_drain_loses_nothing`
+/// failed to open its second client with "deadlock detected". Every open
+/// ran the schema script, whose `CREATE INDEX IF NOT EXISTS` and `ALTER
+/// TABLE … ADD COLUMN IF NOT EXISTS` lock `async_requests` even when
+/// nothing is missing, against the claims of a dispatcher draining it. An
+/// open of a database whose schema is in place must take no table lock:
+/// here a transaction holding a claim's lock on the table stays open
+/// while a producer's client opens.
+#[tokio::test(flavor = "multi_thread")]
+async fn opening_a_database_in_use_waits_for_no_table_lock() {
+    let pg = Postgres::start();
+    let _first = client(&pg).await;
+    let (holder, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    holder
+        .batch_execute("BEGIN; LOCK TABLE async_requests IN ROW EXCLUSIVE MODE")
+        .await
+        .expect("a claim's lock held");
+    let opened = tokio::time::timeout(Duration::from_secs(20), client(&pg)).await;
+    holder.batch_execute("COMMIT").await.expect("released");
+    assert!(
+        opened.is_ok(),
+        "opening waited for the lock of a claim in flight"
+    );
+}

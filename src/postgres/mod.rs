@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
@@ -97,6 +98,36 @@ pub struct SqlConfig {
     pub connect_timeout: Duration,
 }
 
+/// Whether the database records this build's schema script as run (a
+/// database without `sluicegate_sql_meta` does not).
+async fn schema_in_place(client: &Client) -> bool {
+    let recorded = client
+        .query_opt(
+            "SELECT value FROM sluicegate_sql_meta WHERE key = $1",
+            &[&schema::SCRIPT_KEY],
+        )
+        .await;
+    matches!(recorded, Ok(Some(row)) if row.get::<_, String>(0) == schema::script_id())
+}
+
+/// Runs the schema script. Its DDL locks the queue tables, so while other
+/// processes claim rows PostgreSQL may pick it as a deadlock's victim
+/// (only when the schema changes: a first open, or a new build); it is
+/// then run again, a few times.
+async fn create_schema(client: &Client) -> Result<(), tokio_postgres::Error> {
+    let script = schema::script();
+    let mut tries = 0u32;
+    loop {
+        tries += 1;
+        match client.batch_execute(&script).await {
+            Err(e) if tries < 5 && e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED) => {
+                tokio::time::sleep(Duration::from_millis(100) * tries).await;
+            }
+            done => return done,
+        }
+    }
+}
+
 struct Conn {
     client: Client,
     statements: Mutex<HashMap<&'static str, Statement>>,
@@ -141,8 +172,11 @@ impl Db {
             .conn()
             .await
             .map_err(|source| db.error("connect", source))?;
-        (conn.client.batch_execute(&schema::script()).await)
-            .map_err(|source| db.error("create schema", source))?;
+        if !schema_in_place(&conn.client).await {
+            create_schema(&conn.client)
+                .await
+                .map_err(|source| db.error("create schema", source))?;
+        }
         let found: String = conn
             .client
             .query_one(

@@ -30,7 +30,12 @@
 //!
 //! Every statement is idempotent (`IF NOT EXISTS`), and the whole script
 //! runs as one implicit transaction under an advisory lock, so dispatchers
-//! starting together create it once.
+//! starting together create it once. It runs only when the database does
+//! not record this script's identity ([`script_id`], kept in
+//! `sluicegate_sql_meta`): its `CREATE INDEX` and `ALTER TABLE` lock
+//! `async_requests` even when nothing is missing, so running it on every
+//! open made a producer's or a second dispatcher's open wait for, and
+//! deadlock with, the claims of a dispatcher draining the table.
 
 /// Schema version of the sluicegate additions; a database written by a
 /// newer, incompatible build is refused at open.
@@ -112,9 +117,34 @@ BEGIN
 END $$;
 ";
 
+/// Key in `sluicegate_sql_meta` of the identity of the last script run.
+pub(crate) const SCRIPT_KEY: &str = "schema_script";
+
 /// The creation script, run as one simple query (one implicit
-/// transaction).
+/// transaction); its last statement records [`script_id`].
 pub(crate) fn script() -> String {
+    format!(
+        "{}INSERT INTO sluicegate_sql_meta (key, value) VALUES ('{SCRIPT_KEY}', '{}')
+    ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value;
+",
+        definitions(),
+        script_id()
+    )
+}
+
+/// This build's script identity: FNV-1a 64 of its definitions, in hex. A
+/// database that records it has every table, index and function of it.
+pub(crate) fn script_id() -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in definitions().as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The tables, indexes and functions, each created if missing.
+fn definitions() -> String {
     format!(
         r"
 SELECT pg_advisory_xact_lock({LOCK_KEY});
