@@ -956,6 +956,55 @@ async fn large_bodies_stay_within_the_byte_budget() {
     assert!(peak >= 2, "the budget is used (peak {peak})");
 }
 
+/// The `Queue` methods a test queue passes to its `inner` memory queue
+/// unchanged (each test queue writes only the ones it alters).
+macro_rules! pass_through {
+    ($($method:ident),+) => { $(pass_through!(@$method);)+ };
+    (@name) => {
+        fn name(&self) -> &str {
+            self.inner.name()
+        }
+    };
+    (@ack) => {
+        fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
+            self.inner.ack(completions)
+        }
+    };
+    (@nack) => {
+        fn nack(
+            &self,
+            tag: DeliveryTag,
+            delay: Duration,
+            reason: NackReason,
+        ) -> BoxFuture<'_, Result<(), QueueError>> {
+            self.inner.nack(tag, delay, reason)
+        }
+    };
+    (@extend_lease) => {
+        fn extend_lease(
+            &self,
+            tags: Vec<DeliveryTag>,
+            lease: Duration,
+        ) -> BoxFuture<'_, Result<(), QueueError>> {
+            self.inner.extend_lease(tags, lease)
+        }
+    };
+    (@dead_letter) => {
+        fn dead_letter(
+            &self,
+            tag: DeliveryTag,
+            last_error: ResultRecord,
+        ) -> BoxFuture<'_, Result<(), QueueError>> {
+            self.inner.dead_letter(tag, last_error)
+        }
+    };
+    (@backlog) => {
+        fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
+            self.inner.backlog()
+        }
+    };
+}
+
 /// The memory queue behind a pull that takes `delay` (a Redis claim's
 /// round trip, drawn out), counting what the dispatcher does meanwhile.
 #[derive(Debug)]
@@ -981,9 +1030,7 @@ impl SlowPull {
 }
 
 impl Queue for SlowPull {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
+    pass_through!(name, extend_lease, backlog);
 
     fn receive(
         &self,
@@ -1026,14 +1073,6 @@ impl Queue for SlowPull {
         self.inner.nack(tag, delay, reason)
     }
 
-    fn extend_lease(
-        &self,
-        tags: Vec<DeliveryTag>,
-        lease: Duration,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.extend_lease(tags, lease)
-    }
-
     fn dead_letter(
         &self,
         tag: DeliveryTag,
@@ -1041,10 +1080,6 @@ impl Queue for SlowPull {
     ) -> BoxFuture<'_, Result<(), QueueError>> {
         self.settled(1);
         self.inner.dead_letter(tag, last_error)
-    }
-
-    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
-        self.inner.backlog()
     }
 }
 
@@ -1125,9 +1160,7 @@ struct OneConnection {
 }
 
 impl Queue for OneConnection {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
+    pass_through!(name, ack, nack, extend_lease, dead_letter, backlog);
 
     fn receive(
         &self,
@@ -1152,39 +1185,6 @@ impl Queue for OneConnection {
             let _held = self.connection.lock().await;
             self.inner.receive_expired(max, lease, now_unix).await
         })
-    }
-
-    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
-        self.inner.ack(completions)
-    }
-
-    fn nack(
-        &self,
-        tag: DeliveryTag,
-        delay: Duration,
-        reason: NackReason,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.nack(tag, delay, reason)
-    }
-
-    fn extend_lease(
-        &self,
-        tags: Vec<DeliveryTag>,
-        lease: Duration,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.extend_lease(tags, lease)
-    }
-
-    fn dead_letter(
-        &self,
-        tag: DeliveryTag,
-        last_error: ResultRecord,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.dead_letter(tag, last_error)
-    }
-
-    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
-        self.inner.backlog()
     }
 }
 
@@ -1243,9 +1243,7 @@ struct StuckAfterFirstPull {
 }
 
 impl Queue for StuckAfterFirstPull {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
+    pass_through!(name, ack, nack, extend_lease, dead_letter, backlog);
 
     fn receive(
         &self,
@@ -1257,39 +1255,6 @@ impl Queue for StuckAfterFirstPull {
             return self.inner.receive(max, lease, wait);
         }
         Box::pin(std::future::pending())
-    }
-
-    fn ack(&self, completions: Vec<Completion>) -> BoxFuture<'_, Result<AckReport, QueueError>> {
-        self.inner.ack(completions)
-    }
-
-    fn nack(
-        &self,
-        tag: DeliveryTag,
-        delay: Duration,
-        reason: NackReason,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.nack(tag, delay, reason)
-    }
-
-    fn extend_lease(
-        &self,
-        tags: Vec<DeliveryTag>,
-        lease: Duration,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.extend_lease(tags, lease)
-    }
-
-    fn dead_letter(
-        &self,
-        tag: DeliveryTag,
-        last_error: ResultRecord,
-    ) -> BoxFuture<'_, Result<(), QueueError>> {
-        self.inner.dead_letter(tag, last_error)
-    }
-
-    fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
-        self.inner.backlog()
     }
 }
 
