@@ -956,6 +956,22 @@ async fn large_bodies_stay_within_the_byte_budget() {
     assert!(peak >= 2, "the budget is used (peak {peak})");
 }
 
+/// A gateway answer: 200 with an empty completion, after `delay`.
+fn answered_after(delay: Duration) -> ResponseTemplate {
+    ResponseTemplate::new(200)
+        .set_body_string(r#"{"choices":[]}"#)
+        .set_delay(delay)
+}
+
+/// A memory queue `q` holding `n` messages due in an hour.
+fn queue_of(n: usize) -> Arc<MemoryQueue> {
+    let memory = Arc::new(MemoryQueue::new("q"));
+    for i in 0..n {
+        memory.push_message(message(&format!("m{i}"), 3600));
+    }
+    memory
+}
+
 /// The `Queue` methods a test queue passes to its `inner` memory queue
 /// unchanged (each test queue writes only the ones it alters).
 macro_rules! pass_through {
@@ -1196,16 +1212,8 @@ impl Queue for OneConnection {
 /// again. The pull must make progress on its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_beside_the_sends_never_waits_for_the_receiver_to_poll_it() {
-    let server = gateway(
-        ResponseTemplate::new(200)
-            .set_body_string(r#"{"choices":[]}"#)
-            .set_delay(Duration::from_millis(50)),
-    )
-    .await;
-    let memory = Arc::new(MemoryQueue::new("q"));
-    for i in 0..60 {
-        memory.push_message(message(&format!("m{i}"), 3600));
-    }
+    let server = gateway(answered_after(Duration::from_millis(50))).await;
+    let memory = queue_of(60);
     let locked = Arc::new(OneConnection {
         inner: memory.clone(),
         connection: tokio::sync::Mutex::new(()),
@@ -1265,16 +1273,8 @@ impl Queue for StuckAfterFirstPull {
 /// most the shutdown grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_that_never_answers_does_not_hold_the_shutdown() {
-    let server = gateway(
-        ResponseTemplate::new(200)
-            .set_body_string(r#"{"choices":[]}"#)
-            .set_delay(Duration::from_millis(20)),
-    )
-    .await;
-    let memory = Arc::new(MemoryQueue::new("q"));
-    for i in 0..40 {
-        memory.push_message(message(&format!("m{i}"), 3600));
-    }
+    let server = gateway(answered_after(Duration::from_millis(20))).await;
+    let memory = queue_of(40);
     let stuck = Arc::new(StuckAfterFirstPull {
         inner: memory.clone(),
         pulls: AtomicUsize::new(0),
