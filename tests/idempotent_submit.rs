@@ -26,7 +26,12 @@ const KEEP: Duration = Duration::from_secs(1);
 
 fn requests(ids: &[&str], prompt: &str) -> Vec<Outgoing> {
     // Deadlines 2 s ahead: the records expire about 3 s from now.
-    let deadline = unix_secs() + 2;
+    requests_due(ids, prompt, 2)
+}
+
+/// [`requests`] with deadlines `in_secs` ahead.
+fn requests_due(ids: &[&str], prompt: &str, in_secs: i64) -> Vec<Outgoing> {
+    let deadline = unix_secs() + in_secs;
     (ids.iter())
         .map(|id| Outgoing {
             body: Bytes::from(
@@ -190,6 +195,51 @@ async fn sql_records_a_key_in_the_insert_statement() {
     let record = repeat_conflict_lookup(client.as_ref()).await;
     assert_eq!(record.result_route, "idem-results");
     only_first_then_reused(client.as_ref()).await;
+}
+
+/// A producer that lost the answer while PostgreSQL restarted sends the
+/// same submission again under its key: the record written before the
+/// restart holds after it, and nothing is enqueued twice.
+#[tokio::test]
+async fn sql_a_key_holds_across_a_postgres_restart() {
+    let mut pg = Postgres::start();
+    let client = open_client(ClientTarget::Sql {
+        url: EndpointUrl::new(url::Url::parse(&pg.url()).expect("url")),
+        connect_timeout: Duration::from_secs(5),
+        queue: "idem-q".into(),
+        route: "idem-results".into(),
+    })
+    .await
+    .expect("client");
+    let submission = || requests_due(&["a", "b"], "Hi", 3600);
+    let first = client
+        .enqueue_idempotent("order-9".into(), submission(), KEEP)
+        .await
+        .expect("first submit");
+    assert!(matches!(first, Submitted::New(_)), "{first:?}");
+    pg.restart();
+    // The client reconnects on its next statement; a statement caught by
+    // the restart fails and the producer sends again, as it would.
+    let mut again = None;
+    for _ in 0..5 {
+        match client
+            .enqueue_idempotent("order-9".into(), submission(), KEEP)
+            .await
+        {
+            Ok(done) => {
+                again = Some(done);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let again = again.expect("a repeat after the restart is answered");
+    assert_eq!(again, Submitted::Existing(first.record().clone()));
+    assert_eq!(
+        pg.psql("SELECT COUNT(*) FROM async_requests WHERE queue = 'idem-q'"),
+        "2",
+        "the repeat enqueued nothing"
+    );
 }
 
 #[tokio::test]
