@@ -12,7 +12,8 @@
 //! Files: `constant.rs`, `composite.rs`, `local_concurrency.rs`,
 //! `wait_on_refuse.rs`, `prometheus_budget.rs`, `prometheus_saturation.rs`,
 //! `prometheus_query.rs`, `endpoint_scrape.rs`, `redis_budget.rs`,
-//! `redis_quota.rs`, `sql_quota.rs`, `redis_leased_rate.rs`, `local_rate_limit.rs`,
+//! `redis_quota.rs`, `sql_quota.rs` (what both share in `quota.rs`),
+//! `redis_leased_rate.rs`, `local_rate_limit.rs`,
 //! `deadline_drop.rs`, `constant_decision.rs`, `tier_priority.rs` (with
 //! its pool-load sources in `pool_load.rs`), `vllm.rs`, `feedback.rs` and
 //! `slo_headroom.rs` are gates, each file
@@ -47,6 +48,7 @@ mod pool_load;
 mod prometheus_budget;
 mod prometheus_query;
 mod prometheus_saturation;
+mod quota;
 mod reading;
 mod redis_budget;
 mod redis_leased_rate;
@@ -83,12 +85,13 @@ pub use param::{GateParams, ParseCx};
 pub use prometheus_budget::{PrometheusBudgetGate, PrometheusBudgetParams};
 pub use prometheus_query::{PrometheusQueryGate, PrometheusQueryParams};
 pub use prometheus_saturation::{PrometheusSaturationGate, PrometheusSaturationParams};
+pub use quota::{MissingAttribute, QuotaMode};
 pub use reading::{Explanation, SourceReport};
 pub use redis_budget::{MissingBudget, RedisBudgetGate, RedisParams};
 pub use redis_leased_rate::{
     LEASE_API_VERSION, Lease, LeaseError, RedisLeasedRateGate, RedisLeasedRateParams, parse_lease,
 };
-pub use redis_quota::{MissingAttribute, QuotaMode, RedisQuotaGate, RedisQuotaParams};
+pub use redis_quota::{RedisQuotaGate, RedisQuotaParams};
 pub use slo_headroom::{SloHeadroomGate, SloHeadroomParams};
 pub use sql_quota::{SqlQuotaGate, SqlQuotaParams};
 pub use tier_priority::{LoadSource, TierPriorityAdmissionParams, TierPriorityGate};

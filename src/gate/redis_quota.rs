@@ -21,53 +21,20 @@
 //! `missing_attribute = "allow"`, and Redis errors refuse (fail closed).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, Once, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::param::{GateParams, ParseCx, loose};
+use super::quota::{DEFAULT_LEASE, LeaseRenewal, MissingAttribute, QuotaMode, admission_only};
 use super::{
-    Admission, AdmissionRequest, Budget, BuildError, Classification, DispatchGate, GateContext,
-    GateError, GatingMode, Observation, Ticket,
+    Admission, AdmissionRequest, BuildError, DispatchGate, GateContext, GateError, GatingMode,
+    Observation, Ticket,
 };
 use crate::source::{RedisEndpoint, SourceError};
-use crate::tasks::{Tasks, sleep_unless};
-
-/// How a `redis-quota` gate counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum QuotaMode {
-    /// At most `limit` admissions per `window` per tenant.
-    #[default]
-    RateLimit,
-    /// At most `limit` requests in flight per tenant.
-    Concurrency,
-}
-
-impl QuotaMode {
-    /// The config spelling.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::RateLimit => "rate-limit",
-            Self::Concurrency => "concurrency",
-        }
-    }
-}
-
-/// What `redis-quota` does with a message that lacks the tenant attribute.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MissingAttribute {
-    /// Refuse it (requeue with delay): the default, fail closed.
-    #[default]
-    Refuse,
-    /// Admit it unclassified and uncounted (upstream's behaviour).
-    Allow,
-}
+use crate::tasks::Tasks;
 
 /// Parameters of `redis-quota`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -129,28 +96,12 @@ impl Default for RedisQuotaParams {
     }
 }
 
-/// Default lease of a concurrency unit.
-const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// Shortest lease: renewals every third of it must fit Redis round trips.
-const MIN_LEASE: Duration = Duration::from_secs(1);
-
 impl GateParams for RedisQuotaParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
         if cx.require("address", "host:port or redis://host:port/db") {
             cx.redis_address("address", &self.address);
         }
-        if cx.require("limit", "a whole number >= 1") {
-            cx.at_least_one("limit", self.limit);
-        }
-        if self.window.is_zero() {
-            cx.error("window", "must be greater than 0");
-        }
-        if self.attribute.is_empty() {
-            cx.error("attribute", "must not be empty");
-        }
-        if self.lease < MIN_LEASE {
-            cx.error("lease", "must be at least 1s");
-        }
+        self.policy().validate(cx);
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
@@ -209,10 +160,7 @@ return 1
 #[derive(Debug)]
 pub struct RedisQuotaGate {
     inner: Arc<Inner>,
-    /// The renewal task starts on the first admission (inside the runtime).
-    renewing: Once,
-    /// The tree the renewal runs on.
-    tasks: Tasks,
+    renewal: LeaseRenewal,
 }
 
 #[derive(Debug)]
@@ -239,31 +187,13 @@ impl RedisQuotaGate {
                 renew: redis::Script::new(RENEW_SCRIPT),
                 held: Mutex::new(HashMap::new()),
             }),
-            renewing: Once::new(),
-            tasks,
+            renewal: LeaseRenewal::new(tasks),
         }
     }
 
     /// The Redis key counting `tenant` (upstream's layout).
     pub fn key(&self, tenant: &str) -> String {
-        let p = &self.inner.params;
-        format!("{}{}:{tenant}", p.prefix, p.attribute)
-    }
-
-    /// Starts renewing held leases, once, for as long as the gate lives.
-    fn start_renewal(&self) {
-        if self.inner.params.mode != QuotaMode::Concurrency {
-            return;
-        }
-        self.renewing.call_once(|| {
-            let weak = Arc::downgrade(&self.inner);
-            let every = self.inner.params.lease / 3;
-            // Until the root token, not the drain: requests still in
-            // flight during the drain hold leases that must not expire.
-            let stop = self.tasks.root_token().clone();
-            self.tasks
-                .spawn("redis-quota: lease renewal", renew_loop(weak, every, stop));
-        });
+        self.inner.params.policy().key(tenant)
     }
 
     async fn take(&self, key: &str) -> Result<Option<Ticket>, SourceError> {
@@ -379,17 +309,6 @@ impl Inner {
     }
 }
 
-/// Renews every held lease each `every` until the gate is dropped or
-/// `stop` is cancelled.
-async fn renew_loop(inner: Weak<Inner>, every: Duration, stop: CancellationToken) {
-    while sleep_unless(&stop, every).await {
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        inner.renew_all().await;
-    }
-}
-
 /// One concurrency unit held by an admitted request; dropping it (the
 /// request ended) gives the unit back.
 struct Slot {
@@ -440,83 +359,23 @@ fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The tenant a quota gate counts a message under: its `attribute`; a
-/// message without it (or with it empty) is answered at once as
-/// `missing_attribute` says. Shared by `redis-quota` and `sql-quota`.
-pub(super) fn quota_tenant<'m>(
-    metadata: &'m std::collections::BTreeMap<String, String>,
-    attribute: &str,
-    missing: MissingAttribute,
-) -> Result<&'m str, Admission> {
-    match metadata.get(attribute).filter(|v| !v.is_empty()) {
-        Some(tenant) => Ok(tenant),
-        None => Err(match missing {
-            MissingAttribute::Refuse => Admission::Refuse {
-                reason: "quota_attribute_missing",
-            },
-            MissingAttribute::Allow => Admission::Continue(Ticket::none()),
-        }),
-    }
-}
-
-/// A quota gate's answer once it tried to take a unit for `key`: a unit
-/// admits the message as `reserved`; none left admits it as `overflow`
-/// (when `admit_overflow`), else it waits (blocking) or is refused
-/// (classifying); a count that cannot be read refuses it (fail closed).
-/// Shared by `redis-quota` and `sql-quota` (`what` names it in the log).
-pub(super) fn quota_verdict<E: std::fmt::Display>(
-    taken: Result<Option<Ticket>, E>,
-    admit_overflow: bool,
-    gating_mode: GatingMode,
-    key: &str,
-    what: &str,
-) -> Admission {
-    match taken {
-        Ok(Some(mut ticket)) => {
-            ticket.join(Ticket::holding(Classification::Reserved));
-            Admission::Continue(ticket)
-        }
-        Ok(None) if admit_overflow => {
-            Admission::Continue(Ticket::holding(Classification::Overflow))
-        }
-        Ok(None) => match gating_mode {
-            GatingMode::Blocking => Admission::Wait {
-                reason: "over_quota",
-            },
-            GatingMode::Classifying => Admission::Refuse {
-                reason: "over_quota",
-            },
-        },
-        Err(error) => {
-            tracing::warn!(%error, key, "{what} unreadable; refusing");
-            Admission::Refuse {
-                reason: "quota_unavailable",
-            }
-        }
-    }
-}
-
 impl DispatchGate for RedisQuotaGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        // An admission gate says nothing about the pool: like `constant`,
-        // every call is a fresh, open reading, so the window is the other
-        // gates' business (a fixed date would never refill it).
-        let mut reading = Observation::open(Budget::FULL, Instant::now());
-        reading.reason = "quota gate: admission only".into();
-        Box::pin(std::future::ready(Ok(reading)))
+        admission_only()
     }
 
     fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
         Box::pin(async move {
-            self.start_renewal();
-            let p = &self.inner.params;
-            let tenant = match quota_tenant(request.metadata, &p.attribute, p.missing_attribute) {
-                Ok(tenant) => tenant,
-                Err(answer) => return answer,
-            };
-            let key = self.key(tenant);
-            let taken = self.take(&key).await;
-            quota_verdict(taken, p.admit_overflow, p.gating_mode, &key, "quota")
+            let policy = self.inner.params.policy();
+            self.renewal.start(
+                "redis-quota: lease renewal",
+                policy,
+                &self.inner,
+                |inner| async move { inner.renew_all().await },
+            );
+            policy
+                .admit(request.metadata, "quota", async |key| self.take(key).await)
+                .await
         })
     }
 

@@ -20,23 +20,21 @@
 //! (`classifying`), or with `admit_overflow` goes on classified
 //! `overflow`, exactly as `redis-quota`.
 
-use std::sync::{Arc, Mutex, Once, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::param::{GateParams, ParseCx, loose};
-use super::redis_quota::{quota_tenant, quota_verdict};
+use super::quota::{DEFAULT_LEASE, LeaseRenewal, admission_only};
 use super::{
-    Admission, AdmissionRequest, Budget, BuildError, DispatchGate, Explanation, GateContext,
-    GateError, GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
+    Admission, AdmissionRequest, BuildError, DispatchGate, Explanation, GateContext, GateError,
+    GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
 };
 use crate::postgres::{Db, SqlError};
 use crate::secret::EndpointUrl;
-use crate::tasks::{Tasks, sleep_unless};
+use crate::tasks::Tasks;
 
 /// Parameters of `sql-quota`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,25 +85,14 @@ impl Default for SqlQuotaParams {
             gating_mode: GatingMode::Classifying,
             missing_attribute: MissingAttribute::Refuse,
             admit_overflow: false,
-            lease: Duration::from_secs(30),
+            lease: DEFAULT_LEASE,
         }
     }
 }
 
 impl GateParams for SqlQuotaParams {
     fn validate(&self, cx: &mut ParseCx<'_>) {
-        if cx.require("limit", "a whole number >= 1") {
-            cx.at_least_one("limit", self.limit);
-        }
-        if self.window.is_zero() {
-            cx.error("window", "must be greater than 0");
-        }
-        if self.attribute.is_empty() {
-            cx.error("attribute", "must not be empty");
-        }
-        if self.lease < Duration::from_secs(1) {
-            cx.error("lease", "must be at least 1s");
-        }
+        self.policy().validate(cx);
     }
 
     fn build(&self, ctx: &GateContext) -> Result<Box<dyn DispatchGate>, BuildError> {
@@ -127,10 +114,7 @@ impl GateParams for SqlQuotaParams {
 #[derive(Debug)]
 pub struct SqlQuotaGate {
     inner: Arc<Inner>,
-    /// The holder renewal starts on the first admission (in the runtime).
-    renewing: Once,
-    /// The tree the renewal runs on.
-    tasks: Tasks,
+    renewal: LeaseRenewal,
 }
 
 #[derive(Debug)]
@@ -198,31 +182,13 @@ impl SqlQuotaGate {
                 params,
                 holder: Mutex::new(None),
             }),
-            renewing: Once::new(),
-            tasks,
+            renewal: LeaseRenewal::new(tasks),
         }
     }
 
     /// The key counting `tenant` (upstream's layout).
     pub fn key(&self, tenant: &str) -> String {
-        let p = &self.inner.params;
-        format!("{}{}:{tenant}", p.prefix, p.attribute)
-    }
-
-    fn start_renewal(&self) {
-        if self.inner.params.mode != QuotaMode::Concurrency {
-            return;
-        }
-        self.renewing.call_once(|| {
-            let weak = Arc::downgrade(&self.inner);
-            let every = self.inner.params.lease / 3;
-            // Until the root token, not the drain: requests still in
-            // flight during the drain hold slots whose holder must not
-            // lapse (as `redis-quota`).
-            let stop = self.tasks.root_token().clone();
-            self.tasks
-                .spawn("sql-quota: holder renewal", renew_loop(weak, every, stop));
-        });
+        self.inner.params.policy().key(tenant)
     }
 
     async fn take(&self, key: &str) -> Result<Option<Ticket>, QuotaError> {
@@ -353,15 +319,6 @@ impl Inner {
     }
 }
 
-async fn renew_loop(inner: Weak<Inner>, every: Duration, stop: CancellationToken) {
-    while sleep_unless(&stop, every).await {
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        inner.renew().await;
-    }
-}
-
 /// A concurrency slot held by an admitted request; dropping it (the
 /// request ended) gives it back.
 struct Slot {
@@ -381,24 +338,23 @@ impl Drop for Slot {
 
 impl DispatchGate for SqlQuotaGate {
     fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        // Admission only, like `redis-quota`: the window is the other
-        // gates' business.
-        let mut reading = Observation::open(Budget::FULL, Instant::now());
-        reading.reason = "quota gate: admission only".into();
-        Box::pin(std::future::ready(Ok(reading)))
+        admission_only()
     }
 
     fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
         Box::pin(async move {
-            self.start_renewal();
-            let p = &self.inner.params;
-            let tenant = match quota_tenant(request.metadata, &p.attribute, p.missing_attribute) {
-                Ok(tenant) => tenant,
-                Err(answer) => return answer,
-            };
-            let key = self.key(tenant);
-            let taken = self.take(&key).await;
-            quota_verdict(taken, p.admit_overflow, p.gating_mode, &key, "sql quota")
+            let policy = self.inner.params.policy();
+            self.renewal.start(
+                "sql-quota: holder renewal",
+                policy,
+                &self.inner,
+                |inner| async move { inner.renew().await },
+            );
+            policy
+                .admit(request.metadata, "sql quota", async |key| {
+                    self.take(key).await
+                })
+                .await
         })
     }
 
