@@ -16,8 +16,8 @@ use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use super::control::Histogram;
-use super::reading::{SourceReport, non_negative};
-use super::{DispatchEvent, GateError};
+use super::reading::{SourceReport, non_negative, pool_reading};
+use super::{DispatchEvent, GateError, Observation};
 use crate::source::{Cached, Exposition, Scrape};
 
 /// vLLM's TTFT histogram.
@@ -26,6 +26,21 @@ pub(crate) const TTFT: &str = "vllm:time_to_first_token_seconds";
 pub(crate) const ITL: &str = "vllm:inter_token_latency_seconds";
 /// The same, before vLLM renamed it.
 const ITL_LEGACY: &str = "vllm:time_per_output_token_seconds";
+
+/// A feedback gate's reading: `amount` of our own work (queue units) the
+/// pool may hold now, as `D = amount / max_sys` with baseline 0, capping
+/// our own in flight at it. Blind: the amount is our own work, not a page
+/// reading that counts it.
+pub(crate) fn own_work_reading(
+    amount: f64,
+    max_sys: f64,
+    taken_at: Instant,
+    reason: String,
+) -> Observation {
+    let mut observation = pool_reading(amount / max_sys, 0.0, taken_at, None, false, reason);
+    observation.caps_own_in_flight = true;
+    observation
+}
 
 /// One reading of every page.
 #[derive(Debug, Clone)]

@@ -13,9 +13,9 @@ use serde::{Deserialize, Serialize};
 
 use super::Unit;
 use super::control::{Aimd, AimdConfig, Signals, Step, attainment};
-use super::engine_signals::{History, OwnLoad, read_pages};
+use super::engine_signals::{History, OwnLoad, own_work_reading, read_pages};
 use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
-use super::reading::{MetricGate, SourceReport, pool_reading};
+use super::reading::{MetricGate, SourceReport};
 use super::slo_headroom::{Headroom, SloHeadroomParams};
 use super::{BuildError, DispatchEvent, DispatchGate, GateContext, GateError, Observation};
 use crate::source::{Cached, Scrape};
@@ -294,17 +294,7 @@ impl MetricGate for FeedbackGate {
             .last
             .clone()
             .unwrap_or_else(|| (st.aimd.window(), "no reading yet".to_owned()));
-        let mut observation = pool_reading(
-            w / self.max_sys,
-            0.0,
-            taken_at,
-            None,
-            // The window counts our own work; no page reading bounds it.
-            false,
-            reason,
-        );
-        observation.caps_own_in_flight = true;
-        Ok(observation)
+        Ok(own_work_reading(w, self.max_sys, taken_at, reason))
     }
 
     fn notes(&self) -> Vec<String> {

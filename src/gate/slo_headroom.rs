@@ -17,9 +17,9 @@ use serde::{Deserialize, Serialize};
 
 use super::Unit;
 use super::control::{Admitted, HeadroomConfig, HeadroomInputs, HeadroomModel, KalmanConfig};
-use super::engine_signals::{History, Interval, OwnLoad, read_pages};
+use super::engine_signals::{History, Interval, OwnLoad, own_work_reading, read_pages};
 use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
-use super::reading::{MetricGate, SourceReport, pool_reading};
+use super::reading::{MetricGate, SourceReport};
 use super::{BuildError, DispatchEvent, DispatchGate, GateContext, GateError, Observation};
 use crate::source::{Cached, Scrape};
 
@@ -334,17 +334,7 @@ impl MetricGate for SloHeadroomGate {
             .last
             .clone()
             .unwrap_or_else(|| (0.0, "no reading yet".to_owned()));
-        let mut observation = pool_reading(
-            m / self.max_sys,
-            0.0,
-            taken_at,
-            None,
-            // M is an amount of our own work, not a reading that counts it.
-            false,
-            reason,
-        );
-        observation.caps_own_in_flight = true;
-        Ok(observation)
+        Ok(own_work_reading(m, self.max_sys, taken_at, reason))
     }
 
     fn on_event(&self, event: DispatchEvent) {
