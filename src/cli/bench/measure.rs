@@ -88,6 +88,36 @@ pub(super) fn bench_requests(ids: Range<usize>, deadline: i64, max_tokens: u32) 
     .collect()
 }
 
+/// The configuration of a drain through a transport: `transport` (its
+/// `transport = …` line and tables) to the instant gateway at `gateway`,
+/// a short receive wait, telemetry on a free port with warnings only, and
+/// one queue, named by the keys in `queue`, behind the constant gate at
+/// `max_sys`.
+pub(super) fn drain_config(
+    transport: &str,
+    gateway: &str,
+    queue: &str,
+    max_sys: f64,
+) -> Result<Config, String> {
+    let toml = format!(
+        r#"
+{transport}
+[gateway]
+url = "{gateway}"
+[dispatch]
+receive_wait = "50ms"
+[telemetry]
+listen = "127.0.0.1:0"
+log_level = "warn"
+[[queue]]
+{queue}
+max_sys = {max_sys}
+gate_type = "constant"
+"#
+    );
+    Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())
+}
+
 /// Starts the dispatcher of `config` in this process, as every drain
 /// runs it; cancelling the token stops it (then `Running::wait`).
 pub(super) async fn start_dispatcher(

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use super::measure::{
-    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+    Stopwatch, bench_requests, drain_config, instant_gateway, print_drain_figures, start_dispatcher,
 };
 use crate::cli::args::PubSubArgs;
 use crate::cli::output::bar;
@@ -85,32 +85,17 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
         .as_ref()
         .map(|p| format!("credentials_file = \"{}\"\n", p.display()))
         .unwrap_or_default();
-    let toml = format!(
-        r#"
-transport = "pubsub"
-[gateway]
-url = "{gateway}"
-[dispatch]
-receive_wait = "50ms"
-[telemetry]
-listen = "127.0.0.1:0"
-log_level = "warn"
+    let transport = format!(
+        r#"transport = "pubsub"
 [pubsub]
 project_id = "{project}"
 result_topic_id = "{results}"
-{emulator}{credentials}
-[[queue]]
-subscriber_id = "{sub}"
-max_sys = {max_sys}
-gate_type = "constant"
-"#,
+{emulator}{credentials}"#,
         project = args.pubsub.pubsub_project.clone().unwrap_or_default(),
         results = plan.result_topic,
-        sub = plan.subscription,
-        max_sys = args.max_sys,
     );
-    let config = crate::config::Config::from_toml_str(&toml, &Default::default())
-        .map_err(|e| e.to_string())?;
+    let queue_table = format!("subscriber_id = \"{}\"", plan.subscription);
+    let config = drain_config(&transport, &gateway, &queue_table, args.max_sys)?;
     let bar = bar(Some(args.messages as u64), "results");
     let stopwatch = Stopwatch::start();
     let (running, shutdown) = start_dispatcher(&config).await?;

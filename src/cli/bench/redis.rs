@@ -9,10 +9,9 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::measure::{
-    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+    Stopwatch, bench_requests, drain_config, instant_gateway, print_drain_figures, start_dispatcher,
 };
 use crate::cli::args::RedisArgs;
-use crate::config::Config;
 use crate::queue::Client;
 use crate::queue::redis::{Keys, RedisClient};
 
@@ -59,27 +58,16 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
     }
     let fill_secs = fill.elapsed().as_secs_f64();
 
-    let toml = format!(
-        r#"
-transport = "redis"
-[gateway]
-url = "{gateway}"
-[dispatch]
-receive_wait = "50ms"
-[telemetry]
-listen = "127.0.0.1:0"
-log_level = "warn"
-[[queue]]
-queue_name = "{queue}"
-result_queue_name = "{results}"
-max_sys = {max_sys}
-gate_type = "constant"
-"#,
-        queue = args.queue,
-        max_sys = args.max_sys,
+    let queue_table = format!(
+        "queue_name = \"{}\"\nresult_queue_name = \"{results}\"",
+        args.queue
     );
-    let mut config =
-        Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
+    let mut config = drain_config(
+        r#"transport = "redis""#,
+        &gateway,
+        &queue_table,
+        args.max_sys,
+    )?;
     config.redis = Some(redis_config);
     let bar = ProgressBar::new(args.messages as u64);
     bar.set_style(

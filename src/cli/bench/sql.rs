@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use super::measure::{
-    Stopwatch, bench_requests, instant_gateway, print_drain_figures, start_dispatcher,
+    Stopwatch, bench_requests, drain_config, instant_gateway, print_drain_figures, start_dispatcher,
 };
-use crate::config::{Config, EndpointUrl};
+use crate::config::EndpointUrl;
 use crate::queue::Client;
 use crate::queue::sql::{SqlClient, SqlQueueClient};
 
@@ -55,32 +55,18 @@ pub(super) async fn drain_sql(args: DrainSqlArgs) -> Result<(), String> {
     (queue.enqueue(requests, None).await).map_err(|e| e.to_string())?;
     let fill_secs = fill.elapsed().as_secs_f64();
 
-    let toml = format!(
-        r#"
-transport = "sql"
+    let transport = format!(
+        r#"transport = "sql"
 [sql]
 url = "{url}"
 poll_interval = "50ms"
 batch_size = {batch}
-result_queue_name = "{route}"
-[gateway]
-url = "{gateway}"
-[dispatch]
-receive_wait = "50ms"
-[telemetry]
-listen = "127.0.0.1:0"
-log_level = "warn"
-[[queue]]
-queue_name = "{queue}"
-max_sys = {max_sys}
-gate_type = "constant"
-"#,
+result_queue_name = "{route}""#,
         url = url.expose(),
         batch = args.batch_size,
-        queue = args.queue,
-        max_sys = args.max_sys,
     );
-    let config = Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())?;
+    let queue_table = format!("queue_name = \"{}\"", args.queue);
+    let config = drain_config(&transport, &gateway, &queue_table, args.max_sys)?;
     let stopwatch = Stopwatch::start();
     let (running, shutdown) = start_dispatcher(&config).await?;
     let window = running.metrics.queue(&args.queue);
