@@ -27,6 +27,16 @@ pub struct Outgoing {
     pub deadline: i64,
 }
 
+impl Outgoing {
+    /// Each request as the `(body, deadline)` row the stores (embedded,
+    /// sql) write.
+    pub(crate) fn rows(requests: Vec<Outgoing>) -> Vec<(Bytes, i64)> {
+        (requests.into_iter())
+            .map(|r| (r.body, r.deadline))
+            .collect()
+    }
+}
+
 /// One request of a recorded submission.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SubmittedRequest {
@@ -362,6 +372,15 @@ pub trait Client: Send + Sync + fmt::Debug {
         ClientError::Unsupported {
             transport: self.transport(),
             what,
+        }
+    }
+
+    /// Refuses a mark, for a transport that records none: an enqueue with
+    /// one fails before anything is enqueued.
+    fn refuse_mark(&self, mark: Option<&Mark>) -> Result<(), ClientError> {
+        match mark {
+            Some(_) => Err(self.unsupported(NO_MARKS)),
+            None => Ok(()),
         }
     }
 }

@@ -20,8 +20,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::client::{
-    CancelOutcome, Client, ClientError, Cursor, Description, Mark, NO_MARKS, Outgoing, ReadResult,
-    ResultPage,
+    CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
 };
 use super::lanes::{TenantLanes, interleave, tenant_of};
 use super::{
@@ -447,8 +446,8 @@ impl Client for MemoryQueue {
         requests: Vec<Outgoing>,
         mark: Option<Mark>,
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
-        if mark.is_some() {
-            return Box::pin(std::future::ready(Err(self.unsupported(NO_MARKS))));
+        if let Err(e) = self.refuse_mark(mark.as_ref()) {
+            return Box::pin(std::future::ready(Err(e)));
         }
         let n = requests.len() as u64;
         for request in requests {

@@ -321,6 +321,18 @@ pub(crate) struct Look {
     pub(crate) again_at: Option<Instant>,
 }
 
+impl Look {
+    /// A look at a backend other processes write to: what it took, and if
+    /// nothing, another look after `period` (no local push announces
+    /// their writes).
+    pub(crate) fn again_after(got: Vec<Delivery>, period: Duration) -> Self {
+        Self {
+            got,
+            again_at: Some(Instant::now() + period),
+        }
+    }
+}
+
 /// The long poll behind every transport's [`Queue::receive`]: looks until
 /// something is taken or `wait` has passed, sleeping between looks until
 /// the look's `again_at` or until `arrived` is notified (a local push),

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::{EmbeddedCancel, EmbeddedError, EmbeddedQueue};
@@ -95,9 +94,7 @@ impl Client for EmbeddedClient {
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
         Box::pin(async move {
             let n = requests.len() as u64;
-            let items: Vec<(Bytes, i64)> = (requests.into_iter())
-                .map(|r| (r.body, r.deadline))
-                .collect();
+            let items = Outgoing::rows(requests);
             self.off_thread(move |queue| {
                 let meta: Vec<(&str, &str)> = (mark.iter())
                     .map(|m| (m.key.as_str(), m.value.as_str()))
@@ -118,9 +115,7 @@ impl Client for EmbeddedClient {
         Box::pin(async move {
             let queue = self.queue.inner.queue.clone();
             let record = idempotency::prepare(&key, &requests, &queue, &queue, keep)?.record;
-            let items: Vec<(Bytes, i64)> = (requests.into_iter())
-                .map(|r| (r.body, r.deadline))
-                .collect();
+            let items = Outgoing::rows(requests);
             let (text, expires_at) = (idempotency::encode(&record), record.expires_at);
             let store_key = key.clone();
             let found = self

@@ -804,8 +804,7 @@ impl Queue for EmbeddedQueue {
             Some(&self.inner.arrived),
             move || async move {
                 let got = self.blocking(move |i| i.take(max, lease, None)).await?;
-                let again_at = Some(tokio::time::Instant::now() + POLL);
-                Ok(Look { got, again_at })
+                Ok(Look::again_after(got, POLL))
             },
         ))
     }

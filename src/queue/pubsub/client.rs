@@ -87,9 +87,7 @@ impl Client for PubSubClient {
         mark: Option<Mark>,
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
         Box::pin(async move {
-            if mark.is_some() {
-                return Err(self.unsupported(crate::queue::client::NO_MARKS));
-            }
+            self.refuse_mark(mark.as_ref())?;
             let Some((_, publisher)) = &self.topic else {
                 return Err(self.unsupported("enqueue without a request topic"));
             };

@@ -497,8 +497,7 @@ impl Inner {
             let request = request.clone();
             async move {
                 let got = self.pull_once(request, max, lease).await?;
-                let again_at = Some(tokio::time::Instant::now() + this_pause);
-                Ok(Look { got, again_at })
+                Ok(Look::again_after(got, this_pause))
             }
         })
         .await

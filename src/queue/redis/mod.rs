@@ -902,8 +902,7 @@ impl Queue for RedisQueue {
         // every `EMPTY_POLL`.
         Box::pin(long_poll(wait, None, move || async move {
             let got = self.inner.claim(max.max(1), lease, None).await?;
-            let again_at = Some(tokio::time::Instant::now() + EMPTY_POLL);
-            Ok(Look { got, again_at })
+            Ok(Look::again_after(got, EMPTY_POLL))
         }))
     }
 

@@ -348,12 +348,8 @@ impl Client for SqlQueueClient {
         mark: Option<Mark>,
     ) -> BoxFuture<'_, Result<u64, ClientError>> {
         Box::pin(async move {
-            if mark.is_some() {
-                return Err(self.unsupported(crate::queue::client::NO_MARKS));
-            }
-            let items: Vec<(Bytes, i64)> = (requests.into_iter())
-                .map(|r| (r.body, r.deadline))
-                .collect();
+            self.refuse_mark(mark.as_ref())?;
+            let items = Outgoing::rows(requests);
             (self.client.enqueue(&self.queue, &items).await).map_err(Self::error("enqueue"))
         })
     }
@@ -367,9 +363,7 @@ impl Client for SqlQueueClient {
         Box::pin(async move {
             let record =
                 idempotency::prepare(&key, &requests, &self.queue, &self.route, keep)?.record;
-            let items: Vec<(Bytes, i64)> = (requests.into_iter())
-                .map(|r| (r.body, r.deadline))
-                .collect();
+            let items = Outgoing::rows(requests);
             let text = idempotency::encode(&record);
             let found = (self.client)
                 .enqueue_idempotent(&self.queue, &items, &key, &text, record.expires_at)

@@ -396,8 +396,7 @@ impl Queue for SqlQueue {
         // every `poll_interval`.
         Box::pin(long_poll(wait, None, move || async move {
             let got = self.take(max, lease, None).await?;
-            let again_at = Some(tokio::time::Instant::now() + self.settings.poll_interval);
-            Ok(Look { got, again_at })
+            Ok(Look::again_after(got, self.settings.poll_interval))
         }))
     }
 
