@@ -88,6 +88,20 @@ pub struct Keys {
 }
 
 impl Keys {
+    /// Adds the keys of the claim state (claimed, owners, idx, scores),
+    /// which every script that claims, settles or reclaims takes together
+    /// and in this order.
+    fn claim_state<'i, 's>(
+        &self,
+        invocation: &'i mut redis::ScriptInvocation<'s>,
+    ) -> &'i mut redis::ScriptInvocation<'s> {
+        invocation
+            .key(&self.claimed)
+            .key(&self.owners)
+            .key(&self.idx)
+            .key(&self.scores)
+    }
+
     /// The keys of queue `name`. With `cluster`, bookkeeping keys carry the
     /// `{name}` hash tag so they share the pending key's slot.
     pub fn new(name: &str, cluster: bool) -> Self {
@@ -373,12 +387,8 @@ impl Inner {
         let mut conn = self.conn.clone();
         let k = &self.keys;
         let mut claim = scripts::CLAIM.prepare_invoke();
-        claim
-            .key(&k.pending)
-            .key(&k.claimed)
-            .key(&k.owners)
-            .key(&k.idx)
-            .key(&k.scores)
+        claim.key(&k.pending);
+        k.claim_state(&mut claim)
             .key(&k.reclaims)
             .key(&k.lanes)
             .arg(max)
@@ -510,12 +520,7 @@ impl Inner {
         let mut report = AckReport::default();
         let mut invocation = scripts::ACK.prepare_invoke();
         let k = &self.keys;
-        invocation
-            .key(&k.claimed)
-            .key(&k.owners)
-            .key(&k.idx)
-            .key(&k.scores)
-            .key(&k.reclaims);
+        k.claim_state(&mut invocation).key(&k.reclaims);
         let mut settled = Vec::with_capacity(completions.len());
         let mut forget = Vec::new();
         let mut args: Vec<Vec<u8>> = Vec::with_capacity(completions.len() * 7);
@@ -629,15 +634,7 @@ impl Inner {
         let mut conn = self.conn.clone();
         let _: i64 = self.observed(
             "release",
-            scripts::RELEASE
-                .key(&k.claimed)
-                .key(&k.owners)
-                .key(&k.idx)
-                .key(&k.scores)
-                .key(&target)
-                .key(&k.reclaims)
-                .arg(&h.claim_key)
-                .arg(&h.owner)
+            self.settle(&scripts::RELEASE, &h, &target)
                 .arg(score)
                 .arg(member)
                 // Back in pending, into its lane; the retry set has none
@@ -654,6 +651,25 @@ impl Inner {
         )?;
         self.lock_held().remove(&tag.0);
         Ok(())
+    }
+
+    /// Starts `script`, one of those that settle the claim `h` holds and
+    /// move its member to `target` (RELEASE, DEAD): KEYS the claim state,
+    /// `target`, reclaims; ARGV the claim key and owner, then the caller's.
+    fn settle(
+        &self,
+        script: &'static redis::Script,
+        h: &Held,
+        target: &str,
+    ) -> redis::ScriptInvocation<'static> {
+        let mut invocation = script.prepare_invoke();
+        self.keys
+            .claim_state(&mut invocation)
+            .key(target)
+            .key(&self.keys.reclaims)
+            .arg(&h.claim_key)
+            .arg(&h.owner);
+        invocation
     }
 
     async fn dead_letter(
@@ -686,15 +702,7 @@ impl Inner {
         let mut conn = self.conn.clone();
         let done: i64 = self.observed(
             "dead letter",
-            scripts::DEAD
-                .key(&k.claimed)
-                .key(&k.owners)
-                .key(&k.idx)
-                .key(&k.scores)
-                .key(&k.dead)
-                .key(&k.reclaims)
-                .arg(&h.claim_key)
-                .arg(&h.owner)
+            self.settle(&scripts::DEAD, &h, &k.dead)
                 .arg(record)
                 .arg(list)
                 .arg(result_json)
@@ -776,23 +784,16 @@ impl Inner {
     async fn housekeep(&self) -> Result<(), QueueError> {
         let k = &self.keys;
         let mut conn = self.conn.clone();
-        let reclaimed: u64 = self.observed(
-            "reclaim",
-            scripts::RECLAIM
-                .key(&k.pending)
-                .key(&k.claimed)
-                .key(&k.owners)
-                .key(&k.idx)
-                .key(&k.scores)
-                .key(&k.reclaims)
-                .arg(crate::clock::unix_secs_f64())
-                .arg(HOUSEKEEPING_BATCH)
-                .arg(self.lane_attribute())
-                .arg(&k.lane_prefix)
-                .arg(&k.lanes)
-                .invoke_async(&mut conn)
-                .await,
-        )?;
+        let mut reclaim = scripts::RECLAIM.prepare_invoke();
+        reclaim.key(&k.pending);
+        k.claim_state(&mut reclaim)
+            .key(&k.reclaims)
+            .arg(crate::clock::unix_secs_f64())
+            .arg(HOUSEKEEPING_BATCH)
+            .arg(self.lane_attribute())
+            .arg(&k.lane_prefix)
+            .arg(&k.lanes);
+        let reclaimed: u64 = self.observed("reclaim", reclaim.invoke_async(&mut conn).await)?;
         if reclaimed > 0 {
             tracing::info!(queue = %self.settings.name, reclaimed, "expired claims returned to the queue");
             self.stats.reclaims.fetch_add(reclaimed, Ordering::Relaxed);
