@@ -118,6 +118,26 @@ gate_type = "constant"
     Config::from_toml_str(&toml, &Default::default()).map_err(|e| e.to_string())
 }
 
+/// Asks `drained` every 10 ms until it says the drain is over, sampling
+/// the window's in flight of `queue` meanwhile; returns the peak: how wide
+/// the window really opened, and so how many gateway connections were
+/// open at once.
+pub(super) async fn peak_until_drained(
+    running: &Running,
+    queue: &str,
+    mut drained: impl AsyncFnMut() -> Result<bool, String>,
+) -> Result<i64, String> {
+    let window = running.metrics.queue(queue);
+    let mut peak_in_flight = 0;
+    loop {
+        peak_in_flight = peak_in_flight.max(window.in_flight.get());
+        if drained().await? {
+            return Ok(peak_in_flight);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
 /// Starts the dispatcher of `config` in this process, as every drain
 /// runs it; cancelling the token stops it (then `Running::wait`).
 pub(super) async fn start_dispatcher(

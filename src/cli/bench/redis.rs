@@ -3,13 +3,14 @@
 //! messages, peak RSS, peak in flight and Redis commands per 1 000
 //! messages (docs/benchmarks.md).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::measure::{
-    Stopwatch, bench_requests, drain_config, instant_gateway, print_drain_figures, start_dispatcher,
+    Stopwatch, bench_requests, drain_config, instant_gateway, peak_until_drained,
+    print_drain_figures, start_dispatcher,
 };
 use crate::cli::args::RedisArgs;
 use crate::queue::Client;
@@ -84,23 +85,16 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
     let redis_cpu_before = redis_cpu_seconds(&mut conn).await?;
     let stopwatch = Stopwatch::start();
     let (running, shutdown) = start_dispatcher(&config).await?;
-    // The window's in flight, sampled: how wide it really opened, and so
-    // how many gateway connections were open at once.
-    let window = running.metrics.queue(&args.queue);
-    let mut peak_in_flight = 0;
-    loop {
-        peak_in_flight = peak_in_flight.max(window.in_flight.get());
+    let peak_in_flight = peak_until_drained(&running, &args.queue, async || {
         let n: u64 = redis::cmd("LLEN")
             .arg(&results)
             .query_async(&mut conn)
             .await
             .map_err(|e| format!("redis: {e}"))?;
         bar.set_position(n);
-        if n >= args.messages as u64 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        Ok(n >= args.messages as u64)
+    })
+    .await?;
     let (secs, cpu) = stopwatch.stop();
     let redis_cpu = redis_cpu_seconds(&mut conn).await? - redis_cpu_before;
     let stats: String = redis::cmd("INFO")

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use clap::Args;
 
 use super::measure::{
-    Stopwatch, bench_requests, drain_config, instant_gateway, print_drain_figures, start_dispatcher,
+    Stopwatch, bench_requests, drain_config, instant_gateway, peak_until_drained,
+    print_drain_figures, start_dispatcher,
 };
 use crate::config::EndpointUrl;
 use crate::queue::Client;
@@ -69,19 +70,14 @@ result_queue_name = "{route}""#,
     let config = drain_config(&transport, &gateway, &queue_table, args.max_sys)?;
     let stopwatch = Stopwatch::start();
     let (running, shutdown) = start_dispatcher(&config).await?;
-    let window = running.metrics.queue(&args.queue);
-    let mut peak_in_flight = 0;
-    loop {
-        peak_in_flight = peak_in_flight.max(window.in_flight.get());
+    let peak_in_flight = peak_until_drained(&running, &args.queue, async || {
         // An ack deletes the row and writes its result in one statement:
         // no row left means every result is written. (A count of the
         // results every 10 ms would cost PostgreSQL more than the drain.)
         let left = (client.any_left(&args.queue).await).map_err(|e| format!("sql: {e}"))?;
-        if !left {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        Ok(!left)
+    })
+    .await?;
     let (secs, cpu) = stopwatch.stop();
     shutdown.cancel();
     running.wait().await.map_err(|e| e.to_string())?;
