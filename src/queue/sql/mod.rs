@@ -114,6 +114,24 @@ const RECLAIM: &str = concat!(
     now_ms!()
 );
 
+/// The end both claims share: leases the rows `picked` to owner $3 for $4
+/// ms (a fresh tag each) and returns them. A macro, as `concat!` takes
+/// only literals.
+macro_rules! lease_picked {
+    () => {
+        concat!(
+            "
+     UPDATE async_requests r SET dispatch_epoch = 1, lease_owner = $3,
+         lease_tag = gen_random_uuid()::text, lease_expires_ms = ",
+            now_ms!(),
+            " + $4
+     FROM picked p WHERE r.id = p.id AND r.request_token = p.request_token
+     RETURNING r.id, r.request_token, r.payload, r.retry_count, r.lease_tag, r.cancelled,
+         r.deadline, r.created_at"
+        )
+    };
+}
+
 /// Leases up to $2 visible rows of queue $1 for $4 ms, owner $3.
 const CLAIM: &str = concat!(
     "WITH picked AS MATERIALIZED (
@@ -123,14 +141,8 @@ const CLAIM: &str = concat!(
     " AND not_before <= ",
     now_ms!(),
     " / 1000
-         ORDER BY deadline, created_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-     UPDATE async_requests r SET dispatch_epoch = 1, lease_owner = $3,
-         lease_tag = gen_random_uuid()::text, lease_expires_ms = ",
-    now_ms!(),
-    " + $4
-     FROM picked p WHERE r.id = p.id AND r.request_token = p.request_token
-     RETURNING r.id, r.request_token, r.payload, r.retry_count, r.lease_tag, r.cancelled,
-         r.deadline, r.created_at"
+         ORDER BY deadline, created_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    lease_picked!()
 );
 
 /// [`CLAIM`] for rows whose deadline is at or before $5, delayed or not.
@@ -138,14 +150,8 @@ const CLAIM_EXPIRED: &str = concat!(
     "WITH picked AS MATERIALIZED (
          SELECT id, request_token FROM async_requests
          WHERE queue = $1 AND dispatch_epoch = 0 AND deadline <= $5
-         ORDER BY deadline, created_at LIMIT $2 FOR UPDATE SKIP LOCKED)
-     UPDATE async_requests r SET dispatch_epoch = 1, lease_owner = $3,
-         lease_tag = gen_random_uuid()::text, lease_expires_ms = ",
-    now_ms!(),
-    " + $4
-     FROM picked p WHERE r.id = p.id AND r.request_token = p.request_token
-     RETURNING r.id, r.request_token, r.payload, r.retry_count, r.lease_tag, r.cancelled,
-         r.deadline, r.created_at"
+         ORDER BY deadline, created_at LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    lease_picked!()
 );
 
 /// Deletes the rows still leased under the tags $1 and writes one result
