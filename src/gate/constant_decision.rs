@@ -159,11 +159,10 @@ impl DispatchGate for ConstantDecisionGate {
                      none is sent and none is answered"
                 }
             };
-            Explanation {
-                observation: self.observe().await,
-                sources: Vec::new(),
-                notes: vec![format!("decision = {}: {note}", self.decision)],
-            }
+            Explanation::sourceless(
+                self.observe().await,
+                vec![format!("decision = {}: {note}", self.decision)],
+            )
         })
     }
 }

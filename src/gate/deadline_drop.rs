@@ -117,11 +117,7 @@ impl DispatchGate for DeadlineDropGate {
                     crate::values::format_duration(self.min_remaining)
                 ));
             }
-            Explanation {
-                observation: self.observe().await,
-                sources: Vec::new(),
-                notes,
-            }
+            Explanation::sourceless(self.observe().await, notes)
         })
     }
 }

@@ -209,11 +209,7 @@ impl DispatchGate for LocalRateLimitGate {
                     next.as_millis()
                 )
             });
-            Explanation {
-                observation: self.observe().await,
-                sources: Vec::new(),
-                notes,
-            }
+            Explanation::sourceless(self.observe().await, notes)
         })
     }
 }

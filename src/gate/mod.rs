@@ -232,16 +232,9 @@ impl Observation {
     /// A closed observation because the source could not be read.
     pub fn unavailable(taken_at: Instant, reason: impl Into<String>) -> Self {
         Self {
-            budget: Budget::ZERO,
-            baseline: Budget::ZERO,
-            taken_at,
-            max_sys: None,
-            sees_own_load: false,
-            counts_own_requests: false,
-            caps_own_in_flight: false,
             source_available: false,
-            local_limit: false,
             reason: reason.into(),
+            ..Self::open(Budget::ZERO, taken_at)
         }
     }
 
@@ -595,13 +588,7 @@ pub trait DispatchGate: Send + Sync + fmt::Debug {
     /// Reads the pool once and says how: each source, its query or URL,
     /// the raw values. For `gate probe`; the default reports no sources.
     fn explain(&self) -> BoxFuture<'_, Explanation> {
-        Box::pin(async move {
-            Explanation {
-                observation: self.observe().await,
-                sources: Vec::new(),
-                notes: Vec::new(),
-            }
-        })
+        Box::pin(async move { Explanation::sourceless(self.observe().await, Vec::new()) })
     }
 }
 

@@ -120,6 +120,18 @@ pub struct Explanation {
     pub notes: Vec<String>,
 }
 
+impl Explanation {
+    /// The reading of a gate that consults no source (admission and local
+    /// gates), with `notes`.
+    pub fn sourceless(observation: Result<Observation, GateError>, notes: Vec<String>) -> Self {
+        Self {
+            observation,
+            sources: Vec::new(),
+            notes,
+        }
+    }
+}
+
 /// Renders labels as `{a="b",c="d"}` (empty labels as `{}`).
 pub(crate) fn show_labels(labels: &BTreeMap<String, String>) -> String {
     let inner: Vec<String> = labels
@@ -204,19 +216,14 @@ pub(crate) fn pool_reading(
     sees_own_load: bool,
     reason: String,
 ) -> Observation {
+    // `counts_own_requests` stays off: it is opted into per gate where
+    // its metric counts requests one for one.
     Observation {
-        budget: Budget::saturating(d),
         baseline: Budget::saturating(baseline),
-        taken_at,
         max_sys,
         sees_own_load,
-        // Opt-in per gate where its metric counts requests one for one
-        // (`Observation::counts_own_requests`).
-        counts_own_requests: false,
-        caps_own_in_flight: false,
-        source_available: true,
-        local_limit: false,
         reason,
+        ..Observation::open(Budget::saturating(d), taken_at)
     }
 }
 
@@ -233,16 +240,9 @@ pub(crate) fn with_fallback(
         (Ok(o), _) => Ok(o),
         (Err(e), None) => Err(e),
         (Err(e), Some(f)) => Ok(Observation {
-            budget: Budget::saturating(f),
-            baseline: Budget::ZERO,
-            taken_at: Instant::now(),
-            max_sys: None,
-            sees_own_load: false,
-            counts_own_requests: false,
-            caps_own_in_flight: false,
             source_available: false,
-            local_limit: false,
             reason: format!("fallback {f} because {e}"),
+            ..Observation::open(Budget::saturating(f), Instant::now())
         }),
     }
 }

@@ -393,11 +393,7 @@ impl DispatchGate for SqlQuotaGate {
                 ),
                 format!("a message over quota {over}; the database unreachable refuses"),
             ];
-            Explanation {
-                observation: self.observe().await,
-                sources: Vec::new(),
-                notes,
-            }
+            Explanation::sourceless(self.observe().await, notes)
         })
     }
 }
