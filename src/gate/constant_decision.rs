@@ -172,6 +172,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::gate::param::parse_errors as errors;
 
     #[test]
     fn parses_upstream_spellings_only() {
@@ -196,14 +197,6 @@ mod tests {
         let gate = ConstantDecisionGate::new(Decision::Refuse);
         assert_eq!(shape(&gate.admit(req).await), ("refuse", "constant_refuse"));
         assert!(gate.observe().await.expect("open").is_open());
-    }
-
-    /// `key: message` of every error parsing `params` for `gate_type`.
-    fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
-            Ok(spec) => panic!("expected errors, parsed {spec:?}"),
-            Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
-        }
     }
 
     #[test]

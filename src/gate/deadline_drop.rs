@@ -127,6 +127,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::gate::param::parse_errors as errors;
 
     #[test]
     fn passed_unreachable_and_in_time() {
@@ -172,14 +173,6 @@ mod tests {
         assert!(matches!(gate.admit(future).await, Admission::Continue(_)));
         let unknown = AdmissionRequest::new("r", &empty, &empty);
         assert!(matches!(gate.admit(unknown).await, Admission::Continue(_)));
-    }
-
-    /// `key: message` of every error parsing `params` for `gate_type`.
-    fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
-            Ok(spec) => panic!("expected errors, parsed {spec:?}"),
-            Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
-        }
     }
 
     #[test]

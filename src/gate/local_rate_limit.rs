@@ -219,6 +219,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::gate::param::parse_errors as errors;
 
     #[test]
     fn bucket_spends_its_burst_then_refills_at_the_rate() {
@@ -286,14 +287,6 @@ mod tests {
         assert!(matches!(gate.admit(req).await, Admission::Continue(_)));
         assert!(matches!(gate.admit(req).await, Admission::Wait { .. }));
         assert!(gate.observe().await.expect("open").is_open());
-    }
-
-    /// `key: message` of every error parsing `params` for `gate_type`.
-    fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
-            Ok(spec) => panic!("expected errors, parsed {spec:?}"),
-            Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
-        }
     }
 
     #[test]

@@ -351,6 +351,16 @@ fn no_password(u: &Url) -> Result<(), String> {
     }
 }
 
+/// `key: message` of every error parsing `params` for `gate_type`: the
+/// gates' parameter tests share it.
+#[cfg(test)]
+pub(crate) fn parse_errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
+    match crate::gate::GateSpec::parse(gate_type, &params, "q") {
+        Ok(spec) => panic!("expected errors, parsed {spec:?}"),
+        Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
+    }
+}
+
 /// serde adapters for upstream's loose shapes, used as
 /// `#[serde(deserialize_with = "loose::…")]`.
 pub(crate) mod loose {

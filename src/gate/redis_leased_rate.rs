@@ -468,6 +468,7 @@ impl DispatchGate for RedisLeasedRateGate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gate::param::parse_errors as errors;
 
     const NOW: i64 = 1_700_000_000_000;
 
@@ -554,14 +555,6 @@ mod tests {
                 ),
                 "{until}"
             );
-        }
-    }
-
-    /// `key: message` of every error parsing `params` for `gate_type`.
-    fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
-            Ok(spec) => panic!("expected errors, parsed {spec:?}"),
-            Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
         }
     }
 

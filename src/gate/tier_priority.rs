@@ -708,6 +708,7 @@ mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::gate::param::parse_errors as errors;
 
     #[test]
     fn reserved_waits_whatever_the_tier() {
@@ -810,14 +811,6 @@ mod tests {
             ..legacy
         };
         assert_eq!(body.fail_fast_payload().as_deref(), Some("busy"));
-    }
-
-    /// `key: message` of every error parsing `params` for `gate_type`.
-    fn errors(gate_type: &str, params: serde_json::Value) -> Vec<(String, String)> {
-        match crate::gate::GateSpec::parse(gate_type, &params, "q") {
-            Ok(spec) => panic!("expected errors, parsed {spec:?}"),
-            Err(e) => e.0.into_iter().map(|e| (e.key, e.message)).collect(),
-        }
     }
 
     #[test]
