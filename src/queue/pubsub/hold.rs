@@ -293,14 +293,14 @@ impl Leases {
         if held.hold.take().is_none() {
             return false;
         }
-        self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
+        self.hold_bytes = self.hold_bytes.saturating_sub(size(held));
         true
     }
 
     /// Up to `max` held deliveries to hand out again (earliest hold end
     /// first), taken off hold: they go back to the dispatcher.
     pub(super) fn take_redeliveries(&mut self, now: Instant, max: usize) -> Vec<(String, &Held)> {
-        let mut due: Vec<(Instant, String)> = self
+        let due: Vec<(Instant, String)> = self
             .map
             .iter()
             .filter_map(|(id, h)| match h.hold {
@@ -312,24 +312,14 @@ impl Leases {
                 _ => None,
             })
             .collect();
-        due.sort();
-        due.truncate(max);
-        for (_, id) in &due {
-            if let Some(held) = self.map.get_mut(id) {
-                held.hold = None;
-                self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
-            }
-        }
-        due.into_iter()
-            .filter_map(|(_, id)| self.map.get(&id).map(|h| (id, h)))
-            .collect()
+        self.take_earliest(due, max)
     }
 
     /// Up to `max` held deliveries on hold whose request deadline (Unix s)
     /// is at or before `now_unix`, taken off hold: they go back to the
     /// dispatcher for their deadline answer, whatever their hold was for.
     pub(super) fn take_expired(&mut self, now_unix: i64, max: usize) -> Vec<(String, &Held)> {
-        let mut due: Vec<(i64, String)> = self
+        let due: Vec<(i64, String)> = self
             .map
             .iter()
             .filter_map(|(tag, h)| match (h.hold, h.info.deadline) {
@@ -337,13 +327,21 @@ impl Leases {
                 _ => None,
             })
             .collect();
+        self.take_earliest(due, max)
+    }
+
+    /// Takes the `max` earliest of `due` (deliveries on hold, keyed by
+    /// when they became due) off hold, and returns them to go back to the
+    /// dispatcher.
+    fn take_earliest<K: Ord>(
+        &mut self,
+        mut due: Vec<(K, String)>,
+        max: usize,
+    ) -> Vec<(String, &Held)> {
         due.sort();
         due.truncate(max);
         for (_, tag) in &due {
-            if let Some(held) = self.map.get_mut(tag) {
-                held.hold = None;
-                self.hold_bytes = self.hold_bytes.saturating_sub(held.info.body.len() as u64);
-            }
+            self.take_hold(tag);
         }
         due.into_iter()
             .filter_map(|(_, tag)| self.map.get(&tag).map(|h| (tag, h)))
