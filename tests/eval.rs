@@ -234,3 +234,42 @@ fn a_trace_is_replayed_as_its_own_scenario() {
     assert!(report.scenarios[0].rows[0].runs[0].batch_tokens_per_s > 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_csv_timeline_counts_the_violations_the_scores_report() {
+    let o = options(&[Shape::Steady], named(&["ungated", "static-cap-4"]), 0.1);
+    let report = evaluate(&o, &|_| {}).unwrap();
+    let sc = &report.scenarios[0];
+    let csv = sluicegate::eval::series::timeline_csv(sc);
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some(sluicegate::eval::series::HEADER));
+    // Per contender: seconds, judged, violated, most batch in flight.
+    let mut per: std::collections::BTreeMap<String, (usize, u64, u64, u64)> = Default::default();
+    for line in lines {
+        let cols: Vec<&str> = line.split(',').collect();
+        assert_eq!(cols.len(), 11, "{line}");
+        let e = per.entry(cols[0].trim_matches('"').to_owned()).or_default();
+        e.0 += 1;
+        e.1 += cols[7].parse::<u64>().unwrap();
+        e.2 += cols[8].parse::<u64>().unwrap();
+        e.3 = e.3.max(cols[2].parse::<u64>().unwrap());
+    }
+    let seconds = sc.baseline_timeline.series.len();
+    assert!(seconds > 30, "{seconds}");
+    let pct = |name: &str| {
+        let (n, judged, bad, _) = per[name];
+        assert_eq!(n, seconds, "{name}: one row a second");
+        100.0 * bad as f64 / judged as f64
+    };
+    // The baseline's rows give its violation rate; a contender's give its
+    // rate, whose difference from the baseline's is the scored ΔV.
+    let base = pct("baseline");
+    assert!((base - sc.baselines[0].interactive.violations_pct).abs() < 1e-9);
+    for name in ["ungated", "static-cap-4"] {
+        let dv = row(&report, 0, name).delta_v_pp;
+        assert!((pct(name) - base - dv).abs() < 1e-9, "{name}: {dv}");
+    }
+    assert_eq!(per["baseline"].3, 0, "the baseline runs no batch");
+    assert_eq!(per["static-cap-4"].3, 4, "the cap fills and bounds");
+    assert!(per["ungated"].3 > 4);
+}

@@ -63,6 +63,13 @@ pub(super) struct EvalArgs {
     /// scenarios, `FILE` gets a `-<scenario>` suffix per scenario).
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// Write each scenario's runs second by second as CSV: the first
+    /// seed's run of every contender and the baseline (batch and
+    /// interactive in flight, releases, interactive SLO violations by
+    /// arrival, the gate's budget and window). With several scenarios,
+    /// `FILE` gets a `-<scenario>` suffix per scenario, as `--svg`.
+    #[arg(long, value_name = "FILE")]
+    csv: Option<PathBuf>,
     /// The contender the SVG draws (default: the gate with the most batch
     /// tokens within the SLO budget).
     #[arg(long, value_name = "NAME")]
@@ -147,7 +154,36 @@ pub(super) fn run(args: EvalArgs) -> ExitCode {
         eprintln!("sluicegate eval: --svg: {e}");
         return ExitCode::FAILURE;
     }
+    if let Some(path) = &args.csv
+        && let Err(e) = write_csvs(&report, path)
+    {
+        eprintln!("sluicegate eval: --csv: {e}");
+        return ExitCode::FAILURE;
+    }
     ExitCode::SUCCESS
+}
+
+/// One CSV per scenario, named as [`write_svgs`] names its files.
+fn write_csvs(report: &Report, path: &std::path::Path) -> Result<(), String> {
+    let many = report.scenarios.len() > 1;
+    for sc in &report.scenarios {
+        let file = per_scenario(path, &sc.scenario.name, many, "csv");
+        let csv = crate::eval::series::timeline_csv(sc);
+        std::fs::write(&file, csv).map_err(|e| format!("{}: {e}", file.display()))?;
+        eprintln!("wrote {} ({})", file.display(), sc.scenario.name);
+    }
+    Ok(())
+}
+
+/// `path` itself for one scenario, else `<stem>-<scenario>.<ext>` beside
+/// it (`/` in the scenario's name becomes `-`).
+fn per_scenario(path: &std::path::Path, scenario: &str, many: bool, ext: &str) -> PathBuf {
+    if !many {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("eval");
+    let name = scenario.replace('/', "-");
+    path.with_file_name(format!("{stem}-{name}.{ext}"))
 }
 
 /// One SVG per scenario: `path` itself for one scenario, else
@@ -162,13 +198,7 @@ fn write_svgs(report: &Report, path: &std::path::Path, gate: Option<&str>) -> Re
         let Some(row) = row else {
             return Err(format!("no contender to draw in {}", sc.scenario.name));
         };
-        let file = if many {
-            let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("eval");
-            let name = sc.scenario.name.replace('/', "-");
-            path.with_file_name(format!("{stem}-{name}.svg"))
-        } else {
-            path.to_path_buf()
-        };
+        let file = per_scenario(path, &sc.scenario.name, many, "svg");
         let svg = crate::eval::timeline_svg(sc, row).map_err(|e| e.to_string())?;
         std::fs::write(&file, svg).map_err(|e| format!("{}: {e}", file.display()))?;
         eprintln!(

@@ -25,6 +25,7 @@ pub mod harness;
 mod promql;
 pub mod scenario;
 pub mod score;
+pub mod series;
 
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -297,16 +298,20 @@ pub struct Timeline {
     pub ttft_p99: Vec<(f64, f64)>,
     /// Interactive arrivals per second, per 10 s.
     pub interactive_rate: Vec<(f64, f64)>,
+    /// Interactive requests judged and violating the SLO, by arrival per
+    /// 1 s: `(second's end, judged, violated)`.
+    pub violations: Vec<(f64, u32, u32)>,
     /// The gate's readings (gates only).
     pub readings: Vec<GateSample>,
 }
 
 impl Timeline {
-    fn of(run: &RunReport, readings: Vec<GateSample>) -> Self {
+    fn of(run: &RunReport, slo: Slo, readings: Vec<GateSample>) -> Self {
         Self {
             series: run.series.clone(),
             ttft_p99: score::ttft_p99_over_time(run, 10.0),
             interactive_rate: score::interactive_rate_over_time(run, 10.0),
+            violations: score::violations_over_time(run, slo, 1.0),
             readings,
         }
     }
@@ -716,7 +721,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
         progress(&format!("{} seed {} {name}", scenarios[si].name, seeds[ki]));
         Ok::<_, EvalError>(Scored {
             score,
-            timeline: keep.then(|| Timeline::of(&run, readings)),
+            timeline: keep.then(|| Timeline::of(&run, *slo, readings)),
         })
     };
 
@@ -853,7 +858,7 @@ pub fn evaluate(options: &Options, progress: &(dyn Fn(&str) + Sync)) -> Result<R
             bound: bound_of(sc),
             baselines,
             rows,
-            baseline_timeline: Timeline::of(&base(si, 0).run, Vec::new()),
+            baseline_timeline: Timeline::of(&base(si, 0).run, *slo, Vec::new()),
         });
     }
     Ok(Report {

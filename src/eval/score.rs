@@ -386,6 +386,32 @@ pub fn ttft_p99_over_time(run: &RunReport, bucket_s: f64) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// Interactive requests judged and those violating `slo`, by arrival in
+/// consecutive `bucket_s` windows: `(window end, judged, violated)`.
+pub fn violations_over_time(run: &RunReport, slo: Slo, bucket_s: f64) -> Vec<(f64, u32, u32)> {
+    let n = (run.duration_s / bucket_s).ceil() as usize;
+    let mut counts = vec![(0u32, 0u32); n];
+    for r in run
+        .records
+        .iter()
+        .filter(|r| r.class == RequestClass::Interactive)
+    {
+        let Some(violated) = run.slo_verdict(r, slo.ttft_s, slo.itl_s) else {
+            continue;
+        };
+        let i = ((r.arrival / bucket_s) as usize).min(n.saturating_sub(1));
+        if let Some((judged, bad)) = counts.get_mut(i) {
+            *judged += 1;
+            *bad += u32::from(violated);
+        }
+    }
+    counts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (judged, bad))| ((i + 1) as f64 * bucket_s, judged, bad))
+        .collect()
+}
+
 /// Interactive arrivals per second in consecutive `bucket_s` windows.
 pub fn interactive_rate_over_time(run: &RunReport, bucket_s: f64) -> Vec<(f64, f64)> {
     let n = (run.duration_s / bucket_s).ceil() as usize;

@@ -398,20 +398,28 @@ impl RunReport {
         let mut n = 0usize;
         let mut bad = 0usize;
         for r in self.of(class) {
-            let violated = match r.outcome {
-                Outcome::Rejected429 | Outcome::Rejected503 => true,
-                Outcome::Aborted => continue,
-                Outcome::Completed | Outcome::Unfinished => match r.ttft() {
-                    Some(ttft) => ttft > tau_ttft || r.itl_p95.is_some_and(|i| i > tau_itl),
-                    // Too recent to judge: skip rather than guess.
-                    None if self.duration_s - r.arrival <= tau_ttft => continue,
-                    None => true,
-                },
-            };
-            n += 1;
-            bad += usize::from(violated);
+            if let Some(violated) = self.slo_verdict(r, tau_ttft, tau_itl) {
+                n += 1;
+                bad += usize::from(violated);
+            }
         }
         if n == 0 { 0.0 } else { bad as f64 / n as f64 }
+    }
+
+    /// Whether `r` violated `TTFT <= tau_ttft` and `p95 ITL <= tau_itl`
+    /// (a refusal does), or `None` when it is not judged: aborted, or too
+    /// recent at the end of the run to know.
+    pub fn slo_verdict(&self, r: &RequestRecord, tau_ttft: f64, tau_itl: f64) -> Option<bool> {
+        match r.outcome {
+            Outcome::Rejected429 | Outcome::Rejected503 => Some(true),
+            Outcome::Aborted => None,
+            Outcome::Completed | Outcome::Unfinished => match r.ttft() {
+                Some(ttft) => Some(ttft > tau_ttft || r.itl_p95.is_some_and(|i| i > tau_itl)),
+                // Too recent to judge: skip rather than guess.
+                None if self.duration_s - r.arrival <= tau_ttft => None,
+                None => Some(true),
+            },
+        }
     }
 }
 
