@@ -142,28 +142,6 @@ impl FailClosed {
     }
 }
 
-impl DispatchGate for Box<dyn DispatchGate> {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        (**self).observe()
-    }
-
-    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
-        (**self).admit(request)
-    }
-
-    fn kind(&self) -> &'static str {
-        (**self).kind()
-    }
-
-    fn on_event(&self, event: DispatchEvent) {
-        (**self).on_event(event);
-    }
-
-    fn explain(&self) -> BoxFuture<'_, Explanation> {
-        (**self).explain()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,8 +12,8 @@ use tokio::time::Instant;
 
 use super::param::{GateParams, ParseCx, decode, loose};
 use super::{
-    Admission, AdmissionRequest, Budget, BuildError, DispatchEvent, DispatchGate, GateContext,
-    GateError, Observation, Ticket,
+    Admission, AdmissionRequest, Budget, BuildError, DispatchGate, GateContext, GateError,
+    Observation, Ticket,
 };
 
 /// What an admission gate does when it is full.
@@ -167,24 +167,6 @@ impl DispatchGate for LocalMaxConcurrencyGate {
 
     fn kind(&self) -> &'static str {
         "local-max-concurrency"
-    }
-}
-
-impl<G: DispatchGate + ?Sized> DispatchGate for Arc<G> {
-    fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
-        (**self).observe()
-    }
-
-    fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
-        (**self).admit(request)
-    }
-
-    fn kind(&self) -> &'static str {
-        (**self).kind()
-    }
-
-    fn on_event(&self, event: DispatchEvent) {
-        (**self).on_event(event);
     }
 }
 

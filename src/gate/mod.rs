@@ -592,10 +592,72 @@ pub trait DispatchGate: Send + Sync + fmt::Debug {
     }
 }
 
+/// A gate behind a pointer is the gate: every method goes to the one it
+/// points at, `explain` included (a default there would make `gate probe`
+/// report no sources for a gate that has them).
+macro_rules! pointer_gate {
+    ($($impl_head:tt)*) => {
+        $($impl_head)* {
+            fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+                (**self).observe()
+            }
+
+            fn admit<'a>(&'a self, request: AdmissionRequest<'a>) -> BoxFuture<'a, Admission> {
+                (**self).admit(request)
+            }
+
+            fn kind(&self) -> &'static str {
+                (**self).kind()
+            }
+
+            fn on_event(&self, event: DispatchEvent) {
+                (**self).on_event(event);
+            }
+
+            fn explain(&self) -> BoxFuture<'_, Explanation> {
+                (**self).explain()
+            }
+        }
+    };
+}
+
+pointer_gate!(impl DispatchGate for Box<dyn DispatchGate>);
+pointer_gate!(impl<G: DispatchGate + ?Sized> DispatchGate for std::sync::Arc<G>);
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A gate whose explanation says who gave it.
+    #[derive(Debug)]
+    struct Explains;
+
+    impl DispatchGate for Explains {
+        fn observe(&self) -> BoxFuture<'_, Result<Observation, GateError>> {
+            Box::pin(async { Ok(Observation::open(Budget::FULL, Instant::now())) })
+        }
+        fn kind(&self) -> &'static str {
+            "explains"
+        }
+        fn explain(&self) -> BoxFuture<'_, Explanation> {
+            Box::pin(async {
+                Explanation::sourceless(self.observe().await, vec!["the inner gate".into()])
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_gate_behind_a_pointer_explains_itself() {
+        // An `Arc` once fell back to the default explanation (no sources,
+        // no notes), so a shared gate showed nothing in `gate probe`.
+        let shared = std::sync::Arc::new(Explains);
+        assert_eq!(shared.explain().await.notes, vec!["the inner gate"]);
+        let boxed: Box<dyn DispatchGate> = Box::new(Explains);
+        assert_eq!(boxed.explain().await.notes, vec!["the inner gate"]);
+        let boxed_shared: Box<dyn DispatchGate> = Box::new(shared);
+        assert_eq!(boxed_shared.explain().await.notes, vec!["the inner gate"]);
+    }
 
     proptest! {
         #[test]
