@@ -9,7 +9,8 @@
 # own target directory), starts one redis-server (and the Pub/Sub emulator
 # when `gcloud` has it, and a PostgreSQL of its own when the server
 # binaries are installed) on free 127.0.0.1 ports, and runs every benchmark
-# alternately A, B, A, B, ... (--pairs times). Between pairs it runs
+# in pairs (--pairs times), A B then B A alternately, so a drift over the
+# run weighs on both sides alike (use an even --pairs). Between pairs it runs
 # redis-benchmark (LPUSH and ZADD, unpipelined and -P 16) as the machine's
 # yardstick. It prints, per benchmark and figure, the median of each side
 # and the ratio B/A, and per side the Redis drain against the in-memory
@@ -19,7 +20,7 @@
 # is now (uncommitted changes included).
 #
 # Options:
-#   --pairs N            A/B pairs per benchmark (default 3, at least 1)
+#   --pairs N            A/B pairs per benchmark (default 4, at least 1)
 #   --only LIST          comma-separated subset of: redis,memory,hold,pubsub,sql
 #                        (default all; pubsub is skipped without the emulator,
 #                        sql without PostgreSQL's initdb and postgres)
@@ -46,7 +47,7 @@ set -euo pipefail
 # build there went unnoticed and the script printed empty tables, exit 0.
 shopt -s inherit_errexit
 
-pairs=3
+pairs=4
 only="redis,memory,hold,pubsub,sql"
 messages=200000
 window=512
@@ -300,10 +301,19 @@ yardstick_run() {
 
 for bench in redis memory hold pubsub sql; do
   wants "$bench" || continue
-  echo "benchmark $bench: $pairs pairs, A then B" >&2
+  echo "benchmark $bench: $pairs pairs, A B then B A, alternately" >&2
   for pair in $(seq "$pairs"); do
-    run_one "$bench" a "$bin_a" "$pair"
-    run_one "$bench" b "$bin_b" "$pair"
+    # Odd pairs run A first, even pairs B first. Drains slow down over a
+    # run (on 2026-11-28, 26 000 to 18 000 messages/s over ten Redis
+    # drains of one binary); with A always first, B paid for that drift:
+    # the same two builds read 0.91 in A B order and 1.02 swapped.
+    if [ $((pair % 2)) = 1 ]; then
+      run_one "$bench" a "$bin_a" "$pair"
+      run_one "$bench" b "$bin_b" "$pair"
+    else
+      run_one "$bench" b "$bin_b" "$pair"
+      run_one "$bench" a "$bin_a" "$pair"
+    fi
     if [ "$yardstick" = 1 ]; then yardstick_run "$bench-$pair"; fi
   done
 done
@@ -355,7 +365,7 @@ def fmt(xs):
     return f"{med:.3f}" if med < 10 else f"{med:.1f}"
 
 medians = {}
-print(f"\nA = {label_a}, B = {label_b}; {pairs} pairs, run A B A B ...; logs in {run_dir}\n")
+print(f"\nA = {label_a}, B = {label_b}; {pairs} pairs, run A B, B A, A B ...; logs in {run_dir}\n")
 print(f"| benchmark | figure | A median | B median | B/A | A runs | B runs |")
 print(f"|---|---|---|---|---|---|---|")
 for bench, figure, pattern in FIGURES:

@@ -164,7 +164,7 @@ fn bench_compare_stops_when_a_side_cannot_be_built() {
 }
 
 /// The compare script end to end with this build on both sides: it starts
-/// its own Redis and emulator, runs every benchmark A, B, A, B and prints
+/// its own Redis and emulator, runs every benchmark in pairs (A B, B A) and prints
 /// one row per figure with both medians and the ratio, the within-build
 /// ratios and the yardstick.
 #[test]
