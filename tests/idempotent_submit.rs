@@ -181,17 +181,22 @@ async fn embedded_records_a_key_in_the_enqueue_transaction() {
     only_first_then_reused(client.as_ref()).await;
 }
 
-#[tokio::test]
-async fn sql_records_a_key_in_the_insert_statement() {
-    let pg = Postgres::start();
-    let client = open_client(ClientTarget::Sql {
+/// A client of queue `idem-q` (results to `idem-results`) on `pg`.
+async fn sql_client(pg: &Postgres) -> Arc<dyn Client> {
+    open_client(ClientTarget::Sql {
         url: EndpointUrl::new(url::Url::parse(&pg.url()).expect("url")),
         connect_timeout: Duration::from_secs(5),
         queue: "idem-q".into(),
         route: "idem-results".into(),
     })
     .await
-    .expect("client");
+    .expect("client")
+}
+
+#[tokio::test]
+async fn sql_records_a_key_in_the_insert_statement() {
+    let pg = Postgres::start();
+    let client = sql_client(&pg).await;
     let record = repeat_conflict_lookup(client.as_ref()).await;
     assert_eq!(record.result_route, "idem-results");
     only_first_then_reused(client.as_ref()).await;
@@ -203,14 +208,7 @@ async fn sql_records_a_key_in_the_insert_statement() {
 #[tokio::test]
 async fn sql_a_key_holds_across_a_postgres_restart() {
     let mut pg = Postgres::start();
-    let client = open_client(ClientTarget::Sql {
-        url: EndpointUrl::new(url::Url::parse(&pg.url()).expect("url")),
-        connect_timeout: Duration::from_secs(5),
-        queue: "idem-q".into(),
-        route: "idem-results".into(),
-    })
-    .await
-    .expect("client");
+    let client = sql_client(&pg).await;
     let submission = || requests_due(&["a", "b"], "Hi", 3600);
     let first = client
         .enqueue_idempotent("order-9".into(), submission(), KEEP)
