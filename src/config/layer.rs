@@ -324,7 +324,9 @@ fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
     let mut settings = Vec::new();
     for (name, value) in env.iter().filter(|(n, _)| n.starts_with(ENV_PREFIX)) {
         let Some(&(_, target)) = table.iter().find(|(n, _)| n == name) else {
-            ctx.err(name.clone(), unknown_var_message(name, &names));
+            if !is_service_link(name) {
+                ctx.err(name.clone(), unknown_var_message(name, &names));
+            }
             continue;
         };
         if !value.is_empty() || EMPTY_MEANS_SOMETHING.contains(&name.as_str()) {
@@ -348,6 +350,51 @@ fn apply_env(tree: &mut Tree, env: &BTreeMap<String, String>, ctx: &mut Ctx) {
         );
     }
     apply_layer(tree, settings, ctx);
+}
+
+/// Whether `name` has the shape of a variable Kubernetes injects for a
+/// Service (`enableServiceLinks`, on by default): a Service named
+/// `sluicegate` or `sluicegate-<anything>` gives every pod of its namespace
+/// `<SVC>_SERVICE_HOST`, `<SVC>_SERVICE_PORT`, `<SVC>_SERVICE_PORT_<NAME>`,
+/// `<SVC>_PORT` and `<SVC>_PORT_<port>_<PROTO>` with `_PROTO`, `_PORT` and
+/// `_ADDR` after it. They are never configuration, so they are ignored
+/// rather than reported as unknown (which stopped the pod from starting);
+/// every other unknown `SLUICEGATE_*` variable still stops startup, so a
+/// typo in a setting is never silently dropped. A declared variable always
+/// wins: this is asked only of names the table does not know.
+pub(crate) fn is_service_link(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(ENV_PREFIX.trim_end_matches('_')) else {
+        return false;
+    };
+    if !rest.starts_with('_') {
+        return false;
+    }
+    let parts: Vec<&str> = rest.split('_').collect();
+    // `rest` starts with "_" or is empty; the service name's own tail (a
+    // Service `sluicegate-api` gives `SLUICEGATE_API_...`) may be any words,
+    // so the shape is matched from the end.
+    let is_port = |p: &str| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit());
+    let is_proto = |p: &str| matches!(p, "TCP" | "UDP" | "SCTP");
+    let n = parts.len();
+    let ends = |tail: &[&str]| n > tail.len() && parts[n - tail.len()..] == *tail;
+    if ends(&["SERVICE", "HOST"]) || ends(&["SERVICE", "PORT"]) || ends(&["PORT"]) {
+        return true;
+    }
+    // `<SVC>_SERVICE_PORT_<NAME>`: a named port; names are lowercase
+    // letters, digits and dashes, upper-cased with dashes as `_`.
+    if let Some(i) = (0..n.saturating_sub(2))
+        .rev()
+        .find(|&i| parts[i..i + 2] == ["SERVICE", "PORT"])
+    {
+        return i > 0 && i + 2 < n && parts[i + 2..].iter().all(|p| !p.is_empty());
+    }
+    // `<SVC>_PORT_<port>_<PROTO>[_PROTO|_PORT|_ADDR]`.
+    let tail = match parts.last() {
+        Some(&("PROTO" | "PORT" | "ADDR")) if n >= 4 && is_proto(parts[n - 2]) => &parts[..n - 1],
+        _ => &parts[..],
+    };
+    let m = tail.len();
+    m >= 4 && is_proto(tail[m - 1]) && is_port(tail[m - 2]) && tail[m - 3] == "PORT"
 }
 
 fn unknown_var_message(name: &str, names: &[&str]) -> String {
@@ -644,6 +691,77 @@ fn parse_queues_json(text: &str) -> Result<Vec<Value>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn service_links_of_a_sluicegate_service_are_recognised() {
+        for name in [
+            "SLUICEGATE_SERVICE_HOST",
+            "SLUICEGATE_SERVICE_PORT",
+            "SLUICEGATE_SERVICE_PORT_METRICS",
+            "SLUICEGATE_SERVICE_PORT_HTTP_API",
+            "SLUICEGATE_PORT",
+            "SLUICEGATE_PORT_9090_TCP",
+            "SLUICEGATE_PORT_9090_TCP_PROTO",
+            "SLUICEGATE_PORT_9090_TCP_PORT",
+            "SLUICEGATE_PORT_9090_TCP_ADDR",
+            "SLUICEGATE_PORT_53_UDP",
+            "SLUICEGATE_API_SERVICE_HOST",
+            "SLUICEGATE_API_PORT_8080_TCP_ADDR",
+            "SLUICEGATE_BATCH_API_SERVICE_PORT_HTTP",
+        ] {
+            assert!(is_service_link(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn other_names_are_not_service_links() {
+        for name in [
+            "SLUICEGATE_",
+            "SLUICEGATE_SERVICE",
+            "SLUICEGATE_GATE_TYPE",
+            "SLUICEGATE_BIN",
+            "SLUICEGATE_PORT_TCP",
+            "SLUICEGATE_PORT_9090",
+            "SLUICEGATE_PORT_9090_HTTP",
+            "SLUICEGATE_PORT_909090_TCP",
+            "SLUICEGATE_PORT_9090_TCP_HOST",
+            "SLUICEGATE_SERVICE_PORT_",
+            "OTHER_SERVICE_HOST",
+            "SLUICEGATEX_SERVICE_HOST",
+        ] {
+            assert!(!is_service_link(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn a_pod_with_service_links_loads_and_a_typo_beside_them_is_still_reported() {
+        let env = |extra: &[(&str, &str)]| {
+            let base = [
+                ("SLUICEGATE_TRANSPORT", "memory"),
+                ("SLUICEGATE_GATEWAY_URL", "http://127.0.0.1:9"),
+                ("SLUICEGATE_GATE_TYPE", "constant"),
+                ("SLUICEGATE_SERVICE_HOST", "10.0.0.1"),
+                ("SLUICEGATE_SERVICE_PORT", "9090"),
+                ("SLUICEGATE_PORT", "tcp://10.0.0.1:9090"),
+                ("SLUICEGATE_PORT_9090_TCP", "tcp://10.0.0.1:9090"),
+                ("SLUICEGATE_PORT_9090_TCP_ADDR", "10.0.0.1"),
+            ];
+            let all = base.iter().chain(extra);
+            ConfigSources {
+                env: all.map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+                ..Default::default()
+            }
+        };
+        Config::load(&env(&[])).expect("service links are not configuration");
+        let err = Config::load(&env(&[("SLUICEGATE_GATE_TPYE", "constant")]))
+            .expect_err("a typo is still reported");
+        let text = err.to_string();
+        assert!(
+            text.contains("SLUICEGATE_GATE_TPYE: unknown environment variable"),
+            "{text}"
+        );
+        assert!(!text.contains("SERVICE_HOST"), "{text}");
+    }
 
     #[test]
     fn every_declared_key_is_documented() {
