@@ -8,19 +8,19 @@ cd "$(dirname "$0")/.."
 packages=()
 command -v redis-server >/dev/null 2>&1 || packages+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || packages+=(prometheus)
-# promtool (tests/ops_monitoring.rs) ships in the same Debian package.
+# promtool (tests/it/ops_monitoring.rs) ships in the same Debian package.
 command -v promtool >/dev/null 2>&1 || packages+=(prometheus)
 command -v redis-cli >/dev/null 2>&1 || packages+=(redis-tools)
 # The rediss:// test makes a private CA and a server certificate.
 command -v openssl >/dev/null 2>&1 || packages+=(openssl)
-# scripts/bench-compare.sh (run by tests/bench_smoke.rs): redis-benchmark
+# scripts/bench-compare.sh (run by tests/it/bench_smoke.rs): redis-benchmark
 # (redis-tools), curl for the emulator's readiness, pgrep for its CPU.
 command -v redis-benchmark >/dev/null 2>&1 || packages+=(redis-tools)
 command -v curl >/dev/null 2>&1 || packages+=(curl)
 command -v pgrep >/dev/null 2>&1 || packages+=(procps)
-# The Pub/Sub emulator (tests/pubsub_transport.rs) runs on Java 17.
+# The Pub/Sub emulator (tests/it/pubsub_transport.rs) runs on Java 17.
 command -v java >/dev/null 2>&1 || packages+=(openjdk-17-jre-headless)
-# The sql transport and sql-quota suites (tests/support/postgres.rs) run
+# The sql transport and sql-quota suites (tests/it/support/postgres.rs) run
 # initdb and the postgres server binary directly; Debian keeps them in
 # /usr/lib/postgresql/<version>/bin, off PATH. setpriv (util-linux) runs
 # them as the postgres user when the tests run as root.
@@ -40,8 +40,8 @@ if [ ${#packages[@]} -gt 0 ]; then
 fi
 
 # The official Python clients, pinned, in target/py-venv: openai for the
-# Batch API suite (tests/batch_api_python.rs), google-cloud-pubsub for the
-# Pub/Sub suite's producer (tests/pubsub_transport.rs). Made once; a venv
+# Batch API suite (tests/it/batch_api_python.rs), google-cloud-pubsub for the
+# Pub/Sub suite's producer (tests/it/pubsub_transport.rs). Made once; a venv
 # from before a pin was added or changed is topped up (the stamp file
 # records the pins it holds).
 py_pins="openai==1.109.1 pytest==8.4.2 google-cloud-pubsub==2.31.1"

@@ -1,6 +1,6 @@
 """Publishes messages with Google's official Pub/Sub client
 (`google-cloud-pubsub`, pinned in scripts/test.sh), as a producer outside
-sluicegate would. Used by tests/pubsub_transport.rs; not a pytest module.
+sluicegate would. Used by tests/it/pubsub_transport.rs; not a pytest module.
 
 Usage: python pubsub_publish.py PROJECT TOPIC FILE
 

@@ -1,5 +1,5 @@
 """The OpenAI Batch API of `sluicegate serve`, driven by the official
-`openai` Python client. Run by tests/batch_api_python.rs, which starts the
+`openai` Python client. Run by tests/it/batch_api_python.rs, which starts the
 servers (our simulator as the pool) and sets:
 
 - SLUICEGATE_API_BASE: a server whose gate is open (alice and bob's keys);

@@ -1,0 +1,80 @@
+//! The Batch API's `Idempotency-Key` on the Redis store (the SQLite
+//! store and the files endpoint are driven by the openai client in
+//! `tests/python/test_idempotency.py`): two replicas share the records, a
+//! retried create on either returns the first batch, another body is a
+//! 409 in OpenAI's error shape, keys are per tenant.
+
+use crate::support;
+
+use crate::support::redis::RedisServer;
+use crate::support::serve::{Api, ServeSpec, completion_lines, start};
+use crate::support::sim::small_pool;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_create_on_another_replica_returns_the_first_batch() {
+    let redis = RedisServer::start();
+    let sim = small_pool().await;
+    let shared = support::TempDir::new("serve-idem");
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    spec.keys = Some("acme:k,zeta:z".into());
+    let a = start(&spec, Some(&shared.0)).await;
+    spec.in_process = false;
+    let b = start(&spec, Some(&shared.0)).await;
+    let (api_a, api_b) = (Api::new(&a.base, Some("k")), Api::new(&b.base, Some("k")));
+
+    let (status, file) = api_a
+        .upload("batch", completion_lines(2, 4).as_bytes())
+        .await;
+    assert_eq!(status, 200, "{file}");
+    let body = json!({"input_file_id": file["id"], "endpoint": "/v1/completions",
+        "completion_window": "24h"});
+    let key = [("Idempotency-Key", "nightly-7")];
+    let (status, first) = api_a.post_with("/v1/batches", &body, &key).await;
+    assert_eq!(status, 200, "{first}");
+    // The same body with its keys in another order is the same request.
+    let reordered = json!({"completion_window": "24h", "endpoint": "/v1/completions",
+        "input_file_id": file["id"]});
+    let (status, again) = api_b.post_with("/v1/batches", &reordered, &key).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["id"], first["id"]);
+    let (_, list) = api_a.get("/v1/batches?limit=100").await;
+    let ids = list["data"].as_array().expect("list");
+    assert_eq!(ids.len(), 1, "one batch, not two: {list}");
+
+    let other = json!({"input_file_id": file["id"], "endpoint": "/v1/completions",
+        "completion_window": "24h", "metadata": {"run": "2"}});
+    let (status, conflict) = api_b.post_with("/v1/batches", &other, &key).await;
+    assert_eq!(status, 409, "{conflict}");
+    assert_eq!(conflict["error"]["code"], "idempotency_key_conflict");
+    assert_eq!(conflict["error"]["type"], "invalid_request_error");
+    assert!(conflict["error"]["param"].is_null());
+    let message = conflict["error"]["message"].as_str().expect("message");
+    assert!(message.contains("`nightly-7`"), "{message}");
+    let keys = redis.cli(&["KEYS", "*idem:batch:acme:nightly-7"]);
+    assert_eq!(keys.lines().count(), 1, "{keys}");
+
+    // Another tenant's key of the same name is its own.
+    let zeta = Api::new(&a.base, Some("z"));
+    let (status, zfile) = zeta
+        .upload("batch", completion_lines(1, 4).as_bytes())
+        .await;
+    assert_eq!(status, 200, "{zfile}");
+    let zbody = json!({"input_file_id": zfile["id"], "endpoint": "/v1/completions",
+        "completion_window": "24h"});
+    let (status, zbatch) = zeta.post_with("/v1/batches", &zbody, &key).await;
+    assert_eq!(status, 200, "{zbatch}");
+    assert_ne!(zbatch["id"], first["id"]);
+
+    // A header that cannot be a key is a 400, and makes nothing.
+    let long = "x".repeat(300);
+    let (status, bad) = api_a
+        .post_with("/v1/batches", &body, &[("Idempotency-Key", long.as_str())])
+        .await;
+    assert_eq!(status, 400, "{bad}");
+
+    a.stop().await;
+    b.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}

@@ -1,0 +1,95 @@
+//! The Batch API driven by the official `openai` Python client
+//! (`tests/python/test_batch_api.py`, `test_idempotency.py`), against real servers and our
+//! simulator as the pool. The client lives in `target/py-venv`, which
+//! `scripts/test.sh` creates; without it this test fails and says how to
+//! make it (set `SLUICEGATE_SKIP_PYTHON_SUITE=1` to skip it knowingly).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::support::serve::{ServeSpec, start};
+use crate::support::sim::small_pool;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_python_client_drives_the_batch_api() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join("target/py-venv/bin/python");
+    if !python.is_file() {
+        if std::env::var_os("SLUICEGATE_SKIP_PYTHON_SUITE").is_some() {
+            eprintln!(
+                "SKIPPED: the openai Python client suite (SLUICEGATE_SKIP_PYTHON_SUITE is set)"
+            );
+            return;
+        }
+        panic!(
+            "{} is missing: run `bash scripts/test.sh` (it creates the venv with the pinned openai client), or set SLUICEGATE_SKIP_PYTHON_SUITE=1 to skip this suite",
+            python.display()
+        );
+    }
+    let sim = small_pool().await;
+    let keys = "alice:key-alice,bob:key-bob";
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.keys = Some(keys.into());
+    let open = start(&spec, None).await;
+    spec.closed_gate = true;
+    let closed = start(&spec, None).await;
+    spec.closed_gate = false;
+    spec.file_retention = Some(std::time::Duration::from_secs(2));
+    let short = start(&spec, None).await;
+    spec.file_retention = None;
+    spec.closed_gate = true;
+    spec.tenant_limits = Some(sluicegate::serve::quota::TenantLimits {
+        default: sluicegate::serve::quota::TenantLimit {
+            requests: Some(3),
+            tokens: None,
+        },
+        tenants: Default::default(),
+    });
+    let limited = start(&spec, None).await;
+    let (open_base, closed_base, short_base, limited_base) = (
+        open.base.clone(),
+        closed.base.clone(),
+        short.base.clone(),
+        limited.base.clone(),
+    );
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .args([
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/python",
+            ])
+            .current_dir(root)
+            .env("SLUICEGATE_API_BASE", open_base)
+            .env("SLUICEGATE_API_BASE_CLOSED", closed_base)
+            .env("SLUICEGATE_API_BASE_SHORT", short_base)
+            .env("SLUICEGATE_API_BASE_LIMITED", limited_base)
+            .env("SLUICEGATE_KEY_A", "key-alice")
+            .env("SLUICEGATE_KEY_B", "key-bob")
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("OPENAI_BASE_URL")
+            .output()
+            .expect("pytest runs")
+    })
+    .await
+    .expect("pytest task");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eprintln!("{text}");
+    assert!(
+        output.status.success(),
+        "the Python client suite failed:\n{text}"
+    );
+    assert!(text.contains("20 passed"), "every Python test ran:\n{text}");
+    open.stop().await;
+    closed.stop().await;
+    short.stop().await;
+    limited.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}

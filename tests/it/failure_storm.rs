@@ -1,0 +1,391 @@
+//! Failure storms below HTTP (issue 22, item 2): a gateway that resets
+//! every connection, one whose port is closed, and one that never answers
+//! until the attempt times out. Each is a sign the pool cannot take work,
+//! like a 429, so it must hold every queue on the gateway with the same
+//! growing backoff and single probe: the attempts the gateway sees stay at
+//! a few per backoff period whatever the backlog. Before the fix these
+//! failures got only per-request backoff, and with a backlog the attempt
+//! rate grew with it (issue 22: 228 attempts/s mean, 1 090/s peak with
+//! 2 000 queued).
+//!
+//! On Pub/Sub (the official emulator, the subscription `pubsub setup`
+//! makes: a retry policy, dead letters after 5 deliveries) a resetting
+//! and a refusing gateway are bounded the same way, and once the gateway
+//! recovers every id is answered exactly once: the storm loses nothing and
+//! answers nothing twice.
+//!
+//! Attempts are counted at the scripted server (a real loopback socket)
+//! where there is one; the closed port has no server, so there the
+//! application's own `sluicegate_requests_sent_total` is sampled. Limits
+//! are the issue's targets (mean ≤ 2 attempts/s, peak ≤ one window per
+//! second) with no wall-clock speed thresholds.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
+
+use crate::support;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use crate::support::failing::{FailingGateway, Failure, per_second};
+use crate::support::pubsub::{Emulator, Names, collect, create, publish, results_by_id};
+use sluicegate::clock::unix_secs;
+use sluicegate::config::Config;
+
+/// The window: `max_sys` of the one queue, through the blind `constant`
+/// gate (always a fresh reading, so only the hold keeps the gateway quiet).
+const WINDOW: usize = 32;
+
+fn config(gateway: &str) -> Config {
+    let toml = format!(
+        r#"
+transport = "memory"
+[gateway]
+url = "{gateway}"
+attempt_timeout = "1s"
+connect_timeout = "1s"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "100ms"
+congestion_max_backoff = "8s"
+shutdown_grace = "2s"
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "storm"
+max_sys = {WINDOW}
+gate_type = "constant"
+"#
+    );
+    Config::from_toml_str(&toml, &Default::default()).unwrap()
+}
+
+/// `sluicegate_requests_sent_total` of `queue`.
+fn sent(app: &support::App, queue: &str) -> usize {
+    let text = app.running.metrics.encode();
+    let prefix = format!("sluicegate_requests_sent_total{{queue=\"{queue}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |v| v.trim().parse::<f64>().unwrap() as usize)
+}
+
+/// Runs `queued` messages against `url` for `span`; returns the attempts
+/// per second, read from `server` when there is one, else from the app's
+/// sent counter sampled every 100 ms.
+async fn storm(
+    url: &str,
+    server: Option<&FailingGateway>,
+    queued: usize,
+    span: Duration,
+) -> Vec<usize> {
+    let app = support::start_app(&config(url)).await;
+    let queue = app.running.transports().memory()[0].clone();
+    let deadline = unix_secs() + 3600;
+    let start = Instant::now();
+    for i in 0..queued {
+        queue.push_message(
+            serde_json::json!({"id": format!("m{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+            .to_string(),
+        );
+    }
+    let per_second = attempts_per_second(&app, "storm", server, start, span).await;
+    app.stop().await;
+    // Nothing answered, nothing lost: every message is still waiting.
+    assert_eq!(queue.result_count(), 0, "{:?}", queue.results());
+    assert!(queue.dead_letters().is_empty());
+    assert_eq!(queue.unsettled().len(), queued);
+    per_second
+}
+
+/// Waits until `span` has passed since `start`; returns the attempts per
+/// second on `queue` from `start`, read from `server` when there is one,
+/// else from the app's sent counter sampled every 100 ms.
+async fn attempts_per_second(
+    app: &support::App,
+    queue: &str,
+    server: Option<&FailingGateway>,
+    start: Instant,
+    span: Duration,
+) -> Vec<usize> {
+    let mut samples = vec![(start, 0usize)];
+    while start.elapsed() < span {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        samples.push((Instant::now(), sent(app, queue)));
+    }
+    match server {
+        Some(server) => per_second(&server.attempts(), start, span),
+        None => {
+            // Rebuild one instant per attempt from the sampled counter.
+            let mut at = Vec::new();
+            for pair in samples.windows(2) {
+                at.extend(std::iter::repeat_n(
+                    pair[1].0,
+                    pair[1].1.saturating_sub(pair[0].1),
+                ));
+            }
+            per_second(&at, start, span)
+        }
+    }
+}
+
+fn check(what: &str, per_second: &[usize]) {
+    let total: usize = per_second.iter().sum();
+    let mean = total as f64 / per_second.len() as f64;
+    let peak = per_second.iter().copied().max().unwrap_or(0);
+    println!(
+        "{what}: {total} attempts in {} s, mean {mean:.2}/s, peak {peak}/s; per second {per_second:?}",
+        per_second.len()
+    );
+    assert!(total > 0, "{what}: the gateway saw no attempt at all");
+    assert!(mean <= 2.0, "{what}: mean {mean:.2} attempts/s");
+    // The first wave is the window released before the first failure
+    // came back; the first probe follows a hold of at least 1 s (half of
+    // the default `congestion_backoff`, 2 s), in a later second.
+    assert!(peak <= WINDOW, "{what}: peak {peak} attempts/s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resetting_gateway_with_2000_queued_sees_a_few_attempts_per_backoff() {
+    let server = FailingGateway::start(Failure::Reset).await;
+    let counts = storm(&server.url, Some(&server), 2000, Duration::from_secs(60)).await;
+    check("reset, 2000 queued, 60 s", &counts);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_a_congestion_signal() {
+    // A port nothing listens on: every connect is refused at once.
+    let url = format!("http://127.0.0.1:{}", support::free_port());
+    let counts = storm(&url, None, 500, Duration::from_secs(30)).await;
+    check("connect refused, 500 queued, 30 s", &counts);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_that_hangs_past_the_attempt_timeout_is_a_congestion_signal() {
+    let server = FailingGateway::start(Failure::Hang).await;
+    // The first wave alone is 32 attempts: over 30 s it leaves room for
+    // the probes within the mean of 2/s.
+    let counts = storm(&server.url, Some(&server), 500, Duration::from_secs(30)).await;
+    check("hang past attempt_timeout 1s, 500 queued, 30 s", &counts);
+}
+
+/// A reset is a failed attempt: it is counted in the result's `attempts`
+/// (and toward `max_attempts`), and the message is tried again once the
+/// hold has passed, from the same message, not a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_that_hit_a_reset_is_counted() {
+    let server = FailingGateway::start(Failure::ResetThenOk(2)).await;
+    let app = support::start_app(&config(&server.url)).await;
+    let queue = app.running.transports().memory()[0].clone();
+    queue.push_message(
+        serde_json::json!({"id": "once", "deadline": unix_secs() + 600,
+            "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+        .to_string(),
+    );
+    // Two holds of 1–2 s and 2–4 s, then the answer.
+    support::wait_until(Duration::from_secs(30), "the message answered", || {
+        queue.result_count() == 1
+    })
+    .await;
+    app.stop().await;
+    let result = &queue.results()[0];
+    assert_eq!(result.status_code, Some(200), "{result:?}");
+    assert_eq!(result.attempts, 3, "{result:?}");
+    assert_eq!(server.count(), 3);
+}
+
+/// A Pub/Sub storm in progress: the emulator, the subscription `pubsub
+/// setup` makes (retry policy, dead letters after 5 deliveries), the
+/// dispatcher on it, and `queued` messages published at `start`.
+struct PubsubStorm {
+    _emulator: Emulator,
+    client: gcloud_pubsub::client::Client,
+    names: Names,
+    app: support::App,
+    ids: BTreeSet<String>,
+    start: Instant,
+}
+
+impl PubsubStorm {
+    async fn start(tag: &str, gateway: &str, queued: usize) -> Self {
+        let emulator = Emulator::start();
+        let client = emulator.client().await;
+        let names = Names::new(tag);
+        create(&client, &names, 5).await;
+        // The memory storm's dispatch settings, on the subscription.
+        let toml = format!(
+            r#"
+transport = "pubsub"
+[gateway]
+url = "{gateway}"
+attempt_timeout = "1s"
+connect_timeout = "1s"
+[dispatch]
+poll_interval = "100ms"
+receive_wait = "200ms"
+congestion_max_backoff = "8s"
+shutdown_grace = "2s"
+lease = "10s"
+[telemetry]
+listen = "127.0.0.1:0"
+{pubsub}
+[[queue]]
+subscriber_id = "{sub}"
+max_sys = {WINDOW}
+gate_type = "constant"
+"#,
+            pubsub = emulator.toml(&names.results),
+            sub = names.subscription,
+        );
+        let config = Config::from_toml_str(&toml, &Default::default()).unwrap();
+        let app = support::start_app(&config).await;
+        let deadline = unix_secs() + 3600;
+        let ids: BTreeSet<String> = (0..queued).map(|i| format!("{tag}-{i}")).collect();
+        let bodies: Vec<String> = ids
+            .iter()
+            .map(|id| {
+                serde_json::json!({"id": id, "deadline": deadline,
+                    "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+                .to_string()
+            })
+            .collect();
+        let start = Instant::now();
+        publish(&client, &names.topic, &bodies).await;
+        Self {
+            _emulator: emulator,
+            client,
+            names,
+            app,
+            ids,
+            start,
+        }
+    }
+
+    /// Attempts per second until `span` after the publish.
+    async fn attempts(&self, server: Option<&FailingGateway>, span: Duration) -> Vec<usize> {
+        attempts_per_second(
+            &self.app,
+            &self.names.subscription,
+            server,
+            self.start,
+            span,
+        )
+        .await
+    }
+
+    /// Once the gateway answers again: every id gets exactly one result,
+    /// a 200 (no message used up its deliveries on a storm the pool held
+    /// out), nothing is dead-lettered and nothing is left on the
+    /// subscription.
+    async fn every_id_answered_once(self, what: &str) {
+        let n = self.ids.len();
+        let mut messages = collect(
+            &self.client,
+            &self.names.result_sub,
+            Duration::from_secs(120),
+            |got| results_by_id(got).len() >= n,
+        )
+        .await;
+        // A duplicate (a redelivery answered again) would follow within
+        // a second or two.
+        messages.extend(
+            collect(
+                &self.client,
+                &self.names.result_sub,
+                Duration::from_secs(3),
+                |_| false,
+            )
+            .await,
+        );
+        let by_id = results_by_id(&messages);
+        let answered: BTreeSet<String> = by_id.keys().cloned().collect();
+        let missing: Vec<_> = self.ids.difference(&answered).collect();
+        let extra: Vec<_> = answered.difference(&self.ids).collect();
+        let nacks = metric(
+            &self.app,
+            "sluicegate_pubsub_nacks_total",
+            &self.names.subscription,
+        );
+        println!(
+            "{what}: {} of {n} ids answered after the gateway recovered, {} results, {nacks} nacks",
+            answered.len(),
+            messages.len()
+        );
+        assert!(
+            missing.is_empty() && extra.is_empty(),
+            "{what}: {} of {n} ids missing ({missing:?}), unexpected ids {extra:?}",
+            missing.len()
+        );
+        for (id, results) in &by_id {
+            assert_eq!(
+                results.len(),
+                1,
+                "{what}: {id} answered more than once: {results:?}"
+            );
+            assert_eq!(
+                results[0].status_code,
+                Some(200),
+                "{what}: {id}: {results:?}"
+            );
+        }
+        self.app.stop().await;
+        let dead = collect(
+            &self.client,
+            &format!("{}-sub", self.names.dead),
+            Duration::from_secs(2),
+            |got| !got.is_empty(),
+        )
+        .await;
+        assert!(dead.is_empty(), "{what}: dead-lettered: {}", dead.len());
+        let left = collect(
+            &self.client,
+            &self.names.subscription,
+            Duration::from_secs(2),
+            |got| !got.is_empty(),
+        )
+        .await;
+        assert!(
+            left.is_empty(),
+            "{what}: still on the subscription: {}",
+            left.len()
+        );
+    }
+}
+
+/// The value of `name{queue="<queue>"}` in the app's metrics (0 when absent).
+fn metric(app: &support::App, name: &str, queue: &str) -> f64 {
+    let text = app.running.metrics.encode();
+    let prefix = format!("{name}{{queue=\"{queue}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0.0, |v| v.trim().parse().unwrap())
+}
+
+/// Pub/Sub, 500 published, a gateway resetting every connection for 30 s:
+/// attempts bounded as on the memory queue; then it answers, and every id
+/// is answered exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resetting_gateway_on_pubsub_is_bounded_and_loses_nothing() {
+    let server = FailingGateway::start(Failure::Reset).await;
+    let storm = PubsubStorm::start("psreset", &server.url, 500).await;
+    let counts = storm.attempts(Some(&server), Duration::from_secs(30)).await;
+    check("pubsub, reset, 500 queued, 30 s", &counts);
+    server.recover();
+    storm.every_id_answered_once("pubsub, reset").await;
+}
+
+/// Pub/Sub, 500 published, a gateway port refusing connections for 30 s:
+/// attempts bounded; then a gateway starts on that port, and every id is
+/// answered exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_gateway_on_pubsub_is_bounded_and_loses_nothing() {
+    let port = support::free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let storm = PubsubStorm::start("psrefuse", &url, 500).await;
+    let counts = storm.attempts(None, Duration::from_secs(30)).await;
+    check("pubsub, connect refused, 500 queued, 30 s", &counts);
+    // Answers every request from the first.
+    let _server = FailingGateway::start_on(port, Failure::ResetThenOk(0)).await;
+    storm
+        .every_id_answered_once("pubsub, connect refused")
+        .await;
+}

@@ -1,0 +1,249 @@
+//! Gates that read `/metrics` pages directly (`endpoint-scrape`, `vllm`)
+//! against the live simulator, and the scrape source on its real page.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use crate::support::sim::{flood, small_pool};
+use serde_json::json;
+use sluicegate::config::GateSpec;
+use sluicegate::gate::{DispatchGate as _, FailClosed, GateContext, Observation, build_gate};
+use sluicegate::source::{Cached, MetricType, Scrape};
+use wiremock::matchers::{method, path};
+use wiremock::{Mock, MockServer, ResponseTemplate};
+
+const STALENESS: Duration = Duration::from_secs(4);
+
+fn gate(kind: &str, params: serde_json::Value) -> FailClosed {
+    let spec = GateSpec::parse(kind, &params, "test").unwrap();
+    let ctx = GateContext::new(None, None, Duration::from_millis(100), STALENESS);
+    FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS)
+}
+
+async fn until(
+    gate: &FailClosed,
+    limit: Duration,
+    pred: impl Fn(&Observation) -> bool,
+) -> Observation {
+    let start = std::time::Instant::now();
+    loop {
+        let o = gate.observe().await;
+        if pred(&o) || start.elapsed() > limit {
+            return o;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrape_source_keeps_vllm_names_and_histograms_of_the_simulator() {
+    let sim = small_pool().await;
+    let url = format!("{}/metrics", sim.base_url()).parse().unwrap();
+    let page = Cached::new(
+        Scrape::new(reqwest::Client::new(), url, Duration::from_secs(2)),
+        Duration::from_secs(1),
+        STALENESS,
+    );
+    let page = page.get().await.unwrap().value;
+    assert_eq!(page.named("vllm:num_requests_running").count(), 2);
+    assert_eq!(page.type_of("vllm:num_requests_running"), MetricType::Gauge);
+    let ttft = page.histogram("vllm:time_to_first_token_seconds");
+    assert_eq!(ttft.len(), 2);
+    assert_eq!(ttft[0].buckets.last().map(|b| b.0), Some(f64::INFINITY));
+    assert!(page.named("llm_d_epp_ready_endpoints").next().is_some());
+    assert!(
+        page.named("vllm:cache_config_info")
+            .all(|s| s.labels.contains_key("num_gpu_blocks"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_scrape_computes_saturation_from_a_count_and_live_pod_count() {
+    let sim = small_pool().await;
+    let url = format!("{}/metrics", sim.base_url());
+    let g = gate(
+        "endpoint-scrape",
+        json!({
+            "url": url,
+            "metric": "vllm:num_requests_running",
+            "labels": {"inference_pool": "p"},
+            "max_count_per_pod": 2,
+            "pods_metric": "llm_d_epp_ready_endpoints",
+            "pods_labels": {"name": "p"},
+            "baseline": 0.1
+        }),
+    );
+    let idle = g.observe().await;
+    assert!(idle.source_available, "{}", idle.reason);
+    assert_eq!(idle.budget.get(), 1.0);
+    assert_eq!(idle.max_sys, Some(4.0), "2 ready pods × 2");
+    assert!((idle.baseline.get() - 0.1).abs() < 1e-12);
+
+    let load = flood(&sim, 12, 200).await;
+    let busy = until(&g, Duration::from_secs(10), |o| o.budget.get() == 0.0).await;
+    assert!(
+        busy.source_available && busy.budget.get() == 0.0,
+        "{busy:?}"
+    );
+    for h in load {
+        h.await.unwrap();
+    }
+    let drained = until(&g, Duration::from_secs(10), |o| o.budget.get() == 1.0).await;
+    assert_eq!(drained.budget.get(), 1.0, "{drained:?}");
+
+    // Direct saturation metric.
+    let direct = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "llm_d_epp_flow_control_pool_saturation",
+               "labels": {"inference_pool": "p"}}),
+    )
+    .observe()
+    .await;
+    assert!(
+        direct.source_available && direct.budget.get() == 1.0,
+        "{direct:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_scrape_fails_closed_on_typos_zero_pods_and_a_dead_endpoint() {
+    let sim = small_pool().await;
+    let url = format!("{}/metrics", sim.base_url());
+    let typo = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "vllm:num_request_running", "max_count_per_pod": 2}),
+    )
+    .observe()
+    .await;
+    assert_eq!(typo.budget.get(), 0.0);
+    assert!(!typo.source_available, "{typo:?}");
+
+    let pods = MockServer::start().await;
+    Mock::given(method("GET"))
+        .and(path("/metrics"))
+        .respond_with(ResponseTemplate::new(200).set_body_string("ready_pods 0\n"))
+        .mount(&pods)
+        .await;
+    let zero = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "vllm:num_requests_running", "max_count_per_pod": 2,
+               "pods_url": format!("{}/metrics", pods.uri()), "pods_metric": "ready_pods"}),
+    )
+    .observe()
+    .await;
+    assert_eq!(zero.budget.get(), 0.0, "{zero:?}");
+    assert_eq!(zero.max_sys, Some(0.0));
+
+    let garbage = MockServer::start().await;
+    Mock::given(method("GET"))
+        .and(path("/metrics"))
+        .respond_with(ResponseTemplate::new(200).set_body_string("saturation{ 0.1\n"))
+        .mount(&garbage)
+        .await;
+    let unparsable = gate(
+        "endpoint-scrape",
+        json!({"url": format!("{}/metrics", garbage.uri()), "metric": "saturation"}),
+    )
+    .observe()
+    .await;
+    assert!(!unparsable.source_available && unparsable.budget.get() == 0.0);
+
+    let g = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "llm_d_epp_flow_control_pool_saturation"}),
+    );
+    assert!(g.observe().await.is_open());
+    sim.shutdown().await.unwrap();
+    let dead = until(&g, STALENESS + Duration::from_secs(2), |o| {
+        !o.source_available
+    })
+    .await;
+    assert!(
+        !dead.source_available && dead.budget.get() == 0.0,
+        "{dead:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_gate_follows_the_roofline_of_the_engines() {
+    let sim = small_pool().await;
+    let url = format!("{}/metrics", sim.base_url());
+    let g = gate(
+        "vllm",
+        json!({"urls": [url.clone()], "max_num_seqs": 2, "baseline": 0.05}),
+    );
+    let idle = g.observe().await;
+    assert!(idle.source_available && idle.sees_own_load, "{idle:?}");
+    assert_eq!(idle.budget.get(), 1.0, "{}", idle.reason);
+    assert_eq!(idle.max_sys, Some(4.0), "2 engines × max_num_seqs 2");
+
+    let load = flood(&sim, 12, 200).await;
+    let busy = until(&g, Duration::from_secs(10), |o| o.budget.get() == 0.0).await;
+    assert_eq!(busy.budget.get(), 0.0, "{busy:?}");
+    for h in load {
+        h.await.unwrap();
+    }
+    let drained = until(&g, Duration::from_secs(10), |o| o.budget.get() > 0.9).await;
+    assert!(drained.budget.get() > 0.9, "{drained:?}");
+
+    // Without max_num_seqs configured or exported, vLLM's default applies.
+    let default = gate("vllm", json!({"urls": [url.clone()]})).observe().await;
+    assert_eq!(default.max_sys, Some(512.0));
+
+    // One engine page unreachable: it counts as a full engine.
+    let half = gate(
+        "vllm",
+        json!({"urls": [url, "http://127.0.0.1:9/metrics"], "max_num_seqs": 2}),
+    )
+    .observe()
+    .await;
+    assert!(half.source_available);
+    assert!((half.budget.get() - 2.0 / 3.0).abs() < 1e-9, "{half:?}");
+
+    let none = gate("vllm", json!({"urls": ["http://127.0.0.1:9/metrics"]}))
+        .observe()
+        .await;
+    assert!(!none.source_available && none.budget.get() == 0.0);
+}
+
+/// A `vllm` decision from a page its cache still serves is the reading
+/// computed from that page, reused rather than recomputed (issue 21: the
+/// rescan cost 4.7 µs a decision); a new page gives a new reading, and
+/// `explain` still reads and reports every source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_gate_reuses_its_reading_while_the_page_is_cached_and_follows_a_new_page() {
+    let sim = small_pool().await;
+    let url = format!("{}/metrics", sim.base_url());
+    let ttl = Duration::from_secs(2);
+    let spec = GateSpec::parse("vllm", &json!({"urls": [url], "max_num_seqs": 2}), "t").unwrap();
+    let ctx = GateContext::new(None, None, ttl, STALENESS);
+    let g = FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS);
+    let first = g.observe().await;
+    assert!(first.source_available, "{first:?}");
+    let again = g.observe().await;
+    assert_eq!(
+        (again.taken_at, again.budget, &again.reason),
+        (first.taken_at, first.budget, &first.reason),
+        "the same cached page gives the same reading"
+    );
+    // `explain` of a gate whose reading is memoised still reads and
+    // reports its source.
+    let bare = build_gate(&spec, &ctx).unwrap();
+    assert!(bare.observe().await.is_ok());
+    let explained = bare.explain().await;
+    assert_eq!(explained.sources.len(), 1, "{explained:?}");
+    assert!(!explained.sources[0].values.is_empty(), "{explained:?}");
+
+    // Under load (longer than the cache's TTL): a newer page, a newer
+    // reading.
+    let load = flood(&sim, 12, 3000).await;
+    let busy = until(&g, Duration::from_secs(10), |o| {
+        o.taken_at > first.taken_at && o.budget.get() < first.budget.get()
+    })
+    .await;
+    assert!(busy.taken_at > first.taken_at, "{busy:?}");
+    assert!(busy.budget.get() < first.budget.get(), "{busy:?}");
+    for h in load {
+        h.abort();
+    }
+}

@@ -1,0 +1,384 @@
+//! Idempotent submit through the queue's client face against real servers
+//! (Redis, an embedded store, PostgreSQL): a repeat enqueues nothing and
+//! returns the first submission, a different submission under the same
+//! key is a conflict naming it, lookup finds the record, and the record
+//! goes once its TTL has passed; transports that cannot record a key say
+//! so.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::support::TempDir;
+use crate::support::postgres::Postgres;
+use crate::support::redis::{RedisServer, redis_config};
+use bytes::Bytes;
+use sluicegate::clock::unix_secs;
+use sluicegate::config::EndpointUrl;
+use sluicegate::queue::{
+    Client, ClientError, ClientTarget, MemoryQueue, Outgoing, SubmissionRecord, Submitted,
+    open_client,
+};
+
+/// How long a record outlives the last deadline in these tests.
+const KEEP: Duration = Duration::from_secs(1);
+
+fn requests(ids: &[&str], prompt: &str) -> Vec<Outgoing> {
+    // Deadlines 2 s ahead: the records expire about 3 s from now.
+    requests_due(ids, prompt, 2)
+}
+
+/// [`requests`] with deadlines `in_secs` ahead.
+fn requests_due(ids: &[&str], prompt: &str, in_secs: i64) -> Vec<Outgoing> {
+    let deadline = unix_secs() + in_secs;
+    (ids.iter())
+        .map(|id| Outgoing {
+            body: Bytes::from(
+                serde_json::json!({
+                    "id": id,
+                    "deadline": deadline,
+                    "payload": {"model": "m", "prompt": prompt, "max_tokens": 4},
+                })
+                .to_string(),
+            ),
+            deadline,
+        })
+        .collect()
+}
+
+/// The shared scenario; returns the first record. The caller then checks
+/// that the queue holds only the first submission's two requests.
+async fn repeat_conflict_lookup(client: &dyn Client) -> SubmissionRecord {
+    let first = client
+        .enqueue_idempotent("order-7".into(), requests(&["a", "b"], "Hi"), KEEP)
+        .await
+        .expect("first submit");
+    let Submitted::New(record) = first else {
+        panic!("a new key enqueues: {first:?}");
+    };
+    assert_eq!(record.key, "order-7");
+    assert_eq!(record.identity.len(), 64);
+    let ids: Vec<&str> = record.requests.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, ["a", "b"]);
+
+    let again = client
+        .enqueue_idempotent("order-7".into(), requests(&["a", "b"], "Hi"), KEEP)
+        .await
+        .expect("repeat");
+    assert_eq!(again, Submitted::Existing(record.clone()));
+
+    let other = client
+        .enqueue_idempotent("order-7".into(), requests(&["a", "b"], "Bye"), KEEP)
+        .await
+        .expect_err("a different submission under the key");
+    match &other {
+        ClientError::IdempotencyConflict {
+            key,
+            recorded,
+            offered,
+        } => {
+            assert_eq!(key, "order-7");
+            assert_eq!(recorded, &record.identity);
+            assert_ne!(offered, &record.identity);
+        }
+        e => panic!("expected a conflict, got {e}"),
+    }
+    assert!(other.to_string().contains("`order-7`"), "{other}");
+
+    let reordered = client
+        .enqueue_idempotent("order-7".into(), requests(&["b", "a"], "Hi"), KEEP)
+        .await;
+    assert!(matches!(
+        reordered,
+        Err(ClientError::IdempotencyConflict { .. })
+    ));
+
+    let found = client.lookup("order-7".into()).await.expect("lookup");
+    assert_eq!(found.as_ref(), Some(&record));
+    let none = client.lookup("never-used".into()).await.expect("lookup");
+    assert_eq!(none, None);
+    record
+}
+
+/// The record expires with its TTL; afterwards the key is free again.
+async fn expires(client: &dyn Client) {
+    let mut gone = false;
+    for _ in 0..100 {
+        if client
+            .lookup("order-7".into())
+            .await
+            .expect("lookup")
+            .is_none()
+        {
+            gone = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(gone, "the record outlived its expiry by 10 s");
+    let reused = client
+        .enqueue_idempotent("order-7".into(), requests(&["c"], "Hi"), KEEP)
+        .await
+        .expect("a key whose record expired");
+    assert!(matches!(reused, Submitted::New(_)), "{reused:?}");
+}
+
+/// Only the first submission's ids are queued (a repeat enqueued
+/// nothing); once the record expired, the key enqueues again.
+async fn only_first_then_reused(client: &dyn Client) {
+    let all = vec!["a".to_owned(), "b".to_owned(), "c".to_owned()];
+    let active = client.active(all.clone()).await.expect("active");
+    assert_eq!(
+        active.expect("told"),
+        ["a", "b"],
+        "a repeat enqueues nothing"
+    );
+    expires(client).await;
+    let active = client.active(all).await.expect("active");
+    assert_eq!(active.expect("told"), ["a", "b", "c"]);
+}
+
+#[tokio::test]
+async fn redis_records_a_key_with_its_requests() {
+    let server = RedisServer::start();
+    let client = open_client(ClientTarget::Redis {
+        config: redis_config(&server),
+        queue: "idem-q".into(),
+        result_list: None,
+        fairness_attribute: None,
+    })
+    .await
+    .expect("client");
+    let record = repeat_conflict_lookup(client.as_ref()).await;
+    assert_eq!(
+        server.int(&["ZCARD", "idem-q"]),
+        2,
+        "a repeat enqueues nothing"
+    );
+    // The recorded tokens are the ones the queued messages carry.
+    for r in &record.requests {
+        let token = server.cli(&["GET", &format!("request-active:{}", r.id)]);
+        assert_eq!(Some(token.trim()), r.token.as_deref());
+    }
+    let ttl = server.int(&["TTL", "sluicegate-idempotency:idem-q:order-7"]);
+    assert!((1..=4).contains(&ttl), "record TTL {ttl}");
+    expires(client.as_ref()).await;
+    assert_eq!(server.int(&["ZCARD", "idem-q"]), 3);
+}
+
+#[tokio::test]
+async fn embedded_records_a_key_in_the_enqueue_transaction() {
+    let dir = TempDir::new("idem-embedded");
+    let client = open_client(ClientTarget::Embedded {
+        path: dir.0.join("store.db"),
+        queue: "q".into(),
+        create: true,
+    })
+    .await
+    .expect("client");
+    repeat_conflict_lookup(client.as_ref()).await;
+    only_first_then_reused(client.as_ref()).await;
+}
+
+/// A client of queue `idem-q` (results to `idem-results`) on `pg`.
+async fn sql_client(pg: &Postgres) -> Arc<dyn Client> {
+    open_client(ClientTarget::Sql {
+        url: EndpointUrl::new(url::Url::parse(&pg.url()).expect("url")),
+        connect_timeout: Duration::from_secs(5),
+        queue: "idem-q".into(),
+        route: "idem-results".into(),
+    })
+    .await
+    .expect("client")
+}
+
+#[tokio::test]
+async fn sql_records_a_key_in_the_insert_statement() {
+    let pg = Postgres::start();
+    let client = sql_client(&pg).await;
+    let record = repeat_conflict_lookup(client.as_ref()).await;
+    assert_eq!(record.result_route, "idem-results");
+    only_first_then_reused(client.as_ref()).await;
+}
+
+/// A producer that lost the answer while PostgreSQL restarted sends the
+/// same submission again under its key: the record written before the
+/// restart holds after it, and nothing is enqueued twice.
+#[tokio::test]
+async fn sql_a_key_holds_across_a_postgres_restart() {
+    let mut pg = Postgres::start();
+    let client = sql_client(&pg).await;
+    let submission = || requests_due(&["a", "b"], "Hi", 3600);
+    let first = client
+        .enqueue_idempotent("order-9".into(), submission(), KEEP)
+        .await
+        .expect("first submit");
+    assert!(matches!(first, Submitted::New(_)), "{first:?}");
+    pg.restart();
+    // The client reconnects on its next statement; a statement caught by
+    // the restart fails and the producer sends again, as it would.
+    let mut again = None;
+    for _ in 0..5 {
+        match client
+            .enqueue_idempotent("order-9".into(), submission(), KEEP)
+            .await
+        {
+            Ok(done) => {
+                again = Some(done);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let again = again.expect("a repeat after the restart is answered");
+    assert_eq!(again, Submitted::Existing(first.record().clone()));
+    assert_eq!(
+        pg.psql("SELECT COUNT(*) FROM async_requests WHERE queue = 'idem-q'"),
+        "2",
+        "the repeat enqueued nothing"
+    );
+}
+
+#[tokio::test]
+async fn memory_refuses_a_key_instead_of_ignoring_it() {
+    let client: Arc<dyn Client> = Arc::new(MemoryQueue::new("q"));
+    let refused = client
+        .enqueue_idempotent("k".into(), requests(&["a"], "Hi"), KEEP)
+        .await
+        .expect_err("memory records no keys");
+    assert!(
+        matches!(refused, ClientError::Unsupported { .. }),
+        "{refused}"
+    );
+    assert!(matches!(
+        client.lookup("k".into()).await,
+        Err(ClientError::Unsupported { .. })
+    ));
+}
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluicegate");
+
+/// Runs `sluicegate ARGS…` with `env`; exit code, stdout, stderr.
+fn sluicegate(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = std::process::Command::new(BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("SLUICEGATE_IDEMPOTENCY_KEY")
+        .output()
+        .expect("sluicegate runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `submit --idempotency-key` twice with one file, once with another,
+/// then `status`; `place` holds the flags naming the queue. Returns the
+/// status output.
+fn submit_twice_then_conflict(dir: &TempDir, place: &[&str], env: &[(&str, &str)]) -> String {
+    let file = |name: &str, prompt: &str| {
+        let path = dir.0.join(name);
+        let lines: Vec<String> = ["x-1", "x-2"]
+            .iter()
+            .map(|id| {
+                serde_json::json!({"custom_id": id, "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "m", "prompt": prompt}})
+                .to_string()
+            })
+            .collect();
+        std::fs::write(&path, lines.join("\n")).expect("write");
+        path.display().to_string()
+    };
+    let (a, b) = (file("a.jsonl", "Hi"), file("b.jsonl", "Bye"));
+    let submit = |f: &str| {
+        let mut args = vec!["submit", "--idempotency-key", "nightly-42"];
+        args.extend(place);
+        args.push(f);
+        sluicegate(&args, env)
+    };
+    let (code, out, err) = submit(&a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("submitted 2") && out.contains("`nightly-42`"),
+        "{out}"
+    );
+    let (code, out, err) = submit(&a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("already exists"), "{out}");
+    assert!(
+        out.contains("`x-1`, `x-2`") && out.contains("nothing enqueued"),
+        "{out}"
+    );
+    let (code, out, err) = submit(&b);
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("idempotency key `nightly-42`"), "{err}");
+    let mut args = vec!["status", "--idempotency-key", "nightly-42"];
+    args.extend(place);
+    let (code, out, err) = sluicegate(&args, env);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("2 requests"), "{out}");
+    let mut args = vec!["status", "--idempotency-key", "other"];
+    args.extend(place);
+    let (code, _, err) = sluicegate(&args, env);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("`other`"), "{err}");
+    out
+}
+
+#[tokio::test]
+async fn cli_submit_with_a_key_on_redis_enqueues_once() {
+    let server = RedisServer::start();
+    let dir = TempDir::new("idem-cli-redis");
+    let url = server.url();
+    let status = submit_twice_then_conflict(
+        &dir,
+        &["--queue", "idem-cli"],
+        &[("SLUICEGATE_REDIS_URL", url.as_str())],
+    );
+    assert!(
+        status.contains("state: 2 pending, results present for 0 of 2"),
+        "{status}"
+    );
+    assert_eq!(server.int(&["ZCARD", "idem-cli"]), 2);
+}
+
+#[tokio::test]
+async fn cli_submit_with_a_key_in_an_embedded_store_enqueues_once() {
+    let dir = TempDir::new("idem-cli-embedded");
+    let store = dir.0.join("store.db").display().to_string();
+    let status = submit_twice_then_conflict(&dir, &["--embedded", &store], &[]);
+    assert!(
+        status.contains("state: 2 pending, results present for 0 of 2"),
+        "{status}"
+    );
+    // A cancel answers both at once: the status then counts their results.
+    let (code, out, err) = sluicegate(&["cancel", "--embedded", &store, "x-1", "x-2"], &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = sluicegate(
+        &[
+            "status",
+            "--idempotency-key",
+            "nightly-42",
+            "--embedded",
+            &store,
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("state: 0 pending, results present for 2 of 2"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn cli_submit_with_a_key_on_sql_enqueues_once() {
+    let pg = Postgres::start();
+    let dir = TempDir::new("idem-cli-sql");
+    let url = pg.url();
+    let status = submit_twice_then_conflict(&dir, &["--sql-url", &url], &[]);
+    assert!(
+        status.contains("state: 2 pending, results present for 0 of 2"),
+        "{status}"
+    );
+}
