@@ -77,14 +77,23 @@ if ! command -v gcloud >/dev/null 2>&1 ||
   exit 1
 fi
 
-# Dockerfile and helm chart, with hadolint and helm (installed on first use).
+# A real vLLM (the CPU build, ~6 GB) for tests/it/real_engine.rs: installed
+# once per machine into a cache keyed by its pins, outside the checkout, so
+# a fresh clone reuses it (docs/real-engine.md).
+bash scripts/vllm.sh install
+
+# Dockerfile and helm chart, with hadolint and helm (installed on first use;
+# the deploy_lint suite renders the chart with the same helm).
 bash scripts/lint-deploy.sh
 
 cargo fmt --check
 cargo clippy --all-targets --locked -- -D warnings
-if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --locked --no-fail-fast
-else
-  cargo test --locked --no-fail-fast
+# nextest runs the suites with the groups of .config/nextest.toml (many
+# waiting tests at a time, the CPU-heavy ones and the real engine alone).
+# It is required: `cargo test` would run every suite of the one test binary
+# in one process, two at a time, with no groups.
+if ! cargo nextest --version >/dev/null 2>&1; then
+  cargo install --locked cargo-nextest
 fi
+cargo nextest run --locked --no-fail-fast
 cargo test --doc --locked

@@ -42,7 +42,7 @@ use crate::config::{
 };
 use crate::dispatch::QueueDispatcher;
 use crate::dispatch::congestion::CongestionHold;
-use crate::gate::DispatchGate;
+use crate::gate::{Capacity, DispatchGate, GateContext, build_gate};
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
 use crate::result::ResultRecord;
@@ -113,6 +113,29 @@ impl BatchOptions {
             PathBuf::from(s)
         })
     }
+}
+
+/// A gate for a batch run (`sluicegate batch`, the demo, the live eval):
+/// no `[prometheus]` or `[redis]` section, so gates that need one report
+/// it, and scrape gates (`vllm`, `endpoint-scrape`, `feedback`, ...) take
+/// their URLs from the parameters; read every 250 ms, stale after 10 s.
+pub fn build_gate_for_batch(
+    gate_type: &str,
+    params: &serde_json::Value,
+    max_sys: f64,
+) -> Result<Box<dyn DispatchGate>, String> {
+    let spec = GateSpec::parse(gate_type, params, "--gate").map_err(|e| e.to_string())?;
+    let mut ctx = GateContext::new(
+        None,
+        None,
+        Duration::from_millis(250),
+        Duration::from_secs(10),
+    );
+    ctx.capacity = Capacity {
+        max_sys,
+        unit: Unit::Requests,
+    };
+    build_gate(&spec, &ctx).map_err(|e| format!("--gate: {e}"))
 }
 
 /// Extra text for the progress line (the demo shows budget and TTFT).

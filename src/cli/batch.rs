@@ -9,9 +9,7 @@ use clap::Args;
 use tokio_util::sync::CancellationToken;
 
 use crate::batch::{BatchOptions, run_batch};
-use crate::config::GateSpec;
-use crate::config::Unit;
-use crate::gate::{Capacity, DispatchGate, GateContext, build_gate};
+use crate::gate::DispatchGate;
 
 /// Where request lines without an endpoint go: one rule for every
 /// command (`run`'s `gateway.request_path` default is the same).
@@ -79,21 +77,7 @@ pub(crate) fn gate_from_flags(
 ) -> Result<Box<dyn DispatchGate>, String> {
     let params: serde_json::Value =
         serde_json::from_str(params).map_err(|e| format!("--gate-params: not JSON: {e}"))?;
-    let spec = GateSpec::parse(gate, &params, "--gate").map_err(|e| e.to_string())?;
-    // No `[prometheus]` or `[redis]` section on this command line: gates
-    // that need one report it; scrape gates (`vllm`, `endpoint-scrape`)
-    // take their URLs from the parameters.
-    let mut ctx = GateContext::new(
-        None,
-        None,
-        Duration::from_millis(250),
-        Duration::from_secs(10),
-    );
-    ctx.capacity = Capacity {
-        max_sys,
-        unit: Unit::Requests,
-    };
-    build_gate(&spec, &ctx).map_err(|e| format!("--gate: {e}"))
+    crate::batch::build_gate_for_batch(gate, &params, max_sys)
 }
 
 /// Runs `sluicegate batch`.

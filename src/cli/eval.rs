@@ -102,6 +102,53 @@ pub(super) struct EvalArgs {
     /// Worker threads (default: the machine's cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// `--live URL` and its flags: the same evaluation on a real engine.
+    #[command(flatten)]
+    live: super::eval_live::LiveArgs,
+}
+
+impl EvalArgs {
+    /// Whether this is a live eval (`--live URL`).
+    pub(super) fn is_live(&self) -> bool {
+        self.live.live.is_some()
+    }
+}
+
+/// Runs `sluicegate eval --live URL`; the simulator's own flags are
+/// refused rather than silently ignored.
+pub(super) async fn run_live(args: EvalArgs) -> ExitCode {
+    let simulator_only = [
+        ("--pool", args.pool != "all"),
+        ("--gate-spec", !args.gate_specs.is_empty()),
+        ("--trace", args.trace.is_some()),
+        ("--scale", args.scale != 1.0),
+        ("--svg", args.svg.is_some()),
+        ("--svg-gate", args.svg_gate.is_some()),
+        ("--engine-policy", args.engine_policy != "fcfs"),
+        ("--poll-interval", args.poll_interval.is_some()),
+        ("--pace", args.pace != "off"),
+        ("--no-refill", args.no_refill),
+        ("--seed", !args.seed_numbers.is_empty()),
+        ("--seeds", args.seeds != "test"),
+    ];
+    if let Some((flag, _)) = simulator_only.iter().find(|(_, set)| *set) {
+        eprintln!(
+            "sluicegate eval --live: {flag} is a simulator flag; a live eval takes --repeats and --live-seed"
+        );
+        return ExitCode::from(super::EXIT_CONFIG);
+    }
+    let Some(url) = args.live.live.clone() else {
+        return ExitCode::from(super::EXIT_CONFIG);
+    };
+    super::eval_live::run(
+        url,
+        args.live,
+        &args.scenarios,
+        &args.gates,
+        args.csv,
+        args.json,
+    )
+    .await
 }
 
 /// Runs `sluicegate eval`.

@@ -9,6 +9,7 @@ mod bench;
 mod cancel;
 mod demo;
 mod eval;
+mod eval_live;
 mod output;
 mod probe;
 mod pubsub;
@@ -273,6 +274,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Bench(command) => bench::run(command).await,
         Command::Gate(GateCommand::Probe(args)) => probe::run(args).await,
         Command::Pubsub(PubsubCommand::Setup(args)) => pubsub::run_setup(args).await,
+        Command::Eval(args) if args.is_live() => eval::run_live(args).await,
         // Virtual time on its own runtimes: off the async workers.
         Command::Eval(args) => tokio::task::spawn_blocking(move || eval::run(args))
             .await

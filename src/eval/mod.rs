@@ -22,6 +22,7 @@ mod chart;
 pub mod contender;
 mod endpoint;
 pub mod harness;
+pub mod live;
 mod promql;
 pub mod scenario;
 pub mod score;
