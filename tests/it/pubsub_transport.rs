@@ -321,8 +321,17 @@ async fn a_message_on_its_last_delivery_gets_a_result_and_lands_in_the_dead_lett
     create(&client, &names, 5).await;
     // Nothing listens there: every attempt is a retryable transport error,
     // handed back after the backoff, and the broker counts the deliveries.
+    // A refused connection is also a congestion signal: its hold (2 s
+    // doubling by default, 30 s over the four hand-backs) is 250 ms
+    // doubling to 500 ms here.
     let closed = format!("http://127.0.0.1:{}", support::free_port());
-    let app = start_constant(&emulator, &names, &closed, "").await;
+    let app = start_constant(
+        &emulator,
+        &names,
+        &closed,
+        "congestion_backoff = \"250ms\"\ncongestion_max_backoff = \"500ms\"",
+    )
+    .await;
     publish(&client, &names.topic, &[request("doomed")]).await;
     let ids = BTreeSet::from(["doomed".to_owned()]);
     let by_id = results_for(&client, &names, &ids, Duration::from_secs(90)).await;
