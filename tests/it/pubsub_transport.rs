@@ -810,8 +810,9 @@ fn cli_setup(emulator: &Emulator, names: &Names, max_delivery_attempts: &str) {
     assert!(output.status.success(), "{output:?}");
 }
 
-/// How long the storm gateway refuses everything, from its first request.
-const STORM: Duration = Duration::from_secs(30);
+/// How long the storm gateway refuses everything, from its first request:
+/// two of the dispatcher's 10 s ack deadlines (30 s before issue 34).
+const STORM: Duration = Duration::from_secs(20);
 
 /// For [`STORM`] after the first request it sees, a pool under load: two
 /// requests in three are refused (503, or 429 with `Retry-After: 1`), the
@@ -855,7 +856,8 @@ impl wiremock::Respond for Storm {
 /// Issue 22, item 6: 300 messages published with Google's Python client to
 /// the README's subscription (retry policy, dead letters after 5
 /// deliveries), through a gateway that refuses most requests with 503/429
-/// for 30 s. Waiting out the congestion must burn no delivery attempt: every id
+/// for 20 s (twice the 10 s lease, the ack deadline the holds must keep
+/// extending). Waiting out the congestion must burn no delivery attempt: every id
 /// is answered exactly once, nothing is nacked, nothing dead-lettered and
 /// nothing left on the subscription.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
