@@ -588,6 +588,15 @@ section! {
         result_list: String = "sluicegate-batch-results".to_owned(), as_nonempty_string;
         /// Redis transport: prefix of the batch-record keys.
         key_prefix: String = "sluicegate:batchapi:".to_owned(), as_nonempty_string;
+        /// Requests per enqueue round trip of a batch's intake; a
+        /// restarted intake resumes after the last chunk enqueued.
+        intake_chunk: u64 = 500, |v| as_u64_in(v, 1, 100_000);
+        /// How long a batch step (validation, enqueuing, finalizing, a
+        /// cancel) may go untouched before another server takes it over:
+        /// its server died. Must be well above the time one chunk of the
+        /// step takes.
+        #[serde(serialize_with = "crate::values::serialize_duration")]
+        takeover_after: Duration = Duration::from_secs(60), duration_min(Duration::from_secs(1));
     }
 }
 

@@ -329,6 +329,8 @@ pub async fn start(
         max_line_bytes: serve.max_line_bytes,
         max_lines: serve.max_lines_per_batch,
         retention: Retention::new(serve.file_retention),
+        intake_chunk: usize::try_from(serve.intake_chunk).unwrap_or(usize::MAX),
+        takeover_after: serve.takeover_after,
     };
     let fairness = config.gateway.fairness_attribute.clone();
     let queue_name = queue_config.queue_name.clone();

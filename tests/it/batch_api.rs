@@ -567,6 +567,41 @@ fn a_bad_file_retention_stops_check_config_and_serve_naming_the_key() {
     );
 }
 
+/// Issue 34: the intake's chunk and the takeover of a dead server's
+/// step are settings; a value out of range stops the server naming the
+/// key, as a variable too.
+#[test]
+fn a_bad_intake_chunk_or_takeover_stops_check_config_and_serve_naming_the_key() {
+    let dir = support::TempDir::new("serve-intake-config");
+    serve_table_is_refused(
+        &dir,
+        "intake_chunk = 0\n",
+        "serve.intake_chunk: must be in [1, 100000], got 0",
+    );
+    serve_table_is_refused(
+        &dir,
+        "takeover_after = \"500ms\"\n",
+        "serve.takeover_after: must be at least 1s",
+    );
+    let file = dir.0.join("good.toml");
+    std::fs::write(
+        &file,
+        "transport = \"embedded\"\n[gateway]\nurl = \"http://127.0.0.1:9\"\n[[queue]]\nqueue_name = \"q\"\ngate_type = \"constant\"\n",
+    )
+    .expect("write config");
+    let out = support::cli::output(
+        support::cli::sluicegate(&["check-config", "--config"])
+            .arg(&file)
+            .env("SLUICEGATE_SERVE_TAKEOVER_AFTER", "0"),
+    );
+    let err = support::cli::text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("takeover_after") && err.contains("at least 1s"),
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_far_over_the_limit_gets_413_file_too_large() {
     // Issue 22: 2 MiB against a 1 MiB limit ran into the body limit (the
@@ -701,6 +736,9 @@ fn serve_command(
         .env("SLUICEGATE_GATEWAY_URL", gateway)
         .env("SLUICEGATE_GATE_TYPE", "constant")
         .env("SLUICEGATE_QUEUE_MAX_SYS", "2")
+        // A killed server's claims return to the queue 2 s after their
+        // last renewal (30 s by default).
+        .env("SLUICEGATE_DISPATCH_LEASE", "2s")
         .env("SLUICEGATE_SERVE_LISTEN", format!("127.0.0.1:{api_port}"))
         .env("SLUICEGATE_LISTEN", format!("127.0.0.1:{telemetry_port}"))
         .stdout(std::process::Stdio::null())
@@ -1483,6 +1521,12 @@ fn prefixed_lines(n: usize) -> String {
         .collect()
 }
 
+/// `serve.intake_chunk` of [`serve_with_config`]: lines per enqueue
+/// round trip, small so a kill lands mid-intake in a short batch. Its
+/// `serve.takeover_after` is 1 s (60 s by default): a restarted server
+/// resumes the dead one's intake a second after its last chunk.
+const INTAKE_CHUNK: usize = 50;
+
 /// `sluicegate serve --config <file>` in `cwd`: the API and telemetry on
 /// the given ports, `data` as its data directory, `transport` (TOML
 /// lines) and, when `closed`, a gate that never opens (an unreadable
@@ -1503,7 +1547,7 @@ fn serve_with_config(
         false => "gate_type = \"constant\"\n".to_owned(),
     };
     let text = format!(
-        "{transport}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:{}\"\n[serve]\nlisten = \"127.0.0.1:{}\"\ndata_dir = \"{}\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 64\n{gate}",
+        "{transport}[gateway]\nurl = \"{gateway}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:{}\"\n[serve]\nlisten = \"127.0.0.1:{}\"\ndata_dir = \"{}\"\nintake_chunk = {INTAKE_CHUNK}\ntakeover_after = \"1s\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 64\n{gate}",
         ports.1,
         ports.0,
         data.display()
@@ -1543,7 +1587,7 @@ async fn counting_gateway() -> wiremock::MockServer {
 /// `order` `model-prefix` (issue 26 item 7) the lines are enqueued grouped
 /// by prefix and the progress counts positions of that order.
 async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue<'_>, order: &str) {
-    const N: usize = 20_000;
+    const N: usize = 3_000;
     let dir = support::TempDir::new("serve-intake");
     let data = dir.0.join("data");
     let ports = (support::free_port(), support::free_port());
@@ -1565,7 +1609,8 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
         .await;
     let id = batch["id"].as_str().expect("id").to_owned();
     // Killed as soon as the first chunk is in the queue: the intake is
-    // then mid-way (it enqueues 500 lines per chunk).
+    // then mid-way (it enqueues `serve.intake_chunk` = 50 lines per
+    // chunk, 60 chunks, each chunk with its progress in one transaction).
     let give_up = std::time::Instant::now() + Duration::from_secs(120);
     while queue.waiting() == 0 {
         assert!(std::time::Instant::now() < give_up, "intake never began");
@@ -1573,15 +1618,17 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
     }
     first.kill();
     let at_kill = queue.waiting();
+    eprintln!("killed with {at_kill} of {N} lines enqueued");
     assert!(
         at_kill > 0 && at_kill < N as i64,
         "killed mid-intake: {at_kill} of {N} enqueued"
     );
+    assert_eq!(at_kill % INTAKE_CHUNK as i64, 0, "whole chunks: {at_kill}");
     if order == "model-prefix" {
-        // The first chunk is one prefix group (4 000 lines each), in file
+        // The first chunk is one prefix group (600 lines each), in file
         // order within it; in file order it would hold all five.
-        let first = queue.first_prompts(500);
-        assert_eq!(first.len(), 500);
+        let first = queue.first_prompts(INTAKE_CHUNK);
+        assert_eq!(first.len(), INTAKE_CHUNK);
         let starts: std::collections::BTreeSet<char> =
             first.iter().filter_map(|p| p.chars().next()).collect();
         assert_eq!(starts.len(), 1, "{starts:?}");

@@ -5,6 +5,12 @@
 //! the gateway: after the first wave of rejections, attempts stay at one
 //! probe per hold across both queues; nothing is lost; dispatch resumes
 //! within one hold of the gateway's recovery.
+//!
+//! Time runs in units (issue 34): the storm, the first wave, the holds
+//! and the receiver's poll are numbers of units, counted from the first
+//! attempt the gateway sees. A `Retry-After` is whole seconds, so that
+//! storm runs with a unit of a second (issue 22's figures); the others
+//! with half a second, the same number of holds in half the time.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use crate::support;
@@ -18,14 +24,19 @@ use sluicegate::config::Config;
 use wiremock::matchers::method;
 use wiremock::{Mock, MockServer, Request, Respond, ResponseTemplate};
 
-/// How long the gateway refuses everything.
-const STORM: Duration = Duration::from_secs(20);
+/// How long the gateway refuses everything, in units.
+const STORM: u32 = 20;
 /// The first wave (everything the window released before the first answer)
-/// is allowed this long to come back.
-const FIRST_WAVE: Duration = Duration::from_secs(2);
-/// `dispatch.congestion_max_backoff` in these tests.
-const MAX_HOLD: Duration = Duration::from_secs(8);
+/// is allowed this long to come back, in units.
+const FIRST_WAVE: u32 = 2;
+/// `dispatch.congestion_max_backoff` in these tests, in units
+/// (`congestion_backoff` is 1).
+const MAX_HOLD: u32 = 8;
 const PER_QUEUE: usize = 60;
+/// The unit of the storms without `Retry-After`: half a second, so the
+/// first wave (64 requests over fresh connections) still has a second to
+/// reach the gateway on a loaded machine.
+const HALF: Duration = Duration::from_millis(500);
 
 #[derive(Clone, Copy, Debug)]
 enum Refusal {
@@ -34,9 +45,11 @@ enum Refusal {
     Unavailable,
 }
 
-/// Refuses until `storm_ends`, then answers 200; counts what it saw.
+/// Refuses for [`STORM`] units from the first request, then answers 200;
+/// counts what it saw.
 struct Gateway {
-    started: Instant,
+    unit: Duration,
+    started: std::sync::OnceLock<Instant>,
     refusal: Refusal,
     first_wave: AtomicUsize,
     during_storm: AtomicUsize,
@@ -50,9 +63,10 @@ struct Shared(Arc<Gateway>);
 impl Respond for Shared {
     fn respond(&self, _request: &Request) -> ResponseTemplate {
         let gateway = &self.0;
-        let elapsed = gateway.started.elapsed();
-        if elapsed < STORM {
-            if elapsed < FIRST_WAVE {
+        let elapsed = gateway.started.get_or_init(Instant::now).elapsed();
+        let storm = gateway.unit * STORM;
+        if elapsed < storm {
+            if elapsed < gateway.unit * FIRST_WAVE {
                 gateway.first_wave.fetch_add(1, Ordering::SeqCst);
             } else {
                 gateway.during_storm.fetch_add(1, Ordering::SeqCst);
@@ -67,7 +81,7 @@ impl Respond for Shared {
         }
         let mut first = gateway.first_success_after.lock().unwrap();
         if first.is_none() {
-            *first = Some(elapsed - STORM);
+            *first = Some(elapsed - storm);
         }
         ResponseTemplate::new(200).set_body_json(serde_json::json!({
             "id": "cmpl", "object": "text_completion",
@@ -76,10 +90,11 @@ impl Respond for Shared {
     }
 }
 
-async fn storm(refusal: Refusal) {
+async fn storm(refusal: Refusal, unit: Duration) {
     let server = MockServer::start().await;
     let gateway = Arc::new(Gateway {
-        started: Instant::now(),
+        unit,
+        started: std::sync::OnceLock::new(),
         refusal,
         first_wave: AtomicUsize::new(0),
         during_storm: AtomicUsize::new(0),
@@ -95,10 +110,10 @@ transport = "memory"
 [gateway]
 url = "{}"
 [dispatch]
-poll_interval = "100ms"
-receive_wait = "100ms"
-congestion_backoff = "1s"
-congestion_max_backoff = "{}s"
+poll_interval = "{tenth}ms"
+receive_wait = "{tenth}ms"
+congestion_backoff = "{hold}ms"
+congestion_max_backoff = "{max_hold}ms"
 [telemetry]
 listen = "127.0.0.1:0"
 [[queue]]
@@ -111,7 +126,9 @@ max_sys = 32
 gate_type = "constant"
 "#,
         server.uri(),
-        MAX_HOLD.as_secs()
+        tenth = (unit / 10).as_millis(),
+        hold = unit.as_millis(),
+        max_hold = (unit * MAX_HOLD).as_millis(),
     );
     let config = Config::from_toml_str(&toml, &Default::default()).unwrap();
     let app = support::start_app(&config).await;
@@ -127,7 +144,7 @@ gate_type = "constant"
     }
     let queues = app.running.transports().memory().to_vec();
     support::wait_until(
-        STORM + Duration::from_secs(30),
+        unit * STORM + Duration::from_secs(30),
         "every message answered",
         || queues.iter().map(|q| q.result_count()).sum::<usize>() == 2 * PER_QUEUE,
     )
@@ -138,20 +155,22 @@ gate_type = "constant"
     println!(
         "{refusal:?}: first wave {first_wave}, attempts in the remaining {:?} of the storm {during}, \
          first success {resumed:?} after recovery",
-        STORM - FIRST_WAVE
+        unit * (STORM - FIRST_WAVE)
     );
     // The blind gate released its whole window (2 × 32) before the first
-    // answer; within the same 2 s at most a probe or two follow.
+    // answer; within the same 2 units at most a probe or two follow.
     assert!(first_wave <= 64 + 2, "first wave {first_wave}");
-    // Then one probe per hold across both queues: holds of at least 0.5 s
-    // doubling to 4–8 s (or Retry-After) leave room for a handful in 18 s.
+    // Then one probe per hold across both queues: holds of at least 0.5
+    // units doubling to 4–8 (or Retry-After) leave room for a handful in
+    // 18 units.
     assert!(
         during <= 12,
         "{during} attempts during the storm after the first wave"
     );
-    // Dispatch resumes within one hold of the recovery.
+    // Dispatch resumes within one hold of the recovery (and a second for
+    // the probe to be scheduled and answered).
     assert!(
-        resumed <= MAX_HOLD + Duration::from_secs(1),
+        resumed <= unit * MAX_HOLD + Duration::from_secs(1),
         "resumed after {resumed:?}"
     );
     // Nothing lost: every message has exactly one 200 result.
@@ -169,20 +188,20 @@ gate_type = "constant"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_storm_without_retry_after_gets_one_probe_per_backoff() {
-    storm(Refusal::TooMany).await;
+    storm(Refusal::TooMany, HALF).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_storm_with_retry_after_gets_one_probe_per_retry_after() {
-    storm(Refusal::TooManyRetryAfter(3)).await;
+    storm(Refusal::TooManyRetryAfter(3), Duration::from_secs(1)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_storm_with_retry_after_zero_still_backs_off() {
-    storm(Refusal::TooManyRetryAfter(0)).await;
+    storm(Refusal::TooManyRetryAfter(0), HALF).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_503_storm_gets_one_probe_per_backoff() {
-    storm(Refusal::Unavailable).await;
+    storm(Refusal::Unavailable, HALF).await;
 }

@@ -19,6 +19,13 @@
 //! application's own `sluicegate_requests_sent_total` is sampled. Limits
 //! are the issue's targets (mean ≤ 2 attempts/s, peak ≤ one window per
 //! second) with no wall-clock speed thresholds.
+//!
+//! Time runs in units of [`UNIT`] (issue 34): every timing of the storm
+//! (attempt timeout, congestion backoff and its cap, retry backoff, poll
+//! and receive wait) is a number of units, and the limits are per unit.
+//! With a unit of a second these are the issue 22 figures; the storms run
+//! with a quarter second, so they observe the same number of backoff
+//! periods in a quarter of the time.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use crate::support;
@@ -26,7 +33,7 @@ use crate::support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use crate::support::failing::{FailingGateway, Failure, per_second};
+use crate::support::failing::{FailingGateway, Failure, per_unit};
 use crate::support::pubsub::{Emulator, Names, collect, create, publish, results_by_id};
 use sluicegate::clock::unix_secs;
 use sluicegate::config::Config;
@@ -35,18 +42,51 @@ use sluicegate::config::Config;
 /// gate (always a fresh reading, so only the hold keeps the gateway quiet).
 const WINDOW: usize = 32;
 
+/// The storms' unit of time: issue 22's second, a quarter as long.
+const UNIT: Duration = Duration::from_millis(250);
+
+/// `n` units.
+fn units(n: u32) -> Duration {
+    UNIT * n
+}
+
+/// `n` units in the configuration's spelling (milliseconds).
+fn units_toml(n: u32) -> String {
+    format!("{}ms", units(n).as_millis())
+}
+
+/// A storm's `[gateway]` timings in units: an attempt times out after 1.
+fn gateway_timings() -> String {
+    format!(
+        "attempt_timeout = \"{}\"\nconnect_timeout = \"{}\"\n",
+        units_toml(1),
+        units_toml(1)
+    )
+}
+
+/// A storm's `[dispatch]` timings in units: the congestion hold starts
+/// at 2 (the default `congestion_backoff`, 2 s in issue 22's seconds) and
+/// doubles to 8, a failed message's own backoff starts at 1 (the default
+/// `retry_initial_backoff`), and the receiver polls every 0.1.
+fn dispatch_timings() -> String {
+    format!(
+        "congestion_backoff = \"{}\"\ncongestion_max_backoff = \"{}\"\nretry_initial_backoff = \"{}\"\nretry_max_backoff = \"{}\"\npoll_interval = \"{}ms\"\n",
+        units_toml(2),
+        units_toml(8),
+        units_toml(1),
+        units_toml(60),
+        (UNIT / 10).as_millis(),
+    )
+}
+
 fn config(gateway: &str) -> Config {
     let toml = format!(
         r#"
 transport = "memory"
 [gateway]
 url = "{gateway}"
-attempt_timeout = "1s"
-connect_timeout = "1s"
-[dispatch]
-poll_interval = "100ms"
-receive_wait = "100ms"
-congestion_max_backoff = "8s"
+{gateway_timings}[dispatch]
+{dispatch_timings}receive_wait = "{wait}ms"
 shutdown_grace = "2s"
 [telemetry]
 listen = "127.0.0.1:0"
@@ -54,7 +94,10 @@ listen = "127.0.0.1:0"
 queue_name = "storm"
 max_sys = {WINDOW}
 gate_type = "constant"
-"#
+"#,
+        gateway_timings = gateway_timings(),
+        dispatch_timings = dispatch_timings(),
+        wait = (UNIT / 10).as_millis(),
     );
     Config::from_toml_str(&toml, &Default::default()).unwrap()
 }
@@ -69,8 +112,8 @@ fn sent(app: &support::App, queue: &str) -> usize {
 }
 
 /// Runs `queued` messages against `url` for `span`; returns the attempts
-/// per second, read from `server` when there is one, else from the app's
-/// sent counter sampled every 100 ms.
+/// per unit, read from `server` when there is one, else from the app's
+/// sent counter sampled every tenth of a unit.
 async fn storm(
     url: &str,
     server: Option<&FailingGateway>,
@@ -88,19 +131,19 @@ async fn storm(
             .to_string(),
         );
     }
-    let per_second = attempts_per_second(&app, "storm", server, start, span).await;
+    let per_unit = attempts_per_unit(&app, "storm", server, start, span).await;
     app.stop().await;
     // Nothing answered, nothing lost: every message is still waiting.
     assert_eq!(queue.result_count(), 0, "{:?}", queue.results());
     assert!(queue.dead_letters().is_empty());
     assert_eq!(queue.unsettled().len(), queued);
-    per_second
+    per_unit
 }
 
 /// Waits until `span` has passed since `start`; returns the attempts per
-/// second on `queue` from `start`, read from `server` when there is one,
-/// else from the app's sent counter sampled every 100 ms.
-async fn attempts_per_second(
+/// unit on `queue` from `start`, read from `server` when there is one,
+/// else from the app's sent counter sampled every tenth of a unit.
+async fn attempts_per_unit(
     app: &support::App,
     queue: &str,
     server: Option<&FailingGateway>,
@@ -109,11 +152,11 @@ async fn attempts_per_second(
 ) -> Vec<usize> {
     let mut samples = vec![(start, 0usize)];
     while start.elapsed() < span {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(UNIT / 10).await;
         samples.push((Instant::now(), sent(app, queue)));
     }
     match server {
-        Some(server) => per_second(&server.attempts(), start, span),
+        Some(server) => per_unit(&server.attempts(), start, span, UNIT),
         None => {
             // Rebuild one instant per attempt from the sampled counter.
             let mut at = Vec::new();
@@ -123,49 +166,52 @@ async fn attempts_per_second(
                     pair[1].1.saturating_sub(pair[0].1),
                 ));
             }
-            per_second(&at, start, span)
+            per_unit(&at, start, span, UNIT)
         }
     }
 }
 
-fn check(what: &str, per_second: &[usize]) {
-    let total: usize = per_second.iter().sum();
-    let mean = total as f64 / per_second.len() as f64;
-    let peak = per_second.iter().copied().max().unwrap_or(0);
+fn check(what: &str, per_unit: &[usize]) {
+    let total: usize = per_unit.iter().sum();
+    let mean = total as f64 / per_unit.len() as f64;
+    let peak = per_unit.iter().copied().max().unwrap_or(0);
     println!(
-        "{what}: {total} attempts in {} s, mean {mean:.2}/s, peak {peak}/s; per second {per_second:?}",
-        per_second.len()
+        "{what}: {total} attempts in {} units of {UNIT:?}, mean {mean:.2}/unit, peak {peak}/unit; per unit {per_unit:?}",
+        per_unit.len()
     );
     assert!(total > 0, "{what}: the gateway saw no attempt at all");
-    assert!(mean <= 2.0, "{what}: mean {mean:.2} attempts/s");
+    assert!(mean <= 2.0, "{what}: mean {mean:.2} attempts/unit");
     // The first wave is the window released before the first failure
-    // came back; the first probe follows a hold of at least 1 s (half of
-    // the default `congestion_backoff`, 2 s), in a later second.
-    assert!(peak <= WINDOW, "{what}: peak {peak} attempts/s");
+    // came back; the first probe follows a hold of at least 1 unit (half
+    // of `congestion_backoff`, 2 units), in a later unit.
+    assert!(peak <= WINDOW, "{what}: peak {peak} attempts/unit");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resetting_gateway_with_2000_queued_sees_a_few_attempts_per_backoff() {
     let server = FailingGateway::start(Failure::Reset).await;
-    let counts = storm(&server.url, Some(&server), 2000, Duration::from_secs(60)).await;
-    check("reset, 2000 queued, 60 s", &counts);
+    let counts = storm(&server.url, Some(&server), 2000, units(60)).await;
+    check("reset, 2000 queued, 60 units", &counts);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_a_congestion_signal() {
     // A port nothing listens on: every connect is refused at once.
     let url = format!("http://127.0.0.1:{}", support::free_port());
-    let counts = storm(&url, None, 500, Duration::from_secs(30)).await;
-    check("connect refused, 500 queued, 30 s", &counts);
+    let counts = storm(&url, None, 500, units(30)).await;
+    check("connect refused, 500 queued, 30 units", &counts);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_that_hangs_past_the_attempt_timeout_is_a_congestion_signal() {
     let server = FailingGateway::start(Failure::Hang).await;
-    // The first wave alone is 32 attempts: over 30 s it leaves room for
-    // the probes within the mean of 2/s.
-    let counts = storm(&server.url, Some(&server), 500, Duration::from_secs(30)).await;
-    check("hang past attempt_timeout 1s, 500 queued, 30 s", &counts);
+    // The first wave alone is 32 attempts: over 30 units it leaves room
+    // for the probes within the mean of 2 per unit.
+    let counts = storm(&server.url, Some(&server), 500, units(30)).await;
+    check(
+        "hang past attempt_timeout 1 unit, 500 queued, 30 units",
+        &counts,
+    );
 }
 
 /// A reset is a failed attempt: it is counted in the result's `attempts`
@@ -181,7 +227,7 @@ async fn an_attempt_that_hit_a_reset_is_counted() {
             "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
         .to_string(),
     );
-    // Two holds of 1–2 s and 2–4 s, then the answer.
+    // Two holds of 1–2 and 2–4 units, then the answer.
     support::wait_until(Duration::from_secs(30), "the message answered", || {
         queue.result_count() == 1
     })
@@ -217,12 +263,8 @@ impl PubsubStorm {
 transport = "pubsub"
 [gateway]
 url = "{gateway}"
-attempt_timeout = "1s"
-connect_timeout = "1s"
-[dispatch]
-poll_interval = "100ms"
-receive_wait = "200ms"
-congestion_max_backoff = "8s"
+{gateway_timings}[dispatch]
+{dispatch_timings}receive_wait = "{wait}ms"
 shutdown_grace = "2s"
 lease = "10s"
 [telemetry]
@@ -235,6 +277,9 @@ gate_type = "constant"
 "#,
             pubsub = emulator.toml(&names.results),
             sub = names.subscription,
+            gateway_timings = gateway_timings(),
+            dispatch_timings = dispatch_timings(),
+            wait = (UNIT / 5).as_millis(),
         );
         let config = Config::from_toml_str(&toml, &Default::default()).unwrap();
         let app = support::start_app(&config).await;
@@ -260,9 +305,9 @@ gate_type = "constant"
         }
     }
 
-    /// Attempts per second until `span` after the publish.
+    /// Attempts per unit until `span` after the publish.
     async fn attempts(&self, server: Option<&FailingGateway>, span: Duration) -> Vec<usize> {
-        attempts_per_second(
+        attempts_per_unit(
             &self.app,
             &self.names.subscription,
             server,
@@ -360,20 +405,20 @@ fn metric(app: &support::App, name: &str, queue: &str) -> f64 {
         .map_or(0.0, |v| v.trim().parse().unwrap())
 }
 
-/// Pub/Sub, 500 published, a gateway resetting every connection for 30 s:
+/// Pub/Sub, 500 published, a gateway resetting every connection for 30 units:
 /// attempts bounded as on the memory queue; then it answers, and every id
 /// is answered exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resetting_gateway_on_pubsub_is_bounded_and_loses_nothing() {
     let server = FailingGateway::start(Failure::Reset).await;
     let storm = PubsubStorm::start("psreset", &server.url, 500).await;
-    let counts = storm.attempts(Some(&server), Duration::from_secs(30)).await;
-    check("pubsub, reset, 500 queued, 30 s", &counts);
+    let counts = storm.attempts(Some(&server), units(30)).await;
+    check("pubsub, reset, 500 queued, 30 units", &counts);
     server.recover();
     storm.every_id_answered_once("pubsub, reset").await;
 }
 
-/// Pub/Sub, 500 published, a gateway port refusing connections for 30 s:
+/// Pub/Sub, 500 published, a gateway port refusing connections for 30 units:
 /// attempts bounded; then a gateway starts on that port, and every id is
 /// answered exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -381,8 +426,8 @@ async fn a_refusing_gateway_on_pubsub_is_bounded_and_loses_nothing() {
     let port = support::free_port();
     let url = format!("http://127.0.0.1:{port}");
     let storm = PubsubStorm::start("psrefuse", &url, 500).await;
-    let counts = storm.attempts(None, Duration::from_secs(30)).await;
-    check("pubsub, connect refused, 500 queued, 30 s", &counts);
+    let counts = storm.attempts(None, units(30)).await;
+    check("pubsub, connect refused, 500 queued, 30 units", &counts);
     // Answers every request from the first.
     let _server = FailingGateway::start_on(port, Failure::ResetThenOk(0)).await;
     storm

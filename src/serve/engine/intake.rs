@@ -17,7 +17,7 @@ use crate::serve::files::{Line, read_line};
 use crate::serve::model::{BatchRecord, BatchStatus, LineError, Stop};
 use crate::serve::sink::Progress;
 
-use super::{BOM, CHUNK, Engine, EngineError, enqueuing, line_error};
+use super::{BOM, Engine, EngineError, enqueuing, line_error};
 
 /// Validation errors listed in a batch; further ones are only counted.
 const MAX_LISTED_ERRORS: usize = 100;
@@ -298,7 +298,8 @@ impl Engine {
         let mut lines = self.input_lines(batch, done_lines).await?;
         let (mut n, mut enqueued) = (done_lines, 0u64);
         let mut seen = HashSet::new();
-        let mut chunk = Vec::with_capacity(CHUNK);
+        let size = self.limits.intake_chunk.max(1);
+        let mut chunk = Vec::with_capacity(size);
         let mut stopped: Option<Stop> = None;
         loop {
             let line = lines.next().await?;
@@ -309,7 +310,7 @@ impl Engine {
                     chunk.push(message);
                 }
             }
-            if chunk.len() < CHUNK && !end {
+            if chunk.len() < size && !end {
                 continue;
             }
             if stopped.is_none() {

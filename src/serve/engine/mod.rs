@@ -41,7 +41,8 @@ mod sweep;
 
 /// The UTF-8 byte-order mark a file may start with.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
-/// Requests per enqueue round trip.
+/// Requests per round trip when a stop answers or removes a batch's
+/// requests (the intake's chunk is [`Limits::intake_chunk`]).
 const CHUNK: usize = 500;
 /// Added to [`Limits::in_flight_grace`] before a stopped batch's missing
 /// results are answered by the server itself: the time a result takes
@@ -65,6 +66,11 @@ pub struct Limits {
     pub max_lines: u64,
     /// How long files are kept when they name no expiry.
     pub retention: Retention,
+    /// Requests per enqueue round trip of an intake (`serve.intake_chunk`).
+    pub intake_chunk: usize,
+    /// A step untouched this long is taken over by another server: its
+    /// server died (`serve.takeover_after`).
+    pub takeover_after: Duration,
 }
 
 /// A lifecycle step that failed (logged; the sweep tries again).
@@ -362,6 +368,8 @@ mod tests {
                 max_line_bytes: 1 << 10,
                 max_lines: 10,
                 retention: Retention::new(Duration::ZERO),
+                intake_chunk: CHUNK,
+                takeover_after: Duration::from_secs(60),
             },
             Some("userid".into()),
             crate::telemetry::Metrics::new().batch_api("q"),

@@ -18,9 +18,6 @@ use super::{Engine, EngineError, enqueuing, stop_cut};
 
 /// Output lines per store read while writing the files.
 const FILE_PAGE: usize = 1000;
-/// A step (validation, finalizing) untouched this long is taken over by
-/// another server: its server died.
-const STALE_SECS: i64 = 60;
 /// How often the sweep runs.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
@@ -42,11 +39,16 @@ impl Engine {
     /// the `batches` gauge.
     pub async fn sweep(self: &Arc<Self>) -> Result<(), EngineError> {
         let at = unix_secs();
+        // A step (validation, enqueuing, finalizing) untouched this long is
+        // taken over by another server: its server died.
+        let after = self.limits.takeover_after;
+        let after = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+        let stale_secs = i64::try_from(after).unwrap_or(i64::MAX);
         let active = self.store.active_batches().await?;
         self.report_holdings(&active).await?;
         for batch in active {
             let mine = self.lock_running().contains(&batch.id);
-            let stale = at - batch.touched_at >= STALE_SECS;
+            let stale = at - batch.touched_at >= stale_secs;
             match batch.status {
                 BatchStatus::Validating if !mine && stale => self.start_intake(&batch.id),
                 BatchStatus::InProgress

@@ -170,12 +170,18 @@ async fn fail(mut stream: TcpStream, failure: Failure, buf: &mut [u8], stop: &Ca
     }
 }
 
-/// Attempts per whole second since `start`, over `span`.
-pub fn per_second(attempts: &[Instant], start: Instant, span: Duration) -> Vec<usize> {
-    let mut buckets = vec![0usize; usize::try_from(span.as_secs()).unwrap_or(0).max(1)];
+/// Attempts per `unit` since `start`, over `span` (whole units).
+pub fn per_unit(
+    attempts: &[Instant],
+    start: Instant,
+    span: Duration,
+    unit: Duration,
+) -> Vec<usize> {
+    let units = span.as_nanos() / unit.as_nanos().max(1);
+    let mut buckets = vec![0usize; usize::try_from(units).unwrap_or(0).max(1)];
     for at in attempts {
-        let i = usize::try_from(at.saturating_duration_since(start).as_secs()).unwrap_or(0);
-        if let Some(b) = buckets.get_mut(i) {
+        let i = at.saturating_duration_since(start).as_nanos() / unit.as_nanos().max(1);
+        if let Some(b) = usize::try_from(i).ok().and_then(|i| buckets.get_mut(i)) {
             *b += 1;
         }
     }
