@@ -58,7 +58,8 @@
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
 //! - [`eval`]: gate quality in virtual time (`sluicegate eval`): the
 //!   production gates, window and congestion hold driving the simulator,
-//!   scored against a batch-free twin run.
+//!   scored against a batch-free twin run; and on a real engine in real
+//!   time (`eval --live URL`, `eval/live/`).
 //!
 //! Under all of them, the ground floor: [`tasks`] (the task tree: every
 //! long-lived task named, a panic stops the run), [`redis`] (one Redis
