@@ -8,9 +8,10 @@
 #   scripts/vllm.sh path      prints the install directory (engine at $DIR/venv/bin/vllm,
 #                             model at $DIR/model); exits 1 when it is not installed
 #   scripts/vllm.sh serve     starts one engine on a free 127.0.0.1 port ($VLLM_PORT
-#                             if set), waits for
-#                             /health, prints "ready port=P pid=PID"; stop it with
-#                             kill -TERM PID (it exits cleanly in ~4 s)
+#                             if set; refused when something answers there),
+#                             waits for /health, prints "ready port=P pid=PID log=L";
+#                             PID leads the engine's process group: stop it with
+#                             kill -TERM -- -PID (it exits cleanly in ~4 s)
 #   scripts/vllm.sh [all]     install + model
 #
 # The install lives outside the checkout, in a directory keyed by the pins
@@ -19,12 +20,13 @@
 # a new directory. A half-finished install is never used: `.complete` is
 # written last, and an install without it starts over.
 #
-# CPU placement (both cores of these machines are named; see
-# docs/real-engine.md): the engine's compute threads are bound to core
-# $VLLM_ENGINE_CPU (default: the last core) with VLLM_CPU_OMP_THREADS_BIND,
-# and its API server process to the other cores with taskset, so the engine
-# has a core of its own and its API server, the dispatcher and the client
-# share the rest.
+# CPU placement (see docs/real-engine.md): the engine (its engine-core
+# process and the worker that computes) on core $VLLM_ENGINE_CPU (default:
+# the last core), its API server on the other cores, so the engine has a
+# core of its own and its API server, the dispatcher and the client share
+# the rest. Every process starts on the engine core (taskset); the worker's
+# compute threads are bound there by VLLM_CPU_OMP_THREADS_BIND; once the
+# engine answers, the API server's threads move to the other cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -152,23 +154,38 @@ do_serve() {
   [ -n "$others" ] || others=$engine_cpu
   port=${VLLM_PORT:-$("$DIR/venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
   local log=${VLLM_LOG:-$DIR/server-$port.log}
-  # --distributed-executor-backend uni: the model runs in the engine process
-  #   (the default multiprocess executor busy-polls between two processes
-  #   and takes both cores);
+  # Something already answering there (an engine that outlived a kill)
+  # would pass the /health wait below for the engine started here.
+  if curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$port/health"; then
+    die "port $port is in use"
+  fi
+  # --distributed-executor-backend uni is asked for, but vLLM's CPU platform
+  #   replaces it with the multiprocess executor (vllm/platforms/cpu.py:
+  #   OpenMP needs it), so the engine core and the worker are two processes,
+  #   and the engine core busy-polls the worker while requests run (a whole
+  #   core, measured). Both therefore stay on the engine core: on the other
+  #   one that poll took the core the API server, the dispatcher and the
+  #   client share (16 requests of 300 tokens: 7.4-11.5 s there, 4.8-5.0 s
+  #   with the engine core beside the worker, on a loaded machine).
   # --enforce-eager: no torch.compile (starts in ~35 s instead of 60-105 s,
   #   same step time for this model);
   # VLLM_HOST_IP: internal sockets on loopback, not the machine's address.
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
     VLLM_CPU_OMP_THREADS_BIND=$engine_cpu \
-    setsid taskset -c "$others" "$DIR/venv/bin/vllm" serve "$DIR/model" \
+    setsid taskset -c "$engine_cpu" "$DIR/venv/bin/vllm" serve "$DIR/model" \
     --load-format dummy --served-model-name tiny-llama \
     --host 127.0.0.1 --port "$port" --max-model-len 2048 --max-num-seqs 32 \
     --enforce-eager --distributed-executor-backend uni "$@" \
     >"$log" 2>&1 </dev/null &
   pid=$!
   for ((i = 0; i < ${VLLM_START_TIMEOUT:-300}; i++)); do
-    if curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+    if kill -0 "$pid" 2>/dev/null && curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+      # The API server (the group leader; its engine core and worker are
+      # children started on the engine core) to the other cores, every
+      # thread; threads it starts later inherit that.
+      taskset -a -p -c "$others" "$pid" >/dev/null ||
+        die "cannot move the API server (pid $pid) to cores $others"
       echo "ready port=$port pid=$pid log=$log"
       return 0
     fi
