@@ -24,9 +24,11 @@
 # process and the worker that computes) on core $VLLM_ENGINE_CPU (default:
 # the last core), its API server on the other cores, so the engine has a
 # core of its own and its API server, the dispatcher and the client share
-# the rest. Every process starts on the engine core (taskset); the worker's
-# compute threads are bound there by VLLM_CPU_OMP_THREADS_BIND; once the
-# engine answers, the API server's threads move to the other cores.
+# the rest. The API server starts on the other cores (taskset) and starts
+# the engine core there; the worker's compute threads are bound to the
+# engine core by VLLM_CPU_OMP_THREADS_BIND; once the engine answers, the
+# API server's children (the engine core and a resource tracker) move to
+# the engine core, every thread.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -145,9 +147,42 @@ PY
   mv "$out.partial" "$out"
 }
 
+# The API server's children (the engine core, a resource tracker) to core
+# $2, every thread (threads they start later inherit it); the worker, a
+# child of the engine core, is bound there already. Fails naming a child
+# it could not move.
+place_engine_core() {
+  local child
+  for child in $(pgrep -P "$1"); do
+    taskset -a -p -c "$2" "$child" >/dev/null 2>&1 && continue
+    # A child that exited meanwhile needs no placing.
+    if kill -0 "$child" 2>/dev/null; then
+      echo "$child"
+      return 1
+    fi
+  done
+}
+
+# Waits (up to $VLLM_WAIT_FOR_ENGINES s, default 600) until no other
+# engine's API server (`.../bin/vllm serve`, zombies aside) runs on this
+# machine. Every engine puts its worker on the same core, whose OpenMP
+# threads spin there: a second engine's worker then got about 1/46 of the
+# core and its start did not answer within 300 s (measured).
+wait_for_other_engines() {
+  local others i limit=${VLLM_WAIT_FOR_ENGINES:-600}
+  for ((i = 0; i <= limit; i += 2)); do
+    others=$(pgrep -f -r R,S,D,T 'bin/vllm serve' | paste -sd, -) || true
+    [ -z "$others" ] && return 0
+    [ "$i" = 0 ] && echo "vllm.sh: waiting for the engine already running here (pid $others) to exit: two engines would share one core" >&2
+    sleep 2
+  done
+  die "another engine (pid $others) still runs after ${limit} s; stop it, or set VLLM_WAIT_FOR_ENGINES"
+}
+
 do_serve() {
   installed || die "not installed; run scripts/vllm.sh install"
-  local port pid cores engine_cpu others i
+  wait_for_other_engines
+  local port pid cores engine_cpu others i unplaced
   cores=$(nproc)
   engine_cpu=${VLLM_ENGINE_CPU:-$((cores - 1))}
   others=$(seq -s, 0 $((cores - 1)) | tr , '\n' | grep -vx "$engine_cpu" | paste -sd, -)
@@ -173,7 +208,7 @@ do_serve() {
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
     VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
     VLLM_CPU_OMP_THREADS_BIND=$engine_cpu \
-    setsid taskset -c "$engine_cpu" "$DIR/venv/bin/vllm" serve "$DIR/model" \
+    setsid taskset -c "$others" "$DIR/venv/bin/vllm" serve "$DIR/model" \
     --load-format dummy --served-model-name tiny-llama \
     --host 127.0.0.1 --port "$port" --max-model-len 2048 --max-num-seqs 32 \
     --enforce-eager --distributed-executor-backend uni "$@" \
@@ -181,21 +216,23 @@ do_serve() {
   pid=$!
   for ((i = 0; i < ${VLLM_START_TIMEOUT:-300}; i++)); do
     if kill -0 "$pid" 2>/dev/null && curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
-      # The API server (the group leader; its engine core and worker are
-      # children started on the engine core) to the other cores, every
-      # thread; threads it starts later inherit that.
-      taskset -a -p -c "$others" "$pid" >/dev/null ||
-        die "cannot move the API server (pid $pid) to cores $others"
+      if ! unplaced=$(place_engine_core "$pid" "$engine_cpu"); then
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        die "cannot move pid $unplaced of the engine to core $engine_cpu"
+      fi
       echo "ready port=$port pid=$pid log=$log"
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || {
       tail -30 "$log" >&2
+      kill -KILL -- "-$pid" 2>/dev/null || true
       die "the engine exited during start (log $log)"
     }
     sleep 1
   done
-  kill -TERM "$pid" 2>/dev/null || true
+  # The whole group: the engine core and the worker are its children and
+  # would outlive their API server.
+  kill -KILL -- "-$pid" 2>/dev/null || true
   die "the engine did not answer /health within ${VLLM_START_TIMEOUT:-300} s (log $log)"
 }
 

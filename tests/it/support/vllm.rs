@@ -84,12 +84,13 @@ impl Vllm {
     }
 
     /// SIGKILL to its whole process group (the API server and the engine
-    /// core), as a crash; returns once every process of it is gone.
+    /// core), as a crash; returns once every process of it is gone (a
+    /// worker of 2 GB takes seconds to exit on a loaded machine).
     pub fn kill(&mut self) {
         let pid = self.pid;
         assert!(
-            self.signal("KILL", Duration::from_secs(20)),
-            "the engine's process group {pid:?} outlived SIGKILL for 20 s"
+            self.signal("KILL", Duration::from_secs(60)),
+            "the engine's process group {pid:?} outlived SIGKILL for 60 s"
         );
     }
 
