@@ -8,9 +8,10 @@
 #   scripts/vllm.sh path      prints the install directory (engine at $DIR/venv/bin/vllm,
 #                             model at $DIR/model); exits 1 when it is not installed
 #   scripts/vllm.sh serve     starts one engine on a free 127.0.0.1 port ($VLLM_PORT
-#                             if set), waits for
-#                             /health, prints "ready port=P pid=PID"; stop it with
-#                             kill -TERM PID (it exits cleanly in ~4 s)
+#                             if set; refused when something answers there),
+#                             waits for /health, prints "ready port=P pid=PID log=L";
+#                             PID leads the engine's process group: stop it with
+#                             kill -TERM -- -PID (it exits cleanly in ~4 s)
 #   scripts/vllm.sh [all]     install + model
 #
 # The install lives outside the checkout, in a directory keyed by the pins
@@ -19,12 +20,15 @@
 # a new directory. A half-finished install is never used: `.complete` is
 # written last, and an install without it starts over.
 #
-# CPU placement (both cores of these machines are named; see
-# docs/real-engine.md): the engine's compute threads are bound to core
-# $VLLM_ENGINE_CPU (default: the last core) with VLLM_CPU_OMP_THREADS_BIND,
-# and its API server process to the other cores with taskset, so the engine
-# has a core of its own and its API server, the dispatcher and the client
-# share the rest.
+# CPU placement (see docs/real-engine.md): the engine (its engine-core
+# process and the worker that computes) on core $VLLM_ENGINE_CPU (default:
+# the last core), its API server on the other cores, so the engine has a
+# core of its own and its API server, the dispatcher and the client share
+# the rest. The API server starts on the other cores (taskset) and starts
+# the engine core there; the worker's compute threads are bound to the
+# engine core by VLLM_CPU_OMP_THREADS_BIND; once the engine answers, the
+# API server's children (the engine core and a resource tracker) move to
+# the engine core, every thread.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -143,18 +147,61 @@ PY
   mv "$out.partial" "$out"
 }
 
+# The API server's children (the engine core, a resource tracker) to core
+# $2, every thread (threads they start later inherit it); the worker, a
+# child of the engine core, is bound there already. Fails naming a child
+# it could not move.
+place_engine_core() {
+  local child
+  for child in $(pgrep -P "$1"); do
+    taskset -a -p -c "$2" "$child" >/dev/null 2>&1 && continue
+    # A child that exited meanwhile needs no placing.
+    if kill -0 "$child" 2>/dev/null; then
+      echo "$child"
+      return 1
+    fi
+  done
+}
+
+# Waits (up to $VLLM_WAIT_FOR_ENGINES s, default 600) until no other
+# engine's API server (`.../bin/vllm serve`, zombies aside) runs on this
+# machine. Every engine puts its worker on the same core, whose OpenMP
+# threads spin there: a second engine's worker then got about 1/46 of the
+# core and its start did not answer within 300 s (measured).
+wait_for_other_engines() {
+  local others i limit=${VLLM_WAIT_FOR_ENGINES:-600}
+  for ((i = 0; i <= limit; i += 2)); do
+    others=$(pgrep -f -r R,S,D,T 'bin/vllm serve' | paste -sd, -) || true
+    [ -z "$others" ] && return 0
+    [ "$i" = 0 ] && echo "vllm.sh: waiting for the engine already running here (pid $others) to exit: two engines would share one core" >&2
+    sleep 2
+  done
+  die "another engine (pid $others) still runs after ${limit} s; stop it, or set VLLM_WAIT_FOR_ENGINES"
+}
+
 do_serve() {
   installed || die "not installed; run scripts/vllm.sh install"
-  local port pid cores engine_cpu others i
+  wait_for_other_engines
+  local port pid cores engine_cpu others i unplaced
   cores=$(nproc)
   engine_cpu=${VLLM_ENGINE_CPU:-$((cores - 1))}
   others=$(seq -s, 0 $((cores - 1)) | tr , '\n' | grep -vx "$engine_cpu" | paste -sd, -)
   [ -n "$others" ] || others=$engine_cpu
   port=${VLLM_PORT:-$("$DIR/venv/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}
   local log=${VLLM_LOG:-$DIR/server-$port.log}
-  # --distributed-executor-backend uni: the model runs in the engine process
-  #   (the default multiprocess executor busy-polls between two processes
-  #   and takes both cores);
+  # Something already answering there (an engine that outlived a kill)
+  # would pass the /health wait below for the engine started here.
+  if curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$port/health"; then
+    die "port $port is in use"
+  fi
+  # --distributed-executor-backend uni is asked for, but vLLM's CPU platform
+  #   replaces it with the multiprocess executor (vllm/platforms/cpu.py:
+  #   OpenMP needs it), so the engine core and the worker are two processes,
+  #   and the engine core busy-polls the worker while requests run (a whole
+  #   core, measured). Both therefore stay on the engine core: on the other
+  #   one that poll took the core the API server, the dispatcher and the
+  #   client share (16 requests of 300 tokens: 7.4-11.5 s there, 4.8-5.0 s
+  #   with the engine core beside the worker, on a loaded machine).
   # --enforce-eager: no torch.compile (starts in ~35 s instead of 60-105 s,
   #   same step time for this model);
   # VLLM_HOST_IP: internal sockets on loopback, not the machine's address.
@@ -168,17 +215,24 @@ do_serve() {
     >"$log" 2>&1 </dev/null &
   pid=$!
   for ((i = 0; i < ${VLLM_START_TIMEOUT:-300}; i++)); do
-    if curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+    if kill -0 "$pid" 2>/dev/null && curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+      if ! unplaced=$(place_engine_core "$pid" "$engine_cpu"); then
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        die "cannot move pid $unplaced of the engine to core $engine_cpu"
+      fi
       echo "ready port=$port pid=$pid log=$log"
       return 0
     fi
     kill -0 "$pid" 2>/dev/null || {
       tail -30 "$log" >&2
+      kill -KILL -- "-$pid" 2>/dev/null || true
       die "the engine exited during start (log $log)"
     }
     sleep 1
   done
-  kill -TERM "$pid" 2>/dev/null || true
+  # The whole group: the engine core and the worker are its children and
+  # would outlive their API server.
+  kill -KILL -- "-$pid" 2>/dev/null || true
   die "the engine did not answer /health within ${VLLM_START_TIMEOUT:-300} s (log $log)"
 }
 

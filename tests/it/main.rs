@@ -48,6 +48,7 @@ mod merge_policy;
 mod ops_monitoring;
 mod pool_window;
 mod pubsub_transport;
+mod real_engine;
 mod redis_cluster;
 mod redis_delivery;
 mod redis_faults;

@@ -17,6 +17,17 @@ pub struct PrometheusSpec {
     pub drop_metrics: Vec<String>,
 }
 
+/// A recording rule: `record` is `expr`, with `labels` added.
+#[derive(Debug, Clone)]
+pub struct RecordingRule {
+    /// The recorded metric's name.
+    pub record: String,
+    /// PromQL (single quotes are not allowed: the YAML quotes it with them).
+    pub expr: String,
+    /// Labels added to the recorded series.
+    pub labels: Vec<(String, String)>,
+}
+
 /// A running Prometheus.
 #[derive(Debug)]
 pub struct Prometheus {
@@ -35,15 +46,60 @@ impl Prometheus {
     /// Like [`Self::start`] with another scrape interval: real deployments
     /// scrape every 15 to 60 s, which is what the lag tests reproduce.
     pub async fn start_scraping_every(spec: &PrometheusSpec, interval: Duration) -> Self {
+        Self::start_with(spec, interval, &[], &[]).await
+    }
+
+    /// Like [`Self::start`], with `labels` added to every scraped series
+    /// (the target's labels, as service discovery adds a pool label) and
+    /// recording `rules` evaluated every second (e.g. a ready-endpoint count
+    /// where no endpoint picker exports one).
+    pub async fn start_labelled(
+        spec: &PrometheusSpec,
+        labels: &[(&str, &str)],
+        rules: &[RecordingRule],
+    ) -> Self {
+        Self::start_with(spec, Duration::from_secs(1), labels, rules).await
+    }
+
+    async fn start_with(
+        spec: &PrometheusSpec,
+        interval: Duration,
+        labels: &[(&str, &str)],
+        rules: &[RecordingRule],
+    ) -> Self {
         let dir = TempDir::new("prometheus");
         let targets: Vec<String> = spec.targets.iter().map(|t| format!("'{t}'")).collect();
         let interval_ms = interval.as_millis();
-        let mut config = format!(
-            "global:\n  scrape_interval: {interval_ms}ms\n  evaluation_interval: 1s\n\
-             scrape_configs:\n  - job_name: pool\n    scrape_interval: {interval_ms}ms\n    scrape_timeout: 900ms\n\
+        let mut config =
+            format!("global:\n  scrape_interval: {interval_ms}ms\n  evaluation_interval: 1s\n");
+        if !rules.is_empty() {
+            let mut text = String::from("groups:\n  - name: test\n    interval: 1s\n    rules:\n");
+            for rule in rules {
+                text.push_str(&format!(
+                    "      - record: {}\n        expr: '{}'\n",
+                    rule.record, rule.expr
+                ));
+                if !rule.labels.is_empty() {
+                    text.push_str("        labels:\n");
+                    for (k, v) in &rule.labels {
+                        text.push_str(&format!("          {k}: '{v}'\n"));
+                    }
+                }
+            }
+            std::fs::write(dir.0.join("rules.yml"), text).expect("write rules.yml");
+            config.push_str("rule_files: ['rules.yml']\n");
+        }
+        config.push_str(&format!(
+            "scrape_configs:\n  - job_name: pool\n    scrape_interval: {interval_ms}ms\n    scrape_timeout: 900ms\n\
              \x20   static_configs:\n      - targets: [{}]\n",
             targets.join(", ")
-        );
+        ));
+        if !labels.is_empty() {
+            config.push_str("        labels:\n");
+            for (k, v) in labels {
+                config.push_str(&format!("          {k}: '{v}'\n"));
+            }
+        }
         if !spec.drop_metrics.is_empty() {
             config.push_str("    metric_relabel_configs:\n");
             for regex in &spec.drop_metrics {

@@ -40,11 +40,19 @@ impl RedisServer {
     /// Waits (up to 30 s) until `list` holds at least `n` entries, then
     /// returns them all, parsed as JSON (result records).
     pub(crate) async fn wait_for_len(&self, list: &str, n: i64) -> Vec<serde_json::Value> {
+        self.wait_for_len_within(list, n, Duration::from_secs(30))
+            .await
+    }
+
+    /// [`Self::wait_for_len`], waiting up to `within`.
+    pub(crate) async fn wait_for_len_within(
+        &self,
+        list: &str,
+        n: i64,
+        within: Duration,
+    ) -> Vec<serde_json::Value> {
         let what = format!("{list} reaching {n} entries");
-        super::wait_until(Duration::from_secs(30), &what, || {
-            self.int(&["LLEN", list]) >= n
-        })
-        .await;
+        super::wait_until(within, &what, || self.int(&["LLEN", list]) >= n).await;
         self.cli(&["LRANGE", list, "0", "-1"])
             .lines()
             .map(|l| serde_json::from_str(l).expect("result is JSON"))

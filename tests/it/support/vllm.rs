@@ -84,9 +84,14 @@ impl Vllm {
     }
 
     /// SIGKILL to its whole process group (the API server and the engine
-    /// core), as a crash.
+    /// core), as a crash; returns once every process of it is gone (a
+    /// worker of 2 GB takes seconds to exit on a loaded machine).
     pub fn kill(&mut self) {
-        self.signal("KILL", Duration::from_secs(10));
+        let pid = self.pid;
+        assert!(
+            self.signal("KILL", Duration::from_secs(60)),
+            "the engine's process group {pid:?} outlived SIGKILL for 60 s"
+        );
     }
 
     /// SIGTERM, and SIGKILL if it has not exited within 20 s.
@@ -95,26 +100,62 @@ impl Vllm {
         self.signal("KILL", Duration::from_secs(10));
     }
 
-    fn signal(&mut self, signal: &str, wait: Duration) {
-        let Some(pid) = self.pid else { return };
+    /// Sends `signal` to the group and waits up to `wait` for it to be
+    /// gone; whether it is (true when it was already).
+    fn signal(&mut self, signal: &str, wait: Duration) -> bool {
+        let Some(pid) = self.pid else { return true };
+        // A group, never "every process": kill(-1) as root ends the machine.
+        assert!(pid > 1, "not an engine's process group: {pid}");
+        // `--` before the negative id: procps-ng 4.0.2 reads `kill -KILL
+        // -18068` as kill(-1, SIGKILL) (it keeps the first digit, strace
+        // shows), every process the user may signal: as root, the whole
+        // machine; `-4660` as kill(-4), which missed the engine. With `--`
+        // it is kill(-18068).
         let _ = Command::new("kill")
-            .args([format!("-{signal}"), format!("-{pid}")])
+            .args([format!("-{signal}"), "--".to_owned(), format!("-{pid}")])
             .status();
         let give_up = std::time::Instant::now() + wait;
-        // The group is gone when no process of it is left.
         while std::time::Instant::now() < give_up {
-            let alive = Command::new("pgrep")
-                .args(["-g", &pid.to_string()])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if !alive {
+            if !group_alive(pid) {
                 self.pid = None;
                 let _ = std::fs::remove_file(&self.log);
-                return;
+                return true;
             }
             std::thread::sleep(Duration::from_millis(100));
         }
+        false
     }
+}
+
+/// Whether a process of the group `pgid` still runs. The engine's
+/// processes are orphans once the group leader dies, and their zombies
+/// wait for init to reap them (seconds on these machines); a zombie holds
+/// no memory, port or core, so it does not count.
+fn group_alive(pgid: u32) -> bool {
+    let Ok(out) = Command::new("pgrep")
+        .args(["-g", &pgid.to_string()])
+        .output()
+    else {
+        return false;
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .any(|pid| {
+            // /proc/<pid>/stat: "pid (comm) state ..."; comm may hold spaces
+            // and parentheses, so the state follows the last ')'.
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let state = stat
+                        .rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .next()?
+                        .to_owned();
+                    Some(state != "Z" && state != "X")
+                })
+                .unwrap_or(false)
+        })
 }
 
 impl Drop for Vllm {
