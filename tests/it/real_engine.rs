@@ -1,9 +1,10 @@
 //! A real vLLM instead of our simulator (issue 38): the CPU build of vLLM
 //! serving a tiny random-weight Llama (`scripts/vllm.sh`,
 //! `support::vllm`), `max_num_seqs` 32 and a 2 048-token context. Each
-//! test starts one engine (25–50 s) and checks everything it can on it;
-//! the nextest group `real-engine` runs them one at a time. What each test
-//! proves, and how long it takes: docs/real-engine.md.
+//! test starts one engine (23–30 s, more on a busy machine) and checks
+//! everything it can on it; the nextest group `real-engine` runs them one
+//! at a time. What each test proves, and how long it takes:
+//! docs/real-engine.md.
 //!
 //! Load is sent straight to the engine: 48 completions at once, more than
 //! its 32 sequences, so 16 wait; aborting the requests (dropping their
@@ -44,7 +45,7 @@ fn step(t0: Instant, what: &str) {
     eprintln!("[{:6.1} s] {what}", t0.elapsed().as_secs_f64());
 }
 
-/// Starts an engine off the async workers (the start blocks for 25–50 s).
+/// Starts an engine off the async workers (the start blocks for 23–30 s, more on a busy machine).
 async fn start_engine(port: Option<u16>) -> Vllm {
     tokio::task::spawn_blocking(move || Vllm::start_on(port))
         .await
