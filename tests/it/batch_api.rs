@@ -1856,25 +1856,38 @@ async fn two_tenants_batches_share_the_window_by_their_weights() {
     let lines = completion_lines(EACH, 4);
     let (g, b) = tokio::join!(gold.try_batch(&lines), bronze.try_batch(&lines));
     assert_eq!((g.0, b.0), (200, 200), "{g:?} {b:?}");
-    // The first dispatches may run before the other batch is enqueued:
-    // the share is measured on the 60 after them, while both wait.
-    const SKIP: usize = 20;
+    // The first dispatches may run before the other batch is enqueued (on
+    // a loaded machine, dozens of them): the share is measured on the 60
+    // dispatches from the later tenant's first one. Each batch is one
+    // intake chunk (100 lines < `serve.intake_chunk` 500), so by then both
+    // batches wait whole.
     const WINDOW: usize = 60;
+    let both_seen = |a: &[crate::support::tenants::Arrival]| {
+        let first = |t: &str| a.iter().position(|x| x.tenant == t);
+        first("gold").zip(first("bronze")).map(|(g, b)| g.max(b))
+    };
     support::wait_until(Duration::from_secs(120), "dispatches", || {
-        seen(&arrivals).len() >= SKIP + WINDOW
+        let a = seen(&arrivals);
+        both_seen(&a).is_some_and(|start| a.len() >= start + WINDOW)
     })
     .await;
-    let window: Vec<String> = seen(&arrivals)
+    let all = seen(&arrivals);
+    let skip = both_seen(&all).expect("both tenants were dispatched");
+    assert!(
+        skip + WINDOW <= EACH,
+        "the earlier tenant ran out first: {skip} dispatched alone"
+    );
+    let window: Vec<String> = all
         .into_iter()
-        .skip(SKIP)
+        .skip(skip)
         .take(WINDOW)
         .map(|a| a.tenant)
         .collect();
     let gold_n = window.iter().filter(|t| *t == "gold").count();
     let bronze_n = window.iter().filter(|t| *t == "bronze").count();
     eprintln!(
-        "dispatches {SKIP}..{}: gold {gold_n}, bronze {bronze_n} (weights 3 : 1)",
-        SKIP + WINDOW
+        "dispatches {skip}..{}: gold {gold_n}, bronze {bronze_n} (weights 3 : 1)",
+        skip + WINDOW
     );
     assert_eq!(gold_n + bronze_n, WINDOW, "{window:?}");
     assert!(
