@@ -431,7 +431,8 @@ impl Iterator for LoadGenerator {
 }
 
 /// Exponential sample with the given rate (per second).
-fn exp_sample(rng: &mut Xoshiro256PlusPlus, rate: f64) -> f64 {
+/// An exponential draw of `rate` (a Poisson process's next gap).
+pub(crate) fn exp_sample(rng: &mut Xoshiro256PlusPlus, rate: f64) -> f64 {
     // 1 - U is in (0, 1], so the log is finite.
     -(1.0 - rng.random::<f64>()).ln() / rate
 }

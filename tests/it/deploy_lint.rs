@@ -333,14 +333,6 @@ fn starts_and_is_healthy(command: &str, env: &BTreeMap<String, String>, health_p
     let _ = child.wait();
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
 /// Kubernetes gives every pod of a namespace variables named after each
 /// Service; the chart's own Service for a release `sluicegate` is named
 /// `sluicegate`, so they start with `SLUICEGATE_`. `run` and `serve` start
@@ -370,7 +362,7 @@ fn run_and_serve_start_beside_the_service_links_kubernetes_injects() {
     ));
     assert!(links.contains_key("SLUICEGATE_SERVICE_HOST") && links.contains_key("SLUICEGATE_PORT"));
 
-    let metrics = free_port();
+    let metrics = crate::support::free_port();
     let mut run_env = links.clone();
     run_env.extend([
         ("SLUICEGATE_TRANSPORT".to_string(), "memory".to_string()),
@@ -387,7 +379,7 @@ fn run_and_serve_start_beside_the_service_links_kubernetes_injects() {
     starts_and_is_healthy("run", &run_env, metrics);
 
     let data = std::env::temp_dir().join(format!("sluicegate-links-serve-{}", std::process::id()));
-    let (api, metrics) = (free_port(), free_port());
+    let (api, metrics) = (crate::support::free_port(), crate::support::free_port());
     let mut serve_env = run_env;
     serve_env.remove("SLUICEGATE_TRANSPORT");
     serve_env.extend([

@@ -73,14 +73,20 @@ pub async fn wait_idle(
 /// every Linux architecture this runs on).
 const TICKS_PER_S: f64 = 100.0;
 
+/// The fields of `/proc/<pid>/stat` from the third (the state) on; `None`
+/// when the process is gone.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: fields
+    // count from after its closing one.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
 /// CPU seconds (user + system) a process has used so far, its threads
 /// included; `None` when it is gone.
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may hold spaces: fields
-    // count from after its closing one (field 3, the state, comes first).
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let fields = stat_fields(pid)?;
     let utime: f64 = fields.get(11)?.parse().ok()?;
     let stime: f64 = fields.get(12)?.parse().ok()?;
     Some((utime + stime) / TICKS_PER_S)
@@ -94,12 +100,7 @@ pub fn process_tree(pid: u32) -> Vec<u32> {
         .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|p| {
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
-            let rest = &stat[stat.rfind(')')? + 2..];
-            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
-            Some((p, ppid))
-        })
+        .filter_map(|p| Some((p, stat_fields(p)?.get(1)?.parse().ok()?)))
         .collect();
     let mut tree = vec![pid];
     let mut i = 0;

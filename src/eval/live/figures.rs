@@ -1,13 +1,12 @@
 //! The live eval's figures, pure: interactive requests as the client timed
 //! them in, `ΔV`, `ρ` and harvest against the batch-free baseline out; the
-//! engine's own histogram deltas; the spread over repeats and the verdict.
+//! spread over repeats and the verdict.
 
 use serde::Serialize;
 
 use crate::eval::Spread;
 use crate::eval::score::{self, Slo, ratio};
 use crate::sim::runner::quantile;
-use crate::source::text::HistogramSeries;
 
 /// One interactive request as the client saw it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -170,43 +169,6 @@ impl Summary {
     }
 }
 
-/// The difference of two readings of one histogram (`after − before`,
-/// bucket by bucket, summed over series): what happened between them.
-pub fn histogram_delta(before: &[HistogramSeries], after: &[HistogramSeries]) -> Vec<(f64, f64)> {
-    let total = |series: &[HistogramSeries]| {
-        let mut edges: Vec<(f64, f64)> = Vec::new();
-        for s in series {
-            for &(le, count) in &s.buckets {
-                match edges.iter_mut().find(|(e, _)| *e == le) {
-                    Some(slot) => slot.1 += count,
-                    None => edges.push((le, count)),
-                }
-            }
-        }
-        edges.sort_by(|a, b| a.0.total_cmp(&b.0));
-        edges
-    };
-    let before = total(before);
-    (total(after).into_iter())
-        .map(|(le, count)| {
-            let was = before.iter().find(|(e, _)| *e == le).map_or(0.0, |b| b.1);
-            (le, (count - was).max(0.0))
-        })
-        .collect()
-}
-
-/// The `q` quantile of cumulative buckets, as the upper edge of the bucket
-/// it falls in (what a histogram can say without interpolating); `None`
-/// when the buckets are empty.
-pub fn bucket_quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
-    let total = buckets.last()?.1;
-    if total <= 0.0 {
-        return None;
-    }
-    let rank = (q * total).ceil().max(1.0);
-    buckets.iter().find(|(_, c)| *c >= rank).map(|(le, _)| *le)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,34 +259,5 @@ mod tests {
         let summary = Summary::of(&[s, worse], Slo::default());
         assert_eq!((summary.within, summary.runs), (1, 2));
         assert_eq!(summary.harvest.map(|h| h.max), Some(0.5));
-    }
-
-    #[test]
-    fn histogram_deltas_and_their_quantiles() {
-        let series = |buckets: Vec<(f64, f64)>| HistogramSeries {
-            labels: Default::default(),
-            buckets,
-            sum: None,
-            count: None,
-        };
-        let before = [series(vec![
-            (0.1, 10.0),
-            (0.5, 10.0),
-            (f64::INFINITY, 10.0),
-        ])];
-        let after = [series(vec![
-            (0.1, 60.0),
-            (0.5, 108.0),
-            (f64::INFINITY, 110.0),
-        ])];
-        let delta = histogram_delta(&before, &after);
-        assert_eq!(
-            delta,
-            vec![(0.1, 50.0), (0.5, 98.0), (f64::INFINITY, 100.0)]
-        );
-        assert_eq!(bucket_quantile(&delta, 0.5), Some(0.1));
-        assert_eq!(bucket_quantile(&delta, 0.98), Some(0.5));
-        assert_eq!(bucket_quantile(&delta, 0.99), Some(f64::INFINITY));
-        assert_eq!(bucket_quantile(&[], 0.5), None);
     }
 }

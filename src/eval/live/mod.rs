@@ -34,6 +34,7 @@ use self::figures::{LiveScore, RunFigures, Summary, Timing};
 pub use self::traffic::LiveShape;
 use crate::batch::{BatchOptions, build_gate_for_batch, run_batch};
 use crate::eval::Slo;
+use crate::gate::control::Histogram;
 
 /// A contender of the live eval.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -348,14 +349,19 @@ async fn one_run(
         .collect();
     let interactive_tokens: u64 = timings.iter().map(|t| t.output_tokens).sum();
     let generated = after.generation_tokens - before.generation_tokens;
-    let ttft = figures::histogram_delta(&before.ttft, &after.ttft);
+    // The engine's own TTFT histogram over the run, read as the gates read
+    // it (`None` if the engine restarted meanwhile).
+    let all = std::collections::BTreeMap::new();
+    let ttft = Histogram::select(&after.ttft, &all)
+        .zip(Histogram::select(&before.ttft, &all))
+        .and_then(|(after, before)| after.since(&before));
     Ok(LiveRun {
         repeat,
         contender: name,
         elapsed_s,
         interactive: RunFigures::of(&timings, options.slo, GIVE_UP.as_secs_f64()),
-        engine_ttft_p50_s: figures::bucket_quantile(&ttft, 0.50),
-        engine_ttft_p99_s: figures::bucket_quantile(&ttft, 0.99),
+        engine_ttft_p50_s: ttft.as_ref().and_then(|h| h.quantile(0.50)),
+        engine_ttft_p99_s: ttft.as_ref().and_then(|h| h.quantile(0.99)),
         interactive_tokens_per_s: interactive_tokens as f64 / elapsed_s,
         batch_tokens_per_s: (generated - interactive_tokens as f64).max(0.0) / elapsed_s,
         cpu_s,

@@ -10,6 +10,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::figures::{Timing, itl_p95};
+use crate::sim::load::exp_sample;
 
 /// The interactive load's shape over a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -61,8 +62,7 @@ pub fn arrivals(shape: LiveShape, rate: f64, duration_s: f64, seed: u64) -> Vec<
         return out;
     }
     loop {
-        // 1 - U is in (0, 1], so the log is finite.
-        t += -(1.0 - rng.random::<f64>()).ln() / bound;
+        t += exp_sample(&mut rng, bound);
         if t >= duration_s {
             return out;
         }
