@@ -403,6 +403,68 @@ async fn gates_read_the_real_page_and_every_budget_falls_when_requests_wait() {
         assert!(o.source_available && o.budget.get() == 1.0, "{name}: {o:?}");
     }
     step(t0, "reopened after the load");
+
+    // `eval --live` on the same engine, as small as it runs: a baseline and
+    // one contender, each 10 s of interactive traffic timed at the client.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluicegate"))
+        .args([
+            "eval",
+            "--live",
+            &base,
+            "--duration",
+            "10s",
+            "--warmup",
+            "0s",
+        ])
+        .args([
+            "--repeats",
+            "1",
+            "--rate",
+            "2",
+            "--gate",
+            "static-cap-1",
+            "--json",
+        ])
+        .output()
+        .expect("sluicegate runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let runs = report["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{report}");
+    for run in runs {
+        let name = &run["contender"];
+        assert!(
+            run["interactive"]["requests"].as_u64() > Some(0),
+            "{name}: {run}"
+        );
+        // Interactive requests completed and were timed (a p50 TTFT under
+        // the 60 s a failed request counts as).
+        assert!(
+            run["interactive"]["ttft_p50_s"].as_f64() < Some(60.0),
+            "{name}: {run}"
+        );
+    }
+    assert_eq!(runs[1]["contender"], "static-cap-1");
+    // The cap of one sent batch work through the engine; the baseline none.
+    assert!(
+        runs[1]["batch_tokens_per_s"].as_f64() > Some(0.0),
+        "{report}"
+    );
+    assert!(
+        runs[0]["batch_tokens_per_s"].as_f64() < runs[1]["batch_tokens_per_s"].as_f64(),
+        "{report}"
+    );
+    let score = &report["contenders"][0]["scores"][0];
+    assert!(
+        score["delta_v_pp"].is_number() && score["rho_ttft"].is_number(),
+        "{report}"
+    );
+    step(t0, "eval --live scored a contender against its baseline");
 }
 
 /// An OpenAI batch line to the engine: a completion (`chat` false) or a
