@@ -153,6 +153,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                         pods_metric,
                         sees_own_load,
                         pods_labels,
+                        ..Default::default()
                     })
                 }
             ),
