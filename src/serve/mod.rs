@@ -409,6 +409,8 @@ pub async fn start(
         keys,
         pass_headers,
         order: serve.order.into(),
+        // Validated when the configuration was loaded.
+        endpoints: crate::endpoint::Endpoints::new(&serve.endpoints).unwrap_or_default(),
     }));
     let graceful = stop.clone().cancelled_owned();
     tasks.spawn("serve: batch api server", async move {

@@ -40,6 +40,8 @@ pub struct ServeSpec {
     pub max_sys: u32,
     /// `serve.pass_headers`.
     pub pass_headers: Vec<String>,
+    /// `serve.endpoints`, the default when `None`.
+    pub endpoints: Option<Vec<String>>,
 }
 
 impl ServeSpec {
@@ -59,6 +61,7 @@ impl ServeSpec {
             dispatch: String::new(),
             max_sys: 8,
             pass_headers: Vec::new(),
+            endpoints: None,
         }
     }
 }
@@ -149,6 +152,9 @@ pub async fn start_in(
     }
     if let Some(limits) = &spec.tenant_limits {
         serve.tenant_limits = limits.clone();
+    }
+    if let Some(endpoints) = &spec.endpoints {
+        serve.endpoints.clone_from(endpoints);
     }
     sluicegate::serve::start(&config, &serve, std::future::pending())
         .await
