@@ -652,6 +652,8 @@ fn result_list(redis: &RedisServer) -> Vec<Value> {
     redis
         .cli(&["LRANGE", "result-list", "0", "-1"])
         .lines()
+        // An empty list prints one blank line.
+        .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).expect("result JSON"))
         .collect()
 }
@@ -775,6 +777,8 @@ async fn run_batch_and_serve_complete_chat_and_completions_and_a_400_is_sent_onc
     assert_too_long(&too_long["response"]["body"]);
 
     step(t0, "run on Redis checked");
+    cancel_aborts_requests_at_the_engine(&redis, &base, dir).await;
+    step(t0, "a cancel aborted two generations at the engine");
     // sluicegate batch, behind the feedback gate reading the engine's page.
     let before = Answered::read(&base).await;
     let output = dir.join("batch-out.jsonl");
@@ -861,6 +865,72 @@ async fn run_batch_and_serve_complete_chat_and_completions_and_a_400_is_sent_onc
     };
     assert_eq!(Answered::read(&base).await.since(before), expected, "serve");
     step(t0, "serve checked");
+}
+
+/// Cancel in flight on the real engine: two long generations (1 500
+/// tokens, `ignore_eos`) run through `run` on Redis; `sluicegate cancel`
+/// makes the dispatcher close their connections, vLLM aborts them (its
+/// running count falls to 0 long before they could have finished), and
+/// each id gets exactly one `CANCELLED` result.
+async fn cancel_aborts_requests_at_the_engine(redis: &RedisServer, base: &str, dir: &Path) {
+    let input = dir.join("long.jsonl");
+    let long = |id: &str| {
+        json!({"custom_id": id, "method": "POST", "url": "/v1/completions",
+               "body": {"model": MODEL, "prompt": "Tell a long story.", "max_tokens": 1_500, "ignore_eos": true}})
+        .to_string()
+    };
+    std::fs::write(&input, [long("long-0"), long("long-1")].join("\n")).expect("input");
+    // `results` above took the earlier results off the list.
+    let results_before = redis.int(&["LLEN", "result-list"]);
+    let finished = [("finished_reason", "length")];
+    let ran_to_length = engine_metric(base, "vllm:request_success_total", &finished).await;
+    submit(&redis.url(), "cancel-me", &input);
+    let gate_env = [
+        ("SLUICEGATE_GATE_TYPE", "constant".to_owned()),
+        (
+            "SLUICEGATE_DISPATCH_CANCEL_CHECK_INTERVAL",
+            "200ms".to_owned(),
+        ),
+    ];
+    let run = run_on_redis(
+        &redis.url(),
+        "cancel-me",
+        base,
+        &gate_env,
+        &dir.join("cancel.log"),
+    );
+    wait_for_engine(base, "both generations running", |running, _| {
+        running >= 2.0
+    })
+    .await;
+    let out = sluicegate(&["cancel", "--redis-url", &redis.url(), "long-0", "long-1"])
+        .output()
+        .expect("cancel runs");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    redis
+        .wait_for_len_within("result-list", results_before + 2, Duration::from_secs(60))
+        .await;
+    // Aborted, not finished: the engine has nothing running any more, and
+    // neither generation produced its answer.
+    wait_for_engine(base, "the aborts freed the engine", |running, waiting| {
+        running == 0.0 && waiting == 0.0
+    })
+    .await;
+    assert_eq!(
+        engine_metric(base, "vllm:request_success_total", &finished).await,
+        ran_to_length,
+        "an aborted generation must not run to its length"
+    );
+    sigterm_and_wait(run).await;
+    let records = result_list(redis);
+    let cancelled: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["id"].as_str().is_some_and(|id| id.starts_with("long-")))
+        .collect();
+    assert_eq!(cancelled.len(), 2, "{cancelled:?}");
+    for r in cancelled {
+        assert_eq!(r["error_code"], "CANCELLED", "{r}");
+    }
 }
 
 /// The engine SIGKILLed while `sluicegate batch` and `run` on Redis each
