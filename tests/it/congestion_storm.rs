@@ -205,3 +205,76 @@ async fn a_429_storm_with_retry_after_zero_still_backs_off() {
 async fn a_503_storm_gets_one_probe_per_backoff() {
     storm(Refusal::Unavailable, HALF).await;
 }
+
+/// The same storm on Redis, one queue of 200 messages at the default
+/// poll and receive timings (issue 36: attempts came in bursts of 6–14
+/// right after each hold on Redis): after the first wave, one probe per
+/// hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_storm_on_redis_gets_one_probe_per_hold() {
+    const MESSAGES: usize = 200;
+    let unit = HALF;
+    let redis = support::redis::RedisServer::start();
+    let server = MockServer::start().await;
+    let gateway = Arc::new(Gateway {
+        unit,
+        started: std::sync::OnceLock::new(),
+        refusal: Refusal::TooMany,
+        first_wave: AtomicUsize::new(0),
+        during_storm: AtomicUsize::new(0),
+        first_success_after: std::sync::Mutex::new(None),
+    });
+    Mock::given(method("POST"))
+        .respond_with(Shared(gateway.clone()))
+        .mount(&server)
+        .await;
+    let toml = format!(
+        r#"
+transport = "redis"
+[redis]
+url = "{}"
+[gateway]
+url = "{}"
+[dispatch]
+congestion_backoff = "{hold}ms"
+congestion_max_backoff = "{max_hold}ms"
+[telemetry]
+listen = "127.0.0.1:0"
+[[queue]]
+queue_name = "storm"
+max_sys = 32
+gate_type = "constant"
+"#,
+        redis.url(),
+        server.uri(),
+        hold = unit.as_millis(),
+        max_hold = (unit * MAX_HOLD).as_millis(),
+    );
+    let deadline = unix_secs() + 3600;
+    let lines: Vec<String> = (0..MESSAGES)
+        .map(|i| {
+            serde_json::json!({"id": format!("m-{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+            .to_string()
+        })
+        .collect();
+    support::redis::submit(&redis, "storm", &lines).await;
+    let config = Config::from_toml_str(&toml, &Default::default()).unwrap();
+    let app = support::start_app(&config).await;
+    redis
+        .wait_for_len_within(
+            "result-list",
+            MESSAGES as i64,
+            unit * STORM + Duration::from_secs(60),
+        )
+        .await;
+    let first_wave = gateway.first_wave.load(Ordering::SeqCst);
+    let during = gateway.during_storm.load(Ordering::SeqCst);
+    println!("redis: first wave {first_wave}, attempts in the rest of the storm {during}");
+    assert!(first_wave <= 32 + 2, "first wave {first_wave}");
+    assert!(
+        during <= 12,
+        "{during} attempts during the storm after the first wave"
+    );
+    app.stop().await;
+}
