@@ -935,6 +935,8 @@ mod tests {
         q.attempt("success");
         q.retry("failed");
         q.decision("continue", "admitted");
+        // The earliest waiting deadline has a series only while work waits.
+        q.set_due(&crate::queue::due::DueProfile::of(0, [5]));
         let _ = metrics.pubsub("q");
         let _ = metrics.pool("p");
         // Per-tenant gauges have a series only for a tenant with a limit.
