@@ -15,13 +15,17 @@
 //! them for [`start`].
 
 pub mod auth;
+pub mod background;
 pub mod engine;
 pub mod files;
+pub mod flex;
 pub mod http;
 pub mod idempotency;
 pub mod model;
 pub mod order;
 pub mod quota;
+pub mod replies;
+pub mod responses;
 pub mod retention;
 pub mod sink;
 pub mod store;
@@ -45,6 +49,8 @@ use crate::telemetry::{Health, Metrics};
 use self::auth::{Keys, KeysError};
 use self::engine::{Engine, Limits};
 use self::files::Bodies;
+use self::flex::{Flex, FlexSettings};
+use self::replies::{HeldLimits, Replies};
 use self::retention::{Retention, Sweeper};
 use self::sink::Sink;
 use self::store::{RedisStore, SqliteStore, Store, StoreError};
@@ -367,6 +373,24 @@ pub async fn start(
     };
     let client = open_client(target).await?;
     let sink = Sink::new(client, store.intake_mark_prefix());
+    let flex = Arc::new(Flex::new(
+        sink.clone(),
+        Arc::new(Replies::new(HeldLimits {
+            total: serve.flex_max_held,
+            per_tenant: serve.flex_max_held_per_tenant,
+        })),
+        FlexSettings {
+            max_wait: serve.flex_max_wait,
+            attempt_grace: config.gateway.attempt_timeout,
+            background_total: serve.background_max_total,
+            background_per_tenant: serve.background_max_per_tenant,
+            keep_secs: i64::try_from(serve.file_retention.as_secs()).unwrap_or(i64::MAX),
+            fairness: config.gateway.fairness_attribute.clone(),
+            passthrough: (serve.passthrough).then(|| queue_config.igw_base_url.to_string()),
+            max_body: usize::try_from(serve.max_line_bytes).unwrap_or(usize::MAX),
+        },
+        metrics.flex(&queue_config.queue_name),
+    ));
     let engine = Arc::new(
         Engine::new(
             store,
@@ -378,6 +402,12 @@ pub async fn start(
             tasks.clone(),
         )
         .with_tenant_limits(serve.tenant_limits.clone()),
+    );
+    let _ = engine.flex.set(flex.clone());
+    tasks.spawn("serve: flex probe", flex.clone().probe(stop.clone()));
+    tasks.spawn(
+        "serve: background responses",
+        flex.clone().resume(engine.store.clone(), stop.clone()),
     );
     tasks.spawn(
         "serve: result collector",
@@ -404,12 +434,13 @@ pub async fn start(
         })?;
     let addr = listener.local_addr().unwrap_or(serve.listen);
     let pass_headers = pass_headers(serve)?;
-    let router = http::router(Arc::new(http::AppState {
+    let state = Arc::new(http::AppState {
         engine,
         keys,
         pass_headers,
         order: serve.order.into(),
-    }));
+    });
+    let router = http::router(state.clone()).merge(flex::router(state, flex));
     let graceful = stop.clone().cancelled_owned();
     tasks.spawn("serve: batch api server", async move {
         if let Err(error) = axum::serve(listener, router)
