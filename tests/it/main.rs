@@ -27,6 +27,7 @@ mod embedded_worker;
 mod eval;
 mod failure_storm;
 mod fair_tenants;
+mod flex;
 mod gate_cascade;
 mod gate_config_examples;
 mod gate_dispatch;
