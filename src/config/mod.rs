@@ -506,6 +506,11 @@ section! {
         /// enough that a pool busy with interactive load is not inert.
         #[serde(serialize_with = "crate::values::serialize_duration")]
         inert_after: Duration = Duration::from_secs(600), duration_min(NONZERO);
+        /// How often requests in flight are checked for a submitter's
+        /// cancel, which aborts them (transports that record cancels).
+        #[serde(serialize_with = "crate::values::serialize_duration")]
+        cancel_check_interval: Duration = Duration::from_secs(1),
+            duration_min(Duration::from_millis(100));
         /// How the queues of one pool take turns at its window:
         /// `first-come` (no turns), `random-robin` or `tier-priority`
         /// (upstream's merge policy `type`). A pool of one queue is

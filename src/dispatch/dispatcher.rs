@@ -20,7 +20,9 @@
 //! - one *worker* task per released message sends it and decides its fate;
 //! - the *result writer* batches results and acknowledges only after they
 //!   are written;
-//! - the *lease keeper* renews the leases of every message still held.
+//! - the *lease keeper* renews the leases of every message still held;
+//! - the *cancel watcher* (transports that record cancels) aborts requests
+//!   in flight whose messages were cancelled (`cancel.rs`).
 //!
 //! Shutdown: stop receiving, hand back staged and parked messages, give
 //! in-flight requests the grace period, requeue what is still running,
@@ -32,6 +34,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::cancel::cancel_watcher;
 use super::observe::observe_loop;
 use super::receive::receive_loop;
 use super::settle::{lease_keeper, result_writer};
@@ -68,6 +71,16 @@ impl QueueDispatcher {
             format!("queue `{name}`: result writer"),
             result_writer(shared.clone(), results_rx, abandon_writes.clone()),
         );
+        let watcher = shared.queue().records_cancels().then(|| {
+            tasks.spawn(
+                format!("queue `{name}`: cancel watcher"),
+                cancel_watcher(
+                    shared.clone(),
+                    shared.settings().cancel_check_interval,
+                    background.clone(),
+                ),
+            )
+        });
         // In-flight requests, counted and awaited for the grace period.
         let tracker = TaskTracker::new();
 
@@ -98,6 +111,9 @@ impl QueueDispatcher {
         }
         background.cancel();
         let _ = tokio::join!(observer, keeper);
+        if let Some(watcher) = watcher {
+            let _ = watcher.await;
+        }
         lifetime.cancel();
         tracing::info!(queue = %name, "stopped");
     }

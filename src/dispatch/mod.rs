@@ -7,8 +7,10 @@
 //! pure) and the loop that pulls, admits,
 //! sends and settles messages, split by task: `state.rs` (what the
 //! dispatcher is built from, the state its tasks share), `dispatcher.rs`
-//! (start and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`.
+//! (start and drain), `receive.rs`, `send.rs`, `settle.rs`, `observe.rs`,
+//! `cancel.rs` (cancels that reach requests in flight).
 
+mod cancel;
 pub mod congestion;
 pub mod cost;
 mod dispatcher;

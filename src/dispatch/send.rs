@@ -60,8 +60,13 @@ pub(super) async fn send_and_settle(
         return;
     }
     let deadline = deadline_instant(ready.message.request.deadline);
-    let (started, outcome) = attempt(&shared, &ready, deadline, &abandon).await;
+    let (started, end) = attempt(&shared, &ready, deadline, &abandon).await;
     let now = Instant::now();
+    let cancelled = matches!(end, AttemptEnd::Cancelled);
+    let outcome = match end {
+        AttemptEnd::Answered(outcome) => Some(outcome),
+        AttemptEnd::Abandoned | AttemptEnd::Cancelled => None,
+    };
     let congestion_hold = release(&shared, &ready, send, started, now, outcome.as_ref());
     // The pool no longer holds this request: free the gate's reservation
     // and wake anyone waiting for room or for a slot.
@@ -69,9 +74,18 @@ pub(super) async fn send_and_settle(
     shared.changed.notify_waiters();
     shared.finished.notify_waiters();
     let Some(outcome) = outcome else {
-        shared
-            .nack(ready.delivery.tag, Duration::ZERO, NackReason::Shutdown)
-            .await;
+        let tag = take_tag(&mut ready);
+        if cancelled {
+            shared.metrics().attempt("cancelled");
+            let result = error_result(
+                &ready.message,
+                ErrorCode::Cancelled,
+                "cancelled by the submitter while in flight; the request was aborted",
+            );
+            settle(&shared, &results, tag, result, ready.trace.as_ref()).await;
+        } else {
+            shared.nack(tag, Duration::ZERO, NackReason::Shutdown).await;
+        }
         return;
     };
     let metrics = shared.metrics();
@@ -127,14 +141,44 @@ async fn settle_cancelled(
     settle(shared, results, tag, result, ready.trace.as_ref()).await;
 }
 
+/// How an attempt ended.
+enum AttemptEnd {
+    /// The gateway answered, or the attempt failed on its own.
+    Answered(AttemptOutcome),
+    /// Dropped at shutdown (the grace period ran out): the message goes
+    /// back to the queue.
+    Abandoned,
+    /// Dropped because the submitter cancelled the message meanwhile
+    /// (`cancel.rs`): closing the connection aborts it at the engine.
+    Cancelled,
+}
+
+impl AttemptEnd {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Answered(outcome) => outcome.label(),
+            Self::Abandoned => "abandoned",
+            Self::Cancelled => "cancelled",
+        }
+    }
+
+    fn outcome(&self) -> Option<&AttemptOutcome> {
+        match self {
+            Self::Answered(outcome) => Some(outcome),
+            Self::Abandoned | Self::Cancelled => None,
+        }
+    }
+}
+
 /// Sends the request (traced when tracing is on) and returns when it
-/// started and its outcome; `None` when it was abandoned at shutdown.
+/// started and how it ended. An answer that arrives before a cancel is
+/// noticed is kept.
 async fn attempt(
     shared: &Shared,
     ready: &Ready,
     deadline: Instant,
     abandon: &CancellationToken,
-) -> (Instant, Option<AttemptOutcome>) {
+) -> (Instant, AttemptEnd) {
     let metrics = shared.metrics();
     metrics
         .dispatch_delay
@@ -154,25 +198,31 @@ async fn attempt(
         span.set([KeyValue::new(trace_attr::ATTR_ATTEMPT, i64::from(attempt))]);
         span
     });
-    let outcome = tokio::select! {
-        o = shared.config.gateway.send(&ready.prepared, deadline) => Some(o),
-        () = abandon.cancelled() => None,
+    let running = shared.running.register(&ready.delivery.tag);
+    let end = tokio::select! {
+        // Biased: an answer that is ready wins over a cancel seen at the
+        // same moment (the work is done; the answer is kept).
+        biased;
+        o = shared.config.gateway.send(&ready.prepared, deadline) => AttemptEnd::Answered(o),
+        () = abandon.cancelled() => AttemptEnd::Abandoned,
+        () = running.cancelled() => AttemptEnd::Cancelled,
     };
+    drop(running);
     if let Some(mut span) = span {
-        let label = outcome.as_ref().map_or("abandoned", AttemptOutcome::label);
+        let label = end.label();
         span.set([KeyValue::new(trace_attr::ATTR_ATTEMPT_OUTCOME, label)]);
-        if let Some(status) = outcome.as_ref().and_then(AttemptOutcome::status) {
+        if let Some(status) = end.outcome().and_then(AttemptOutcome::status) {
             span.set([KeyValue::new(
                 trace_attr::ATTR_HTTP_STATUS,
                 i64::from(status),
             )]);
         }
-        if !matches!(outcome, Some(AttemptOutcome::Success { .. })) {
+        if !matches!(end, AttemptEnd::Answered(AttemptOutcome::Success { .. })) {
             span.fail(label);
         }
         span.end();
     }
-    (started, outcome)
+    (started, end)
 }
 
 /// Tells the gate how the attempt ended, gives its room back to the
@@ -200,7 +250,8 @@ fn release(
     if let Some(outcome) = outcome {
         gate.on_event(dispatch_event(outcome, started, now, ready.cost));
     } else {
-        // Abandoned at shutdown: for the gate's in-flight count it ended.
+        // Abandoned at shutdown or cancelled: for the gate's in-flight
+        // count it ended.
         gate.on_event(DispatchEvent::Failed {
             at: now,
             sent_at: started,

@@ -60,6 +60,9 @@ pub struct DispatchSettings {
     /// How long an inert rule must hold before it is reported
     /// (`dispatch.inert_after`, `dispatch::inert`).
     pub inert_after: Duration,
+    /// How often requests in flight are checked for a cancel, which
+    /// aborts them (`dispatch.cancel_check_interval`, `cancel.rs`).
+    pub cancel_check_interval: Duration,
     /// How the queues of this queue's pool take turns
     /// (`dispatch.merge_policy`, `dispatch::merge`).
     pub merge: MergeSettings,
@@ -138,6 +141,7 @@ impl From<&DispatchConfig> for DispatchSettings {
             refill_own_finishes: true,
             pace: pace(d),
             inert_after: d.inert_after,
+            cancel_check_interval: d.cancel_check_interval,
             merge: MergeSettings::from_config(d),
         }
     }

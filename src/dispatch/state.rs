@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
+use super::cancel::Running;
 use super::congestion::{Clearance, CongestionHold};
 use super::held::Held;
 use super::pool::{Lane, LaneWindow, Pool};
@@ -77,6 +78,8 @@ pub(super) struct Shared {
     /// Open `settle` spans until the writer acknowledges their results;
     /// stays empty when traces are off.
     pub(super) settling: Mutex<HashMap<DeliveryTag, StepSpan>>,
+    /// Attempts at the gateway, which a cancel aborts (`cancel.rs`).
+    pub(super) running: Running,
 }
 
 impl Shared {
@@ -103,6 +106,7 @@ impl Shared {
             held: Mutex::new(Held::default()),
             parked: AtomicUsize::new(0),
             settling: Mutex::new(HashMap::new()),
+            running: Running::default(),
         }
     }
 

@@ -3,8 +3,10 @@
 //! (`max_count_per_pod = 0`; several series: the largest counts) or it is a
 //! count (several series: summed) divided by `ready pods × max_count_per_pod`,
 //! with the ready-pod count read live from `pods_metric` (at `pods_url`, or
-//! `url`; several series: the largest counts). `D = 1 − saturation`,
-//! `B = baseline`.
+//! `url`; several series: the largest counts). `D = 1 − saturation`
+//! (`value_type = "budget"`: the normalized value is `D` itself),
+//! `B = baseline`. `absent_value` stands in for a metric the page lacks;
+//! `admission = "counted"` counts starts per reading (`counted.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,6 +14,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use super::counted::CountedAdmission;
 use super::param::{GateParams, ParseCx, loose};
 use super::reading::{
     Aggregate, MetricGate, SourceReport, non_negative, pool_reading, show_labels,
@@ -59,6 +62,40 @@ pub struct EndpointScrapeParams {
     /// of a unit, and nothing here tells which.
     #[serde(deserialize_with = "loose::bool")]
     pub sees_own_load: bool,
+    /// Whether the normalized value is a saturation (`D = 1 − value`, the
+    /// default) or the budget itself (`D = value`).
+    pub value_type: ValueType,
+    /// The raw value assumed when the page is read but no series matches
+    /// (a gauge that exists only while there is something to count);
+    /// unset: no series is a failed reading.
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub absent_value: Option<f64>,
+    /// `budget` (default): the reading is a budget for the window.
+    /// `counted`: each reading also grants floor(free slots) starts, and
+    /// no more start until the next reading (`counted.rs`).
+    pub admission: AdmissionKind,
+}
+
+/// What the scraped, normalized value is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueType {
+    /// A saturation: `D = 1 − value`.
+    #[default]
+    Saturation,
+    /// The budget: `D = value`.
+    Budget,
+}
+
+/// How the gate admits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdmissionKind {
+    /// The reading is a budget for the window.
+    #[default]
+    Budget,
+    /// Starts counted per reading, at most its free slots.
+    Counted,
 }
 
 impl GateParams for EndpointScrapeParams {
@@ -72,6 +109,23 @@ impl GateParams for EndpointScrapeParams {
         cx.fallback(self.fallback);
         if let Some(u) = &self.pods_url {
             cx.http_url("pods_url", u);
+        }
+        if let Some(v) = self.absent_value {
+            cx.non_negative("absent_value", v);
+        }
+        if self.admission == AdmissionKind::Counted {
+            // Upstream's rules: free slots need a count and its capacity.
+            if self.max_count_per_pod <= 0.0 || self.value_type != ValueType::Saturation {
+                cx.error(
+                    "admission",
+                    "`counted` needs a count metric: max_count_per_pod > 0 and value_type = \"saturation\"",
+                );
+            } else if self.baseline != 0.0 || self.fallback.is_some_and(|f| f != 0.0) {
+                cx.error(
+                    "admission",
+                    "`counted` takes neither baseline nor fallback: size the headroom with max_count_per_pod; a failed reading admits nothing",
+                );
+            }
         }
     }
 
@@ -95,8 +149,12 @@ impl GateParams for EndpointScrapeParams {
             self.baseline,
             pods,
         )
-        .seeing_own_load(self.sees_own_load);
-        Ok(Fallback::wrap(Box::new(gate), self.fallback))
+        .seeing_own_load(self.sees_own_load)
+        .valuing(self.value_type, self.absent_value);
+        Ok(match self.admission {
+            AdmissionKind::Budget => Fallback::wrap(Box::new(gate), self.fallback),
+            AdmissionKind::Counted => Box::new(CountedAdmission::new(Box::new(gate))),
+        })
     }
 }
 
@@ -121,6 +179,8 @@ pub struct EndpointScrapeGate {
     baseline: f64,
     pods: Option<PodsSource>,
     sees_own_load: bool,
+    value_type: ValueType,
+    absent_value: Option<f64>,
 }
 
 fn select(
@@ -160,6 +220,33 @@ impl EndpointScrapeGate {
             baseline,
             pods,
             sees_own_load: false,
+            value_type: ValueType::Saturation,
+            absent_value: None,
+        }
+    }
+
+    /// Declares what the normalized value is, and the raw value assumed
+    /// when the page has no matching series (`None`: a failed reading).
+    #[must_use]
+    pub fn valuing(mut self, value_type: ValueType, absent_value: Option<f64>) -> Self {
+        self.value_type = value_type;
+        self.absent_value = absent_value;
+        self
+    }
+
+    /// `D` from the normalized value, clamped to [0, 1] as upstream does.
+    fn budget_of(&self, normalized: f64) -> f64 {
+        let normalized = normalized.clamp(0.0, 1.0);
+        match self.value_type {
+            ValueType::Saturation => 1.0 - normalized,
+            ValueType::Budget => normalized,
+        }
+    }
+
+    fn explain_budget(&self) -> &'static str {
+        match self.value_type {
+            ValueType::Saturation => "D = 1 − saturation",
+            ValueType::Budget => "D = the value (value_type budget)",
         }
     }
 
@@ -202,13 +289,20 @@ impl EndpointScrapeGate {
         } else {
             Aggregate::Sum
         };
-        let Some(value) = how.apply(report.values.iter().map(|(_, v)| *v)) else {
-            report.outcome = "no sample".into();
-            sources.push(report);
-            return Err(GateError::SourceUnavailable(format!(
-                "no sample of {} (typo in the name or labels?)",
-                selector(&self.metric, &self.labels)
-            )));
+        let (value, absent) = match (
+            how.apply(report.values.iter().map(|(_, v)| *v)),
+            self.absent_value,
+        ) {
+            (Some(v), _) => (v, false),
+            (None, Some(assumed)) => (assumed, true),
+            (None, None) => {
+                report.outcome = "no sample".into();
+                sources.push(report);
+                return Err(GateError::SourceUnavailable(format!(
+                    "no sample of {} (typo in the name or labels?)",
+                    selector(&self.metric, &self.labels)
+                )));
+            }
         };
         let value = match non_negative(value, &self.metric) {
             Ok(v) => v,
@@ -218,16 +312,20 @@ impl EndpointScrapeGate {
                 return Err(e);
             }
         };
-        report.outcome = format!("used ({} of {} series)", how.name(), report.values.len());
+        report.outcome = if absent {
+            format!("no series: absent_value {value} assumed")
+        } else {
+            format!("used ({} of {} series)", how.name(), report.values.len())
+        };
         sources.push(report);
         if direct {
             return Ok(pool_reading(
-                1.0 - value,
+                self.budget_of(value),
                 self.baseline,
                 page.taken_at,
                 None,
                 self.sees_own_load,
-                format!("saturation {value} read directly; D = 1 − saturation"),
+                format!("value {value} read directly; {}", self.explain_budget()),
             ));
         }
         let (pods, pods_at) = match &self.pods {
@@ -246,16 +344,17 @@ impl EndpointScrapeGate {
                 "no ready pods: closed".into(),
             ));
         }
-        let saturation = value / max_sys;
+        let normalized = value / max_sys;
         Ok(pool_reading(
-            1.0 - saturation,
+            self.budget_of(normalized),
             self.baseline,
             taken_at,
             Some(max_sys),
             self.sees_own_load,
             format!(
-                "saturation = {value} / ({pods} pods × {}) = {saturation:.4}; D = 1 − saturation",
-                self.max_count_per_pod
+                "{value} / ({pods} pods × {}) = {normalized:.4}; {}",
+                self.max_count_per_pod,
+                self.explain_budget()
             ),
         ))
     }

@@ -36,6 +36,7 @@ mod composite;
 mod constant;
 mod constant_decision;
 pub mod control;
+mod counted;
 mod deadline_drop;
 mod endpoint_scrape;
 mod engine_signals;

@@ -272,10 +272,19 @@ pub trait Queue: Send + Sync + fmt::Debug {
 
     /// Whether the submitter cancelled this delivery after it was received.
     /// The dispatcher asks right before sending a message that waited
-    /// (parked at a gate), so a cancel that arrived meanwhile is honoured.
-    /// Errors count as "not cancelled". Default: never cancelled.
+    /// (parked at a gate), so a cancel that arrived meanwhile is honoured,
+    /// and while a request is at the gateway, so a cancel aborts it
+    /// (`dispatch::cancel`). Errors count as "not cancelled". Default:
+    /// never cancelled.
     fn cancelled(&self, _tag: &DeliveryTag) -> BoxFuture<'_, bool> {
         Box::pin(std::future::ready(false))
+    }
+
+    /// Whether this transport records cancels ([`Queue::cancelled`] can
+    /// answer true), so the dispatcher watches its requests in flight for
+    /// them. Default: no.
+    fn records_cancels(&self) -> bool {
+        false
     }
 
     /// Reachability and counters for readiness and metrics, read without

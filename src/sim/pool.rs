@@ -44,6 +44,8 @@ pub struct Pool {
     now: SimTime,
     rejected_429: u64,
     rejected_503: u64,
+    /// Requests aborted because their client went away.
+    aborted: u64,
 }
 
 impl Pool {
@@ -62,6 +64,7 @@ impl Pool {
             now: 0.0,
             rejected_429: 0,
             rejected_503: 0,
+            aborted: 0,
         }
     }
 
@@ -78,6 +81,11 @@ impl Pool {
     /// Requests refused with 429 and 503 so far.
     pub fn rejections(&self) -> (u64, u64) {
         (self.rejected_429, self.rejected_503)
+    }
+
+    /// Requests aborted so far (their client went away before the end).
+    pub fn aborted(&self) -> u64 {
+        self.aborted
     }
 
     /// Largest prompt + output a request may have.
@@ -209,13 +217,15 @@ impl Pool {
 
     /// Aborts a request wherever it is.
     pub fn abort(&mut self, id: u64) -> Option<RequestRecord> {
-        if let Some(key) = self.held.iter().find(|(_, r)| r.id == id).map(|(k, _)| *k) {
-            return self
+        let record = match self.held.iter().find(|(_, r)| r.id == id).map(|(k, _)| *k) {
+            Some(key) => self
                 .held
                 .remove(&key)
-                .map(|r| RequestRecord::rejected(&r, Outcome::Aborted));
-        }
-        self.engines.iter_mut().find_map(|e| e.abort(id))
+                .map(|r| RequestRecord::rejected(&r, Outcome::Aborted)),
+            None => self.engines.iter_mut().find_map(|e| e.abort(id)),
+        };
+        self.aborted += u64::from(record.is_some());
+        record
     }
 
     /// The gauges a scrape would see now.

@@ -153,6 +153,7 @@ fn leaf_gate() -> impl Strategy<Value = GateSpec> {
                         pods_metric,
                         sees_own_load,
                         pods_labels,
+                        ..Default::default()
                     })
                 }
             ),
@@ -396,6 +397,7 @@ fn dispatch() -> impl Strategy<Value = DispatchConfig> {
                 pace_rate: 0.5 + (poll_interval.as_millis() % 5000) as f64,
                 pace_burst: 0.25 + (lease.as_secs() % 64) as f64,
                 inert_after: default_deadline,
+                cancel_check_interval: lease.max(std::time::Duration::from_millis(100)),
                 // `tier-priority` would refuse the random `tier` labels of
                 // the queues; its keys round-trip under any policy.
                 merge_policy: [MergePolicyKind::FirstCome, MergePolicyKind::RandomRobin]

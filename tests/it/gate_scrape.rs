@@ -247,3 +247,200 @@ async fn vllm_gate_reuses_its_reading_while_the_page_is_cached_and_follows_a_new
         h.abort();
     }
 }
+
+/// Upstream's `admission: counted` (llm-d-async #484) on the simulator's
+/// page: each reading grants floor(free slots) starts, the same reading
+/// grants no more, the next reading grants again, and a failed reading
+/// admits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_scrape_counted_admits_the_free_slots_of_each_reading_once() {
+    use sluicegate::gate::{Admission, AdmissionRequest};
+    let sim = small_pool().await;
+    let params = json!({
+        "url": format!("{}/metrics", sim.base_url()),
+        "metric": "vllm:num_requests_running",
+        "labels": {"inference_pool": "p"},
+        "max_count_per_pod": 2,
+        "pods_metric": "llm_d_epp_ready_endpoints",
+        "pods_labels": {"name": "p"},
+        "admission": "counted"
+    });
+    let spec = GateSpec::parse("endpoint-scrape", &params, "test").unwrap();
+    // One reading lasts the cache interval: long enough for the burst.
+    let ttl = Duration::from_secs(2);
+    let ctx = GateContext::new(None, None, ttl, STALENESS);
+    let g = FailClosed::new(build_gate(&spec, &ctx).unwrap(), STALENESS);
+    let empty = std::collections::BTreeMap::new();
+    let mut verdicts = Vec::new();
+    for _ in 0..6 {
+        verdicts.push(g.admit(AdmissionRequest::new("r", &empty, &empty)).await);
+    }
+    let started = verdicts
+        .iter()
+        .filter(|v| matches!(v, Admission::Continue(_)))
+        .count();
+    assert_eq!(started, 4, "an idle pool of 2 pods × 2 slots: {verdicts:?}");
+    assert!(
+        matches!(
+            verdicts[5],
+            Admission::Wait {
+                reason: "no_free_slots"
+            }
+        ),
+        "{verdicts:?}"
+    );
+    // The next reading grants the free slots again (nothing of ours runs:
+    // this test admits without sending). The page is refreshed in the
+    // background once the interval is over, so the first ask after it may
+    // still see the spent reading.
+    tokio::time::sleep(ttl).await;
+    let ask = || g.admit(AdmissionRequest::new("r", &empty, &empty));
+    let verdict_within = |limit: Duration, want: fn(&Admission) -> bool| {
+        let ask = &ask;
+        async move {
+            let give_up = std::time::Instant::now() + limit;
+            loop {
+                let v = ask().await;
+                if want(&v) || std::time::Instant::now() > give_up {
+                    return v;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let again = verdict_within(Duration::from_secs(5), |v| {
+        matches!(v, Admission::Continue(_))
+    })
+    .await;
+    assert!(matches!(again, Admission::Continue(_)), "{again:?}");
+    let mut more = 0;
+    while matches!(ask().await, Admission::Continue(_)) {
+        more += 1;
+        assert!(more <= 3, "a new reading grants its 4 slots once");
+    }
+    assert_eq!(more, 3, "the new reading's other three slots");
+    // Load fills the pool: a reading with no free slot admits nothing.
+    let load = flood(&sim, 12, 200).await;
+    until(&g, Duration::from_secs(10), |o| o.budget.get() == 0.0).await;
+    tokio::time::sleep(ttl).await;
+    let full = verdict_within(Duration::from_secs(5), |v| {
+        matches!(
+            v,
+            Admission::Wait {
+                reason: "no_free_slots"
+            }
+        )
+    })
+    .await;
+    assert!(
+        matches!(
+            full,
+            Admission::Wait {
+                reason: "no_free_slots"
+            }
+        ),
+        "a full pool admits nothing: {full:?}"
+    );
+    for h in load {
+        h.abort();
+    }
+    // A failed reading admits nothing (once the last page is too old to
+    // serve).
+    sim.shutdown().await.unwrap();
+    let failed = verdict_within(STALENESS + Duration::from_secs(5), |v| {
+        matches!(
+            v,
+            Admission::Wait {
+                reason: "reading_failed"
+            }
+        )
+    })
+    .await;
+    assert!(
+        matches!(
+            failed,
+            Admission::Wait {
+                reason: "reading_failed"
+            }
+        ),
+        "{failed:?}"
+    );
+}
+
+/// `absent_value` stands in for a metric the page lacks (a gauge that
+/// exists only while there is something to count), and `value_type =
+/// "budget"` reads the value as `D` itself; a page without the metric
+/// and no `absent_value` stays a failed reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoint_scrape_absent_value_and_budget_value_type() {
+    let page = MockServer::start().await;
+    Mock::given(method("GET"))
+        .and(path("/metrics"))
+        .respond_with(
+            ResponseTemplate::new(200).set_body_string("other_metric 3\nbudget_now 0.3\n"),
+        )
+        .mount(&page)
+        .await;
+    let url = format!("{}/metrics", page.uri());
+    let lacking = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "epp_batch_queue_size", "max_count_per_pod": 8}),
+    )
+    .observe()
+    .await;
+    assert!(!lacking.source_available && lacking.budget.get() == 0.0);
+    let assumed = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "epp_batch_queue_size", "max_count_per_pod": 8,
+               "absent_value": 2}),
+    )
+    .observe()
+    .await;
+    assert!(assumed.source_available, "{assumed:?}");
+    assert!((assumed.budget.get() - 0.75).abs() < 1e-12, "{assumed:?}");
+    assert_eq!(assumed.max_sys, Some(8.0));
+    let direct = gate(
+        "endpoint-scrape",
+        json!({"url": url, "metric": "budget_now", "value_type": "budget"}),
+    )
+    .observe()
+    .await;
+    assert!((direct.budget.get() - 0.3).abs() < 1e-12, "{direct:?}");
+}
+
+#[test]
+fn endpoint_scrape_refuses_counted_admission_without_a_count_or_with_a_baseline() {
+    let url = "http://127.0.0.1:9/metrics";
+    let refused = |params: serde_json::Value, says: &str| {
+        let err = GateSpec::parse("endpoint-scrape", &params, "queue[0]")
+            .expect_err("refused")
+            .to_string();
+        assert!(err.contains(says), "{err}");
+    };
+    refused(
+        json!({"url": url, "metric": "m", "admission": "counted"}),
+        "queue[0].gate_params.admission: `counted` needs a count metric",
+    );
+    refused(
+        json!({"url": url, "metric": "m", "max_count_per_pod": 4, "value_type": "budget",
+               "admission": "counted"}),
+        "needs a count metric",
+    );
+    refused(
+        json!({"url": url, "metric": "m", "max_count_per_pod": 4, "baseline": 0.1,
+               "admission": "counted"}),
+        "takes neither baseline nor fallback",
+    );
+    refused(
+        json!({"url": url, "metric": "m", "admission": "sometimes"}),
+        "admission",
+    );
+    refused(
+        json!({"url": url, "metric": "m", "value_type": "percent"}),
+        "value_type",
+    );
+    refused(
+        json!({"url": url, "metric": "m", "absent_value": -1}),
+        "absent_value",
+    );
+}

@@ -437,6 +437,91 @@ gate_params = { limit = 1, gating_mode = "blocking" }"#,
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_cancel_aborts_requests_in_flight_at_the_engine_and_keeps_an_answer_that_came_first() {
+    // Three long generations run at the simulator at once; two are
+    // cancelled while they run. Their connections must close (the
+    // simulator aborts them and frees their slots), each gets exactly one
+    // CANCELLED result, and a cancel after the third's answer changes
+    // nothing.
+    let server = RedisServer::start();
+    let mut cfg = SimConfig {
+        pool_name: "p".into(),
+        ..SimConfig::default()
+    };
+    cfg.http.max_output_tokens = 1500;
+    let sim = spawn_http(cfg).await.expect("simulator starts");
+    let redis = redis_config(&server);
+    let deadline = unix_secs() + 600;
+    let line = |id: &str, max_tokens: u32| {
+        serde_json::json!({
+            "id": id,
+            "deadline": deadline,
+            "payload": {"model": "sim-model", "prompt": "Write on.", "max_tokens": max_tokens}
+        })
+        .to_string()
+    };
+    submit_as(
+        &redis,
+        "inflight",
+        &[
+            line("long-1", 1500),
+            line("long-2", 1500),
+            line("short", 64),
+        ],
+    )
+    .await;
+    let d = start_dispatcher(
+        redis.clone(),
+        &sim.base_url(),
+        "inflight",
+        "cancel_check_interval = \"100ms\"",
+    )
+    .await;
+    let http = reqwest::Client::new();
+    let short = server.wait_for_len("result-list", 1).await;
+    assert_eq!(short[0]["id"], "short", "{short:?}");
+    assert_eq!(short[0]["status_code"], 200);
+    assert_eq!(
+        support::sim::pool_in_flight(&http, &sim).await,
+        2.0,
+        "both long generations still run at the engine"
+    );
+    assert_eq!(support::sim::aborted(&http, &sim).await, 0);
+    {
+        let mut conn = connection(&redis).expect("connection");
+        for id in ["long-1", "long-2", "short"] {
+            cancel(&mut conn, id).await.expect("cancel");
+        }
+    }
+    let results = server.wait_for_len("result-list", 3).await;
+    for id in ["long-1", "long-2"] {
+        let r = results.iter().find(|r| r["id"] == id).expect("answered");
+        assert_eq!(r["error_code"], "CANCELLED", "{r}");
+    }
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while support::sim::aborted(&http, &sim).await < 2 {
+        assert!(Instant::now() < give_up, "the engine never saw the aborts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(support::sim::aborted(&http, &sim).await, 2);
+    assert_eq!(support::sim::pool_in_flight(&http, &sim).await, 0.0);
+    // Several check intervals later: still one result per message, the
+    // answer that came first kept.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let results = server.wait_for_len("result-list", 3).await;
+    assert_eq!(results.len(), 3, "{results:?}");
+    let short = results.iter().find(|r| r["id"] == "short").expect("short");
+    assert_eq!(short["status_code"], 200);
+    assert_eq!(
+        server.int(&["HLEN", "inflight:claimed"]),
+        0,
+        "nothing stays claimed"
+    );
+    d.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn an_expired_lease_is_reclaimed_and_the_old_holder_is_fenced_out() {
     use sluicegate::queue::Completion;
     use sluicegate::result::ResultRecord;

@@ -929,6 +929,10 @@ impl Queue for EmbeddedQueue {
         Box::pin(async move { self.blocking(|i| i.backlog()).await.map(Some) })
     }
 
+    fn records_cancels(&self) -> bool {
+        true
+    }
+
     fn cancelled(&self, tag: &DeliveryTag) -> BoxFuture<'_, bool> {
         let tag = tag.0.clone();
         Box::pin(async move {

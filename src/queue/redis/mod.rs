@@ -974,6 +974,10 @@ impl Queue for RedisQueue {
         })
     }
 
+    fn records_cancels(&self) -> bool {
+        true
+    }
+
     fn cancelled(&self, tag: &DeliveryTag) -> BoxFuture<'_, bool> {
         let claim_key = self
             .inner

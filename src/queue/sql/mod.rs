@@ -521,6 +521,10 @@ impl Queue for SqlQueue {
         Box::pin(async move { self.count(BACKLOG, "backlog").await.map(Some) })
     }
 
+    fn records_cancels(&self) -> bool {
+        true
+    }
+
     fn cancelled(&self, tag: &DeliveryTag) -> BoxFuture<'_, bool> {
         let tag = tag.0.clone();
         Box::pin(async move {

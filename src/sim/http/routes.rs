@@ -129,6 +129,7 @@ pub(super) async fn state(State(s): State<Arc<Shared>>) -> Response {
         "observation": live.pool.observe(),
         "rejected_429": r429,
         "rejected_503": r503,
+        "aborted": live.pool.aborted(),
     }))
     .into_response()
 }

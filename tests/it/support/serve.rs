@@ -226,6 +226,9 @@ pub struct HeldGateway {
     /// Releases every held request (and later ones at once).
     pub release: std::sync::Arc<tokio::sync::Notify>,
     released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// One item per held request whose client closed the connection
+    /// before it was answered (an abort).
+    pub aborted: tokio::sync::mpsc::Receiver<()>,
 }
 
 impl HeldGateway {
@@ -237,12 +240,14 @@ impl HeldGateway {
             .expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("addr"));
         let (tx, arrived) = tokio::sync::mpsc::channel(64);
+        let (abort_tx, aborted) = tokio::sync::mpsc::channel(64);
         let release = std::sync::Arc::new(tokio::sync::Notify::new());
         let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (r, done) = (release.clone(), released.clone());
         tokio::spawn(async move {
             while let Ok((mut socket, _)) = listener.accept().await {
                 let (tx, r, done) = (tx.clone(), r.clone(), done.clone());
+                let abort_tx = abort_tx.clone();
                 tokio::spawn(async move {
                     let mut seen = Vec::new();
                     let mut buf = [0u8; 4096];
@@ -273,7 +278,15 @@ impl HeldGateway {
                     let _ = tx.send(()).await;
                     let notified = r.notified();
                     if !done.load(std::sync::atomic::Ordering::SeqCst) {
-                        notified.await;
+                        // Held: until released, or until the client closes
+                        // the connection (a read of 0 bytes or an error).
+                        tokio::select! {
+                            () = notified => {}
+                            _ = socket.read(&mut buf) => {
+                                let _ = abort_tx.send(()).await;
+                                return;
+                            }
+                        }
                     }
                     let body = r#"{"id":"cmpl-held","object":"text_completion","model":"sim-model","choices":[{"index":0,"text":"held answer","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":2,"total_tokens":3}}"#;
                     let response = format!(
@@ -290,6 +303,7 @@ impl HeldGateway {
             arrived,
             release,
             released,
+            aborted,
         }
     }
 

@@ -67,3 +67,17 @@ pub async fn metric_sum(client: &reqwest::Client, base: &str, names: &[&str]) ->
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// Requests the simulator aborted so far because their client went away
+/// (`/sim/state`'s `aborted`).
+pub async fn aborted(client: &reqwest::Client, sim: &SimHandle) -> u64 {
+    let state: serde_json::Value = client
+        .get(format!("{}/sim/state", sim.base_url()))
+        .send()
+        .await
+        .expect("simulator state")
+        .json()
+        .await
+        .expect("simulator state body");
+    state["aborted"].as_u64().expect("`aborted` in /sim/state")
+}
