@@ -684,3 +684,44 @@ async fn streamed_flex_answers_arrive_in_order_and_complete() {
     served.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_while_running_aborts_at_the_engine() {
+    let mut cfg = sluicegate::sim::SimConfig {
+        pool_name: "p".into(),
+        ..sluicegate::sim::SimConfig::default()
+    };
+    cfg.http.max_output_tokens = 1500;
+    let sim = sluicegate::sim::spawn_http(cfg)
+        .await
+        .expect("simulator starts");
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let url = format!("{}/v1/completions", served.base);
+    let long =
+        json!({"model": "m", "prompt": "Write on.", "max_tokens": 1500, "service_tier": "flex"});
+    let client = tokio::spawn(async move { post(&reqwest::Client::new(), &url, None, long).await });
+    let http = reqwest::Client::new();
+    until("the generation runs at the engine", async || {
+        crate::support::sim::pool_in_flight(&http, &sim).await == 1.0
+    })
+    .await;
+    assert_eq!(crate::support::sim::aborted(&http, &sim).await, 0);
+    // The client goes away: its connection to serve closes.
+    client.abort();
+    until("the engine saw the abort", async || {
+        crate::support::sim::aborted(&http, &sim).await == 1
+    })
+    .await;
+    assert_eq!(
+        crate::support::sim::pool_in_flight(&http, &sim).await,
+        0.0,
+        "its slot is free"
+    );
+    assert_eq!(completions_at(&sim).await, 0.0, "it never finished");
+    until("serve holds nothing", async || {
+        serve_metric(&served, "sluicegate_flex_waiting", "") == 0.0 && queued(&served) == 0
+    })
+    .await;
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}

@@ -201,10 +201,6 @@ pub(super) struct Shared {
     pub(super) wake: Notify,
     pub(super) origin: Instant,
     pub(super) created: u64,
-    /// HTTP requests whose client went away before the answer, each
-    /// aborted in the pool as vLLM aborts a closed connection's request
-    /// (`sim_requests_aborted_total`).
-    pub(super) aborted: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -267,7 +263,6 @@ impl Shared {
             wake: Notify::new(),
             origin: Instant::now(),
             created,
-            aborted: std::sync::atomic::AtomicU64::new(0),
             cfg,
         })
     }

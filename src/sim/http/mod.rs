@@ -69,13 +69,6 @@ impl SimHandle {
         self.shared.lock().background_arrivals
     }
 
-    /// HTTP requests aborted because their client went away.
-    pub fn aborted(&self) -> u64 {
-        self.shared
-            .aborted
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Simulated seconds since the front started.
     pub fn sim_time(&self) -> SimTime {
         self.shared.now()

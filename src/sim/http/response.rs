@@ -43,7 +43,6 @@ pub(super) struct AbortGuard {
 impl Drop for AbortGuard {
     fn drop(&mut self) {
         if !self.done {
-            (self.shared.aborted).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut live = self.shared.lock();
             live.waiters.remove(&self.id);
             live.pool.abort(self.id);

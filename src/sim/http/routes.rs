@@ -105,10 +105,6 @@ pub(super) async fn metrics(State(s): State<Arc<Shared>>) -> Response {
             None => render(&live.pool.snapshot(), &s.labels),
         }
     };
-    let aborted = s.aborted.load(std::sync::atomic::Ordering::Relaxed);
-    let text = format!(
-        "{text}# HELP sim_requests_aborted_total HTTP requests whose client went away before the answer (aborted in the pool)\n# TYPE sim_requests_aborted_total counter\nsim_requests_aborted_total {aborted}\n"
-    );
     (
         [(
             header::CONTENT_TYPE,
