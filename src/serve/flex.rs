@@ -146,7 +146,9 @@ pub fn classify(endpoint: Endpoint, body: &Map<String, Value>) -> Result<Kind, A
 /// `Retry-After` for a refused flex request: the recent time a flex
 /// request waited for a dispatcher, when one was taken within the last
 /// `max_wait` (the gate is moving at that pace); else the gate has taken
-/// none for that long, and the longest suggestion stands.
+/// none for that long, and the suggestion is the longest one, but never
+/// over `max_wait`: the next attempt itself waits up to `max_wait` in the
+/// queue, where it is taken as soon as the gate opens.
 pub fn retry_after(
     recent_wait: Option<Duration>,
     since_last: Option<Duration>,
@@ -156,7 +158,7 @@ pub fn retry_after(
         (Some(wait), Some(since)) if since <= max_wait => {
             wait.clamp(Duration::from_secs(1), MAX_RETRY_AFTER)
         }
-        _ => MAX_RETRY_AFTER,
+        _ => MAX_RETRY_AFTER.min(max_wait).max(Duration::from_secs(1)),
     }
 }
 
