@@ -755,7 +755,7 @@ mod tests {
 
     #[test]
     fn bad_fields_get_a_typed_400_naming_them() {
-        let refused = |endpoint, v| classify(endpoint, &body(v)).err().expect("refused");
+        let refused = |endpoint, v| classify(endpoint, &body(v)).expect_err("refused");
         let e = refused(Endpoint::ChatCompletions, json!({"service_tier": "cheap"}));
         assert_eq!(
             (e.status, e.param),
