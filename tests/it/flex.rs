@@ -726,3 +726,64 @@ async fn a_client_that_disconnects_while_running_aborts_at_the_engine() {
     served.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
+
+/// The Redis transport and store: background records live in Redis, a
+/// flex request answers on its connection, and one unanswered at
+/// `flex_max_wait` is stopped and answered 429 (Redis cannot tell a
+/// waiting request from a taken one, `docs/flex.md`), never sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flex_and_background_responses_on_the_redis_transport() {
+    let redis = crate::support::redis::RedisServer::start();
+    let sim = small_pool().await;
+    let gate = Gate::closed().await;
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    spec.gate_url = Some(gate.url.clone());
+    spec.keys = Some("alice:ka,bob:kb".into());
+    spec.flex_max_wait = Some(Duration::from_secs(1));
+    let served = start(&spec, None).await;
+    let client = reqwest::Client::new();
+    let responses = format!("{}/v1/responses", served.base);
+    let (status, _, created) = post(
+        &client,
+        &responses,
+        Some("ka"),
+        json!({"model": "m", "input": "hi", "max_output_tokens": 8, "background": true}),
+    )
+    .await;
+    assert_eq!(
+        (status, created["status"].clone()),
+        (200, json!("queued")),
+        "{created}"
+    );
+    let id = created["id"].as_str().expect("id").to_owned();
+    assert_eq!(
+        get(&client, &format!("{responses}/{id}"), Some("kb"))
+            .await
+            .0,
+        404
+    );
+    let chat_url = format!("{}/v1/chat/completions", served.base);
+    let (status, _, body) = post(&client, &chat_url, Some("ka"), chat("flex")).await;
+    assert_eq!(status, 429, "{body}");
+    gate.set_open(true);
+    until("the background response ends", async || {
+        get(&client, &format!("{responses}/{id}"), Some("ka"))
+            .await
+            .1["status"]
+            == "incomplete"
+    })
+    .await;
+    let (status, _, body) = post(&client, &chat_url, Some("ka"), chat("flex")).await;
+    assert_eq!(
+        (status, body["service_tier"].clone()),
+        (200, json!("flex")),
+        "{body}"
+    );
+    // The background response and the second flex request; the refused
+    // one was never sent.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(completions_at(&sim).await, 2.0);
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
