@@ -455,11 +455,15 @@ impl Flex {
         body: Map<String, Value>,
         flex: bool,
     ) -> Result<Response, ApiError> {
-        let active = store.active_responses().await.map_err(ApiError::internal)?;
-        let mine = active.iter().filter(|r| r.tenant == tenant).count() as u64;
+        // Checked here, not in the insert: creations racing on several
+        // connections may each pass a bound by one.
+        let (mine, all) = store
+            .active_response_counts(tenant)
+            .await
+            .map_err(ApiError::internal)?;
         let over = if mine >= self.settings.background_per_tenant {
             Some("serve.background_max_per_tenant")
-        } else if active.len() as u64 >= self.settings.background_total {
+        } else if all >= self.settings.background_total {
             Some("serve.background_max_total")
         } else {
             None
@@ -537,13 +541,10 @@ impl Flex {
         const EVERY: Duration = Duration::from_secs(2);
         const AFTER_SECS: i64 = 10;
         loop {
-            match store.active_responses().await {
-                Ok(active) => {
+            match store.unenqueued_responses().await {
+                Ok(unsent) => {
                     let now = unix_secs();
-                    for r in active
-                        .iter()
-                        .filter(|r| !r.enqueued && r.created_at + AFTER_SECS <= now)
-                    {
+                    for r in unsent.iter().filter(|r| r.created_at + AFTER_SECS <= now) {
                         if let Err(error) = self.enqueue_background(&store, r).await {
                             tracing::warn!(response = %r.id, message = %error.message, "cannot enqueue a background response; retrying");
                         }

@@ -787,3 +787,48 @@ async fn flex_and_background_responses_on_the_redis_transport() {
     served.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
+
+/// A server killed between storing a background response and enqueuing
+/// it left a record with no message: the next server enqueues it (once
+/// it is older than a creation could still be running) and it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_background_response_never_enqueued_is_enqueued_by_the_server() {
+    use sluicegate::serve::background::{ResponseRecord, ResponseStatus};
+    use sluicegate::serve::store::{SqliteStore, Store};
+    let sim = small_pool().await;
+    let served = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let store = Store::Sqlite(
+        SqliteStore::open(&served.dir.0.join("data").join("batches.db")).expect("store"),
+    );
+    let orphan = ResponseRecord {
+        id: "resp_orphan".into(),
+        tenant: "default".into(),
+        endpoint: "/v1/responses".into(),
+        model: Some("m".into()),
+        status: ResponseStatus::Queued,
+        flex: false,
+        created_at: sluicegate::clock::unix_secs() - 60,
+        request: Some(json!({"model": "m", "input": "hi", "max_output_tokens": 8})),
+        enqueued: false,
+        output: None,
+        error: None,
+        finished_at: None,
+        expires_at: None,
+    };
+    store.insert_response(&orphan).await.expect("insert");
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/responses/resp_orphan", served.base);
+    until("the orphan ends", async || {
+        get(&client, &url, None).await.1["status"] == "incomplete"
+    })
+    .await;
+    let stored = store
+        .response("resp_orphan")
+        .await
+        .expect("read")
+        .expect("kept");
+    assert!(stored.enqueued && stored.request.is_none(), "{stored:?}");
+    assert_eq!(completions_at(&sim).await, 1.0, "sent once");
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}

@@ -79,13 +79,26 @@ impl Store {
         }
     }
 
-    /// Every unfinished background response.
-    pub async fn active_responses(&self) -> Result<Vec<ResponseRecord>, StoreError> {
+    /// The unfinished background responses whose queue message is not
+    /// enqueued (a server died between storing and enqueuing them).
+    pub async fn unenqueued_responses(&self) -> Result<Vec<ResponseRecord>, StoreError> {
         let texts = match self {
-            Store::Sqlite(s) => s.active_response_texts().await?,
+            Store::Sqlite(s) => s.unenqueued_response_texts().await?,
             Store::Redis(s) => s.active_response_texts().await?,
         };
-        texts.iter().map(|t| decode("response", t)).collect()
+        let records = (texts.iter())
+            .map(|t| decode::<ResponseRecord>("response", t))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(records.into_iter().filter(|r| !r.enqueued).collect())
+    }
+
+    /// Unfinished background responses: `(tenant's, all)`, for the
+    /// bounds at creation (a count, not a read of every record).
+    pub async fn active_response_counts(&self, tenant: &str) -> Result<(u64, u64), StoreError> {
+        match self {
+            Store::Sqlite(s) => s.active_response_counts(tenant).await,
+            Store::Redis(s) => s.active_response_counts(tenant).await,
+        }
     }
 
     /// Ids of the terminal responses whose `expires_at` is at or before
@@ -176,10 +189,29 @@ impl SqliteStore {
         .await
     }
 
-    async fn active_response_texts(&self) -> Result<Vec<String>, StoreError> {
+    async fn unenqueued_response_texts(&self) -> Result<Vec<String>, StoreError> {
         self.run(|c| {
-            let mut s = c.prepare("SELECT record FROM responses WHERE terminal = 0")?;
+            let mut s = c.prepare(
+                "SELECT record FROM responses WHERE terminal = 0 AND json_extract(record, '$.enqueued') = 0",
+            )?;
             s.query_map([], |r| r.get(0))?.collect()
+        })
+        .await
+    }
+
+    async fn active_response_counts(&self, tenant: &str) -> Result<(u64, u64), StoreError> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| {
+            c.query_row(
+                "SELECT coalesce(sum(tenant = ?1), 0), count(*) FROM responses WHERE terminal = 0",
+                [tenant],
+                |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?.max(0) as u64,
+                        r.get::<_, i64>(1)?.max(0) as u64,
+                    ))
+                },
+            )
         })
         .await
     }
@@ -271,6 +303,15 @@ impl RedisStore {
             }
         }
         Ok(out)
+    }
+
+    async fn active_response_counts(&self, tenant: &str) -> Result<(u64, u64), StoreError> {
+        let tenants: Vec<String> = redis::cmd("HVALS")
+            .arg(self.key(&["responses-active"]))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let mine = tenants.iter().filter(|t| *t == tenant).count() as u64;
+        Ok((mine, tenants.len() as u64))
     }
 
     async fn expired_responses(&self, now: i64) -> Result<Vec<String>, StoreError> {
