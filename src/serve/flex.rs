@@ -31,6 +31,7 @@ use super::background::{ResponseRecord, ResponseStatus};
 use super::http::{ApiError, AppState, Tenant};
 use super::replies::{Bound, Replies, Ticket};
 use super::sink::Sink;
+use super::store::{Store, StoreError};
 use crate::batch::endpoint::Endpoint;
 use crate::clock::unix_secs;
 use crate::queue::ClientError;
@@ -47,6 +48,13 @@ const PROBE_EVERY: Duration = Duration::from_millis(250);
 /// A background response's queue deadline: it orders the queue (earliest
 /// first) and is the longest it may wait, as a batch's default window.
 const BACKGROUND_WINDOW_SECS: i64 = 24 * 3600;
+/// How long past a flex request's queue deadline its connection still
+/// waits for the answer before giving up (the collector's delay, with a
+/// wide margin).
+const GIVE_UP_SLACK: Duration = Duration::from_secs(60);
+/// How long a flex result collected by a replica that does not hold its
+/// connection is kept for the one that does.
+const PARKED_REPLY_TTL: Duration = Duration::from_secs(600);
 /// Longest `Retry-After` the server suggests.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// How a background response is answered at once, and a flex one at its end.
@@ -319,15 +327,22 @@ impl Flex {
     /// Every probe period, which held flex requests a dispatcher has taken:
     /// their time to dispatch, and the pace `Retry-After` is read from.
     /// Stops probing on a transport that cannot tell.
-    pub async fn probe(self: Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+    pub async fn probe(self: Arc<Self>, store: Store, stop: tokio_util::sync::CancellationToken) {
+        let mut can_tell = true;
         while crate::tasks::sleep_unless(&stop, PROBE_EVERY).await {
+            if store.shares_replies() {
+                self.collect_parked(&store).await;
+            }
             let ids = self.replies.undispatched();
-            if ids.is_empty() {
+            if ids.is_empty() || !can_tell {
                 continue;
             }
             let leased = match self.sink.leased(ids.clone()).await {
                 Ok(leased) => leased,
-                Err(ClientError::Unsupported { .. }) => return,
+                Err(ClientError::Unsupported { .. }) => {
+                    can_tell = false;
+                    continue;
+                }
                 Err(error) => {
                     tracing::debug!(%error, "flex probe failed");
                     continue;
@@ -340,6 +355,38 @@ impl Flex {
                 self.observe_dispatch(waited);
             }
         }
+    }
+
+    /// Delivers the results another replica's collector read for the
+    /// connections this one holds ([`Self::deliver`] parked them).
+    async fn collect_parked(&self, store: &Store) {
+        let held = self.replies.held_ids();
+        if held.is_empty() {
+            return;
+        }
+        match store.take_replies(&held).await {
+            Ok(texts) => {
+                for text in texts {
+                    if let Ok(result) = serde_json::from_str::<ResultRecord>(&text) {
+                        self.replies.deliver(result);
+                    }
+                }
+            }
+            Err(error) => tracing::debug!(%error, "cannot read parked flex replies"),
+        }
+    }
+
+    /// Hands a flex result to the connection this server holds for it; on
+    /// a store replicas share, a result no connection here waits for is
+    /// parked there for the replica that holds it (kept
+    /// [`PARKED_REPLY_TTL`]; nobody takes it when its client left).
+    pub async fn deliver(&self, store: &Store, result: ResultRecord) -> Result<(), StoreError> {
+        let id = result.id.clone();
+        let text = serde_json::to_string(&result).unwrap_or_default();
+        if !self.replies.deliver(result) && store.shares_replies() {
+            store.park_reply(&id, &text, PARKED_REPLY_TTL).await?;
+        }
+        Ok(())
     }
 
     fn observe_dispatch(&self, waited: Duration) {
@@ -398,10 +445,30 @@ impl Flex {
         };
         let max_wait = tokio::time::sleep(self.settings.max_wait);
         tokio::pin!(max_wait);
+        // The dispatcher answers by the queue deadline at the latest, and
+        // the collector reads that within seconds: a connection still
+        // without an answer well past it lost its reply (a result that
+        // another replica collected), and is not held forever.
+        let give_up = tokio::time::sleep(
+            (self.settings.max_wait + self.settings.attempt_grace).saturating_add(GIVE_UP_SLACK),
+        );
+        tokio::pin!(give_up);
         let mut past_max_wait = false;
         let result = loop {
             tokio::select! {
                 result = ticket.answer() => break result,
+                () = &mut give_up => {
+                    let _ = self.sink.cancel(vec![id.clone()]).await;
+                    guard.disarm();
+                    return ApiError {
+                        status: StatusCode::GATEWAY_TIMEOUT,
+                        message: "no answer reached this server by the request's deadline (serve.flex_max_wait + gateway.attempt_timeout)".into(),
+                        kind: "server_error",
+                        param: None,
+                        code: Some("timeout"),
+                    }
+                    .into_response();
+                }
                 () = &mut max_wait, if !past_max_wait => {
                     past_max_wait = true;
                     match self.sink.withdraw(vec![id.clone()]).await {

@@ -404,7 +404,10 @@ pub async fn start(
         .with_tenant_limits(serve.tenant_limits.clone()),
     );
     let _ = engine.flex.set(flex.clone());
-    tasks.spawn("serve: flex probe", flex.clone().probe(stop.clone()));
+    tasks.spawn(
+        "serve: flex probe",
+        flex.clone().probe(engine.store.clone(), stop.clone()),
+    );
     tasks.spawn(
         "serve: background responses",
         flex.clone().resume(engine.store.clone(), stop.clone()),

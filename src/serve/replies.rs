@@ -196,6 +196,11 @@ impl Replies {
             .collect()
     }
 
+    /// Every held id.
+    pub fn held_ids(&self) -> Vec<String> {
+        self.lock().waiting.keys().cloned().collect()
+    }
+
     /// Connections held now.
     pub fn held(&self) -> u64 {
         self.lock().waiting.len() as u64

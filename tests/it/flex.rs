@@ -728,9 +728,8 @@ async fn a_client_that_disconnects_while_running_aborts_at_the_engine() {
 }
 
 /// The Redis transport and store: background records live in Redis, a
-/// flex request answers on its connection, and one unanswered at
-/// `flex_max_wait` is stopped and answered 429 (Redis cannot tell a
-/// waiting request from a taken one, `docs/flex.md`), never sent.
+/// flex request answers on its connection, and one still waiting at
+/// `flex_max_wait` is withdrawn from pending and answered 429, never sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flex_and_background_responses_on_the_redis_transport() {
     let redis = crate::support::redis::RedisServer::start();
@@ -766,6 +765,26 @@ async fn flex_and_background_responses_on_the_redis_transport() {
     let chat_url = format!("{}/v1/chat/completions", served.base);
     let (status, _, body) = post(&client, &chat_url, Some("ka"), chat("flex")).await;
     assert_eq!(status, 429, "{body}");
+    assert_eq!(
+        serve_metric(
+            &served,
+            "sluicegate_flex_refusals_total",
+            "reason=\"max_wait\""
+        ),
+        1.0
+    );
+    // Only the background response is pending: the flex one was withdrawn.
+    let mut conn = redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port))
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    let pending: i64 = redis::cmd("ZCARD")
+        .arg("batch-api")
+        .query_async(&mut conn)
+        .await
+        .expect("zcard");
+    assert_eq!(pending, 1);
     gate.set_open(true);
     until("the background response ends", async || {
         get(&client, &format!("{responses}/{id}"), Some("ka"))
@@ -830,5 +849,49 @@ async fn a_stored_background_response_never_enqueued_is_enqueued_by_the_server()
     assert!(stored.enqueued && stored.request.is_none(), "{stored:?}");
     assert_eq!(completions_at(&sim).await, 1.0, "sent once");
     served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// Two replicas on one Redis share the result list: a flex result one
+/// collects for a connection the other holds is parked in the store and
+/// answered by the holder, so every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flex_answers_reach_their_connection_across_redis_replicas() {
+    const N: usize = 12;
+    let redis = crate::support::redis::RedisServer::start();
+    let sim = small_pool().await;
+    let shared = support::TempDir::new("flex-replicas");
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    let a = start(&spec, Some(&shared.0)).await;
+    spec.in_process = false;
+    let b = start(&spec, Some(&shared.0)).await;
+    let sent: Vec<_> = (0..N)
+        .map(|i| {
+            let base = if i % 2 == 0 {
+                a.base.clone()
+            } else {
+                b.base.clone()
+            };
+            tokio::spawn(async move {
+                let url = format!("{base}/v1/chat/completions");
+                post(&reqwest::Client::new(), &url, None, chat("flex")).await
+            })
+        })
+        .collect();
+    for task in sent {
+        let (status, _, body) = tokio::time::timeout(LONG, task)
+            .await
+            .expect("answered")
+            .expect("task");
+        assert_eq!(
+            (status, body["service_tier"].clone()),
+            (200, json!("flex")),
+            "{body}"
+        );
+    }
+    assert_eq!(completions_at(&sim).await, N as f64);
+    a.stop().await;
+    b.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }

@@ -113,7 +113,7 @@ impl Engine {
         let (responses, flexes): (Vec<ResultRecord>, Vec<ResultRecord>) =
             results.into_iter().partition(|r| is_response_id(&r.id));
         for result in flexes {
-            flex.replies.deliver(result);
+            flex.deliver(&self.store, result).await?;
         }
         crate::serve::responses::apply(&self.store, flex, responses).await?;
         Ok(())

@@ -101,6 +101,34 @@ impl Store {
         }
     }
 
+    /// Whether several servers share this store (Redis): then a flex
+    /// result one collects may be for a connection another holds.
+    pub fn shares_replies(&self) -> bool {
+        matches!(self, Store::Redis(_))
+    }
+
+    /// Keeps a flex result for the replica holding its connection, `ttl`
+    /// long (a shared store only; nothing on SQLite's single server).
+    pub async fn park_reply(
+        &self,
+        id: &str,
+        text: &str,
+        ttl: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        match self {
+            Store::Sqlite(_) => Ok(()),
+            Store::Redis(s) => s.park_reply(id, text, ttl).await,
+        }
+    }
+
+    /// Takes the parked results of `ids` (each taken once).
+    pub async fn take_replies(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        match self {
+            Store::Sqlite(_) => Ok(Vec::new()),
+            Store::Redis(s) => s.take_replies(ids).await,
+        }
+    }
+
     /// Ids of the terminal responses whose `expires_at` is at or before
     /// `now`.
     pub async fn expired_responses(&self, now: i64) -> Result<Vec<String>, StoreError> {
@@ -312,6 +340,32 @@ impl RedisStore {
             .await?;
         let mine = tenants.iter().filter(|t| *t == tenant).count() as u64;
         Ok((mine, tenants.len() as u64))
+    }
+
+    async fn park_reply(
+        &self,
+        id: &str,
+        text: &str,
+        ttl: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        redis::cmd("SET")
+            .arg(self.key(&["flex-reply:", id]))
+            .arg(text)
+            .arg("EX")
+            .arg(ttl.as_secs().max(1))
+            .query_async::<()>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// `GETDEL` per id (one holder takes each), pipelined.
+    async fn take_replies(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        let mut pipe = redis::pipe();
+        for id in ids {
+            pipe.cmd("GETDEL").arg(self.key(&["flex-reply:", id]));
+        }
+        let found: Vec<Option<String>> = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(found.into_iter().flatten().collect())
     }
 
     async fn expired_responses(&self, now: i64) -> Result<Vec<String>, StoreError> {
