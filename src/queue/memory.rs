@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use super::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult, ResultPage,
 };
+use super::due::DueProfile;
 use super::lanes::{TenantLanes, interleave, tenant_of};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError, long_poll,
@@ -413,6 +414,15 @@ impl Queue for MemoryQueue {
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
         let n = self.lock().pending.len() as u64;
         Box::pin(std::future::ready(Ok(Some(n))))
+    }
+
+    fn due(&self) -> BoxFuture<'_, Result<Option<DueProfile>, QueueError>> {
+        let now = crate::clock::unix_secs();
+        let profile = DueProfile::of(
+            now,
+            self.lock().pending.keys().map(|(deadline, _)| *deadline),
+        );
+        Box::pin(std::future::ready(Ok(Some(profile))))
     }
 
     fn outstanding(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {

@@ -8,6 +8,7 @@
 //! builds the configured transport's queues.
 
 mod client;
+pub mod due;
 pub mod embedded;
 pub mod idempotency;
 mod lanes;
@@ -269,6 +270,14 @@ pub trait Queue: Send + Sync + fmt::Debug {
 
     /// Messages waiting (not leased), if the transport can tell cheaply.
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>>;
+
+    /// The waiting messages by time to deadline ([`due::DueProfile`]: counts
+    /// within fixed horizons and the earliest deadline), read at the
+    /// backlog's cadence; `None` when the transport cannot tell cheaply.
+    /// Default: `None`.
+    fn due(&self) -> BoxFuture<'_, Result<Option<due::DueProfile>, QueueError>> {
+        Box::pin(std::future::ready(Ok(None)))
+    }
 
     /// Whether the submitter cancelled this delivery after it was received.
     /// The dispatcher asks right before sending a message that waited

@@ -39,6 +39,16 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
+/// Label set `{queue, within_seconds}`: one horizon of
+/// [`crate::queue::due::HORIZONS`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DueLabels {
+    /// Queue name.
+    pub queue: String,
+    /// The horizon in seconds.
+    pub within_seconds: i64,
+}
+
 /// Label set `{queue, reason}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -162,6 +172,8 @@ pub struct Metrics {
     parked: Family<QueueLabel, Gauge>,
     awaiting_deadline: Family<QueueLabel, Gauge>,
     backlog: Family<QueueLabel, Gauge>,
+    due: Family<DueLabels, Gauge>,
+    earliest_deadline: Family<QueueLabel, Gauge>,
     claims_held: Family<QueueLabel, Gauge>,
     reclaims: Family<QueueLabel, Counter>,
     dead_letters: Family<QueueLabel, Counter>,
@@ -475,6 +487,16 @@ impl Metrics {
                 "sluicegate_queue_backlog_messages",
                 "Messages waiting in the queue",
             ),
+            due: family(
+                r,
+                "sluicegate_queue_due_messages",
+                "Waiting messages whose deadline is at most within_seconds away (overdue included)",
+            ),
+            earliest_deadline: family(
+                r,
+                "sluicegate_queue_earliest_deadline_timestamp_seconds",
+                "Earliest deadline among waiting messages (Unix seconds); absent when nothing waits",
+            ),
             claims_held: family(
                 r,
                 "sluicegate_queue_claims_held",
@@ -685,6 +707,13 @@ impl Metrics {
             parked: self.parked.get_or_create_owned(&l),
             awaiting_deadline: self.awaiting_deadline.get_or_create_owned(&l),
             backlog: self.backlog.get_or_create_owned(&l),
+            due: crate::queue::due::HORIZONS.map(|h| {
+                self.due.get_or_create_owned(&DueLabels {
+                    queue: name.to_owned(),
+                    within_seconds: h,
+                })
+            }),
+            earliest_deadline: self.earliest_deadline.clone(),
             claims_held: self.claims_held.get_or_create_owned(&l),
             reclaims: self.reclaims.get_or_create_owned(&l),
             dead_letters: self.dead_letters.get_or_create_owned(&l),
@@ -821,6 +850,11 @@ pub struct QueueMetrics {
     pub awaiting_deadline: Gauge,
     /// Queue backlog.
     pub backlog: Gauge,
+    /// Waiting messages due within each of `queue::due::HORIZONS`.
+    due: [Gauge; crate::queue::due::HORIZONS.len()],
+    /// The family of the earliest waiting deadline: its series is removed
+    /// when nothing waits (no number means "nothing due" truthfully).
+    earliest_deadline: Family<QueueLabel, Gauge>,
     /// Claims recorded in the transport.
     pub claims_held: Gauge,
     /// Expired claims returned to the queue.
@@ -834,6 +868,24 @@ pub struct QueueMetrics {
 }
 
 impl QueueMetrics {
+    /// Sets the deadline-proximity gauges from a transport's profile.
+    pub fn set_due(&self, profile: &crate::queue::due::DueProfile) {
+        for (gauge, n) in self.due.iter().zip(profile.within) {
+            gauge.set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+        let label = QueueLabel {
+            queue: self.queue.clone(),
+        };
+        match profile.earliest {
+            Some(at) => {
+                self.earliest_deadline.get_or_create(&label).set(at);
+            }
+            None => {
+                self.earliest_deadline.remove(&label);
+            }
+        }
+    }
+
     /// Counts a settled message by outcome.
     pub fn outcome(&self, outcome: &'static str) {
         self.outcomes
@@ -942,6 +994,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_parked_requests",
     "sluicegate_deadline_waiting_requests",
     "sluicegate_queue_backlog_messages",
+    "sluicegate_queue_due_messages",
+    "sluicegate_queue_earliest_deadline_timestamp_seconds",
     "sluicegate_queue_claims_held",
     "sluicegate_queue_reclaims_total",
     "sluicegate_queue_dead_letters_total",

@@ -549,3 +549,35 @@ async fn opening_a_database_in_use_waits_for_no_table_lock() {
         "opening waited for the lock of a claim in flight"
     );
 }
+
+/// Deadline proximity on PostgreSQL: the waiting rows by time to
+/// deadline, behind a gate that stays shut (a page reading saturation 1).
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_rows_show_by_time_to_deadline() {
+    use wiremock::matchers::method;
+    use wiremock::{Mock, MockServer, ResponseTemplate};
+    let pg = Postgres::start();
+    let page = MockServer::start().await;
+    Mock::given(method("GET"))
+        .respond_with(ResponseTemplate::new(200).set_body_string("pool_saturation 1\n"))
+        .mount(&page)
+        .await;
+    let c = client(&pg).await;
+    let now = unix_secs();
+    for (i, deadline) in crate::telemetry_http::due_deadlines(now)
+        .into_iter()
+        .enumerate()
+    {
+        submit(&c, "due", &[format!("d-{i}")], deadline).await;
+    }
+    let gate = format!(
+        "gate_type = \"endpoint-scrape\"\ngate_params = {{ url = \"{}/metrics\", metric = \"pool_saturation\" }}",
+        page.uri()
+    );
+    let toml = app_toml(&pg, "http://127.0.0.1:9", "due", &gate);
+    let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
+    let app = support::start_app(&config).await;
+    let base = format!("http://{}/metrics", app.running.telemetry_addr);
+    crate::telemetry_http::assert_due_profile(&base, "due", now, "sql").await;
+    app.stop().await;
+}

@@ -90,3 +90,32 @@ result writes, or Kubernetes SIGKILLs a draining dispatcher.
 {{- fail (printf "terminationGracePeriodSeconds (%d) must be at least dispatch.shutdown_grace (%ds) + 10s, so a draining dispatcher is not killed" (int .Values.terminationGracePeriodSeconds) $grace) }}
 {{- end }}
 {{- end }}
+
+{{/*
+KEDA's Prometheus, required by either ScaledObject.
+*/}}
+{{- define "sluicegate.kedaPrometheus" -}}
+{{- required "keda.prometheus.serverAddress is required when keda.enabled or keda.pool.enabled" .Values.keda.prometheus.serverAddress }}
+{{- end }}
+
+{{/*
+The backlog and the work due within keda.due.withinSeconds, each the max
+per queue over the replicas, summed over queues.
+*/}}
+{{- define "sluicegate.backlogQuery" -}}
+{{- printf "sum(max by (queue) (sluicegate_queue_backlog_messages{namespace=%q, service=%q}))" .Release.Namespace (include "sluicegate.fullname" .) }}
+{{- end }}
+{{- define "sluicegate.dueQuery" -}}
+{{- printf "sum(max by (queue) (sluicegate_queue_due_messages{namespace=%q, service=%q, within_seconds=\"%v\"}))" .Release.Namespace (include "sluicegate.fullname" .) .Values.keda.due.withinSeconds }}
+{{- end }}
+
+{{/*
+keda.due.withinSeconds must name a horizon the dispatcher exports
+(src/queue/due.rs): another value would match no series and never scale.
+*/}}
+{{- define "sluicegate.requireDueHorizon" -}}
+{{- $horizons := list "60" "300" "900" "3600" "14400" "86400" }}
+{{- if not (has (toString .Values.keda.due.withinSeconds) $horizons) }}
+{{- fail (printf "keda.due.withinSeconds: %v is not a horizon the dispatcher exports; allowed: %s" .Values.keda.due.withinSeconds (join ", " $horizons)) }}
+{{- end }}
+{{- end }}

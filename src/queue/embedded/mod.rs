@@ -34,6 +34,7 @@ use futures_util::future::BoxFuture;
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::Notify;
 
+use super::due::{DueProfile, HORIZONS};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError, long_poll,
 };
@@ -838,6 +839,31 @@ impl Inner {
         })
     }
 
+    /// The waiting messages (as [`Self::backlog`] counts them) by time
+    /// to deadline, in one statement on the `(queue, deadline)` index.
+    fn due(&self) -> Result<DueProfile, EmbeddedError> {
+        let now_ms = crate::clock::unix_millis();
+        let now = now_ms.div_euclid(1000);
+        let [m1, m5, m15, h1, h4, d1] = HORIZONS.map(|h| now.saturating_add(h));
+        self.read(|c, queue| {
+            c.query_row(
+                "SELECT MIN(deadline), COUNT(*) FILTER (WHERE deadline <= ?3),
+                        COUNT(*) FILTER (WHERE deadline <= ?4), COUNT(*) FILTER (WHERE deadline <= ?5),
+                        COUNT(*) FILTER (WHERE deadline <= ?6), COUNT(*) FILTER (WHERE deadline <= ?7),
+                        COUNT(*) FILTER (WHERE deadline <= ?8)
+                 FROM messages WHERE queue = ?1 AND (lease_tag IS NULL OR lease_expires_ms <= ?2)",
+                params![queue, now_ms, m1, m5, m15, h1, h4, d1],
+                |r| {
+                    let mut within = [0u64; HORIZONS.len()];
+                    for (i, w) in within.iter_mut().enumerate() {
+                        *w = u64::try_from(r.get::<_, i64>(i + 1)?).unwrap_or(0);
+                    }
+                    Ok(DueProfile::from_counts(within, r.get::<_, Option<i64>>(0)?))
+                },
+            )
+        })
+    }
+
     fn backlog(&self) -> Result<u64, EmbeddedError> {
         let now = crate::clock::unix_millis();
         self.read(|c, queue| {
@@ -927,6 +953,10 @@ impl Queue for EmbeddedQueue {
 
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
         Box::pin(async move { self.blocking(|i| i.backlog()).await.map(Some) })
+    }
+
+    fn due(&self) -> BoxFuture<'_, Result<Option<DueProfile>, QueueError>> {
+        Box::pin(async move { self.blocking(|i| i.due()).await.map(Some) })
     }
 
     fn records_cancels(&self) -> bool {

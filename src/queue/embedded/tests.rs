@@ -417,3 +417,27 @@ async fn a_requeue_after_an_attempt_keeps_its_count_and_last_answer() {
     assert_eq!(message.previous_attempts(third[0].retry_count), 3);
     assert_eq!(message.last_answer().map(|a| a.body.as_str()), Some("busy"));
 }
+
+#[tokio::test]
+async fn due_counts_the_waiting_messages_by_time_to_deadline_and_not_the_leased() {
+    let q = EmbeddedQueue::open(temp_db("due"), "q").expect("open");
+    let now = crate::clock::unix_secs();
+    assert_eq!(
+        q.due().await.expect("ok"),
+        Some(crate::queue::due::DueProfile::default()),
+        "nothing waits"
+    );
+    push(&q, "overdue", now - 10);
+    push(&q, "soon", now + 200);
+    push(&q, "later", now + 5_000);
+    push(&q, "tomorrow", now + 100_000);
+    let profile = q.due().await.expect("ok").expect("profile");
+    assert_eq!(profile.within, [1, 2, 2, 2, 3, 3]);
+    assert_eq!(profile.earliest, Some(now - 10));
+    // A leased message is not waiting: the earliest goes with it.
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(d[0].body.as_ref(), b"overdue");
+    let profile = q.due().await.expect("ok").expect("profile");
+    assert_eq!(profile.within, [0, 1, 1, 1, 2, 2]);
+    assert_eq!(profile.earliest, Some(now + 200));
+}

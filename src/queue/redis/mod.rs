@@ -36,6 +36,7 @@ use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::tasks::Tasks;
 
+use super::due::{DueProfile, HORIZONS};
 use crate::redis::{RedisConnection, hash_tag};
 pub use client::RedisClient;
 pub use producer::{CancelOutcome, Mark, Submission, cancel, enqueue, enqueue_marked, queue_score};
@@ -971,6 +972,35 @@ impl Queue for RedisQueue {
                     .await,
             )?;
             Ok(Some(n))
+        })
+    }
+
+    fn due(&self) -> BoxFuture<'_, Result<Option<DueProfile>, QueueError>> {
+        Box::pin(async move {
+            // Scores are deadline + a fraction below 1 (`queue_score`), so
+            // "deadline <= now + h" is "score < now + h + 1".
+            let now = crate::clock::unix_secs();
+            let pending = &self.inner.keys.pending;
+            let mut pipe = redis::pipe();
+            for horizon in HORIZONS {
+                pipe.cmd("ZCOUNT").arg(pending).arg("-inf").arg(format!(
+                    "({}",
+                    now.saturating_add(horizon).saturating_add(1)
+                ));
+            }
+            pipe.cmd("ZRANGE")
+                .arg(pending)
+                .arg(0)
+                .arg(0)
+                .arg("WITHSCORES");
+            let mut conn = self.inner.conn.clone();
+            type Replies = (u64, u64, u64, u64, u64, u64, Vec<(String, f64)>);
+            let (m1, m5, m15, h1, h4, d1, first): Replies = self
+                .inner
+                .observed("due", pipe.query_async(&mut conn).await)?;
+            let within = [m1, m5, m15, h1, h4, d1];
+            let earliest = first.first().map(|(_, score)| score.floor() as i64);
+            Ok(Some(DueProfile::from_counts(within, earliest)))
         })
     }
 

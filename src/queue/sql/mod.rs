@@ -35,6 +35,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
+use super::due::{DueProfile, HORIZONS};
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError,
     TransportStatus, long_poll,
@@ -212,6 +213,12 @@ const DEAD_LETTER: &str = concat!(
 );
 
 const BACKLOG: &str = "SELECT COUNT(*) FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0";
+/// The waiting rows by time to deadline, on the pending partial index.
+const DUE: &str = "SELECT MIN(deadline), COUNT(*) FILTER (WHERE deadline <= $2),
+       COUNT(*) FILTER (WHERE deadline <= $3), COUNT(*) FILTER (WHERE deadline <= $4),
+       COUNT(*) FILTER (WHERE deadline <= $5), COUNT(*) FILTER (WHERE deadline <= $6),
+       COUNT(*) FILTER (WHERE deadline <= $7)
+     FROM async_requests WHERE queue = $1 AND dispatch_epoch = 0";
 /// Two counts, each on a partial index (upstream's pending and in-flight
 /// indexes): `queue` alone has no index, so one count would scan the table.
 const OUTSTANDING: &str = "SELECT
@@ -519,6 +526,29 @@ impl Queue for SqlQueue {
 
     fn backlog(&self) -> BoxFuture<'_, Result<Option<u64>, QueueError>> {
         Box::pin(async move { self.count(BACKLOG, "backlog").await.map(Some) })
+    }
+
+    fn due(&self) -> BoxFuture<'_, Result<Option<DueProfile>, QueueError>> {
+        Box::pin(async move {
+            let now = crate::clock::unix_secs();
+            let [m1, m5, m15, h1, h4, d1] = HORIZONS.map(|h| now.saturating_add(h));
+            let rows = self
+                .db
+                .query(DUE, &[&self.settings.queue, &m1, &m5, &m15, &h1, &h4, &d1])
+                .await
+                .map_err(sql_err("due"))?;
+            let Some(row) = rows.first() else {
+                return Ok(Some(DueProfile::default()));
+            };
+            let mut within = [0u64; HORIZONS.len()];
+            for (i, w) in within.iter_mut().enumerate() {
+                *w = u64::try_from(row.get::<_, i64>(i + 1)).unwrap_or(0);
+            }
+            Ok(Some(DueProfile::from_counts(
+                within,
+                row.get::<_, Option<i64>>(0),
+            )))
+        })
     }
 
     fn records_cancels(&self) -> bool {
