@@ -70,7 +70,7 @@ async fn the_openai_python_client_drives_flex_and_background_responses() {
         output.status.success(),
         "the Python flex suite failed:\n{text}"
     );
-    assert!(text.contains("7 passed"), "every Python test ran:\n{text}");
+    assert!(text.contains("8 passed"), "every Python test ran:\n{text}");
     open.stop().await;
     closed.stop().await;
     sim.shutdown().await.expect("simulator stops");

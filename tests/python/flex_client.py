@@ -67,6 +67,16 @@ def test_responses_with_the_flex_tier():
     assert r.output_text
 
 
+def test_a_streamed_flex_chat_completion_arrives_in_order_and_completes():
+    stream = client().chat.completions.create(
+        model="sim-model", messages=MESSAGES, max_tokens=8, service_tier="flex", stream=True
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
 def test_background_responses_are_polled_until_they_end():
     c = client()
     r = c.responses.create(
