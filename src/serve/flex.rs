@@ -11,10 +11,15 @@
 //! flagged, and the dispatcher stops it).
 //!
 //! A background request is stored (`super::background`), enqueued and
-//! answered at once `queued`; `super::responses` serves it afterwards.
+//! answered at once `queued` (`super::responses`, which also serves it
+//! afterwards).
 //!
 //! Requests with neither are refused 400, or with `serve.passthrough`
-//! forwarded straight to the gateway, outside the window.
+//! forwarded straight to the gateway, outside the window
+//! (`super::passthrough`).
+//!
+//! This file: classifying a request (pure), the flex path and its probe,
+//! the answer's shape, the routes.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +32,6 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use serde_json::{Map, Value, json};
 
-use super::background::{ResponseRecord, ResponseStatus};
 use super::http::{ApiError, AppState, Tenant};
 use super::replies::{Bound, Replies, Ticket};
 use super::sink::Sink;
@@ -47,7 +51,7 @@ pub const SERVICE_TIERS: [&str; 5] = ["auto", "default", "flex", "scale", "prior
 const PROBE_EVERY: Duration = Duration::from_millis(250);
 /// A background response's queue deadline: it orders the queue (earliest
 /// first) and is the longest it may wait, as a batch's default window.
-const BACKGROUND_WINDOW_SECS: i64 = 24 * 3600;
+pub(super) const BACKGROUND_WINDOW_SECS: i64 = 24 * 3600;
 /// How long past a flex request's queue deadline its connection still
 /// waits for the answer before giving up (the collector's delay, with a
 /// wide margin).
@@ -211,7 +215,7 @@ pub struct Flex {
     pub(super) settings: FlexSettings,
     pub(super) metrics: FlexMetrics,
     pace: Mutex<Pace>,
-    http: reqwest::Client,
+    pub(super) http: reqwest::Client,
 }
 
 /// Cancels a held request's message when its handler is dropped before
@@ -279,7 +283,7 @@ impl Flex {
     }
 
     /// A 429 in OpenAI's shape with a `Retry-After`, counted by `cause`.
-    fn refuse(&self, cause: &'static str, message: String) -> Response {
+    pub(super) fn refuse(&self, cause: &'static str, message: String) -> Response {
         self.metrics.refused(cause);
         let secs = self.retry_after().as_secs().max(1);
         let error = ApiError {
@@ -298,7 +302,7 @@ impl Flex {
 
     /// The queue message of a request body: the tier fields OpenAI reads
     /// are ours, not the engine's, and are taken out.
-    fn message(
+    pub(super) fn message(
         &self,
         id: &str,
         tenant: &str,
@@ -511,160 +515,6 @@ impl Flex {
         }
         drop(guard);
         answer(result, stream)
-    }
-
-    /// A background request: stored, enqueued, answered `queued`.
-    async fn background(
-        &self,
-        store: &super::store::Store,
-        tenant: &str,
-        endpoint: Endpoint,
-        body: Map<String, Value>,
-        flex: bool,
-    ) -> Result<Response, ApiError> {
-        // Checked here, not in the insert: creations racing on several
-        // connections may each pass a bound by one.
-        let (mine, all) = store
-            .active_response_counts(tenant)
-            .await
-            .map_err(ApiError::internal)?;
-        let over = if mine >= self.settings.background_per_tenant {
-            Some("serve.background_max_per_tenant")
-        } else if all >= self.settings.background_total {
-            Some("serve.background_max_total")
-        } else {
-            None
-        };
-        if let Some(key) = over {
-            return Ok(self.refuse(
-                "background_bound",
-                format!("Resource Unavailable: too many background responses are unfinished ({key} reached); retry later"),
-            ));
-        }
-        let record = ResponseRecord {
-            id: super::model::new_id("resp_"),
-            tenant: tenant.to_owned(),
-            endpoint: endpoint.as_str().to_owned(),
-            model: body.get("model").and_then(Value::as_str).map(str::to_owned),
-            status: ResponseStatus::Queued,
-            flex,
-            created_at: unix_secs(),
-            request: Some(Value::Object(body)),
-            enqueued: false,
-            output: None,
-            error: None,
-            finished_at: None,
-            expires_at: None,
-        };
-        store
-            .insert_response(&record)
-            .await
-            .map_err(ApiError::internal)?;
-        self.metrics.background(ResponseStatus::Queued.as_str());
-        let record = self.enqueue_background(store, &record).await?;
-        Ok((StatusCode::OK, axum::Json(record.api())).into_response())
-    }
-
-    /// Enqueues a stored background response's message and records that it
-    /// is (the request body is not kept after). A server killed between
-    /// the two enqueues it again on restart ([`Self::resume`]): at least
-    /// once, and its first result wins.
-    async fn enqueue_background(
-        &self,
-        store: &super::store::Store,
-        record: &ResponseRecord,
-    ) -> Result<ResponseRecord, ApiError> {
-        let Some(Value::Object(body)) = record.request.clone() else {
-            return Ok(record.clone());
-        };
-        let endpoint = Endpoint::parse(&record.endpoint).unwrap_or(Endpoint::Responses);
-        let deadline = record.created_at.saturating_add(BACKGROUND_WINDOW_SECS);
-        let message = self.message(&record.id, &record.tenant, endpoint, body, deadline)?;
-        self.sink
-            .enqueue_one(message)
-            .await
-            .map_err(ApiError::internal)?;
-        let done = store
-            .update_response(&record.id, |r| {
-                (!r.enqueued).then(|| {
-                    let mut next = r.clone();
-                    next.enqueued = true;
-                    next.request = None;
-                    next
-                })
-            })
-            .await
-            .map_err(ApiError::internal)?;
-        Ok(done.unwrap_or_else(|| record.clone()))
-    }
-
-    /// Enqueues the background responses a killed server stored but did
-    /// not enqueue (older than `after`), then keeps the status gauges.
-    pub async fn resume(
-        self: Arc<Self>,
-        store: super::store::Store,
-        stop: tokio_util::sync::CancellationToken,
-    ) {
-        const EVERY: Duration = Duration::from_secs(2);
-        const AFTER_SECS: i64 = 10;
-        loop {
-            match store.unenqueued_responses().await {
-                Ok(unsent) => {
-                    let now = unix_secs();
-                    for r in unsent.iter().filter(|r| r.created_at + AFTER_SECS <= now) {
-                        if let Err(error) = self.enqueue_background(&store, r).await {
-                            tracing::warn!(response = %r.id, message = %error.message, "cannot enqueue a background response; retrying");
-                        }
-                    }
-                }
-                Err(error) => tracing::warn!(%error, "cannot read background responses"),
-            }
-            if let Ok(expired) = store.expired_responses(unix_secs()).await {
-                for id in expired {
-                    let _ = store.delete_response(&id).await;
-                }
-            }
-            if !crate::tasks::sleep_unless(&stop, EVERY).await {
-                return;
-            }
-        }
-    }
-
-    /// Forwards an interactive request to the gateway as it came, its
-    /// answer streamed back as it arrives (`serve.passthrough`).
-    async fn pass_through(&self, base: &str, endpoint: Endpoint, body: Bytes) -> Response {
-        let url = format!("{}{}", base.trim_end_matches('/'), endpoint.as_str());
-        let sent = self
-            .http
-            .post(url)
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(body)
-            .send()
-            .await;
-        match sent {
-            Ok(answer) => {
-                let status = StatusCode::from_u16(answer.status().as_u16())
-                    .unwrap_or(StatusCode::BAD_GATEWAY);
-                let kind = answer
-                    .headers()
-                    .get(reqwest::header::CONTENT_TYPE)
-                    .and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok());
-                let mut response = Response::new(Body::from_stream(answer.bytes_stream()));
-                *response.status_mut() = status;
-                if let Some(kind) = kind {
-                    response.headers_mut().insert(header::CONTENT_TYPE, kind);
-                }
-                response
-            }
-            Err(error) => ApiError {
-                status: StatusCode::BAD_GATEWAY,
-                message: format!("the gateway did not answer: {error}"),
-                kind: "server_error",
-                param: None,
-                code: None,
-            }
-            .into_response(),
-        }
     }
 }
 

@@ -11,8 +11,12 @@
 //! expiry, cancel, finalizing), `quota` (per-tenant limits on enqueued
 //! work), `retention` (file expiry and its
 //! sweeper), `order` (the order a batch's lines are enqueued in:
-//! arrival, or by model and shared prompt prefix), `http` (the endpoints). This file wires
-//! them for [`start`].
+//! arrival, or by model and shared prompt prefix), `http` (the endpoints).
+//! One request at a time (`docs/flex.md`): `flex` (flex requests and the
+//! inference routes), `replies` (reply routes to held connections),
+//! `background` (background response records), `responses` (their
+//! creation and endpoints), `passthrough` (`serve.passthrough`). This
+//! file wires them for [`start`].
 
 pub mod auth;
 pub mod background;
@@ -23,6 +27,7 @@ pub mod http;
 pub mod idempotency;
 pub mod model;
 pub mod order;
+pub mod passthrough;
 pub mod quota;
 pub mod replies;
 pub mod responses;
