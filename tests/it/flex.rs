@@ -895,3 +895,49 @@ async fn flex_answers_reach_their_connection_across_redis_replicas() {
     b.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
+
+/// A background response a dispatcher has taken reads `in_progress`
+/// until its answer comes (a gateway that holds its requests until
+/// released).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_response_reads_in_progress_while_it_runs() {
+    let mut gateway = crate::support::serve::HeldGateway::start().await;
+    let served = start(&ServeSpec::new(&gateway.url), None).await;
+    let client = reqwest::Client::new();
+    let (status, _, created) = post(
+        &client,
+        &format!("{}/v1/responses", served.base),
+        None,
+        json!({"model": "m", "input": "hi", "background": true}),
+    )
+    .await;
+    assert_eq!(
+        (status, created["status"].clone()),
+        (200, json!("queued")),
+        "{created}"
+    );
+    let url = format!(
+        "{}/v1/responses/{}",
+        served.base,
+        created["id"].as_str().expect("id")
+    );
+    tokio::time::timeout(LONG, gateway.arrived.recv())
+        .await
+        .expect("the request reached the gateway");
+    let (_, running) = get(&client, &url, None).await;
+    assert_eq!(running["status"], "in_progress", "{running}");
+    gateway.release.notify_waiters();
+    until("it completes", async || {
+        get(&client, &url, None).await.1["status"] == "completed"
+    })
+    .await;
+    assert_eq!(
+        serve_metric(
+            &served,
+            "sluicegate_background_responses_total",
+            "status=\"in_progress\""
+        ),
+        1.0
+    );
+    served.stop().await;
+}
