@@ -74,7 +74,8 @@
 //! (loose settings values to typed ones, duration text and the keyed
 //! [`values::ConfigError`], for the config and the gates' parameters),
 //! [`batch_status`] (the OpenAI batch states `serve` moves batches through
-//! and the telemetry counts). `docs/architecture.md`,
+//! and the telemetry counts), [`endpoint`] (the endpoints a batch may name,
+//! their body checks, and the configured list `serve` and `batch` take). `docs/architecture.md`,
 //! "Code layout", draws the layers.
 
 /// The database clock in Unix milliseconds, for the statement text of the
@@ -95,6 +96,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod dispatch;
+pub mod endpoint;
 pub mod eval;
 pub mod gate;
 pub mod gateway;

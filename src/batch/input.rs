@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
+use crate::endpoint::Endpoints;
 use crate::request::parse_message;
 
 /// One usable input line, as the queue message it becomes.
@@ -125,6 +126,41 @@ pub fn parse_input_with(
         }
     }
     out
+}
+
+/// Moves the lines that name an endpoint `endpoints` does not take, or
+/// whose body misses what a known endpoint needs, from `valid` to
+/// `invalid` (answered `invalid_request`, never sent). Lines without an
+/// endpoint (request lines, sent to `--request-path`) are left alone.
+pub fn restrict_endpoints(parsed: &mut ParsedInput, endpoints: &Endpoints) {
+    let (keep, refuse): (Vec<InputLine>, Vec<InputLine>) = std::mem::take(&mut parsed.valid)
+        .into_iter()
+        .partition(|l| refusal(l, endpoints).is_none());
+    parsed.valid = keep;
+    if refuse.is_empty() {
+        return;
+    }
+    parsed.invalid.extend(refuse.into_iter().filter_map(|l| {
+        let why = refusal(&l, endpoints)?;
+        Some(InvalidLine {
+            line: l.line,
+            message: format!("line {}: {why}", l.line),
+            custom_id: Some(l.custom_id),
+        })
+    }));
+    // The output merges valid and invalid lines in file order.
+    parsed.invalid.sort_by_key(|l| l.line);
+}
+
+/// Why `line` may not go to its endpoint, if it may not.
+fn refusal(line: &InputLine, endpoints: &Endpoints) -> Option<String> {
+    let message = parse_message(&line.body).ok()?;
+    let path = message.request.endpoint.as_deref()?;
+    let body: Option<Map<String, Value>> = serde_json::from_str(message.request.payload.get()).ok();
+    endpoints
+        .check(path, body.as_ref())
+        .err()
+        .map(|e| e.message)
 }
 
 /// Converts one line (OpenAI batch line or request line) into a queue

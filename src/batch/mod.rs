@@ -19,7 +19,6 @@
 //! result is sent again. The output file is rewritten from the store, in
 //! input order, at the end of every run.
 
-pub mod endpoint;
 pub mod input;
 pub mod output;
 pub mod status;
@@ -42,6 +41,7 @@ use crate::config::{
 };
 use crate::dispatch::QueueDispatcher;
 use crate::dispatch::congestion::CongestionHold;
+use crate::endpoint::Endpoints;
 use crate::gate::{Capacity, DispatchGate, GateContext, build_gate};
 use crate::gateway::{GatewayBuildError, GatewayClient, GatewaySettings};
 use crate::queue::embedded::{EmbeddedError, EmbeddedQueue, OwnerLock};
@@ -85,6 +85,9 @@ pub struct BatchOptions {
     /// Show progress (bars on a terminal, a line every few seconds
     /// otherwise).
     pub progress: bool,
+    /// The endpoints lines may name (`--endpoints`); others are answered
+    /// `invalid_request` without being sent.
+    pub endpoints: Endpoints,
 }
 
 impl BatchOptions {
@@ -102,6 +105,7 @@ impl BatchOptions {
             poll_interval: Duration::from_millis(250),
             attempt_timeout: Duration::from_secs(300),
             progress: true,
+            endpoints: Endpoints::default(),
         }
     }
 
@@ -325,7 +329,8 @@ pub async fn run_batch(
     let imported = queue.meta(INPUT_KEY)?;
     let default_deadline = crate::clock::unix_secs()
         .saturating_add(i64::try_from(options.deadline.as_secs()).unwrap_or(i64::MAX));
-    let parsed = input::parse_input(&text, default_deadline);
+    let mut parsed = input::parse_input(&text, default_deadline);
+    input::restrict_endpoints(&mut parsed, &options.endpoints);
     match imported {
         Some(existing) if existing != fp => return Err(BatchError::InputChanged { state }),
         Some(_) => {

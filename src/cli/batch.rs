@@ -54,6 +54,12 @@ pub(crate) struct BatchArgs {
     /// `gateway.request_path`.
     #[arg(long, default_value = DEFAULT_REQUEST_PATH)]
     request_path: String,
+    /// The endpoints lines may name, comma-separated: OpenAI's four by
+    /// default; vLLM's `/v1/rerank`, `/v1/score`, `/classify` and
+    /// `/pooling` are known too, and any other path is sent as it is.
+    /// A line naming another endpoint is answered `invalid_request`.
+    #[arg(long, value_delimiter = ',', default_values_t = crate::endpoint::Endpoints::default().paths().to_vec())]
+    endpoints: Vec<String>,
     /// Deadline of lines without one, from the first run (e.g. `24h`,
     /// `90m`), as `submit --deadline`.
     #[arg(long, default_value = "24h")]
@@ -101,7 +107,15 @@ pub(crate) async fn run(args: BatchArgs) -> ExitCode {
             }
         },
     };
+    let endpoints = match crate::endpoint::Endpoints::new(&args.endpoints) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("--endpoints: {e}");
+            return ExitCode::from(super::EXIT_CONFIG);
+        }
+    };
     let mut options = BatchOptions::new(args.input, args.output, args.gateway_url);
+    options.endpoints = endpoints;
     options.state = args.state;
     options.max_in_flight = f64::from(args.max_in_flight);
     options.max_attempts = (args.max_attempts > 0).then_some(args.max_attempts);

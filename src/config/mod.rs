@@ -583,6 +583,16 @@ section! {
         /// picker); names, case-insensitive. Checked at start: a header
         /// the gateway client sets or refuses cannot be listed.
         pass_headers: Vec<String> = Vec::new(), as_string_list;
+        /// The endpoints a batch may name (`POST /v1/batches`' `endpoint`):
+        /// OpenAI's four by default; vLLM's `/v1/rerank`, `/v1/score`,
+        /// `/classify` and `/pooling` are known too (body checks, token
+        /// estimates), and any other path is sent as it is.
+        endpoints: Vec<String> = crate::endpoint::Endpoints::default().paths().to_vec(),
+            |v| {
+                let paths = as_string_list(v)?;
+                crate::endpoint::Endpoints::new(&paths)?;
+                Ok(paths)
+            };
         /// The order a batch's lines are enqueued in: `arrival` (the
         /// file's) or `model-prefix` (by model, then shared prompt prefix,
         /// so the engines' prefix cache hits); a batch's metadata key

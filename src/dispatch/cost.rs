@@ -4,6 +4,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::config::Unit;
+use crate::endpoint::Endpoint;
 
 /// Characters per token for prompt estimates; the common rule of thumb for
 /// English text with BPE tokenizers. Estimates only need to be stable and
@@ -21,9 +22,20 @@ struct CostFields<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<&'a RawValue>,
-    /// `/v1/responses` and `/v1/embeddings` carry their text here.
+    /// `/v1/responses`, `/v1/embeddings`, `/classify` and `/pooling`
+    /// carry their text here.
     #[serde(borrow, default)]
     input: Option<&'a RawValue>,
+    /// `/v1/rerank`: a query read beside each of `documents`.
+    #[serde(borrow, default)]
+    query: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    documents: Option<&'a RawValue>,
+    /// `/v1/score`: the two sides of each pair.
+    #[serde(borrow, default)]
+    text_1: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text_2: Option<&'a RawValue>,
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
@@ -45,7 +57,7 @@ pub fn request_cost(unit: Unit, payload: &RawValue, endpoint: Option<&str>) -> u
         Unit::Tokens => {
             let fields: CostFields<'_> = serde_json::from_str(payload.get()).unwrap_or_default();
             let prompt_tokens = prompt_estimate(&fields);
-            let output = if is_embeddings(endpoint) {
+            let output = if reads_only(endpoint) {
                 0
             } else {
                 fields
@@ -59,10 +71,15 @@ pub fn request_cost(unit: Unit, payload: &RawValue, endpoint: Option<&str>) -> u
     }
 }
 
-/// Whether `endpoint` is OpenAI's embeddings endpoint (a path, or a URL
-/// ending in it).
-fn is_embeddings(endpoint: Option<&str>) -> bool {
-    endpoint.is_some_and(|e| e.trim_end_matches('/').ends_with("/v1/embeddings"))
+/// Whether `endpoint` (a path, or a URL ending in one) is a known endpoint
+/// that generates nothing: embeddings and vLLM's pooling endpoints.
+fn reads_only(endpoint: Option<&str>) -> bool {
+    endpoint.is_some_and(|e| {
+        let e = e.trim_end_matches('/');
+        Endpoint::ALL
+            .iter()
+            .any(|known| !known.generates() && e.ends_with(known.as_str()))
+    })
 }
 
 /// Estimated prompt tokens of a request with this payload (what a
@@ -74,11 +91,22 @@ pub fn prompt_tokens(payload: &RawValue) -> u64 {
 }
 
 fn prompt_estimate(fields: &CostFields<'_>) -> u64 {
-    let prompt_chars = fields
-        .prompt
-        .or(fields.messages)
-        .or(fields.input)
-        .map_or(0, |raw| text_chars(raw.get()));
+    let chars = |raw: Option<&RawValue>| raw.map_or(0, |r| text_chars(r.get()));
+    let prompt_chars = match (
+        fields.prompt.or(fields.messages).or(fields.input),
+        fields.query,
+    ) {
+        (Some(text), _) => chars(Some(text)),
+        // A reranker reads the query once beside each document.
+        (None, Some(query)) => {
+            let documents = fields
+                .documents
+                .and_then(|d| serde_json::from_str::<Vec<serde_json::Value>>(d.get()).ok())
+                .map_or(1, |d| d.len().max(1));
+            chars(Some(query)) * documents + chars(fields.documents)
+        }
+        (None, None) => chars(fields.text_1) + chars(fields.text_2),
+    };
     prompt_chars.div_ceil(CHARS_PER_TOKEN) as u64
 }
 
@@ -146,6 +174,21 @@ mod tests {
             request_cost(Unit::Tokens, &empty, Some("/v1/embeddings")),
             1
         );
+    }
+
+    #[test]
+    fn pooling_endpoints_cost_the_texts_they_read() {
+        // The query beside each of two documents: 4 × 2 + 4 + 4 = 16 chars.
+        let r = raw(r#"{"query":"abcd","documents":["efgh","ijkl"]}"#);
+        assert_eq!(request_cost(Unit::Tokens, &r, Some("/v1/rerank")), 4);
+        let s = raw(r#"{"text_1":"abcd","text_2":["efgh","ijkl"]}"#);
+        assert_eq!(
+            request_cost(Unit::Tokens, &s, Some("http://gw/v1/score")),
+            3
+        );
+        let c = raw(r#"{"input":["abcdefgh"]}"#);
+        assert_eq!(request_cost(Unit::Tokens, &c, Some("/classify")), 2);
+        assert_eq!(request_cost(Unit::Tokens, &c, Some("/pooling")), 2);
     }
 
     #[test]

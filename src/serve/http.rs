@@ -26,9 +26,9 @@ use super::model::{BatchRecord, BatchStatus, FileRecord, NewBatch, list, new_id}
 use super::order::{self, Order};
 use super::quota::{Exceeded, LimitKind};
 use super::retention::ExpiresAfter;
-use crate::batch::endpoint::Endpoint;
 use crate::clock::unix_secs;
 use crate::config::parse_duration;
+use crate::endpoint::Endpoints;
 use crate::queue::idempotency::{canonical_sha256, hex};
 
 /// Most `metadata` pairs on a batch (OpenAI's limit).
@@ -66,6 +66,8 @@ pub struct AppState {
     pub pass_headers: Vec<axum::http::HeaderName>,
     /// `serve.order`: a batch's order unless its metadata names one.
     pub order: Order,
+    /// `serve.endpoints`: the endpoints a batch may name.
+    pub endpoints: Endpoints,
 }
 
 type Shared = Arc<AppState>;
@@ -619,12 +621,11 @@ async fn create_batch(
     let endpoint = req
         .endpoint
         .ok_or_else(|| ApiError::invalid("endpoint is required", Some("endpoint")))?;
-    if Endpoint::parse(&endpoint).is_none() {
-        let allowed: Vec<&str> = Endpoint::ALL.iter().map(|e| e.as_str()).collect();
+    if !state.endpoints.allows(&endpoint) {
         return Err(ApiError::invalid(
             format!(
-                "endpoint {endpoint} is not supported; allowed: {}",
-                allowed.join(", ")
+                "endpoint {endpoint} is not supported; allowed: {} (serve.endpoints)",
+                state.endpoints.paths().join(", ")
             ),
             Some("endpoint"),
         ));

@@ -447,6 +447,8 @@ pub async fn start(
         keys,
         pass_headers,
         order: serve.order.into(),
+        // Validated when the configuration was loaded.
+        endpoints: crate::endpoint::Endpoints::new(&serve.endpoints).unwrap_or_default(),
     });
     let router = http::router(state.clone()).merge(flex::router(state, flex));
     let graceful = stop.clone().cancelled_owned();

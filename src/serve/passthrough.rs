@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::flex::Flex;
 use super::http::ApiError;
-use crate::batch::endpoint::Endpoint;
+use crate::endpoint::Endpoint;
 
 impl Flex {
     /// Forwards an interactive request to the gateway as it came, its

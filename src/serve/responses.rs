@@ -20,8 +20,8 @@ use super::background::{ResponseRecord, ResponseStatus};
 use super::flex::{BACKGROUND_WINDOW_SECS, Flex};
 use super::http::{ApiError, AppState, Tenant};
 use super::store::{Store, StoreError};
-use crate::batch::endpoint::Endpoint;
 use crate::clock::unix_secs;
+use crate::endpoint::Endpoint;
 use crate::result::ResultRecord;
 
 impl Flex {

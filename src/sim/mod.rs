@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod pool;
 mod prefix;
 pub mod runner;
+mod scoring;
 pub mod sweep;
 pub mod time;
 

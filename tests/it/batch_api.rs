@@ -1105,6 +1105,109 @@ async fn outputs(api: &Api, done: &Value) -> std::collections::BTreeMap<String, 
         .collect()
 }
 
+/// vLLM's pooling endpoints in batches: refused at creation by default
+/// (OpenAI's error shape, naming the allowed list), run through the pool
+/// once `serve.endpoints` lists them, a line missing what its endpoint
+/// needs refused at validation with its line number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooling_endpoints_are_configuration_refused_unless_listed() {
+    let sim = small_pool().await;
+    let default = start(&ServeSpec::new(&sim.base_url()), None).await;
+    let api = Api::new(&default.base, None);
+    let line = line_on(
+        "r",
+        "/v1/rerank",
+        &json!({"model": "sim-model", "query": "q", "documents": ["a", "b"]}),
+    );
+    let (_, file) = api.upload("batch", line.as_bytes()).await;
+    let (status, refused) = api
+        .post(
+            "/v1/batches",
+            &json!({"input_file_id": file["id"], "endpoint": "/v1/rerank", "completion_window": "24h"}),
+        )
+        .await;
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["param"], "endpoint", "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(
+            "allowed: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses"
+        ),
+        "{refused}"
+    );
+    default.stop().await;
+
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.endpoints = Some(vec![
+        "/v1/rerank".into(),
+        "/v1/score".into(),
+        "/classify".into(),
+        "/pooling".into(),
+    ]);
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    for (url, body, check) in [
+        (
+            "/v1/rerank",
+            json!({"model": "sim-model", "query": "q", "documents": ["a", "b"]}),
+            "results",
+        ),
+        (
+            "/v1/score",
+            json!({"model": "sim-model", "text_1": "a", "text_2": ["b", "c"]}),
+            "data",
+        ),
+        (
+            "/classify",
+            json!({"model": "sim-model", "input": ["a"]}),
+            "data",
+        ),
+        (
+            "/pooling",
+            json!({"model": "sim-model", "input": "a"}),
+            "data",
+        ),
+    ] {
+        let batch = api.batch(&line_on("one", url, &body), url, "24h").await;
+        let done = api
+            .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+            .await;
+        assert_eq!(done["status"], "completed", "{url}: {done}");
+        let out = outputs(&api, &done).await;
+        let answer = &out["one"]["response"];
+        assert_eq!(answer["status_code"], 200, "{url}: {answer}");
+        assert!(
+            answer["body"][check]
+                .as_array()
+                .is_some_and(|a| !a.is_empty()),
+            "{url}: {answer}"
+        );
+    }
+    // A rerank line without documents fails validation, naming its line.
+    let lines = [
+        line_on(
+            "fine",
+            "/v1/rerank",
+            &json!({"model": "sim-model", "query": "q", "documents": ["a"]}),
+        ),
+        line_on(
+            "bare",
+            "/v1/rerank",
+            &json!({"model": "sim-model", "query": "q"}),
+        ),
+    ];
+    let batch = api.batch(&lines.join("\n"), "/v1/rerank", "24h").await;
+    let done = api
+        .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+        .await;
+    assert_eq!(done["status"], "failed", "{done}");
+    let errors = done["errors"]["data"].as_array().expect("errors");
+    assert_eq!(errors[0]["line"], 2, "{done}");
+    assert_eq!(errors[0]["param"], "body.documents", "{done}");
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_and_responses_batches_run_through_the_pool() {
     let sim = small_pool().await;

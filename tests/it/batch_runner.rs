@@ -361,3 +361,99 @@ async fn local_limit_at_capacity_reports_window_full_not_gate_closed() {
     );
     assert!(!progress.contains("D="), "{progress}");
 }
+
+/// vLLM's pooling endpoints through `sluicegate batch --endpoints`: each
+/// runs against the simulator and is answered in vLLM's shape; a line for
+/// an endpoint not listed, or a rerank line without documents, is answered
+/// `invalid_request` without being sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn configured_endpoints_run_vllms_pooling_endpoints_and_refuse_the_rest() {
+    let sim = spawn_http(SimConfig {
+        time_scale: 20.0,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("sim");
+    let tmp = support::TempDir::new("batch-endpoints");
+    let input = tmp.0.join("in.jsonl");
+    let output = tmp.0.join("out.jsonl");
+    let line = |id: &str, url: &str, body: Value| {
+        serde_json::json!({"custom_id": id, "method": "POST", "url": url, "body": body}).to_string()
+    };
+    let lines = [
+        line(
+            "rerank",
+            "/v1/rerank",
+            serde_json::json!({"model": "sim-model", "query": "fox", "documents": ["a quick fox", "a lazy dog", "fox news"], "top_n": 2}),
+        ),
+        line(
+            "score",
+            "/v1/score",
+            serde_json::json!({"model": "sim-model", "text_1": "fox", "text_2": ["a quick fox", "a dog"]}),
+        ),
+        line(
+            "classify",
+            "/classify",
+            serde_json::json!({"model": "sim-model", "input": ["good", "bad", "ugly"]}),
+        ),
+        line(
+            "pooling",
+            "/pooling",
+            serde_json::json!({"model": "sim-model", "input": "pool me"}),
+        ),
+        line(
+            "not-listed",
+            "/v1/completions",
+            serde_json::json!({"model": "sim-model", "prompt": "hi"}),
+        ),
+        line(
+            "no-documents",
+            "/v1/rerank",
+            serde_json::json!({"model": "sim-model", "query": "fox"}),
+        ),
+    ];
+    std::fs::write(&input, lines.join("\n")).expect("input");
+    let status = batch_cmd(&input, &output, &sim.base_url(), 4)
+        .args(["--endpoints", "/v1/rerank,/v1/score,/classify,/pooling"])
+        .status()
+        .expect("runs");
+    assert!(status.success(), "{status:?}");
+    let out: HashMap<String, Value> = read_output(&output)
+        .into_iter()
+        .map(|v| (v["custom_id"].as_str().expect("id").to_owned(), v))
+        .collect();
+    assert_eq!(out.len(), 6);
+    let body = |id: &str| {
+        assert_eq!(out[id]["response"]["status_code"], 200, "{}", out[id]);
+        out[id]["response"]["body"].clone()
+    };
+    let rerank = body("rerank");
+    let results = rerank["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2, "top_n: {rerank}");
+    assert!(results[0]["relevance_score"].as_f64() >= results[1]["relevance_score"].as_f64());
+    assert_eq!(body("score")["data"].as_array().map(Vec::len), Some(2));
+    let classify = body("classify");
+    assert_eq!(classify["data"].as_array().map(Vec::len), Some(3));
+    assert_eq!(classify["data"][0]["num_classes"], 2);
+    assert_eq!(body("pooling")["data"][0]["object"], "pooling");
+    for (id, says) in [
+        ("not-listed", "endpoint /v1/completions is not served here"),
+        ("no-documents", "body.documents is required"),
+    ] {
+        let message = out[id]["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{id}: {}", out[id]);
+        assert!(out[id]["response"].is_null(), "{id} was sent: {}", out[id]);
+    }
+    // Four requests reached the engine; the refused lines did not.
+    assert_eq!(completed_requests(&sim.base_url()).await, 4.0);
+    let bad = batch_cmd(&input, &tmp.0.join("bad.jsonl"), &sim.base_url(), 4)
+        .args(["--endpoints", "v1/rerank"])
+        .output()
+        .expect("runs");
+    assert_eq!(bad.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("--endpoints: `v1/rerank` is not a path"),
+        "{err}"
+    );
+}

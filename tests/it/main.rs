@@ -62,3 +62,4 @@ mod source_prometheus;
 mod sql_transport;
 mod telemetry_http;
 mod traces;
+mod upstream_examples;

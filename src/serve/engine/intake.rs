@@ -9,9 +9,9 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokio::io::BufReader;
 
-use crate::batch::endpoint::Endpoint;
 use crate::batch::input::openai_request;
 use crate::clock::unix_secs;
+use crate::endpoint::Endpoint;
 use crate::request::{MAX_ID_LEN, Message, parse_message};
 use crate::serve::files::{Line, read_line};
 use crate::serve::model::{BatchRecord, BatchStatus, LineError, Stop};

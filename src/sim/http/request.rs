@@ -7,6 +7,7 @@ use serde_json::Value;
 use crate::sim::bad_request::{BadRequest, bad_request};
 use crate::sim::config::SimConfig;
 use crate::sim::endpoints::{EmbedRequest, embed_request, response_prompt_tokens};
+use crate::sim::scoring::{PoolingApi, PoolingRequest, pooling_request};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Api {
@@ -14,6 +15,15 @@ pub(super) enum Api {
     Chat,
     Embeddings,
     Responses,
+    /// vLLM's pooling-model endpoints (`scoring.rs`).
+    Pooling(PoolingApi),
+}
+
+impl Api {
+    /// Whether the request is a prefill alone (no decode, no stream).
+    fn prefill_only(self) -> bool {
+        matches!(self, Self::Embeddings | Self::Pooling(_))
+    }
 }
 
 /// A parsed and validated OpenAI request.
@@ -27,6 +37,8 @@ pub(super) struct Parsed {
     pub(super) priority: i32,
     /// Embeddings only: the vectors to answer with.
     pub(super) embed: Option<EmbedRequest>,
+    /// Pooling endpoints only: what to answer with.
+    pub(super) pooling: Option<PoolingRequest>,
     /// The prompt's block identities, for the prefix cache.
     pub(super) prefix: Arc<[u64]>,
 }
@@ -61,7 +73,14 @@ pub(super) fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Ba
     };
     let cpt = cfg.http.chars_per_token;
     let mut embed = None;
+    let mut pooling = None;
     let prompt_tokens: u64 = match api {
+        Api::Pooling(kind) => {
+            let p = pooling_request(kind, obj, |s| text_tokens(s, cpt))?;
+            let n = p.tokens.max(1);
+            pooling = Some(p);
+            n
+        }
         Api::Embeddings => {
             let e = embed_request(obj, |s| text_tokens(s, cpt))?;
             let n = e.tokens;
@@ -148,7 +167,7 @@ pub(super) fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Ba
     let max_tokens = match obj.get(max_key) {
         // An embedding is its prefill: the one token the engine emits at
         // the end of the prefill step ends it, and no decode step runs.
-        _ if api == Api::Embeddings => 1,
+        _ if api.prefill_only() => 1,
         None | Some(Value::Null) => cfg.http.default_max_tokens,
         Some(v) => match v.as_u64() {
             Some(n) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
@@ -162,7 +181,7 @@ pub(super) fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Ba
     };
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
-        _ if api == Api::Embeddings => false,
+        _ if api.prefill_only() => false,
         Some(Value::Bool(true)) if api == Api::Responses => {
             return Err(bad_request(
                 "stream is not supported on /v1/responses by the simulator",
@@ -208,6 +227,7 @@ pub(super) fn parse(api: Api, body: &[u8], cfg: &SimConfig) -> Result<Parsed, Ba
         include_usage,
         priority,
         embed,
+        pooling,
     })
 }
 

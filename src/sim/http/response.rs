@@ -16,6 +16,7 @@ use super::*;
 use crate::sim::endpoints::{ResponseIds, embeddings_body, response_body};
 use crate::sim::engine::{Outcome, RequestClass, RequestRecord, SimRequest};
 use crate::sim::pool::Admission;
+use crate::sim::scoring::{PoolingApi, pooling_body};
 
 pub(super) async fn completions(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     handle(s, Api::Completions, body).await
@@ -31,6 +32,22 @@ pub(super) async fn embeddings(State(s): State<Arc<Shared>>, body: Bytes) -> Res
 
 pub(super) async fn responses(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
     handle(s, Api::Responses, body).await
+}
+
+pub(super) async fn rerank(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    handle(s, Api::Pooling(PoolingApi::Rerank), body).await
+}
+
+pub(super) async fn score(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    handle(s, Api::Pooling(PoolingApi::Score), body).await
+}
+
+pub(super) async fn classify(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    handle(s, Api::Pooling(PoolingApi::Classify), body).await
+}
+
+pub(super) async fn pooling(State(s): State<Arc<Shared>>, body: Bytes) -> Response {
+    handle(s, Api::Pooling(PoolingApi::Pooling), body).await
 }
 
 /// Aborts the simulated request if the handler (or stream) goes away early.
@@ -134,6 +151,7 @@ pub(super) async fn handle(s: Arc<Shared>, api: Api, body: Bytes) -> Response {
             Api::Chat => format!("chatcmpl-{id}"),
             Api::Embeddings => format!("embd-{id}"),
             Api::Responses => format!("resp_{id}"),
+            Api::Pooling(kind) => format!("{}-{id}", kind.id_prefix()),
         },
         created: s.created,
         model: p.model.clone(),
@@ -235,6 +253,18 @@ pub(super) async fn unary_response(
             return axum::Json(embeddings_body(&ids.model, embed, rec.prompt_tokens))
                 .into_response();
         }
+        Api::Pooling(_) => {
+            let Some(pooling) = &p.pooling else {
+                return error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "pooling request without its items",
+                    "server_error",
+                    None,
+                );
+            };
+            let body = pooling_body(&ids.id, ids.created, &ids.model, pooling, rec.prompt_tokens);
+            return axum::Json(body).into_response();
+        }
         Api::Responses => {
             let body = response_body(
                 &ids,
@@ -326,7 +356,7 @@ pub(super) fn stream_response(
                 let choice = match api {
                     // `parse` refuses streaming for responses and ignores
                     // it for embeddings: only completions and chat stream.
-                    Api::Completions | Api::Embeddings | Api::Responses => {
+                    Api::Completions | Api::Embeddings | Api::Responses | Api::Pooling(_) => {
                         json!({"index": 0, "text": word, "logprobs": null, "finish_reason": reason})
                     }
                     Api::Chat => {

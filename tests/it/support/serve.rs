@@ -54,6 +54,8 @@ pub struct ServeSpec {
     pub background_max_per_tenant: Option<u64>,
     /// `serve.passthrough`.
     pub passthrough: bool,
+    /// `serve.endpoints`, the default when `None`.
+    pub endpoints: Option<Vec<String>>,
 }
 
 impl ServeSpec {
@@ -79,6 +81,7 @@ impl ServeSpec {
             flex_max_held_per_tenant: None,
             background_max_per_tenant: None,
             passthrough: false,
+            endpoints: None,
         }
     }
 }
@@ -186,6 +189,9 @@ pub async fn start_in(
         serve.background_max_per_tenant = n;
     }
     serve.passthrough = spec.passthrough;
+    if let Some(endpoints) = &spec.endpoints {
+        serve.endpoints.clone_from(endpoints);
+    }
     sluicegate::serve::start(&config, &serve, std::future::pending())
         .await
         .expect("the server starts")
