@@ -491,7 +491,8 @@ impl Flex {
                             }
                         }
                         // A transport that cannot tell waiting from taken
-                        // stops it either way (`docs/flex.md`).
+                        // (not the embedded queue or Redis, the two serve
+                        // runs on) stops it either way.
                         Err(ClientError::Unsupported { .. }) => {
                             guard.disarm();
                             let _ = self.sink.cancel(vec![id.clone()]).await;
