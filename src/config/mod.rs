@@ -612,6 +612,25 @@ section! {
         /// step takes.
         #[serde(serialize_with = "crate::values::serialize_duration")]
         takeover_after: Duration = Duration::from_secs(60), duration_min(Duration::from_secs(1));
+        /// Flex requests (`service_tier: "flex"`): how long one may wait
+        /// in the queue before it is answered 429 (`docs/flex.md`).
+        #[serde(serialize_with = "crate::values::serialize_duration")]
+        flex_max_wait: Duration = Duration::from_secs(600), duration_min(Duration::from_millis(100));
+        /// Flex connections held at once, all tenants together; one more
+        /// is answered 429.
+        flex_max_held: u64 = 10_000, |v| as_u64_in(v, 1, 1_000_000);
+        /// Flex connections one tenant may hold at once.
+        flex_max_held_per_tenant: u64 = 2_000, |v| as_u64_in(v, 1, 1_000_000);
+        /// Background responses not yet finished, all tenants together;
+        /// one more is answered 429.
+        background_max_total: u64 = 100_000, |v| as_u64_in(v, 1, 100_000_000);
+        /// Background responses not yet finished, per tenant.
+        background_max_per_tenant: u64 = 10_000, |v| as_u64_in(v, 1, 100_000_000);
+        /// Requests without `service_tier: "flex"` (or `background`) on the
+        /// inference endpoints: `false` refuses them with 400; `true`
+        /// forwards them straight to the gateway as interactive traffic,
+        /// outside the gate's window.
+        passthrough: bool = false, as_bool;
     }
 }
 

@@ -340,6 +340,21 @@ pub trait Client: Send + Sync + fmt::Debug {
     /// Cancels the unsent requests with these ids; one outcome per id.
     fn cancel(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>>;
 
+    /// Withdraws the requests among `ids` still waiting (never one a
+    /// dispatcher has leased): each withdrawn one is answered `CANCELLED`
+    /// once. Per id: whether it was withdrawn. Default: unsupported.
+    fn withdraw(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
+        let _ = ids;
+        Box::pin(std::future::ready(Err(self.unsupported(NO_WITHDRAW))))
+    }
+
+    /// Per id among `ids`: whether a dispatcher holds it leased now (it
+    /// passed the gate). Default: unsupported.
+    fn leased(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
+        let _ = ids;
+        Box::pin(std::future::ready(Err(self.unsupported(NO_WITHDRAW))))
+    }
+
     /// Up to `max` results after `cursor`, oldest first.
     fn results(&self, cursor: Cursor, max: usize)
     -> BoxFuture<'_, Result<ResultPage, ClientError>>;
@@ -391,6 +406,9 @@ pub(crate) const NO_IDEMPOTENCY: &str =
 
 /// What a transport without marks cannot do.
 pub(crate) const NO_MARKS: &str = "record an intake mark with its requests";
+/// What a transport without [`Client::withdraw`] and [`Client::leased`]
+/// cannot do.
+pub(crate) const NO_WITHDRAW: &str = "tell a waiting request from one a dispatcher has taken";
 
 /// Which queue a client is for, and how to reach it: what
 /// [`super::open_client`] opens.

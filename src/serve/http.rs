@@ -75,15 +75,15 @@ type Shared = Arc<AppState>;
 /// An error in the OpenAI shape.
 #[derive(Debug)]
 pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    kind: &'static str,
-    param: Option<&'static str>,
-    code: Option<&'static str>,
+    pub(super) status: StatusCode,
+    pub(super) message: String,
+    pub(super) kind: &'static str,
+    pub(super) param: Option<&'static str>,
+    pub(super) code: Option<&'static str>,
 }
 
 impl ApiError {
-    fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
+    pub(super) fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -93,7 +93,7 @@ impl ApiError {
         }
     }
 
-    fn not_found(what: &str, id: &str) -> Self {
+    pub(super) fn not_found(what: &str, id: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,
             message: format!("No such {what}: {id}"),
@@ -140,7 +140,7 @@ impl ApiError {
         Self::invalid(e.to_string(), None)
     }
 
-    fn internal(error: impl std::fmt::Display) -> Self {
+    pub(super) fn internal(error: impl std::fmt::Display) -> Self {
         tracing::error!(%error, "batch api request failed");
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -178,7 +178,7 @@ macro_rules! internal {
 
 /// The caller's tenant, from `Authorization: Bearer <key>`.
 #[derive(Debug)]
-pub struct Tenant(String);
+pub struct Tenant(pub(super) String);
 
 impl FromRequestParts<Shared> for Tenant {
     type Rejection = ApiError;

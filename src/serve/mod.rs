@@ -11,17 +11,26 @@
 //! expiry, cancel, finalizing), `quota` (per-tenant limits on enqueued
 //! work), `retention` (file expiry and its
 //! sweeper), `order` (the order a batch's lines are enqueued in:
-//! arrival, or by model and shared prompt prefix), `http` (the endpoints). This file wires
-//! them for [`start`].
+//! arrival, or by model and shared prompt prefix), `http` (the endpoints).
+//! One request at a time (`docs/flex.md`): `flex` (flex requests and the
+//! inference routes), `replies` (reply routes to held connections),
+//! `background` (background response records), `responses` (their
+//! creation and endpoints), `passthrough` (`serve.passthrough`). This
+//! file wires them for [`start`].
 
 pub mod auth;
+pub mod background;
 pub mod engine;
 pub mod files;
+pub mod flex;
 pub mod http;
 pub mod idempotency;
 pub mod model;
 pub mod order;
+pub mod passthrough;
 pub mod quota;
+pub mod replies;
+pub mod responses;
 pub mod retention;
 pub mod sink;
 pub mod store;
@@ -45,6 +54,8 @@ use crate::telemetry::{Health, Metrics};
 use self::auth::{Keys, KeysError};
 use self::engine::{Engine, Limits};
 use self::files::Bodies;
+use self::flex::{Flex, FlexSettings};
+use self::replies::{HeldLimits, Replies};
 use self::retention::{Retention, Sweeper};
 use self::sink::Sink;
 use self::store::{RedisStore, SqliteStore, Store, StoreError};
@@ -367,6 +378,24 @@ pub async fn start(
     };
     let client = open_client(target).await?;
     let sink = Sink::new(client, store.intake_mark_prefix());
+    let flex = Arc::new(Flex::new(
+        sink.clone(),
+        Arc::new(Replies::new(HeldLimits {
+            total: serve.flex_max_held,
+            per_tenant: serve.flex_max_held_per_tenant,
+        })),
+        FlexSettings {
+            max_wait: serve.flex_max_wait,
+            attempt_grace: config.gateway.attempt_timeout,
+            background_total: serve.background_max_total,
+            background_per_tenant: serve.background_max_per_tenant,
+            keep_secs: i64::try_from(serve.file_retention.as_secs()).unwrap_or(i64::MAX),
+            fairness: config.gateway.fairness_attribute.clone(),
+            passthrough: (serve.passthrough).then(|| queue_config.igw_base_url.to_string()),
+            max_body: usize::try_from(serve.max_line_bytes).unwrap_or(usize::MAX),
+        },
+        metrics.flex(&queue_config.queue_name),
+    ));
     let engine = Arc::new(
         Engine::new(
             store,
@@ -378,6 +407,15 @@ pub async fn start(
             tasks.clone(),
         )
         .with_tenant_limits(serve.tenant_limits.clone()),
+    );
+    let _ = engine.flex.set(flex.clone());
+    tasks.spawn(
+        "serve: flex probe",
+        flex.clone().probe(engine.store.clone(), stop.clone()),
+    );
+    tasks.spawn(
+        "serve: background responses",
+        flex.clone().resume(engine.store.clone(), stop.clone()),
     );
     tasks.spawn(
         "serve: result collector",
@@ -404,14 +442,15 @@ pub async fn start(
         })?;
     let addr = listener.local_addr().unwrap_or(serve.listen);
     let pass_headers = pass_headers(serve)?;
-    let router = http::router(Arc::new(http::AppState {
+    let state = Arc::new(http::AppState {
         engine,
         keys,
         pass_headers,
         order: serve.order.into(),
         // Validated when the configuration was loaded.
         endpoints: crate::endpoint::Endpoints::new(&serve.endpoints).unwrap_or_default(),
-    }));
+    });
+    let router = http::router(state.clone()).merge(flex::router(state, flex));
     let graceful = stop.clone().cancelled_owned();
     tasks.spawn("serve: batch api server", async move {
         if let Err(error) = axum::serve(listener, router)

@@ -91,6 +91,28 @@ impl Sink {
         Ok(())
     }
 
+    /// Enqueues one request on its own (a flex or background request):
+    /// no intake mark, nothing to resume.
+    pub async fn enqueue_one(&self, message: Message) -> Result<(), SinkError> {
+        let request = Outgoing {
+            body: Bytes::from(serde_json::to_vec(&message.request).unwrap_or_default()),
+            deadline: message.request.deadline,
+        };
+        self.client.enqueue(vec![request], None).await?;
+        Ok(())
+    }
+
+    /// Withdraws the requests among `message_ids` still waiting, never
+    /// one a dispatcher took ([`crate::queue::Client::withdraw`]).
+    pub async fn withdraw(&self, message_ids: Vec<String>) -> Result<Vec<bool>, SinkError> {
+        self.client.withdraw(message_ids).await
+    }
+
+    /// Per id: whether a dispatcher holds it now.
+    pub async fn leased(&self, message_ids: Vec<String>) -> Result<Vec<bool>, SinkError> {
+        self.client.leased(message_ids).await
+    }
+
     /// The input lines of `batch` already enqueued (0 before the first
     /// chunk): where a resumed intake starts.
     pub async fn progress(&self, batch: &str) -> Result<u64, SinkError> {

@@ -184,6 +184,7 @@ pub struct Metrics {
     batch_file_bytes: Family<QueueLabel, Gauge>,
     batch_enqueued_requests: Family<TenantLabels, Gauge>,
     batch_enqueued_tokens: Family<TenantLabels, Gauge>,
+    flex: FlexFamilies,
     shared_held: Family<PoolLabel, Gauge>,
     shared_total: Family<PoolLabel, Gauge>,
     shared_all_held: Family<PoolLabel, Gauge>,
@@ -192,6 +193,52 @@ pub struct Metrics {
     shared_failures: Family<PoolLabel, Counter>,
     shared_holds: Family<PoolLabel, Counter>,
     pubsub: PubSubFamilies,
+}
+
+/// Flex requests and background responses (`sluicegate serve`,
+/// `docs/flex.md`), per queue.
+#[derive(Debug, Clone)]
+struct FlexFamilies {
+    waiting: Family<QueueLabel, Gauge>,
+    dispatch: HistogramFamily,
+    refusals: Family<ReasonLabels, Counter>,
+    background: Family<StatusLabels, Counter>,
+}
+
+/// Why a flex request was refused (`sluicegate_flex_refusals_total`).
+pub const FLEX_REFUSALS: [&str; 4] = ["max_wait", "held_total", "held_tenant", "background_bound"];
+
+/// The flex and background metric handles of one queue, cheap to clone.
+#[derive(Debug, Clone)]
+pub struct FlexMetrics {
+    /// Flex requests held waiting for their answer (not yet started or
+    /// running).
+    pub waiting: Gauge,
+    /// Time from enqueue to a dispatcher taking a flex request.
+    pub dispatch: Histogram,
+    queue: String,
+    refusals: Family<ReasonLabels, Counter>,
+    background: Family<StatusLabels, Counter>,
+}
+
+impl FlexMetrics {
+    /// Counts one refusal with `cause` (of [`FLEX_REFUSALS`]).
+    pub fn refused(&self, cause: &'static str) {
+        let labels = ReasonLabels {
+            queue: self.queue.clone(),
+            reason: cause,
+        };
+        self.refusals.get_or_create(&labels).inc();
+    }
+
+    /// Counts one background response reaching `status` on this server.
+    pub fn background(&self, status: &'static str) {
+        let labels = StatusLabels {
+            queue: self.queue.clone(),
+            status,
+        };
+        self.background.get_or_create(&labels).inc();
+    }
 }
 
 /// The Pub/Sub transport's families (`src/queue/pubsub/`), per queue.
@@ -502,6 +549,29 @@ impl Metrics {
                 "sluicegate_batch_enqueued_tokens",
                 "Estimated tokens of those requests, held against serve.tenant_limits (sluicegate serve)",
             ),
+            flex: FlexFamilies {
+                waiting: family(
+                    r,
+                    "sluicegate_flex_waiting",
+                    "Flex requests held on their connections, waiting for their answer (sluicegate serve)",
+                ),
+                dispatch: histograms(
+                    r,
+                    "sluicegate_flex_dispatch_seconds",
+                    "Time from a flex request's enqueue to a dispatcher taking it past the gate, seen by serve's probe (sluicegate serve)",
+                    latency_histogram,
+                ),
+                refusals: family(
+                    r,
+                    "sluicegate_flex_refusals",
+                    "Flex and background requests answered 429, by reason: max_wait, held_total, held_tenant, background_bound (sluicegate serve)",
+                ),
+                background: family(
+                    r,
+                    "sluicegate_background_responses",
+                    "Background responses that reached each status on this server: queued at creation, in_progress when seen leased, then completed, failed, cancelled or incomplete (sluicegate serve)",
+                ),
+            },
             shared_held: family(
                 r,
                 "sluicegate_shared_window_held_units",
@@ -677,6 +747,34 @@ impl Metrics {
             file_bytes: self.batch_file_bytes.clone(),
             enqueued_requests: self.batch_enqueued_requests.clone(),
             enqueued_tokens: self.batch_enqueued_tokens.clone(),
+        }
+    }
+
+    /// The flex handles for `queue`, every refusal cause and background
+    /// status created at zero.
+    pub fn flex(&self, queue: &str) -> FlexMetrics {
+        let f = &self.flex;
+        for reason in FLEX_REFUSALS {
+            let _ = f.refusals.get_or_create_owned(&ReasonLabels {
+                queue: queue.to_owned(),
+                reason,
+            });
+        }
+        for status in crate::serve::background::ResponseStatus::ALL {
+            let _ = f.background.get_or_create_owned(&StatusLabels {
+                queue: queue.to_owned(),
+                status: status.as_str(),
+            });
+        }
+        let l = QueueLabel {
+            queue: queue.to_owned(),
+        };
+        FlexMetrics {
+            waiting: f.waiting.get_or_create_owned(&l),
+            dispatch: f.dispatch.get_or_create_owned(&l),
+            queue: queue.to_owned(),
+            refusals: f.refusals.clone(),
+            background: f.background.clone(),
         }
     }
 
@@ -908,6 +1006,10 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_batch_file_bytes",
     "sluicegate_batch_enqueued_requests",
     "sluicegate_batch_enqueued_tokens",
+    "sluicegate_flex_waiting",
+    "sluicegate_flex_dispatch_seconds",
+    "sluicegate_flex_refusals_total",
+    "sluicegate_background_responses_total",
     "sluicegate_pubsub_in_flight_messages",
     "sluicegate_pubsub_acks_total",
     "sluicegate_pubsub_nacks_total",
@@ -941,6 +1043,7 @@ mod tests {
         let _ = metrics.pool("p");
         // Per-tenant gauges have a series only for a tenant with a limit.
         metrics.batch_api("q").set_tenant_enqueued("t", 1, 2);
+        let _ = metrics.flex("q");
         let text = metrics.encode();
         for name in METRIC_NAMES {
             assert!(text.contains(name), "{name} missing from:\n{text}");

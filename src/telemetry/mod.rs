@@ -9,7 +9,7 @@ pub mod traces;
 
 pub use logging::LogFormat;
 pub use metrics::{
-    BatchApiMetrics, INERT_REASONS, METRIC_NAMES, Metrics, PoolMetrics, QueueMetrics,
+    BatchApiMetrics, FlexMetrics, INERT_REASONS, METRIC_NAMES, Metrics, PoolMetrics, QueueMetrics,
 };
 pub use server::{Health, serve};
 pub use traces::{TraceExport, TraceSettings, Traces};

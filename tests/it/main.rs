@@ -27,6 +27,8 @@ mod embedded_worker;
 mod eval;
 mod failure_storm;
 mod fair_tenants;
+mod flex;
+mod flex_python;
 mod gate_cascade;
 mod gate_config_examples;
 mod gate_dispatch;

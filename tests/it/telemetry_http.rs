@@ -78,11 +78,14 @@ gate_type = "constant"
     // API's per-tenant holdings have a series only once a tenant with a
     // `serve.tenant_limits` limit has a batch; tests/it/batch_api.rs reads
     // them (`batches_over_a_tenant_limit_get_429_at_creation_...`).
-    // The earliest waiting deadline has a series only while work waits
-    // (the test below reads it).
+    // Flex and background metrics exist only in `sluicegate serve`;
+    // tests/it/flex.rs reads them. The earliest waiting deadline has a
+    // series only while work waits (the test below reads it).
     for name in METRIC_NAMES.iter().filter(|n| {
         !n.starts_with("sluicegate_pubsub_")
             && !n.starts_with("sluicegate_batch_enqueued_")
+            && !n.starts_with("sluicegate_flex_")
+            && !n.starts_with("sluicegate_background_")
             && **n != "sluicegate_queue_earliest_deadline_timestamp_seconds"
     }) {
         assert!(text.contains(name), "{name} missing");

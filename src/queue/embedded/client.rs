@@ -154,6 +154,14 @@ impl Client for EmbeddedClient {
         })
     }
 
+    fn withdraw(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
+        Box::pin(self.off_thread(move |queue| queue.withdraw_ids(&ids)))
+    }
+
+    fn leased(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
+        Box::pin(self.off_thread(move |queue| queue.leased_ids(&ids)))
+    }
+
     fn results(
         &self,
         cursor: Cursor,

@@ -452,6 +452,71 @@ impl EmbeddedQueue {
         })
     }
 
+    /// Withdraws each of `ids` that is still waiting (not under an
+    /// unexpired lease): removed and answered `CANCELLED`, in one
+    /// transaction. A leased one is left alone, unmarked: unlike
+    /// [`EmbeddedQueue::cancel`] this never stops a request a dispatcher
+    /// has taken (a flex request past `serve.flex_max_wait` that has
+    /// started must still get its answer). Per id: whether it was
+    /// withdrawn.
+    pub fn withdraw_ids(&self, ids: &[String]) -> Result<Vec<bool>, EmbeddedError> {
+        let wanted: HashSet<&str> = ids.iter().map(String::as_str).collect();
+        let now = crate::clock::unix_millis();
+        let withdrawn: HashSet<String> = self.inner.write(|tx, queue| {
+            let rows: Vec<(i64, Vec<u8>)> = {
+                let mut s = tx.prepare(
+                    "SELECT seq, body FROM messages WHERE queue = ?1 AND NOT (lease_tag IS NOT NULL AND lease_expires_ms > ?2)",
+                )?;
+                s.query_map(params![queue, now], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<rusqlite::Result<_>>()?
+            };
+            let mut withdrawn = HashSet::new();
+            for (seq, body) in rows {
+                let Ok(message) = parse_message(&body) else {
+                    continue;
+                };
+                let id = message.request.id.as_str();
+                if !wanted.contains(id) {
+                    continue;
+                }
+                let result = ResultRecord::error(
+                    id,
+                    message.token(),
+                    crate::result::ErrorCode::Cancelled,
+                    "withdrawn before dispatch",
+                );
+                let record = serde_json::to_string(&result).unwrap_or_default();
+                tx.execute(
+                    "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![queue, id, message.token().unwrap_or_default(), record, now],
+                )?;
+                tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
+                withdrawn.insert(id.to_owned());
+            }
+            Ok(withdrawn)
+        })?;
+        Ok(ids.iter().map(|id| withdrawn.contains(id)).collect())
+    }
+
+    /// Which of `ids` are under an unexpired lease now: taken by a
+    /// dispatcher, so past the gate's window (a flex request has started,
+    /// a background response is `in_progress`).
+    pub fn leased_ids(&self, ids: &[String]) -> Result<Vec<bool>, EmbeddedError> {
+        let wanted: HashSet<&str> = ids.iter().map(String::as_str).collect();
+        let now = crate::clock::unix_millis();
+        let bodies: Vec<Vec<u8>> = self.inner.read(|c, queue| {
+            let mut s = c.prepare(
+                "SELECT body FROM messages WHERE queue = ?1 AND lease_tag IS NOT NULL AND lease_expires_ms > ?2",
+            )?;
+            s.query_map(params![queue, now], |r| r.get(0))?.collect()
+        })?;
+        let leased: HashSet<String> = (bodies.iter())
+            .filter_map(|b| parse_message(b).ok().map(|m| m.request.id))
+            .filter(|id| wanted.contains(id.as_str()))
+            .collect();
+        Ok(ids.iter().map(|id| leased.contains(id)).collect())
+    }
+
     /// Results written after write position `after`, at most `limit`, each
     /// with its position: a reader that keeps the last position sees
     /// every result once, in write order (the Batch API's collector).

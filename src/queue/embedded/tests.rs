@@ -441,3 +441,46 @@ async fn due_counts_the_waiting_messages_by_time_to_deadline_and_not_the_leased(
     assert_eq!(profile.within, [0, 1, 1, 1, 2, 2]);
     assert_eq!(profile.earliest, Some(now + 200));
 }
+
+/// Flex requests past `serve.flex_max_wait` are withdrawn only while
+/// they wait: one a dispatcher leased is left alone and unmarked (its
+/// answer still comes), and `leased_ids` tells the two apart.
+#[tokio::test]
+async fn withdraw_takes_only_waiting_messages_and_leased_ids_sees_the_taken() {
+    let q = EmbeddedQueue::open(temp_db("withdraw"), "q").expect("open");
+    let now = crate::clock::unix_secs();
+    let body = |id: &str, deadline: i64| {
+        Bytes::from(format!(
+            r#"{{"id":"{id}","deadline":{deadline},"payload":{{}}}}"#
+        ))
+    };
+    q.enqueue_with_deadlines(
+        &[
+            (body("taken", now), now),
+            (body("waiting", now + 60), now + 60),
+        ],
+        &[],
+    )
+    .expect("enqueue");
+    let d = q.receive(1, LEASE, NO_WAIT).await.expect("ok");
+    assert_eq!(
+        parse_message(&d[0].body).expect("valid").request.id,
+        "taken"
+    );
+    let ids = [
+        "taken".to_owned(),
+        "waiting".to_owned(),
+        "unknown".to_owned(),
+    ];
+    assert_eq!(q.leased_ids(&ids).expect("ok"), [true, false, false]);
+    assert_eq!(q.withdraw_ids(&ids).expect("ok"), [false, true, false]);
+    // The withdrawn one is answered CANCELLED once and gone from the queue.
+    let results = q.results_after(0, 10).expect("results");
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].1.id, "waiting");
+    assert_eq!(results[0].1.error_code, Some(ErrorCode::Cancelled));
+    assert_eq!(q.pending_ids().expect("ok"), ["taken".to_owned()]);
+    // The taken one carries no cancel mark: it is sent and answered.
+    assert!(!q.cancelled(&d[0].tag).await);
+    assert_eq!(q.withdraw_ids(&ids).expect("ok"), [false, false, false]);
+}

@@ -125,6 +125,18 @@ impl RedisClient {
     }
 }
 
+/// `text` with the glob characters of `MATCH` escaped.
+fn glob_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 impl Client for RedisClient {
     fn describe(&self) -> Description {
         Description {
@@ -220,6 +232,99 @@ impl Client for RedisClient {
                 .query_async(&mut self.conn.clone())
                 .await
                 .map_err(Self::error("forget mark"))
+        })
+    }
+
+    /// Removes each id's member from pending if it is still there (`ZREM`
+    /// is atomic against a claim: a member a dispatcher claimed is not in
+    /// pending any more, and is left alone), forgets its active key and
+    /// answers it `CANCELLED` on the result list. Pending is searched with
+    /// `ZSCAN … MATCH` on the id (members are the envelopes' text), so a
+    /// withdrawal costs a pass over pending: meant for the rare flex
+    /// request past `serve.flex_max_wait`. A stale lane entry is dropped
+    /// by the next claim.
+    fn withdraw(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
+        Box::pin(async move {
+            let mut conn = self.conn.clone();
+            let mut out = Vec::with_capacity(ids.len());
+            for id in &ids {
+                let pattern = format!("*\"id\":\"{}\"*", glob_escape(id));
+                let mut members = Vec::new();
+                let mut cursor = 0u64;
+                loop {
+                    let (next, found): (u64, Vec<String>) = redis::cmd("ZSCAN")
+                        .arg(&self.queue)
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(&pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(Self::error("find a waiting request"))?;
+                    members.extend(found.into_iter().step_by(2));
+                    cursor = next;
+                    if cursor == 0 {
+                        break;
+                    }
+                }
+                let mut withdrawn = false;
+                for member in members {
+                    let Ok(message) = crate::request::parse_message(member.as_bytes()) else {
+                        continue;
+                    };
+                    if message.request.id != *id {
+                        continue;
+                    }
+                    let removed: i64 = redis::cmd("ZREM")
+                        .arg(&self.queue)
+                        .arg(&member)
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(Self::error("withdraw a request"))?;
+                    if removed == 0 {
+                        continue;
+                    }
+                    withdrawn = true;
+                    let result = crate::result::ResultRecord::error(
+                        id,
+                        message.token(),
+                        crate::result::ErrorCode::Cancelled,
+                        "withdrawn before dispatch",
+                    );
+                    redis::cmd("DEL")
+                        .arg(format!("request-active:{id}"))
+                        .query_async::<()>(&mut conn)
+                        .await
+                        .map_err(Self::error("withdraw a request"))?;
+                    redis::cmd("LPUSH")
+                        .arg(&self.result_list)
+                        .arg(serde_json::to_string(&result).unwrap_or_default())
+                        .query_async::<()>(&mut conn)
+                        .await
+                        .map_err(Self::error("answer a withdrawn request"))?;
+                }
+                out.push(withdrawn);
+            }
+            Ok(out)
+        })
+    }
+
+    /// The ids among `ids` whose member a dispatcher holds claimed (the
+    /// claimed hash holds at most a window's worth).
+    fn leased(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
+        Box::pin(async move {
+            let keys = super::Keys::new(&self.queue, self.conn.is_cluster());
+            let members: Vec<String> = redis::cmd("HVALS")
+                .arg(&keys.claimed)
+                .query_async(&mut self.conn.clone())
+                .await
+                .map_err(Self::error("read claims"))?;
+            let claimed: std::collections::HashSet<String> = (members.iter())
+                .filter_map(|m| crate::request::parse_message(m.as_bytes()).ok())
+                .map(|m| m.request.id)
+                .collect();
+            Ok(ids.iter().map(|id| claimed.contains(id)).collect())
         })
     }
 

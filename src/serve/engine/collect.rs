@@ -11,7 +11,9 @@ use tokio_util::sync::CancellationToken;
 use crate::batch::output::openai_line;
 use crate::queue::{Cursor, ReadResult, ResultPage};
 use crate::result::{ErrorCode, ResultRecord};
+use crate::serve::flex::is_flex_id;
 use crate::serve::model::{BatchRecord, BatchStatus, Stop, new_id, split_message_id};
+use crate::serve::responses::is_response_id;
 use crate::serve::store::Recorded;
 use crate::tasks::sleep_unless;
 
@@ -21,6 +23,12 @@ use super::{Engine, EngineError};
 const COLLECT_IDLE: Duration = Duration::from_millis(200);
 /// Results per collector read.
 const COLLECT_PAGE: usize = 500;
+
+/// Whether this server reads the result: a batch line's, a flex
+/// request's or a background response's.
+fn is_ours(id: &str) -> bool {
+    split_message_id(id).is_some() || is_flex_id(id) || is_response_id(id)
+}
 
 impl Engine {
     /// The output line of a result, and its outcome label.
@@ -95,6 +103,22 @@ impl Engine {
         Ok(())
     }
 
+    /// Flex results to their held connections (one whose client left
+    /// is dropped: nobody waits for it), background responses' into
+    /// their records.
+    async fn route(&self, results: Vec<ResultRecord>) -> Result<(), EngineError> {
+        let Some(flex) = self.flex.get() else {
+            return Ok(());
+        };
+        let (responses, flexes): (Vec<ResultRecord>, Vec<ResultRecord>) =
+            results.into_iter().partition(|r| is_response_id(&r.id));
+        for result in flexes {
+            flex.deliver(&self.store, result).await?;
+        }
+        crate::serve::responses::apply(&self.store, flex, responses).await?;
+        Ok(())
+    }
+
     /// Applies the queue's results from the saved position on, until
     /// `stop`. A page is confirmed only after it is recorded (re-reading
     /// is harmless: the first result per request wins); results of other
@@ -118,11 +142,15 @@ impl Engine {
                 return;
             }
             let (ours, foreign): (Vec<ReadResult>, Vec<ReadResult>) = (page.results.into_iter())
-                .partition(|r| {
-                    (r.record.as_ref()).is_some_and(|r| split_message_id(&r.id).is_some())
-                });
-            let records = ours.iter().filter_map(|r| r.record.clone()).collect();
-            let settled = match self.apply(records).await {
+                .partition(|r| (r.record.as_ref()).is_some_and(|r| is_ours(&r.id)));
+            let (routed, records): (Vec<ResultRecord>, Vec<ResultRecord>) =
+                (ours.iter().filter_map(|r| r.record.clone()))
+                    .partition(|r| split_message_id(&r.id).is_none());
+            let applied = match self.route(routed).await {
+                Ok(()) => self.apply(records).await,
+                Err(error) => Err(error),
+            };
+            let settled = match applied {
                 Ok(()) => client
                     .confirm(ours, foreign)
                     .await

@@ -127,6 +127,9 @@ pub struct Engine {
     reported: Mutex<HashSet<String>>,
     /// The server's task tree: each batch step runs on it, named.
     tasks: Tasks,
+    /// The flex and background front, set once at start: the collector
+    /// hands it their results.
+    pub flex: std::sync::OnceLock<Arc<crate::serve::flex::Flex>>,
 }
 
 /// Takes a batch off [`Engine`]'s `running` set when its step ends, also
@@ -194,6 +197,7 @@ impl Engine {
             running: Mutex::new(HashSet::new()),
             tenant_limits: TenantLimits::default(),
             reported: Mutex::new(HashSet::new()),
+            flex: std::sync::OnceLock::new(),
         }
     }
 

@@ -9,6 +9,7 @@
 //! ([`Store::record_result`]), so replicas may all run the same loops.
 
 mod redis;
+mod responses;
 mod sqlite;
 
 pub use self::redis::{KeyScheme, RedisStore};

@@ -161,7 +161,7 @@ impl KeyScheme {
 /// The Redis store. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct RedisStore {
-    conn: RedisConnection,
+    pub(super) conn: RedisConnection,
     keys: KeyScheme,
 }
 
@@ -173,7 +173,7 @@ impl RedisStore {
         Self { conn, keys }
     }
 
-    fn key(&self, parts: &[&str]) -> String {
+    pub(super) fn key(&self, parts: &[&str]) -> String {
         self.keys.key(parts)
     }
 

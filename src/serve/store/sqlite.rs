@@ -79,6 +79,8 @@ impl SqliteStore {
         conn.busy_timeout(std::time::Duration::from_secs(10))
             .map_err(err)?;
         conn.execute_batch(SCHEMA).map_err(err)?;
+        conn.execute_batch(super::responses::SQLITE_SCHEMA)
+            .map_err(err)?;
         Ok(Self {
             path: path.to_path_buf(),
             conn: Arc::new(Mutex::new(conn)),
@@ -86,7 +88,7 @@ impl SqliteStore {
     }
 
     /// Runs `f` on the connection off the async runtime.
-    async fn run<T: Send + 'static>(
+    pub(super) async fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {

@@ -40,6 +40,20 @@ pub struct ServeSpec {
     pub max_sys: u32,
     /// `serve.pass_headers`.
     pub pass_headers: Vec<String>,
+    /// An endpoint-scrape gate reading metric `m` (4 per pod) at this
+    /// `/metrics` URL (a test opens and closes it); wins over
+    /// `closed_gate`.
+    pub gate_url: Option<String>,
+    /// `serve.flex_max_wait`.
+    pub flex_max_wait: Option<Duration>,
+    /// `serve.flex_max_held`.
+    pub flex_max_held: Option<u64>,
+    /// `serve.flex_max_held_per_tenant`.
+    pub flex_max_held_per_tenant: Option<u64>,
+    /// `serve.background_max_per_tenant`.
+    pub background_max_per_tenant: Option<u64>,
+    /// `serve.passthrough`.
+    pub passthrough: bool,
     /// `serve.endpoints`, the default when `None`.
     pub endpoints: Option<Vec<String>>,
 }
@@ -61,6 +75,12 @@ impl ServeSpec {
             dispatch: String::new(),
             max_sys: 8,
             pass_headers: Vec::new(),
+            gate_url: None,
+            flex_max_wait: None,
+            flex_max_held: None,
+            flex_max_held_per_tenant: None,
+            background_max_per_tenant: None,
+            passthrough: false,
             endpoints: None,
         }
     }
@@ -96,12 +116,15 @@ pub fn config(spec: &ServeSpec, dir: &std::path::Path) -> Config {
             dir.join("queue.db").display()
         ),
     };
-    let gate = match spec.closed_gate {
-        true => format!(
+    let gate = match (&spec.gate_url, spec.closed_gate) {
+        (Some(url), _) => format!(
+            "gate_type = \"endpoint-scrape\"\n[queue.gate_params]\nurl = \"{url}\"\nmetric = \"m\"\nmax_count_per_pod = 4\n"
+        ),
+        (None, true) => format!(
             "gate_type = \"endpoint-scrape\"\n[queue.gate_params]\nurl = \"http://127.0.0.1:{}/metrics\"\nmetric = \"m\"\nmax_count_per_pod = 4\n",
             free_port()
         ),
-        false => "gate_type = \"constant\"\n".to_owned(),
+        (None, false) => "gate_type = \"constant\"\n".to_owned(),
     };
     let text = format!(
         "{transport}[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n{}\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = {}\n{gate}",
@@ -153,6 +176,19 @@ pub async fn start_in(
     if let Some(limits) = &spec.tenant_limits {
         serve.tenant_limits = limits.clone();
     }
+    if let Some(d) = spec.flex_max_wait {
+        serve.flex_max_wait = d;
+    }
+    if let Some(n) = spec.flex_max_held {
+        serve.flex_max_held = n;
+    }
+    if let Some(n) = spec.flex_max_held_per_tenant {
+        serve.flex_max_held_per_tenant = n;
+    }
+    if let Some(n) = spec.background_max_per_tenant {
+        serve.background_max_per_tenant = n;
+    }
+    serve.passthrough = spec.passthrough;
     if let Some(endpoints) = &spec.endpoints {
         serve.endpoints.clone_from(endpoints);
     }
