@@ -58,7 +58,7 @@ use values::{
     Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_string_list,
     as_string_map, as_u64, as_u64_in, attempts, choice, constant_url, duration_min, env_filter,
     header_name, host_port, http_url, inline_secret, optional_i64, optional_string, path,
-    pool_name, postgres_url, redis_url, retention, socket_addr, tenant_limits, tenant_weights,
+    pool_name, postgres_url, redis_addrs, redis_url, retention, socket_addr, tenant_limits, tenant_weights,
     url_path,
 };
 
@@ -69,7 +69,7 @@ pub use crate::gate::{
     allowed_params,
 };
 pub use crate::postgres::SqlConfig;
-pub use crate::redis::RedisConfig;
+pub use crate::redis::{RedisConfig, RedisMode};
 pub use crate::secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
@@ -371,6 +371,12 @@ section! {
         password: Option<Secret> = None, inline_secret;
         password_file: Option<PathBuf> = None, |v| path(v).map(Some);
         cluster: bool = false, as_bool;
+        mode: RedisMode = RedisMode::Standalone, choice(RedisMode::CHOICES);
+        addrs: Vec<String> = Vec::new(), redis_addrs;
+        master_name: Option<String> = None, optional_string;
+        sentinel_username: Option<String> = None, optional_string;
+        sentinel_password: Option<Secret> = None, inline_secret;
+        sentinel_password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 
     /// `[prometheus]` (`crate::source::PrometheusConfig`, documented there).
