@@ -372,8 +372,8 @@ pub fn sentinel_connection(
         .map(|addr| sentinel_info(addr, sentinels.username, sentinels.password))
         .collect::<Result<Vec<_>, _>>()
         .map_err(ConnectError::Sentinel)?;
-    let mut node =
-        SentinelNodeConnectionInfo::default().set_redis_connection_info(master.redis_settings().clone());
+    let mut node = SentinelNodeConnectionInfo::default()
+        .set_redis_connection_info(master.redis_settings().clone());
     // The sentinels hand out host and port only: TLS to the master is the
     // `rediss://` of `url`, as it would be without them.
     if let ConnectionAddr::TcpTls { insecure, .. } = master.addr() {

@@ -8,9 +8,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::{
-    EndpointUrl, PubSubConfig, RedisConfig, RedisMode, Secret, read_secret_file,
-};
+use crate::config::{EndpointUrl, PubSubConfig, RedisConfig, RedisMode, Secret, read_secret_file};
 use crate::queue::{Client, ClientTarget, OpenError, open_client};
 use crate::redis::{RedisConnection, connection};
 

@@ -14,8 +14,7 @@ use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
     MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, RedisMode, SECTIONS,
-    Section,
-    SharedWindowKind, SqlConfig, TelemetryConfig, TransportKind, format_duration,
+    Section, SharedWindowKind, SqlConfig, TelemetryConfig, TransportKind, format_duration,
 };
 use crate::gate::parse_gate_spec;
 use crate::secret::{Secret, read_secret_file};

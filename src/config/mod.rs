@@ -58,8 +58,8 @@ use values::{
     Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_string_list,
     as_string_map, as_u64, as_u64_in, attempts, choice, constant_url, duration_min, env_filter,
     header_name, host_port, http_url, inline_secret, optional_i64, optional_string, path,
-    pool_name, postgres_url, redis_addrs, redis_url, retention, socket_addr, tenant_limits, tenant_weights,
-    url_path,
+    pool_name, postgres_url, redis_addrs, redis_url, retention, socket_addr, tenant_limits,
+    tenant_weights, url_path,
 };
 
 use crate::telemetry::LogFormat;

@@ -247,7 +247,15 @@ mod tests {
         let ms = |n| Duration::from_millis(n);
         assert_eq!(
             delays,
-            [ms(100), ms(200), ms(400), ms(800), ms(1600), ms(2000), ms(2000)]
+            [
+                ms(100),
+                ms(200),
+                ms(400),
+                ms(800),
+                ms(1600),
+                ms(2000),
+                ms(2000)
+            ]
         );
         // No overflow however long the master stays away.
         assert_eq!(retry_delay(u32::MAX), MAX_RETRY_DELAY);

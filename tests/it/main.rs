@@ -52,6 +52,7 @@ mod real_engine;
 mod redis_cluster;
 mod redis_delivery;
 mod redis_faults;
+mod redis_sentinel;
 mod redis_transport;
 mod shared_window;
 mod sim_http;
