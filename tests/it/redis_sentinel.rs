@@ -57,6 +57,7 @@ async fn submit(group: &SentinelGroup, dir: &Path) {
     let lines: Vec<String> = (0..N)
         .map(|i| {
             serde_json::json!({"id": format!("m-{i}"), "deadline": deadline,
+                "metadata": {"userid": format!("tenant-{}", i % 3)},
                 "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
             .to_string()
         })
@@ -277,7 +278,10 @@ gate_params = {{ address = "{}", budget_key = "sentinel-budget" }}"#,
 }
 
 /// The master SIGKILLed mid-drain: the sentinels agree it is down and
-/// promote the replica; the dispatcher finds it through them.
+/// promote the replica; the dispatcher finds it through them. The queue's
+/// gate is a `redis-quota` whose address is a sentinel (a limit no drain
+/// reaches): a quota gate that kept dialling the dead master would refuse
+/// every message from then on and the drain would not finish.
 #[tokio::test(flavor = "multi_thread")]
 async fn killed_master_mid_drain_loses_nothing_and_answers_each_id_once() {
     let mut group = SentinelGroup::start();
@@ -288,7 +292,16 @@ async fn killed_master_mid_drain_loses_nothing_and_answers_each_id_once() {
     let config = dir.join("sluicegate.toml");
     std::fs::write(
         &config,
-        config_toml(&group, &gw.uri(), "", "gate_type = \"constant\""),
+        config_toml(
+            &group,
+            &gw.uri(),
+            "wait_requeue_delay = \"100ms\"",
+            &format!(
+                r#"gate_type = "redis-quota"
+gate_params = {{ address = "{}", limit = 1000000, window = "1m" }}"#,
+                group.sentinel_addrs()[2]
+            ),
+        ),
     )
     .expect("config");
     let log = dir.join("run.log");
@@ -311,6 +324,90 @@ async fn killed_master_mid_drain_loses_nothing_and_answers_each_id_once() {
         .status();
     let _ = child.0.wait();
     assert_exactly_once(master);
+    // The quota gate did count in Redis (its three tenants' keys reached
+    // the new master): it was in the path of every admission, and it
+    // refuses on a Redis error, so the drain finishing means it reached
+    // the new master after the kill.
+    let quota_keys = master.cli(&["KEYS", "quota:userid:*"]);
+    assert!(
+        quota_keys.lines().count() >= 3,
+        "no quota keys on the new master: {quota_keys:?}"
+    );
+}
+
+/// `sluicegate serve` (the Batch API, in process) on the Redis transport
+/// through the sentinels: its batch records live in the master, so a
+/// batch made before a `SENTINEL FAILOVER` is still there after it, and a
+/// new one runs to completion on the new master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_keeps_its_batches_across_a_sentinel_failover() {
+    let group = SentinelGroup::start();
+    let sim = support::sim::small_pool().await;
+    let tmp = support::TempDir::new("sentinel-serve");
+    let addrs = group
+        .sentinel_addrs()
+        .iter()
+        .map(|a| format!("\"{a}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let text = format!(
+        "transport = \"redis\"\n[redis]\nmode = \"sentinel\"\naddrs = [{addrs}]\nmaster_name = \"{MASTER_NAME}\"\n[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nretry_initial_backoff = \"100ms\"\nretry_max_backoff = \"200ms\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 8\ngate_type = \"constant\"\n",
+        sim.base_url()
+    );
+    let config = Config::from_toml_str(&text, &BTreeMap::new()).expect("config loads");
+    let serve = sluicegate::config::ServeConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: tmp.0.join("data"),
+        ..sluicegate::config::ServeConfig::default()
+    };
+    let server = sluicegate::serve::start(&config, &serve, std::future::pending())
+        .await
+        .expect("serve starts");
+    let api = support::serve::Api::new(&format!("http://{}", server.addr), None);
+    let long = Duration::from_secs(60);
+    let first = api
+        .batch(
+            &support::serve::completion_lines(6, 4),
+            "/v1/completions",
+            "24h",
+        )
+        .await;
+    let first_id = first["id"].as_str().expect("id").to_owned();
+    let done = api
+        .wait_for(&first_id, long, support::serve::terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert!(
+        group.master().int(&["DBSIZE"]) > 0,
+        "serve's records are in the master"
+    );
+    group.wait_replica_synced().await;
+    let old = group.master_port();
+    group.failover();
+    let new = group.wait_new_master(old, Duration::from_secs(30)).await;
+    assert_ne!(new, old);
+    // The record written before the failover, read from the new master.
+    let (status, again) = api.get(&format!("/v1/batches/{first_id}")).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["status"], "completed", "{again}");
+    let second = api
+        .batch(
+            &support::serve::completion_lines(6, 4),
+            "/v1/completions",
+            "24h",
+        )
+        .await;
+    let second_id = second["id"].as_str().expect("id").to_owned();
+    let done = api
+        .wait_for(&second_id, long, support::serve::terminal)
+        .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(
+        done["request_counts"],
+        serde_json::json!({"total": 6, "completed": 6, "failed": 0})
+    );
+    server.shutdown();
+    server.wait().await.expect("serve stops");
 }
 
 fn load(toml: &str, env: &[(&str, &str)]) -> Result<Config, sluicegate::config::ConfigErrors> {

@@ -226,6 +226,35 @@ impl SentinelGroup {
             .expect("the master is one of the data nodes")
     }
 
+    /// Waits until the replica has everything the master wrote (their
+    /// replication offsets agree), so a failover loses nothing written
+    /// before it.
+    pub(crate) async fn wait_replica_synced(&self) {
+        let offset = |node: &Node, field: &str| -> Option<i64> {
+            node.cli(&["INFO", "replication"])
+                .lines()
+                .find_map(|l| l.strip_prefix(field)?.trim().parse().ok())
+        };
+        let master = self.master();
+        let replica = self
+            .data
+            .iter()
+            .find(|n| n.port != master.port)
+            .expect("replica");
+        let give_up = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (m, r) = (
+                offset(master, "master_repl_offset:"),
+                offset(replica, "slave_repl_offset:"),
+            );
+            if m.is_some() && m == r {
+                return;
+            }
+            assert!(Instant::now() < give_up, "replica behind: {m:?} vs {r:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// SIGKILLs the current master.
     pub(crate) fn kill_master(&mut self) -> u16 {
         let port = self.master_port();
