@@ -280,6 +280,14 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         );
     }
     if let Some(sql) = &sql {
+        // The keys against the URL's `sslmode` / `sslrootcert`, now rather
+        // than at the first connection.
+        if let Some(url) = &sql.url
+            && let Err(crate::postgres::SqlError::TlsConfig { key, message }) =
+                sql.tls_keys().resolve(url.expose())
+        {
+            ctx.err(key, message);
+        }
         if is(Sql) && sql.url.is_none() {
             ctx.err(
                 "sql.url",

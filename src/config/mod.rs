@@ -68,7 +68,7 @@ pub use crate::gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, Unit,
     allowed_params,
 };
-pub use crate::postgres::SqlConfig;
+pub use crate::postgres::{SqlConfig, SslMode};
 pub use crate::redis::{RedisConfig, RedisMode};
 pub use crate::secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
@@ -427,6 +427,8 @@ section! {
             |v| usize::try_from(as_u64_in(v, 1, 10_000)?).map_err(|_| "too large".to_owned());
         lease_ttl: Option<Duration> = None, |v| duration_min(Duration::from_secs(1))(v).map(Some);
         connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
+        sslmode: Option<SslMode> = None, |v| choice(SslMode::CHOICES)(v).map(Some);
+        tls_ca: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.

@@ -257,7 +257,7 @@ async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
     // only keep this total.
     let sql = config.sql.clone().unwrap_or_default();
     let url = sql.url.clone().ok_or(SqlError::MissingUrl)?;
-    let db = Db::open(&url, sql.connect_timeout).await?;
+    let db = Db::open(&url, &sql.tls_keys(), sql.connect_timeout).await?;
     tracing::info!(url = %db.masked_url(), "postgresql reachable; sql schema ready");
     let queues = config
         .queues
