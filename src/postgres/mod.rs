@@ -73,23 +73,27 @@ pub enum SqlError {
     TlsSetup(#[from] TlsSetupError),
     /// The TLS handshake failed: the certificate is not from the CA, is
     /// for another host name, or the server does not speak TLS.
-    #[error("{tls}: {url}: TLS to the server failed: {source}")]
+    #[error("{tls}: {url}: TLS to the server failed: {reason}")]
     Tls {
         /// The settings in force (`sql.sslmode = …, sql.tls_ca = …`).
         tls: String,
         /// The URL with its password masked.
         url: String,
+        /// What rustls refused (`invalid peer certificate: UnknownIssuer`).
+        reason: String,
         /// The client's error.
         #[source]
         source: tokio_postgres::Error,
     },
     /// The server accepts only TLS connections and `sslmode` is `disable`.
     #[error(
-        "sql.sslmode = disable: {url}: the server refuses connections without TLS ({source}); set sql.sslmode to require, verify-ca or verify-full"
+        "sql.sslmode = disable: {url}: the server refuses connections without TLS ({server}); set sql.sslmode to require, verify-ca or verify-full"
     )]
     TlsRequired {
         /// The URL with its password masked.
         url: String,
+        /// The server's message.
+        server: String,
         /// The server's refusal.
         #[source]
         source: tokio_postgres::Error,
@@ -175,13 +179,13 @@ impl TlsKeys {
     }
 }
 
-/// Whether `error` is the server refusing a connection without TLS
-/// (`pg_hba.conf` has only `hostssl` lines for us: "no encryption").
-fn refuses_plain(error: &tokio_postgres::Error) -> bool {
-    error.as_db_error().is_some_and(|db| {
-        *db.code() == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
-            && db.message().contains("no encryption")
-    })
+/// The server's message when `error` is it refusing a connection without
+/// TLS (`pg_hba.conf` has only `hostssl` lines for us: "no encryption").
+fn refuses_plain(error: &tokio_postgres::Error) -> Option<String> {
+    let db = error.as_db_error()?;
+    (*db.code() == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+        && db.message().contains("no encryption"))
+    .then(|| db.message().to_owned())
 }
 
 /// Whether the database records this build's schema script as run (a
@@ -267,15 +271,22 @@ impl Db {
             reachable: AtomicBool::new(false),
         });
         let conn = db.conn().await.map_err(|source| {
-            if tls.mode != SslMode::Disable && tls::is_tls_failure(&source) {
+            let failure = (tls.mode != SslMode::Disable)
+                .then(|| tls::tls_failure(&source))
+                .flatten();
+            if let Some(reason) = failure {
                 SqlError::Tls {
                     tls: tls.describe(),
                     url: db.masked.clone(),
+                    reason,
                     source,
                 }
-            } else if tls.mode == SslMode::Disable && refuses_plain(&source) {
+            } else if let Some(server) = refuses_plain(&source)
+                && tls.mode == SslMode::Disable
+            {
                 SqlError::TlsRequired {
                     url: db.masked.clone(),
+                    server,
                     source,
                 }
             } else {

@@ -21,12 +21,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures_util::future::BoxFuture;
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream};
@@ -193,7 +195,8 @@ pub(super) fn resolve(
     if mode == SslMode::Disable && ca.is_some() {
         return Err((
             "tls_ca",
-            "a CA is only used with TLS; set sslmode to require, verify-ca or verify-full".to_owned(),
+            "a CA is only used with TLS; set sslmode to require, verify-ca or verify-full"
+                .to_owned(),
         ));
     }
     Ok(SqlTls { mode, ca })
@@ -211,7 +214,9 @@ pub enum TlsSetupError {
         message: String,
     },
     /// No system roots to check against.
-    #[error("sql.tls_ca: required with sql.sslmode = {mode}: no system CA certificates found ({message})")]
+    #[error(
+        "sql.tls_ca: required with sql.sslmode = {mode}: no system CA certificates found ({message})"
+    )]
     NoRoots {
         /// The mode that needs them.
         mode: &'static str,
@@ -285,27 +290,29 @@ pub(super) fn connector(tls: &SqlTls) -> Result<Option<MakeRustls>, TlsSetupErro
         .dangerous()
         .with_custom_certificate_verifier(verifier)
         .with_no_client_auth();
-    Ok(Some(MakeRustls(tokio_rustls::TlsConnector::from(Arc::new(
-        config,
-    )))))
+    Ok(Some(MakeRustls(tokio_rustls::TlsConnector::from(
+        Arc::new(config),
+    ))))
 }
 
-/// Whether `error` (or what it wraps) is a TLS failure: the handshake or
-/// the certificate, as opposed to the server refusing us.
-pub(super) fn is_tls_failure(error: &(dyn std::error::Error + 'static)) -> bool {
+/// The TLS failure in `error` (or what it wraps): the handshake or the
+/// certificate, as opposed to the server refusing us; `None` when it is
+/// not one.
+pub(super) fn tls_failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     let mut next = Some(error);
     while let Some(e) = next {
-        if e.downcast_ref::<rustls::Error>().is_some() {
-            return true;
+        if let Some(tls) = e.downcast_ref::<rustls::Error>() {
+            return Some(tls.to_string());
         }
-        if let Some(io) = e.downcast_ref::<io::Error>()
-            && io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>())
+        if let Some(inner) = (e.downcast_ref::<io::Error>())
+            .and_then(io::Error::get_ref)
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
         {
-            return true;
+            return Some(inner.to_string());
         }
         next = e.source();
     }
-    false
+    None
 }
 
 /// Checks the chain only: a certificate for another name is accepted
@@ -324,13 +331,10 @@ impl ServerCertVerifier for ChainOnly {
     ) -> Result<ServerCertVerified, rustls::Error> {
         // webpki checks the chain first, the name last: a name error means
         // the chain was good.
-        match self.0.verify_server_cert(
-            end_entity,
-            intermediates,
-            server_name,
-            ocsp_response,
-            now,
-        ) {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),

@@ -58,6 +58,7 @@ mod shared_window;
 mod sim_http;
 mod sim_selfcheck;
 mod source_prometheus;
+mod sql_tls;
 mod sql_transport;
 mod telemetry_http;
 mod traces;
