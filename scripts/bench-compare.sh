@@ -34,6 +34,12 @@
 #                        (default 100000; four times as many with -P 16)
 #   --no-yardstick       skip redis-benchmark
 #   --keep               keep the Redis, emulator and PostgreSQL logs
+#   --sentinel           side B's Redis drain reaches the Redis through Redis
+#                        Sentinel (`--redis-mode sentinel`): the script gives
+#                        its Redis a replica and three sentinels, so both
+#                        sides drain the same replicated master, A directly.
+#                        Meant for one binary on both sides
+#                        (BENCH_COMPARE_BIN_A = BENCH_COMPARE_BIN_B)
 #
 # Environment: BENCH_COMPARE_DIR (default /tmp/sluicegate-bench-compare)
 # holds the sources, target directories, binaries and run logs; the target
@@ -58,6 +64,7 @@ hold_delay=15s
 yardstick=1
 yardstick_requests=100000
 keep=0
+sentinel=0
 revs=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -72,6 +79,7 @@ while [ $# -gt 0 ]; do
     --yardstick-requests) yardstick_requests="$2"; shift 2 ;;
     --no-yardstick) yardstick=0; shift ;;
     --keep) keep=1; shift ;;
+    --sentinel) sentinel=1; shift ;;
     -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "bench-compare: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) revs+=("$1"); shift ;;
@@ -145,6 +153,9 @@ build_side() {
 
 bin_a="$(build_side a "${revs[0]}")"
 bin_b="$(build_side b "${revs[1]}")"
+if [ "$sentinel" = 1 ]; then
+  echo "$(cat "$run_dir/label-b"), Redis drain via Sentinel" >"$run_dir/label-b"
+fi
 for side_bin in "$bin_a" "$bin_b"; do
   if [ ! -x "$side_bin/sluicegate" ]; then
     echo "bench-compare: no sluicegate binary in $side_bin" >&2
@@ -178,6 +189,46 @@ for _ in $(seq 100); do
 done
 redis-cli -p "$redis_port" ping >/dev/null
 export SLUICEGATE_REDIS_URL="redis://127.0.0.1:$redis_port/0"
+
+# --sentinel: a replica of that Redis and three sentinels watching it; side
+# B's drain finds the master through them.
+sentinel_flags=()
+if [ "$sentinel" = 1 ]; then
+  replica_port="$(free_port)"
+  mkdir -p "$run_dir/redis/replica"
+  setsid redis-server --bind 127.0.0.1 --port "$replica_port" --save "" --appendonly no \
+    --replicaof 127.0.0.1 "$redis_port" \
+    --dir "$run_dir/redis/replica" --logfile "$run_dir/redis/replica.log" &
+  pids+=($!)
+  sentinel_addrs=()
+  for i in 0 1 2; do
+    port="$(free_port)"
+    dir="$run_dir/redis/sentinel-$i"
+    mkdir -p "$dir"
+    printf 'port %s\nbind 127.0.0.1\ndir %s\nlogfile %s/sentinel.log\nsentinel monitor bench 127.0.0.1 %s 2\nsentinel down-after-milliseconds bench 5000\n' \
+      "$port" "$dir" "$dir" "$redis_port" >"$dir/sentinel.conf"
+    setsid redis-server "$dir/sentinel.conf" --sentinel &
+    pids+=($!)
+    sentinel_addrs+=("127.0.0.1:$port")
+  done
+  # Settled: the replica in sync and every sentinel seeing the master, its
+  # replica and the two other sentinels.
+  for _ in $(seq 600); do
+    settled=1
+    redis-cli -p "$replica_port" info replication 2>/dev/null | grep -q 'master_link_status:up' || settled=0
+    for a in "${sentinel_addrs[@]}"; do
+      info="$(redis-cli -p "${a##*:}" sentinel master bench 2>/dev/null | paste -sd' ')"
+      [[ "$info" == *"num-slaves 1 "* && "$info" == *"num-other-sentinels 2 "* ]] || settled=0
+    done
+    [ "$settled" = 1 ] && break
+    sleep 0.1
+  done
+  if [ "$settled" != 1 ]; then
+    echo "bench-compare: the sentinels did not settle" >&2
+    exit 1
+  fi
+  sentinel_flags=(--redis-mode sentinel --redis-addrs "$(IFS=,; echo "${sentinel_addrs[*]}")" --redis-master-name bench)
+fi
 
 emulator_pid=""
 if wants pubsub; then
@@ -255,7 +306,9 @@ run_one() {
   redis-cli -p "$redis_port" flushall >/dev/null
   case "$bench" in
     redis)
-      "$bin/sluicegate" bench drain --messages "$messages" --max-sys "$window" >"$log" 2>"$log.err" || echo "n/a" >>"$log" ;;
+      local through=()
+      [ "$side" = b ] && through=("${sentinel_flags[@]}")
+      "$bin/sluicegate" bench drain "${through[@]}" --messages "$messages" --max-sys "$window" >"$log" 2>"$log.err" || echo "n/a" >>"$log" ;;
     memory)
       if "$bin/sluicegate" bench drain-memory --help >/dev/null 2>&1; then
         "$bin/sluicegate" bench drain-memory --messages "$messages" --max-sys "$window" >"$log" 2>"$log.err" || echo "n/a" >>"$log"

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::{EndpointUrl, PubSubConfig, RedisConfig, Secret, read_secret_file};
+use crate::config::{EndpointUrl, PubSubConfig, RedisConfig, RedisMode, Secret, read_secret_file};
 use crate::queue::{Client, ClientTarget, OpenError, open_client};
 use crate::redis::{RedisConnection, connection};
 
@@ -37,6 +37,29 @@ pub(super) struct RedisArgs {
     /// `--redis-url` is a seed node of a Redis Cluster.
     #[arg(long, env = "SLUICEGATE_REDIS_CLUSTER")]
     redis_cluster: bool,
+    /// How Redis is deployed: standalone, cluster or sentinel (then
+    /// `--redis-url` gives only the scheme, database and credentials).
+    #[arg(long, env = "SLUICEGATE_REDIS_MODE", default_value = "standalone")]
+    redis_mode: String,
+    /// The sentinels (or more cluster seeds), comma-separated `host:port`.
+    #[arg(long, env = "SLUICEGATE_REDIS_ADDRS", value_delimiter = ',')]
+    redis_addrs: Vec<String>,
+    /// The master's name at the sentinels.
+    #[arg(long, env = "SLUICEGATE_REDIS_MASTER_NAME")]
+    redis_master_name: Option<String>,
+    /// ACL user for the sentinels.
+    #[arg(long, env = "SLUICEGATE_REDIS_SENTINEL_USERNAME")]
+    redis_sentinel_username: Option<String>,
+    /// Password for the sentinels (prefer the environment or a file).
+    #[arg(
+        long,
+        env = "SLUICEGATE_REDIS_SENTINEL_PASSWORD",
+        hide_env_values = true
+    )]
+    redis_sentinel_password: Option<String>,
+    /// File holding the sentinels' password.
+    #[arg(long, env = "SLUICEGATE_REDIS_SENTINEL_PASSWORD_FILE")]
+    redis_sentinel_password_file: Option<PathBuf>,
 }
 
 impl RedisArgs {
@@ -50,12 +73,38 @@ impl RedisArgs {
             }
             (None, None) => None,
         };
+        let sentinel_password = match (
+            &self.redis_sentinel_password,
+            &self.redis_sentinel_password_file,
+        ) {
+            (Some(p), _) => Some(Secret::new(p.clone())),
+            (None, Some(path)) => Some(
+                read_secret_file(path)
+                    .map_err(|e| format!("--redis-sentinel-password-file: {e}"))?,
+            ),
+            (None, None) => None,
+        };
+        let mode = redis_mode(&self.redis_mode)?;
+        if mode == RedisMode::Sentinel {
+            if self.redis_master_name.is_none() {
+                return Err("--redis-master-name (or SLUICEGATE_REDIS_MASTER_NAME) is required with --redis-mode sentinel".to_owned());
+            }
+            if self.redis_addrs.is_empty() {
+                return Err("--redis-addrs (or SLUICEGATE_REDIS_ADDRS) is required with --redis-mode sentinel: the sentinels, comma-separated host:port".to_owned());
+            }
+        }
         Ok(RedisConfig {
             url: EndpointUrl::new(url),
             username: self.redis_username.clone(),
             password,
             password_file: self.redis_password_file.clone(),
-            cluster: self.redis_cluster,
+            cluster: self.redis_cluster || mode == RedisMode::Cluster,
+            mode,
+            addrs: self.redis_addrs.clone(),
+            master_name: self.redis_master_name.clone(),
+            sentinel_username: self.redis_sentinel_username.clone(),
+            sentinel_password,
+            sentinel_password_file: self.redis_sentinel_password_file.clone(),
         })
     }
 
@@ -63,6 +112,12 @@ impl RedisArgs {
     pub(super) fn connect(&self) -> Result<RedisConnection, String> {
         connection(&self.config()?).map_err(|e| e.to_string())
     }
+}
+
+/// `--redis-mode`: one of [`RedisMode::CHOICES`].
+fn redis_mode(text: &str) -> Result<RedisMode, String> {
+    crate::values::choice(RedisMode::CHOICES)(&serde_json::Value::String(text.to_owned()))
+        .map_err(|e| format!("--redis-mode: {e}"))
 }
 
 /// Which Pub/Sub project and credentials.

@@ -13,8 +13,8 @@ use serde_json::{Map, Value};
 use super::values::{Ctx, as_nonempty_string, choice, constant_url, kind};
 use super::{
     Config, DEFAULT_QUEUE_NAME, DispatchConfig, EmbeddedConfig, GateSpec, GatewayConfig,
-    MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, SECTIONS, Section,
-    SharedWindowKind, SqlConfig, TelemetryConfig, TransportKind, format_duration,
+    MergePolicyKind, PrometheusConfig, PubSubConfig, QueueConfig, RedisConfig, RedisMode, SECTIONS,
+    Section, SharedWindowKind, SqlConfig, TelemetryConfig, TransportKind, format_duration,
 };
 use crate::gate::parse_gate_spec;
 use crate::secret::{Secret, read_secret_file};
@@ -41,6 +41,59 @@ fn secret(ctx: &mut Ctx, key: &str, value: &mut Option<Secret>, file: &Option<Pa
 
 /// Reports and drops every key of `map` that is not `allowed` (with a close
 /// name when there is one), so that the remaining problems are reported too.
+/// `[redis]`'s shape: `mode` and the older `cluster` agree (either alone
+/// says it), and a sentinel master has its sentinels and its name.
+/// `mode_given`: `mode` was set, not defaulted.
+fn redis_topology(r: &mut RedisConfig, mode_given: bool, ctx: &mut Ctx) {
+    match (r.mode, r.cluster) {
+        (RedisMode::Cluster, _) => r.cluster = true,
+        (RedisMode::Standalone, true) if !mode_given => r.mode = RedisMode::Cluster,
+        (mode, true) => ctx.err(
+            "redis.cluster",
+            format!(
+                "cluster = true contradicts redis.mode = \"{}\"; for a Redis Cluster set mode = \"cluster\" (or leave mode out)",
+                mode.as_str()
+            ),
+        ),
+        (_, false) => {}
+    }
+    if r.mode != RedisMode::Sentinel {
+        let sentinel_only = [
+            ("master_name", r.master_name.is_some()),
+            ("sentinel_username", r.sentinel_username.is_some()),
+            ("sentinel_password", r.sentinel_password.is_some()),
+        ];
+        for (key, _) in sentinel_only.iter().filter(|(_, set)| *set) {
+            ctx.err(
+                format!("redis.{key}"),
+                format!(
+                    "only used with redis.mode = \"sentinel\"; got mode = \"{}\"",
+                    r.mode.as_str()
+                ),
+            );
+        }
+        if r.mode == RedisMode::Standalone && !r.addrs.is_empty() {
+            ctx.err(
+                "redis.addrs",
+                "only used with redis.mode = \"sentinel\" (the sentinels) or \"cluster\" (more seed nodes); a single server is redis.url",
+            );
+        }
+        return;
+    }
+    if r.master_name.is_none() {
+        ctx.err(
+            "redis.master_name",
+            "required with redis.mode = \"sentinel\" (the name the sentinels monitor the master under, e.g. \"mymaster\"); set [redis] master_name or SLUICEGATE_REDIS_MASTER_NAME",
+        );
+    }
+    if r.addrs.is_empty() {
+        ctx.err(
+            "redis.addrs",
+            "required with redis.mode = \"sentinel\": the sentinels, e.g. [\"10.0.0.1:26379\", \"10.0.0.2:26379\", \"10.0.0.3:26379\"]; set [redis] addrs or SLUICEGATE_REDIS_ADDRS (comma-separated)",
+        );
+    }
+}
+
 fn prune(map: &mut Tree, path: &str, allowed: &[&str], ctx: &mut Ctx) {
     map.retain(|k, _| {
         if allowed.contains(&k.as_str()) {
@@ -137,14 +190,21 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         &gateway.token_file,
     );
 
-    let redis = read::<RedisConfig>(&mut root, is(Redis), ctx).map(|(mut r, _)| {
+    let redis = read::<RedisConfig>(&mut root, is(Redis), ctx).map(|(mut r, map)| {
         secret(ctx, "redis.password", &mut r.password, &r.password_file);
+        secret(
+            ctx,
+            "redis.sentinel_password",
+            &mut r.sentinel_password,
+            &r.sentinel_password_file,
+        );
         if r.password.is_some() && r.url.has_password() {
             ctx.err(
                 "redis.password",
                 "the password is also in redis.url; give it once",
             );
         }
+        redis_topology(&mut r, map.contains_key("mode"), ctx);
         r
     });
 
@@ -220,6 +280,14 @@ pub(crate) fn build(mut root: Tree, ctx: &mut Ctx) -> Config {
         );
     }
     if let Some(sql) = &sql {
+        // The keys against the URL's `sslmode` / `sslrootcert`, now rather
+        // than at the first connection.
+        if let Some(url) = &sql.url
+            && let Err(crate::postgres::SqlError::TlsConfig { key, message }) =
+                sql.tls_keys().resolve(url.expose())
+        {
+            ctx.err(key, message);
+        }
         if is(Sql) && sql.url.is_none() {
             ctx.err(
                 "sql.url",

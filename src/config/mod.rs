@@ -58,8 +58,8 @@ use values::{
     Ctx, NONZERO, as_bool, as_f64_in, as_nonempty_string, as_positive_f64, as_string_list,
     as_string_map, as_u64, as_u64_in, attempts, choice, constant_url, duration_min, env_filter,
     header_name, host_port, http_url, inline_secret, optional_i64, optional_string, path,
-    pool_name, postgres_url, redis_url, retention, socket_addr, tenant_limits, tenant_weights,
-    url_path,
+    pool_name, postgres_url, redis_addrs, redis_url, retention, socket_addr, tenant_limits,
+    tenant_weights, url_path,
 };
 
 use crate::telemetry::LogFormat;
@@ -68,8 +68,8 @@ pub use crate::gate::{
     GATE_TYPES, GateSpec, GatingMode, MAX_GATE_DEPTH, MissingBudget, QuotaMode, Unit,
     allowed_params,
 };
-pub use crate::postgres::SqlConfig;
-pub use crate::redis::RedisConfig;
+pub use crate::postgres::{SqlConfig, SslMode};
+pub use crate::redis::{RedisConfig, RedisMode};
 pub use crate::secret::{
     EndpointUrl, MASKED_PASSWORD, REDACTED, Secret, SecretFileError, mask_url, read_secret_file,
 };
@@ -371,6 +371,12 @@ section! {
         password: Option<Secret> = None, inline_secret;
         password_file: Option<PathBuf> = None, |v| path(v).map(Some);
         cluster: bool = false, as_bool;
+        mode: RedisMode = RedisMode::Standalone, choice(RedisMode::CHOICES);
+        addrs: Vec<String> = Vec::new(), redis_addrs;
+        master_name: Option<String> = None, optional_string;
+        sentinel_username: Option<String> = None, optional_string;
+        sentinel_password: Option<Secret> = None, inline_secret;
+        sentinel_password_file: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 
     /// `[prometheus]` (`crate::source::PrometheusConfig`, documented there).
@@ -421,6 +427,8 @@ section! {
             |v| usize::try_from(as_u64_in(v, 1, 10_000)?).map_err(|_| "too large".to_owned());
         lease_ttl: Option<Duration> = None, |v| duration_min(Duration::from_secs(1))(v).map(Some);
         connect_timeout: Duration = Duration::from_secs(5), duration_min(NONZERO);
+        sslmode: Option<SslMode> = None, |v| choice(SslMode::CHOICES)(v).map(Some);
+        tls_ca: Option<PathBuf> = None, |v| path(v).map(Some);
     }
 
     /// `[dispatch]`: timings of the dispatch loop and the retry policy.

@@ -253,6 +253,30 @@ pub(crate) fn redis_url(v: &Value) -> Result<EndpointUrl, String> {
     url(v, "a redis:// or rediss:// URL", &["redis", "rediss"])
 }
 
+/// Redis nodes (`[redis] addrs`: sentinels, or more cluster seeds): a
+/// list (or comma-separated text) of `host:port` or `redis://` /
+/// `rediss://` URLs.
+pub(crate) fn redis_addrs(v: &Value) -> Result<Vec<String>, String> {
+    let addrs = as_string_list(v)?;
+    for a in &addrs {
+        if a.contains("://") {
+            let url = redis_url(&Value::String(a.clone()))
+                .map_err(|e| format!("{a:?}: {e} (or host:port)"))?;
+            // Addresses are logged and shown by `config show`.
+            if url.has_password() {
+                return Err(
+                    "a password in addrs would be shown; give it as sentinel_password (the sentinels') or password (the master's)".to_owned(),
+                );
+            }
+        } else if host_port(&Value::String(a.clone())).is_err() {
+            return Err(format!(
+                "expected host:port or a redis:// or rediss:// URL for each node, got {a:?}"
+            ));
+        }
+    }
+    Ok(addrs)
+}
+
 /// A `postgres://` or `postgresql://` URL (the `sql` transport).
 pub(crate) fn postgres_url(v: &Value) -> Result<EndpointUrl, String> {
     url(

@@ -256,7 +256,8 @@ impl GateContext {
         // `[redis] cluster = true`: every Redis this process talks to is a
         // cluster, the gates' as much as the transport's.
         let cluster = self.redis.as_ref().is_some_and(|r| r.cluster);
-        RedisEndpoint::new(
+        let what = || format!("{gate_type} gate address {address}");
+        let endpoint = RedisEndpoint::new(
             address,
             user.as_deref(),
             password.as_deref(),
@@ -264,8 +265,28 @@ impl GateContext {
             cluster,
         )
         .map_err(|source| BuildError::Source {
-            what: format!("{gate_type} gate address {address}"),
+            what: what(),
             source,
+        })?;
+        // `[redis] mode = "sentinel"`: every Redis this process talks to is
+        // a master behind the sentinels; the gate's address is the first
+        // sentinel asked, then those of `[redis] addrs`.
+        let Some(redis) = &self.redis else {
+            return Ok(endpoint);
+        };
+        let master = crate::redis::sentinel_master(
+            redis,
+            Some(address),
+            self.source_timeout,
+            Some(self.source_timeout),
+        )
+        .map_err(|e| BuildError::Source {
+            what: what(),
+            source: SourceError::Redis(std::sync::Arc::new(e)),
+        })?;
+        Ok(match master {
+            Some(master) => endpoint.behind_sentinel(master),
+            None => endpoint,
         })
     }
 

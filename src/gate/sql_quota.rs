@@ -32,7 +32,7 @@ use super::{
     Admission, AdmissionRequest, BuildError, DispatchGate, Explanation, GateContext, GateError,
     GatingMode, MissingAttribute, Observation, QuotaMode, Ticket,
 };
-use crate::postgres::{Db, SqlError};
+use crate::postgres::{Db, SqlConfig, SqlError, TlsKeys};
 use crate::secret::EndpointUrl;
 use crate::tasks::Tasks;
 
@@ -101,8 +101,10 @@ impl GateParams for SqlQuotaParams {
             gate_type: "sql-quota",
         })?;
         let timeout = sql.map_or(Duration::from_secs(5), |s| s.connect_timeout);
+        let tls = sql.map(SqlConfig::tls_keys).unwrap_or_default();
         Ok(Box::new(SqlQuotaGate::new(
             url,
+            tls,
             timeout,
             self.clone(),
             ctx.tasks.clone(),
@@ -120,6 +122,8 @@ pub struct SqlQuotaGate {
 #[derive(Debug)]
 struct Inner {
     url: EndpointUrl,
+    /// `[sql] sslmode` and `tls_ca`.
+    tls: TlsKeys,
     connect_timeout: Duration,
     db: tokio::sync::OnceCell<Arc<Db>>,
     params: SqlQuotaParams,
@@ -166,10 +170,11 @@ fn ms(d: Duration) -> i64 {
 }
 
 impl SqlQuotaGate {
-    /// The gate counting in the database at `url` with `params`; its
-    /// holder renewal runs on `tasks`.
+    /// The gate counting in the database at `url` (over TLS as `tls`
+    /// says) with `params`; its holder renewal runs on `tasks`.
     pub fn new(
         url: EndpointUrl,
+        tls: TlsKeys,
         connect_timeout: Duration,
         params: SqlQuotaParams,
         tasks: Tasks,
@@ -177,6 +182,7 @@ impl SqlQuotaGate {
         Self {
             inner: Arc::new(Inner {
                 url,
+                tls,
                 connect_timeout,
                 db: tokio::sync::OnceCell::new(),
                 params,
@@ -234,7 +240,7 @@ impl SqlQuotaGate {
 impl Inner {
     async fn db(&self) -> Result<Arc<Db>, SqlError> {
         self.db
-            .get_or_try_init(|| Db::open(&self.url, self.connect_timeout))
+            .get_or_try_init(|| Db::open(&self.url, &self.tls, self.connect_timeout))
             .await
             .cloned()
     }

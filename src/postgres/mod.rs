@@ -12,8 +12,10 @@
 //! transaction of its own.
 
 mod schema;
+mod tls;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,6 +28,7 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 use crate::secret::EndpointUrl;
 
 pub(crate) use schema::partition_of;
+pub use tls::{SqlTls, SslMode, TlsSetupError};
 
 /// Why the database could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +56,45 @@ pub enum SqlError {
         /// What was being done (`connect`, `create schema`, ...).
         op: &'static str,
         /// PostgreSQL's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The TLS settings (`sql.sslmode`, `sql.tls_ca`, the URL's `sslmode`
+    /// and `sslrootcert`) contradict each other or are not supported.
+    #[error("{key}: {message}")]
+    TlsConfig {
+        /// `sql.sslmode` or `sql.tls_ca`.
+        key: String,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
+    /// The TLS client could not be set up (the CA file).
+    #[error(transparent)]
+    TlsSetup(#[from] TlsSetupError),
+    /// The TLS handshake failed: the certificate is not from the CA, is
+    /// for another host name, or the server does not speak TLS.
+    #[error("{tls}: {url}: TLS to the server failed: {reason}")]
+    Tls {
+        /// The settings in force (`sql.sslmode = …, sql.tls_ca = …`).
+        tls: String,
+        /// The URL with its password masked.
+        url: String,
+        /// What rustls refused (`invalid peer certificate: UnknownIssuer`).
+        reason: String,
+        /// The client's error.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// The server accepts only TLS connections and `sslmode` is `disable`.
+    #[error(
+        "sql.sslmode = disable: {url}: the server refuses connections without TLS ({server}); set sql.sslmode to require, verify-ca or verify-full"
+    )]
+    TlsRequired {
+        /// The URL with its password masked.
+        url: String,
+        /// The server's message.
+        server: String,
+        /// The server's refusal.
         #[source]
         source: tokio_postgres::Error,
     },
@@ -96,6 +138,54 @@ pub struct SqlConfig {
     /// Connect timeout of the database connection.
     #[serde(serialize_with = "crate::values::serialize_duration")]
     pub connect_timeout: Duration,
+    /// How much TLS (libpq's `sslmode`); unset: the URL's `sslmode`, else
+    /// `disable`.
+    pub sslmode: Option<SslMode>,
+    /// CA certificates (PEM) the server's certificate must chain to
+    /// (libpq's `sslrootcert`); unset: the URL's, else the system's roots.
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl SqlConfig {
+    /// The TLS keys, for [`Db::open`].
+    pub fn tls_keys(&self) -> TlsKeys {
+        TlsKeys {
+            sslmode: self.sslmode,
+            tls_ca: self.tls_ca.clone(),
+        }
+    }
+}
+
+/// `[sql] sslmode` and `tls_ca` as given (each may also come from the
+/// URL's `sslmode` / `sslrootcert`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsKeys {
+    /// `sql.sslmode`.
+    pub sslmode: Option<SslMode>,
+    /// `sql.tls_ca`.
+    pub tls_ca: Option<PathBuf>,
+}
+
+impl TlsKeys {
+    /// The TLS settings for `url`: these keys, else its parameters.
+    pub fn resolve(&self, url: &url::Url) -> Result<SqlTls, SqlError> {
+        let (_, from_url) = tls::split_url_tls(url);
+        tls::resolve(self.sslmode, self.tls_ca.as_deref(), &from_url).map_err(|(key, message)| {
+            SqlError::TlsConfig {
+                key: format!("sql.{key}"),
+                message,
+            }
+        })
+    }
+}
+
+/// The server's message when `error` is it refusing a connection without
+/// TLS (`pg_hba.conf` has only `hostssl` lines for us: "no encryption").
+fn refuses_plain(error: &tokio_postgres::Error) -> Option<String> {
+    let db = error.as_db_error()?;
+    (*db.code() == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+        && db.message().contains("no encryption"))
+    .then(|| db.message().to_owned())
 }
 
 /// Whether the database records this build's schema script as run (a
@@ -136,6 +226,8 @@ struct Conn {
 /// A reconnecting connection to one database.
 pub struct Db {
     config: tokio_postgres::Config,
+    /// The TLS connector; `None` for `sslmode = disable`.
+    tls: Option<tls::MakeRustls>,
     masked: String,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     reachable: AtomicBool,
@@ -149,29 +241,58 @@ impl std::fmt::Debug for Db {
 
 impl Db {
     /// Connects to `url` (a `postgres://` URL; its password never appears
-    /// in errors or logs) and creates the schema if it is missing.
-    pub async fn open(url: &EndpointUrl, connect_timeout: Duration) -> Result<Arc<Self>, SqlError> {
+    /// in errors or logs) with the TLS `keys` say (or its `sslmode` /
+    /// `sslrootcert` parameters) and creates the schema if it is missing.
+    pub async fn open(
+        url: &EndpointUrl,
+        keys: &TlsKeys,
+        connect_timeout: Duration,
+    ) -> Result<Arc<Self>, SqlError> {
         let masked = url.masked();
+        let tls = keys.resolve(url.expose())?;
+        // tokio-postgres parses neither `verify-*` nor `sslrootcert`.
+        let (rest, _) = tls::split_url_tls(url.expose());
         let mut config: tokio_postgres::Config =
-            url.expose()
-                .as_str()
-                .parse()
-                .map_err(|source| SqlError::Url {
-                    url: masked.clone(),
-                    source,
-                })?;
+            rest.as_str().parse().map_err(|source| SqlError::Url {
+                url: masked.clone(),
+                source,
+            })?;
         config.connect_timeout(connect_timeout);
         config.application_name("sluicegate");
+        config.ssl_mode(match tls.mode {
+            SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+            _ => tokio_postgres::config::SslMode::Require,
+        });
         let db = Arc::new(Self {
             config,
+            tls: tls::connector(&tls)?,
             masked,
             conn: tokio::sync::Mutex::new(None),
             reachable: AtomicBool::new(false),
         });
-        let conn = db
-            .conn()
-            .await
-            .map_err(|source| db.error("connect", source))?;
+        let conn = db.conn().await.map_err(|source| {
+            let failure = (tls.mode != SslMode::Disable)
+                .then(|| tls::tls_failure(&source))
+                .flatten();
+            if let Some(reason) = failure {
+                SqlError::Tls {
+                    tls: tls.describe(),
+                    url: db.masked.clone(),
+                    reason,
+                    source,
+                }
+            } else if let Some(server) = refuses_plain(&source)
+                && tls.mode == SslMode::Disable
+            {
+                SqlError::TlsRequired {
+                    url: db.masked.clone(),
+                    server,
+                    source,
+                }
+            } else {
+                db.error("connect", source)
+            }
+        })?;
         if !schema_in_place(&conn.client).await {
             create_schema(&conn.client)
                 .await
@@ -220,19 +341,19 @@ impl Db {
             return Ok(conn.clone());
         }
         *slot = None;
-        let (client, connection) = match self.config.connect(NoTls).await {
-            Ok(pair) => pair,
+        let connected = match &self.tls {
+            None => (self.config.connect(NoTls).await).map(|(c, conn)| (c, self.drive(conn))),
+            Some(tls) => {
+                (self.config.connect(tls.clone()).await).map(|(c, conn)| (c, self.drive(conn)))
+            }
+        };
+        let client = match connected {
+            Ok((client, ())) => client,
             Err(e) => {
                 self.reachable.store(false, Ordering::Relaxed);
                 return Err(e);
             }
         };
-        let url = self.masked.clone();
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::warn!(%url, %error, "postgresql connection closed; reconnecting on next use");
-            }
-        });
         let conn = Arc::new(Conn {
             client,
             statements: Mutex::new(HashMap::new()),
@@ -240,6 +361,20 @@ impl Db {
         *slot = Some(conn.clone());
         self.reachable.store(true, Ordering::Relaxed);
         Ok(conn)
+    }
+
+    /// Runs `connection` (the socket's reader and writer) until it ends.
+    fn drive<S, T>(&self, connection: tokio_postgres::Connection<S, T>)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+        T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let url = self.masked.clone();
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::warn!(%url, %error, "postgresql connection closed; reconnecting on next use");
+            }
+        });
     }
 
     async fn statement(

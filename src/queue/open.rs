@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Config, EndpointUrl, QueueConfig, RedisConfig, TransportKind};
+use crate::config::{Config, EndpointUrl, QueueConfig, RedisConfig, RedisMode, TransportKind};
 use crate::tasks::Tasks;
 use crate::telemetry::Metrics;
 
@@ -257,7 +257,7 @@ async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
     // only keep this total.
     let sql = config.sql.clone().unwrap_or_default();
     let url = sql.url.clone().ok_or(SqlError::MissingUrl)?;
-    let db = Db::open(&url, sql.connect_timeout).await?;
+    let db = Db::open(&url, &sql.tls_keys(), sql.connect_timeout).await?;
     tracing::info!(url = %db.masked_url(), "postgresql reachable; sql schema ready");
     let queues = config
         .queues
@@ -336,6 +336,7 @@ pub fn default_redis_config() -> RedisConfig {
         password: None,
         password_file: None,
         cluster: false,
+        ..RedisConfig::default()
     }
 }
 
@@ -346,12 +347,20 @@ async fn open_redis(config: &Config, tasks: &Tasks) -> Result<Transports, OpenEr
     }
     let conn = connection(&redis_config)?;
     let url = redis_config.url.expose();
-    // host:port, as the client reports it: never the credentials.
-    let addr = format!(
-        "{}:{}",
-        url.host_str().unwrap_or_default(),
-        url.port().unwrap_or(6379)
-    );
+    // host:port, as the client reports it: never the credentials. Behind
+    // Sentinel, the master's name and the sentinels asked for it.
+    let addr = match redis_config.mode {
+        RedisMode::Sentinel => format!(
+            "master `{}` via sentinels {}",
+            redis_config.master_name.as_deref().unwrap_or_default(),
+            redis_config.addrs.join(",")
+        ),
+        _ => format!(
+            "{}:{}",
+            url.host_str().unwrap_or_default(),
+            url.port().unwrap_or(6379)
+        ),
+    };
     let mut probe = conn.clone();
     let ping = tokio::time::timeout(
         REDIS_PING_TIMEOUT,

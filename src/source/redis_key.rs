@@ -32,7 +32,7 @@ use tokio::sync::OnceCell;
 use tokio::time::Instant;
 
 use super::{Source, SourceError, Timestamped};
-use crate::redis::{RedisConnection, cluster_connection};
+use crate::redis::{RedisConnection, SentinelConnection, cluster_connection};
 
 /// A lazily connected Redis endpoint with credentials and a per-command
 /// timeout: what every Redis-backed gate opens (the `redis` budget key,
@@ -48,6 +48,9 @@ pub struct RedisEndpoint {
     password: Option<String>,
     /// The address is a seed node of a Redis Cluster.
     cluster: bool,
+    /// The master behind Redis Sentinel, when `[redis]` says every Redis
+    /// is behind it (see [`RedisEndpoint::behind_sentinel`]).
+    sentinel: Option<SentinelConnection>,
     /// Connected on first use, so a Redis that is down at startup only
     /// closes the gate instead of failing the process.
     connection: OnceCell<RedisConnection>,
@@ -99,8 +102,17 @@ impl RedisEndpoint {
             username: username.map(str::to_owned),
             password: password.map(str::to_owned),
             cluster,
+            sentinel: None,
             connection: OnceCell::new(),
         })
+    }
+
+    /// Reaches the master through `master` (made by
+    /// [`crate::redis::sentinel_master`], the address asked first) instead
+    /// of connecting to the address itself.
+    pub fn behind_sentinel(mut self, master: SentinelConnection) -> Self {
+        self.sentinel = Some(master);
+        self
     }
 
     /// The address without credentials.
@@ -117,6 +129,9 @@ impl RedisEndpoint {
     pub async fn connection(&self) -> Result<RedisConnection, SourceError> {
         self.connection
             .get_or_try_init(|| async {
+                if let Some(master) = &self.sentinel {
+                    return Ok(RedisConnection::Sentinel(master.clone()));
+                }
                 if self.cluster {
                     return cluster_connection(
                         &self.url,

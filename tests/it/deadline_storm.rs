@@ -149,6 +149,7 @@ async fn a_429_storm_answers_every_deadline_on_time_on_redis() {
         password: None,
         password_file: None,
         cluster: false,
+        ..RedisConfig::default()
     };
     config.redis = Some(redis.clone());
     let app = support::start_app(&config).await;

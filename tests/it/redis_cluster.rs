@@ -407,6 +407,7 @@ fn cluster_context(cluster: &RedisCluster) -> sluicegate::gate::GateContext {
         password: None,
         password_file: None,
         cluster: true,
+        ..sluicegate::config::RedisConfig::default()
     };
     sluicegate::gate::GateContext::new(
         None,

@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use tokio_postgres::types::ToSql;
 
 use crate::config::EndpointUrl;
-use crate::postgres::{Db, SqlError, partition_of};
+use crate::postgres::{Db, SqlError, TlsKeys, partition_of};
 use crate::queue::QueueError;
 use crate::queue::client::{
     CancelOutcome, Client, ClientError, Cursor, Description, Mark, Outgoing, ReadResult,
@@ -112,10 +112,11 @@ const PURGE_RESULTS: &str = "DELETE FROM async_results WHERE route = $1";
 const DEAD_COUNT: &str = "SELECT COUNT(*) FROM sluicegate_dead_letters WHERE queue = $1";
 
 impl SqlClient {
-    /// Connects to `url` and creates the schema if it is missing.
+    /// Connects to `url` (TLS as its `sslmode` / `sslrootcert` say) and
+    /// creates the schema if it is missing.
     pub async fn open(url: &EndpointUrl, connect_timeout: Duration) -> Result<Self, SqlError> {
         Ok(Self {
-            db: Db::open(url, connect_timeout).await?,
+            db: Db::open(url, &TlsKeys::default(), connect_timeout).await?,
         })
     }
 

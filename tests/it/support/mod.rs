@@ -11,6 +11,7 @@ pub mod prometheus;
 pub mod pubsub;
 pub mod redis;
 pub mod redis_cluster;
+pub mod redis_sentinel;
 pub mod serve;
 pub mod sim;
 pub mod tenants;

@@ -21,6 +21,18 @@ pub(crate) struct Postgres {
     dir: PathBuf,
     bindir: PathBuf,
     as_postgres: bool,
+    /// TLS only (`ssl = on`, `hostssl` lines alone in `pg_hba.conf`).
+    tls: bool,
+}
+
+/// The certificates of a TLS-only server ([`Postgres::start_tls_only`]).
+#[derive(Debug, Clone)]
+pub(crate) struct PgTls {
+    /// The CA that signed the server's certificate (for
+    /// `subjectAltName = IP:127.0.0.1` only: `localhost` is another name).
+    pub(crate) ca: PathBuf,
+    /// A CA that signed nothing the server has.
+    pub(crate) other_ca: PathBuf,
 }
 
 /// The directory holding `initdb` and `postgres`: `pg_config --bindir`,
@@ -61,6 +73,21 @@ impl Postgres {
     /// `initdb` in a fresh directory, then starts the server and waits
     /// until it accepts connections.
     pub(crate) fn start() -> Self {
+        Self::start_with(false)
+    }
+
+    /// [`Self::start`] with `ssl = on` and a certificate from a private CA
+    /// made with `openssl`, accepting TLS connections only.
+    pub(crate) fn start_tls_only() -> (Self, PgTls) {
+        let server = Self::start_with(true);
+        let tls = PgTls {
+            ca: server.dir.join("tls/ca.pem"),
+            other_ca: server.dir.join("tls/other-ca.pem"),
+        };
+        (server, tls)
+    }
+
+    fn start_with(tls: bool) -> Self {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("sluicegate-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -81,6 +108,7 @@ impl Postgres {
             dir,
             bindir: bindir(),
             as_postgres,
+            tls,
         };
         let data = server.data();
         let out = server
@@ -96,8 +124,102 @@ impl Postgres {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        if tls {
+            server.make_tls();
+        }
         server.spawn();
         server
+    }
+
+    /// Certificates in `<dir>/tls` (the server's for IP 127.0.0.1, signed
+    /// by `ca.pem`; `other-ca.pem` unrelated) and a `pg_hba.conf` that
+    /// takes TCP connections only over TLS.
+    fn make_tls(&self) {
+        let tls = self.dir.join("tls");
+        std::fs::create_dir_all(&tls).expect("tls dir");
+        let run = |args: &[&str]| {
+            let ok = Command::new("openssl")
+                .args(args)
+                .current_dir(&tls)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .expect("openssl runs")
+                .success();
+            assert!(ok, "openssl {args:?}");
+        };
+        for (key, pem, cn) in [
+            ("ca.key", "ca.pem", "sluicegate-test-pg-ca"),
+            ("other-ca.key", "other-ca.pem", "sluicegate-test-other-ca"),
+        ] {
+            run(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                key,
+                "-out",
+                pem,
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN={cn}"),
+            ]);
+        }
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        std::fs::write(tls.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").expect("ext");
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ]);
+        std::fs::write(
+            self.data().join("pg_hba.conf"),
+            "local all all trust\nhostssl all all 127.0.0.1/32 trust\n",
+        )
+        .expect("pg_hba.conf");
+        // The server reads its key only if its own user owns it, mode 0600.
+        if self.as_postgres {
+            let ok = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&tls)
+                .arg(self.data().join("pg_hba.conf"))
+                .status()
+                .expect("chown runs")
+                .success();
+            assert!(ok, "chown the certificates to postgres");
+        }
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(
+            tls.join("server.key"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .expect("key mode");
     }
 
     fn data(&self) -> PathBuf {
@@ -143,6 +265,19 @@ impl Postgres {
                 "-c",
                 "max_connections=50",
             ])
+            .args(if self.tls {
+                let tls = self.dir.join("tls");
+                vec![
+                    "-c".to_owned(),
+                    "ssl=on".to_owned(),
+                    "-c".to_owned(),
+                    format!("ssl_cert_file={}", tls.join("server.pem").display()),
+                    "-c".to_owned(),
+                    format!("ssl_key_file={}", tls.join("server.key").display()),
+                ]
+            } else {
+                Vec::new()
+            })
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -289,6 +289,7 @@ pub fn redis_config(server: &RedisServer) -> RedisConfig {
         password: server.options.password.clone().map(Secret::new),
         password_file: None,
         cluster: false,
+        ..RedisConfig::default()
     }
 }
 
