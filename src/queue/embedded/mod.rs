@@ -433,19 +433,7 @@ impl EmbeddedQueue {
                     in_flight += 1;
                     continue;
                 }
-                let result = ResultRecord::error(
-                    id,
-                    message.token(),
-                    crate::result::ErrorCode::Cancelled,
-                    "cancelled before dispatch",
-                );
-                // A result is plain strings and numbers: serialising cannot fail.
-                let record = serde_json::to_string(&result).unwrap_or_default();
-                tx.execute(
-                    "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                    params![queue, id, message.token().unwrap_or_default(), record, now],
-                )?;
-                tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
+                answer_cancelled(tx, queue, seq, &message, "cancelled before dispatch", now)?;
                 cancelled += 1;
             }
             Ok((cancelled, in_flight))
@@ -479,18 +467,7 @@ impl EmbeddedQueue {
                 if !wanted.contains(id) {
                     continue;
                 }
-                let result = ResultRecord::error(
-                    id,
-                    message.token(),
-                    crate::result::ErrorCode::Cancelled,
-                    "withdrawn before dispatch",
-                );
-                let record = serde_json::to_string(&result).unwrap_or_default();
-                tx.execute(
-                    "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                    params![queue, id, message.token().unwrap_or_default(), record, now],
-                )?;
-                tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
+                answer_cancelled(tx, queue, seq, &message, "withdrawn before dispatch", now)?;
                 withdrawn.insert(id.to_owned());
             }
             Ok(withdrawn)
@@ -875,6 +852,34 @@ impl Inner {
             .map(|n| u64::try_from(n).unwrap_or(0))
         })
     }
+}
+
+/// Answers the waiting message at `seq` `CANCELLED` (saying `why`) and
+/// removes it, inside the caller's transaction: what a cancel and a
+/// withdrawal both do to a message no dispatcher has taken.
+fn answer_cancelled(
+    tx: &rusqlite::Transaction<'_>,
+    queue: &str,
+    seq: i64,
+    message: &crate::request::Message,
+    why: &str,
+    now_ms: i64,
+) -> rusqlite::Result<()> {
+    let id = message.request.id.as_str();
+    let result = ResultRecord::error(
+        id,
+        message.token(),
+        crate::result::ErrorCode::Cancelled,
+        why,
+    );
+    // A result is plain strings and numbers: serialising cannot fail.
+    let record = serde_json::to_string(&result).unwrap_or_default();
+    tx.execute(
+        "INSERT OR IGNORE INTO results (queue, id, token, record, written_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![queue, id, message.token().unwrap_or_default(), record, now_ms],
+    )?;
+    tx.execute("DELETE FROM messages WHERE seq = ?1", [seq])?;
+    Ok(())
 }
 
 impl Queue for EmbeddedQueue {
