@@ -250,6 +250,7 @@ struct PubSubFamilies {
     deadline_extensions: Family<QueueLabel, Counter>,
     pull_restarts: Family<QueueLabel, Counter>,
     publish_latency: HistogramFamily,
+    duplicates: Family<OutcomeLabels, Counter>,
 }
 
 /// Metric handles of one Pub/Sub queue, cheap to clone.
@@ -267,6 +268,12 @@ pub struct PubSubMetrics {
     pub pull_restarts: Counter,
     /// Time from publishing a result batch to its confirmation.
     pub publish_latency: Histogram,
+    /// Deliveries of a message this process still held, joined to its
+    /// lease instead of sent again.
+    pub duplicates_joined: Counter,
+    /// Deliveries of a message this process already answered, acked
+    /// instead of sent again.
+    pub duplicates_answered: Counter,
 }
 
 impl PubSubMetrics {
@@ -280,6 +287,8 @@ impl PubSubMetrics {
             deadline_extensions: Counter::default(),
             pull_restarts: Counter::default(),
             publish_latency: publish_histogram(),
+            duplicates_joined: Counter::default(),
+            duplicates_answered: Counter::default(),
         }
     }
 }
@@ -378,6 +387,11 @@ impl Metrics {
                 "sluicegate_pubsub_publish_duration_seconds",
                 "Result publish round trip, from publish to confirmation",
                 publish_histogram,
+            ),
+            duplicates: family(
+                r,
+                "sluicegate_pubsub_duplicate_deliveries",
+                "Pub/Sub deliveries of a message this process held (joined) or already answered (acked), never sent again",
             ),
         };
         Self {
@@ -625,6 +639,14 @@ impl Metrics {
             deadline_extensions: p.deadline_extensions.get_or_create_owned(&l),
             pull_restarts: p.pull_restarts.get_or_create_owned(&l),
             publish_latency: p.publish_latency.get_or_create_owned(&l),
+            duplicates_joined: p.duplicates.get_or_create_owned(&OutcomeLabels {
+                queue: name.to_owned(),
+                outcome: "joined",
+            }),
+            duplicates_answered: p.duplicates.get_or_create_owned(&OutcomeLabels {
+                queue: name.to_owned(),
+                outcome: "acked",
+            }),
         }
     }
 
@@ -1016,6 +1038,7 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_pubsub_deadline_extensions_total",
     "sluicegate_pubsub_pull_stream_restarts_total",
     "sluicegate_pubsub_publish_duration_seconds",
+    "sluicegate_pubsub_duplicate_deliveries_total",
     "sluicegate_shared_window_held_units",
     "sluicegate_shared_window_total_units",
     "sluicegate_shared_window_all_held_units",

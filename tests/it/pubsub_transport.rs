@@ -450,6 +450,46 @@ async fn the_emulator_restarted_mid_drain_loses_nothing_the_dispatcher_held() {
     app.stop().await;
 }
 
+/// Says what can be seen of ids without a result (CI once missed 32 in
+/// this test and left nothing to read): what is still on the request
+/// subscription, and each run's warnings and counts of pulls, acks and
+/// deadline changes (the full logs are in the test's directory while it
+/// runs).
+async fn explain_missing(
+    client: &gcloud_pubsub::client::Client,
+    names: &Names,
+    ids: &BTreeSet<String>,
+    answered: &BTreeSet<String>,
+    logs: &std::path::Path,
+) {
+    let missing: Vec<&String> = ids.difference(answered).collect();
+    eprintln!("{} ids without a result: {missing:?}", missing.len());
+    let left = collect(client, &names.subscription, Duration::from_secs(10), |_| {
+        false
+    })
+    .await;
+    let left: Vec<String> = left
+        .iter()
+        .map(|(data, _)| String::from_utf8_lossy(data).chars().take(60).collect())
+        .collect();
+    eprintln!("still on the request subscription: {left:?}");
+    for k in 0..4 {
+        let log = std::fs::read_to_string(logs.join(format!("run-{k}.log"))).unwrap_or_default();
+        for line in log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+        {
+            eprintln!("run {k}: {line}");
+        }
+        eprintln!(
+            "run {k}: {} pulls, {} acks, {} deadline changes",
+            log.matches("pubsub: pulled").count(),
+            log.matches("pubsub: ack ").count(),
+            log.matches("pubsub: modack").count()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_token() {
     let emulator = Emulator::start();
@@ -473,13 +513,19 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
     .replace("max_sys = 32", "max_sys = 8");
     let config = dir.0.join("sluicegate.toml");
     std::fs::write(&config, toml).expect("config file");
+    // Each run's log (with the transport's pulls and acks) is read back if
+    // an id goes missing.
+    let runs = std::sync::atomic::AtomicUsize::new(0);
     let spawn = || {
+        let k = runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = std::fs::File::create(dir.0.join(format!("run-{k}.log"))).expect("log file");
         std::process::Command::new(env!("CARGO_BIN_EXE_sluicegate"))
             .args(["run", "--config"])
             .arg(&config)
             .env_remove("PUBSUB_EMULATOR_HOST")
+            .env("RUST_LOG", "info,sluicegate::queue::pubsub=debug")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("sluicegate runs")
     };
@@ -527,14 +573,18 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
     child.wait().expect("reaped");
 
     let by_id = results_by_id(&messages);
-    assert_eq!(
-        by_id.keys().cloned().collect::<BTreeSet<_>>(),
-        ids,
-        "an id without a result"
-    );
+    let answered_ids: BTreeSet<String> = by_id.keys().cloned().collect();
+    if answered_ids != ids {
+        explain_missing(&client, &names, &ids, &answered_ids, &dir.0).await;
+    }
+    assert_eq!(answered_ids, ids, "an id without a result");
     // Readers dedupe by (id, request_token): one result each. The raw topic
     // may repeat an id only for a message whose result was confirmed and
-    // whose ack the kill cut off: at most what one process held, per kill.
+    // whose ack the kill cut off: at most one result batch per kill (what
+    // completed during the previous publish and ack; 18 to 52 per kill in
+    // this test's runs, up to 512, docs/transports.md). A process never
+    // answers a message twice, so half the ids answered twice would mean
+    // far more than the kills.
     let raw_duplicates: usize = by_id.values().map(|r| r.len() - 1).sum();
     for (id, results) in &by_id {
         let tokens: BTreeSet<_> = results.iter().map(|r| r.request_token.clone()).collect();
@@ -545,7 +595,7 @@ async fn sigkill_mid_drain_and_restart_leaves_exactly_one_result_per_id_and_toke
         );
     }
     assert!(
-        raw_duplicates <= 3 * 8,
+        raw_duplicates < n / 2,
         "{raw_duplicates} duplicate results for 3 kills"
     );
     eprintln!("raw duplicate results after 3 kills: {raw_duplicates}");
@@ -853,15 +903,65 @@ impl wiremock::Respond for Storm {
     }
 }
 
-/// Issue 22, item 6: 300 messages published with Google's Python client to
-/// the README's subscription (retry policy, dead letters after 5
-/// deliveries), through a gateway that refuses most requests with 503/429
-/// for 20 s (twice the 10 s lease, the ack deadline the holds must keep
-/// extending). Waiting out the congestion must burn no delivery attempt: every id
-/// is answered exactly once, nothing is nacked, nothing dead-lettered and
-/// nothing left on the subscription.
+/// The request subscription a storm test drains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// What `sluicegate pubsub setup` makes: a retry policy and dead
+    /// letters after 5 deliveries.
+    Setup,
+    /// A plain subscription: no retry policy, no dead-letter policy.
+    Plain,
+}
+
+/// Creates the topics and a plain request subscription (10 s ack
+/// deadline, nothing else) with its result subscription.
+async fn plain_setup(client: &gcloud_pubsub::client::Client, names: &Names) {
+    use gcloud_pubsub::subscription::SubscriptionConfig;
+    for topic in [&names.topic, &names.results] {
+        client
+            .topic(topic)
+            .create(None, None)
+            .await
+            .expect("create topic");
+    }
+    for (sub, topic) in [
+        (&names.subscription, &names.topic),
+        (&names.result_sub, &names.results),
+    ] {
+        let config = SubscriptionConfig {
+            ack_deadline_seconds: 10,
+            ..SubscriptionConfig::default()
+        };
+        client
+            .subscription(sub)
+            .create(&client.fully_qualified_topic_name(topic), config, None)
+            .await
+            .expect("create subscription");
+    }
+}
+
+/// Issue 22, item 6, and issue 36, part 3: 300 messages published with
+/// Google's Python client, through a gateway that refuses most requests
+/// with 503/429 for 20 s (twice the 10 s lease, the ack deadline the holds
+/// must keep extending). Waiting out the congestion must burn no delivery
+/// attempt and do no work twice: exactly 300 results on the topic (not
+/// only after deduplication), exactly 300 answered requests at the
+/// gateway, nothing nacked, nothing dead-lettered and nothing left on the
+/// subscription.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_429_503_storm_loses_no_message_published_by_the_python_client() {
+async fn a_429_503_storm_answers_each_message_of_the_python_client_once() {
+    python_storm(Shape::Setup).await;
+}
+
+/// [`a_429_503_storm_answers_each_message_of_the_python_client_once`] on a
+/// subscription without retry or dead-letter policy (the issue's second
+/// shape: 80 of 300 ids were answered twice, 2 messages left behind).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_429_503_storm_on_a_plain_subscription_answers_each_message_once() {
+    python_storm(Shape::Plain).await;
+}
+
+async fn python_storm(shape: Shape) {
     use std::sync::atomic::Ordering;
     let Some(python) = python_client() else {
         return;
@@ -869,7 +969,10 @@ async fn a_429_503_storm_loses_no_message_published_by_the_python_client() {
     let emulator = Emulator::start();
     let client = emulator.client().await;
     let names = Names::new("storm");
-    cli_setup(&emulator, &names, "5");
+    match shape {
+        Shape::Setup => cli_setup(&emulator, &names, "5"),
+        Shape::Plain => plain_setup(&client, &names).await,
+    }
     let server = wiremock::MockServer::start().await;
     let gateway = std::sync::Arc::new(StormGateway {
         first: std::sync::OnceLock::new(),
@@ -922,13 +1025,22 @@ async fn a_429_503_storm_loses_no_message_published_by_the_python_client() {
         gateway.refused.load(Ordering::SeqCst),
         gateway.answered.load(Ordering::SeqCst),
     );
-    // Deduplicated by (id, request_token), as docs/transports.md tells
-    // readers to: exactly one result per id, and it is the 200.
+    // One result per id on the topic itself, and it is the 200; one
+    // inference per message at the pool.
+    let twice: Vec<_> = by_id.iter().filter(|(_, r)| r.len() > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "{} ids answered more than once: {twice:?}",
+        twice.len()
+    );
     for (id, results) in &by_id {
-        let distinct: BTreeSet<_> = results.iter().map(|r| r.request_token.clone()).collect();
-        assert_eq!(distinct.len(), 1, "{id}: {results:?}");
         assert_eq!(results[0].status_code, Some(200), "{id}: {results:?}");
     }
+    assert_eq!(
+        gateway.answered.load(Ordering::SeqCst),
+        n,
+        "requests the gateway answered with 200"
+    );
     assert!(
         gateway.refused.load(Ordering::SeqCst) > 0,
         "the storm never happened"
@@ -940,14 +1052,16 @@ async fn a_429_503_storm_loses_no_message_published_by_the_python_client() {
         0.0
     );
     app.stop().await;
-    let dead = collect(
-        &client,
-        &format!("{}-sub", names.dead),
-        Duration::from_secs(2),
-        |got| !got.is_empty(),
-    )
-    .await;
-    assert!(dead.is_empty(), "dead-lettered: {}", dead.len());
+    if shape == Shape::Setup {
+        let dead = collect(
+            &client,
+            &format!("{}-sub", names.dead),
+            Duration::from_secs(2),
+            |got| !got.is_empty(),
+        )
+        .await;
+        assert!(dead.is_empty(), "dead-lettered: {}", dead.len());
+    }
     let left = collect(
         &client,
         &names.subscription,

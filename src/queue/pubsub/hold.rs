@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::message::Received;
+use super::seen::{Answered, MessageKey};
 use crate::queue::NackReason;
 
 /// Bounds of what the transport holds for the pool (`[pubsub] max_hold`,
@@ -149,11 +150,18 @@ pub(super) struct Held {
     pub(super) info: Received,
     /// The broker's message id.
     pub(super) message_id: String,
+    /// Ack ids of later deliveries of the same message that came while
+    /// this one was held (issue 36): never handed to the dispatcher, acked,
+    /// extended and handed back with this lease.
+    pub(super) joined: Vec<String>,
     /// Its result is confirmed on the topic; only the ack is left (an ack
     /// retried after a failure must not publish a second result).
     pub(super) published: bool,
     /// When it was pulled.
     pub(super) pulled_at: Instant,
+    /// When its ack deadline was last set or extended (by the pull, the
+    /// dispatcher's lease renewal or the keeper).
+    pub(super) extended_at: Instant,
     /// The retry count handed to the dispatcher (again on a redelivery
     /// from a hold).
     pub(super) retry_count: u32,
@@ -170,8 +178,6 @@ pub(super) struct OnHold {
     pub(super) until: Instant,
     /// What happens then.
     pub(super) then: Then,
-    /// When its ack deadline was last extended (or set).
-    pub(super) extended_at: Instant,
 }
 
 /// Every delivery this process holds, by the tag it gave the dispatcher,
@@ -190,10 +196,36 @@ pub(super) struct Leases {
     hold_bytes: u64,
     /// Tags handed out so far (the next tag's number).
     issued: u64,
+    /// Which tag holds each message.
+    by_message: HashMap<MessageKey, String>,
+    /// Messages whose results this process confirmed on the topic.
+    answered: Answered,
 }
 
 fn size(h: &Held) -> u64 {
     h.info.body.len() as u64
+}
+
+impl Held {
+    /// The message this is a delivery of.
+    pub(super) fn key(&self) -> MessageKey {
+        MessageKey::new(&self.message_id, &self.info.body)
+    }
+}
+
+/// What a pulled delivery is to this process ([`Leases::insert`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Taken {
+    /// A message this process does not hold: the dispatcher gets it under
+    /// this tag.
+    New(String),
+    /// Another delivery of a message held under this tag (the broker
+    /// redelivered it while it is with the dispatcher or on hold): its ack
+    /// id joins that lease, and the message is not sent twice.
+    Joined(String),
+    /// A delivery of a message this process already answered (its result
+    /// is confirmed on the topic): ack it, never send it again.
+    Answered,
 }
 
 impl Leases {
@@ -207,26 +239,61 @@ impl Leases {
         self.hold_bytes
     }
 
-    /// Records a pulled delivery and returns its tag. An ack id the broker
-    /// hands out again voids the lease of the delivery that had it (see
+    /// Records a pulled delivery ([`Taken`]). An ack id the broker hands
+    /// out again voids it wherever this process held it (see
     /// [`Held::ack_id`]).
-    pub(super) fn insert(&mut self, held: Held) -> String {
+    pub(super) fn insert(&mut self, mut held: Held) -> Taken {
+        if let Some(ack_id) = &held.ack_id {
+            self.void(ack_id);
+        }
+        let key = held.key();
+        if self.answered.contains(&key) {
+            return Taken::Answered;
+        }
+        if let Some(tag) = self.by_message.get(&key).cloned()
+            && let Some(first) = self.map.get_mut(&tag)
+        {
+            if let Some(ack_id) = held.ack_id.take() {
+                self.by_ack.insert(ack_id.clone(), tag.clone());
+                if first.ack_id.is_none() {
+                    first.ack_id = Some(ack_id);
+                } else {
+                    first.joined.push(ack_id);
+                }
+            }
+            return Taken::Joined(tag);
+        }
         self.issued += 1;
         let tag = format!("d{}", self.issued);
-        if let Some(ack_id) = &held.ack_id
-            && let Some(old_tag) = self.by_ack.insert(ack_id.clone(), tag.clone())
-            && let Some(old) = self.map.get_mut(&old_tag)
-        {
-            old.ack_id = None;
+        if let Some(ack_id) = &held.ack_id {
+            self.by_ack.insert(ack_id.clone(), tag.clone());
         }
+        self.by_message.insert(key, tag.clone());
         self.map.insert(tag.clone(), held);
-        tag
+        Taken::New(tag)
     }
 
-    /// The live ack ids of `tags` (held, lease not void), in order.
+    /// Forgets `ack_id` on the lease that had it: the broker handed it to
+    /// another delivery, so acking or extending it there would act on the
+    /// other delivery's message.
+    fn void(&mut self, ack_id: &str) {
+        let Some(old_tag) = self.by_ack.remove(ack_id) else {
+            return;
+        };
+        if let Some(old) = self.map.get_mut(&old_tag) {
+            if old.ack_id.as_deref() == Some(ack_id) {
+                old.ack_id = None;
+            }
+            old.joined.retain(|a| a != ack_id);
+        }
+    }
+
+    /// The live ack ids of `tags` (held, lease not void), in order, each
+    /// with the ack ids joined to it.
     pub(super) fn ack_ids<'a>(&self, tags: impl IntoIterator<Item = &'a String>) -> Vec<String> {
         tags.into_iter()
-            .filter_map(|t| self.map.get(t)?.ack_id.clone())
+            .filter_map(|t| self.map.get(t))
+            .flat_map(|h| h.ack_id.iter().chain(&h.joined).cloned())
             .collect()
     }
 
@@ -244,15 +311,55 @@ impl Leases {
     }
 
     /// Stops holding a delivery (acked, handed back, or its lease lost).
+    /// One whose result is confirmed on the topic is remembered as
+    /// answered, so a later delivery of its message is acked, not sent.
     pub(super) fn remove(&mut self, tag: &str) -> Option<Held> {
         let held = self.map.remove(tag)?;
-        if let Some(ack_id) = &held.ack_id
-            && self.by_ack.get(ack_id).is_some_and(|t| t == tag)
-        {
-            self.by_ack.remove(ack_id);
+        for ack_id in held.ack_id.iter().chain(&held.joined) {
+            if self.by_ack.get(ack_id).is_some_and(|t| t == tag) {
+                self.by_ack.remove(ack_id);
+            }
+        }
+        let key = held.key();
+        if self.by_message.get(&key).is_some_and(|t| t == tag) {
+            self.by_message.remove(&key);
+        }
+        if held.published {
+            self.answered.insert(key);
         }
         self.forget(&held);
         Some(held)
+    }
+
+    /// Records that the ack deadlines of `tags` were just extended.
+    pub(super) fn mark_extended<'a>(
+        &mut self,
+        tags: impl IntoIterator<Item = &'a String>,
+        now: Instant,
+    ) {
+        for tag in tags {
+            if let Some(h) = self.map.get_mut(tag) {
+                h.extended_at = now;
+            }
+        }
+    }
+
+    /// Of `tags`, those whose ack deadline was not extended within
+    /// `recent`: what a renewal still has to extend.
+    pub(super) fn not_extended_within<'a>(
+        &self,
+        tags: impl IntoIterator<Item = &'a String>,
+        now: Instant,
+        recent: Duration,
+    ) -> Vec<String> {
+        tags.into_iter()
+            .filter(|t| {
+                self.map
+                    .get(*t)
+                    .is_some_and(|h| now.saturating_duration_since(h.extended_at) >= recent)
+            })
+            .cloned()
+            .collect()
     }
 
     fn forget(&mut self, held: &Held) {
@@ -262,24 +369,14 @@ impl Leases {
     }
 
     /// Puts a delivery on hold until `until`; false if it is not held.
-    pub(super) fn start_hold(
-        &mut self,
-        tag: &str,
-        until: Instant,
-        then: Then,
-        now: Instant,
-    ) -> bool {
+    pub(super) fn start_hold(&mut self, tag: &str, until: Instant, then: Then) -> bool {
         let Some(held) = self.map.get_mut(tag) else {
             return false;
         };
         if held.hold.is_none() {
             self.hold_bytes = self.hold_bytes.saturating_add(size(held));
         }
-        held.hold = Some(OnHold {
-            until,
-            then,
-            extended_at: now,
-        });
+        held.hold = Some(OnHold { until, then });
         true
     }
 
@@ -368,33 +465,37 @@ impl Leases {
             .collect()
     }
 
-    /// Holds whose ack deadline is due for an extension (last extended
-    /// `every` ago or more); marks them extended at `now`.
+    /// Deliveries whose ack deadline is due for an extension (last set or
+    /// extended `every` ago or more), on hold or with the dispatcher; marks
+    /// them extended at `now`. Every lease, not only holds (issue 36): a
+    /// delivery just pulled or just back from a hold could otherwise wait
+    /// a whole renewal period of the dispatcher's on top of the keeper's,
+    /// and on a loaded machine its deadline ran out while it was held.
     pub(super) fn take_extensions(&mut self, now: Instant, every: Duration) -> Vec<String> {
         let mut out = Vec::new();
         for (id, h) in &mut self.map {
-            if let Some(hold) = &mut h.hold
-                && now >= hold.extended_at + every
-            {
-                hold.extended_at = now;
+            if now >= h.extended_at + every {
+                h.extended_at = now;
                 out.push(id.clone());
             }
         }
         out
     }
 
-    /// When the keeper must next look: the earliest extension, hand-back
-    /// or budget end among the holds.
+    /// When the keeper must next look: the earliest extension among the
+    /// leases, or hand-back or budget end among the holds.
     pub(super) fn next_wake(&self, every: Duration, max_hold: Duration) -> Option<Instant> {
         self.map
             .values()
-            .filter_map(|h| {
-                let hold = h.hold?;
-                let mut t = (hold.extended_at + every).min(h.pulled_at + max_hold);
-                if hold.then == Then::HandBack {
-                    t = t.min(hold.until);
+            .map(|h| {
+                let mut t = h.extended_at + every;
+                if let Some(hold) = h.hold {
+                    t = t.min(h.pulled_at + max_hold);
+                    if hold.then == Then::HandBack {
+                        t = t.min(hold.until);
+                    }
                 }
-                Some(t)
+                t
             })
             .min()
     }
@@ -541,6 +642,14 @@ mod tests {
         assert_eq!(time_left(Some(90), 100), Some(Duration::ZERO));
     }
 
+    /// Records `held` as a new delivery and returns its tag.
+    fn new(l: &mut Leases, held: Held) -> String {
+        match l.insert(held) {
+            Taken::New(tag) => tag,
+            other => panic!("not a new delivery: {other:?}"),
+        }
+    }
+
     fn held(ack_id: &str, body: &str, pulled_at: Instant) -> Held {
         Held {
             ack_id: Some(ack_id.into()),
@@ -549,9 +658,11 @@ mod tests {
                 result_route: None,
                 deadline: None,
             },
-            message_id: "m".into(),
+            message_id: format!("m{ack_id}"),
+            joined: Vec::new(),
             published: false,
             pulled_at,
+            extended_at: pulled_at,
             retry_count: 0,
             delivery_attempt: None,
             hold: None,
@@ -562,13 +673,13 @@ mod tests {
     fn leases_count_held_bytes_and_redeliver_earliest_first() {
         let t0 = Instant::now();
         let mut l = Leases::default();
-        let a = l.insert(held("1", "aaaa", t0));
-        let b = l.insert(held("2", "bb", t0));
-        let c = l.insert(held("3", "c", t0));
-        assert!(l.start_hold(&a, t0 + secs(3), Then::Redeliver, t0));
-        assert!(l.start_hold(&b, t0 + secs(1), Then::Redeliver, t0));
-        assert!(l.start_hold(&c, t0 + secs(1), Then::HandBack, t0));
-        assert!(!l.start_hold("z", t0, Then::Redeliver, t0));
+        let a = new(&mut l, held("1", "aaaa", t0));
+        let b = new(&mut l, held("2", "bb", t0));
+        let c = new(&mut l, held("3", "c", t0));
+        assert!(l.start_hold(&a, t0 + secs(3), Then::Redeliver));
+        assert!(l.start_hold(&b, t0 + secs(1), Then::Redeliver));
+        assert!(l.start_hold(&c, t0 + secs(1), Then::HandBack));
+        assert!(!l.start_hold("z", t0, Then::Redeliver));
         assert_eq!(l.hold_bytes(), 7);
         assert!(l.take_redeliveries(t0, 10).is_empty());
         let due: Vec<String> = l
@@ -591,7 +702,7 @@ mod tests {
         // Handed out (or already taken): the keeper leaves it alone.
         assert!(!l.take_hold(&c));
         assert!(!l.take_hold(&a));
-        assert_eq!(l.remove(&c).map(|h| h.message_id), Some("m".into()));
+        assert_eq!(l.remove(&c).map(|h| h.message_id), Some("m3".into()));
         assert_eq!(l.hold_bytes(), 0);
         assert_eq!(l.len(), 2);
     }
@@ -601,9 +712,9 @@ mod tests {
         // The emulator numbers ack ids from 1 again after a restart.
         let t0 = Instant::now();
         let mut l = Leases::default();
-        let before = l.insert(held("1", "old", t0));
-        let other = l.insert(held("2", "x", t0));
-        let after = l.insert(held("1", "new", t0));
+        let before = new(&mut l, held("1", "old", t0));
+        let other = new(&mut l, held("2", "x", t0));
+        let after = new(&mut l, held("1", "new", t0));
         assert_ne!(before, after);
         assert_eq!(l.len(), 3, "the delivery held from before is still held");
         assert_eq!(l.get(&before).and_then(|h| h.ack_id.clone()), None);
@@ -612,7 +723,7 @@ mod tests {
         // Removing the void lease leaves the new one's ack id live.
         l.remove(&before);
         assert_eq!(l.ack_ids([&after]), ["1"]);
-        let again = l.insert(held("1", "newer", t0));
+        let again = new(&mut l, held("1", "newer", t0));
         assert_eq!(l.ack_ids([&after, &again]), ["1"]);
         assert_eq!(
             l.get(&again).and_then(|h| h.ack_id.clone()),
@@ -631,15 +742,15 @@ mod tests {
             },
             ..held(ack, "x", t0)
         };
-        let expired = l.insert(with_deadline("1", Some(100)));
-        let failed = l.insert(with_deadline("2", Some(90)));
-        let later = l.insert(with_deadline("3", Some(500)));
-        let none = l.insert(with_deadline("4", None));
-        let sending = l.insert(with_deadline("5", Some(50)));
+        let expired = new(&mut l, with_deadline("1", Some(100)));
+        let failed = new(&mut l, with_deadline("2", Some(90)));
+        let later = new(&mut l, with_deadline("3", Some(500)));
+        let none = new(&mut l, with_deadline("4", None));
+        let sending = new(&mut l, with_deadline("5", Some(50)));
         for tag in [&expired, &later, &none] {
-            l.start_hold(tag, t0 + secs(60), Then::Redeliver, t0);
+            l.start_hold(tag, t0 + secs(60), Then::Redeliver);
         }
-        l.start_hold(&failed, t0 + secs(60), Then::HandBack, t0);
+        l.start_hold(&failed, t0 + secs(60), Then::HandBack);
         assert_eq!(l.hold_bytes(), 4);
         let got: Vec<String> = l
             .take_expired(200, 10)
@@ -654,21 +765,73 @@ mod tests {
     }
 
     #[test]
-    fn holds_are_extended_every_period_and_given_up_after_the_budget() {
+    fn every_lease_is_extended_every_period_and_holds_are_given_up_after_the_budget() {
         let t0 = Instant::now();
         let mut l = Leases::default();
-        let a = l.insert(held("1", "x", t0));
-        l.insert(held("2", "y", t0));
-        l.start_hold(&a, t0 + secs(100), Then::Redeliver, t0);
+        let a = new(&mut l, held("1", "x", t0));
+        let b = new(&mut l, held("2", "y", t0));
+        l.start_hold(&a, t0 + secs(100), Then::Redeliver);
         let every = secs(3);
         assert_eq!(l.next_wake(every, secs(10)), Some(t0 + every));
         assert!(l.take_extensions(t0 + secs(2), every).is_empty());
+        // The dispatcher renewed b at 2 s: only the hold is due at 3 s.
+        l.mark_extended([&b], t0 + secs(2));
         assert_eq!(l.take_extensions(t0 + secs(3), every), [a.as_str()]);
         assert!(l.take_extensions(t0 + secs(4), every).is_empty());
-        assert_eq!(l.next_wake(every, secs(10)), Some(t0 + secs(6)));
+        assert_eq!(l.next_wake(every, secs(10)), Some(t0 + secs(5)));
+        assert_eq!(l.take_extensions(t0 + secs(5), every), [b.as_str()]);
+        assert_eq!(
+            l.not_extended_within([&a, &b], t0 + secs(6), secs(2)),
+            std::slice::from_ref(&a)
+        );
         // A hold nobody collected within the budget goes back to the broker.
         assert!(l.due_hand_backs(t0 + secs(9), secs(10)).is_empty());
         assert_eq!(l.due_hand_backs(t0 + secs(10), secs(10)), [a]);
         assert_eq!(l.next_wake(every, secs(4)), Some(t0 + secs(4)));
+    }
+
+    #[test]
+    fn a_message_delivered_again_while_held_joins_the_first_lease() {
+        let t0 = Instant::now();
+        let mut l = Leases::default();
+        let first = new(&mut l, held("1", "x", t0));
+        let again = Held {
+            message_id: "m1".into(),
+            ..held("7", "x", t0)
+        };
+        assert_eq!(l.insert(again), Taken::Joined(first.clone()));
+        assert_eq!(l.len(), 1, "one delivery for the dispatcher");
+        // Acks, extensions and hand-backs cover both deliveries.
+        assert_eq!(l.ack_ids([&first]), ["1", "7"]);
+        // The broker hands the joined ack id to another message: it is void
+        // here, the first lease keeps its own.
+        let other = new(&mut l, held("7", "other", t0));
+        assert_eq!(l.ack_ids([&first]), ["1"]);
+        assert_eq!(l.ack_ids([&other]), ["7"]);
+        // Handed back without a result: a later delivery is new again.
+        l.remove(&first);
+        let back = Held {
+            message_id: "m1".into(),
+            ..held("8", "x", t0)
+        };
+        assert!(matches!(l.insert(back), Taken::New(_)));
+    }
+
+    #[test]
+    fn a_message_delivered_again_after_its_result_is_confirmed_is_answered() {
+        let t0 = Instant::now();
+        let mut l = Leases::default();
+        let first = new(&mut l, held("1", "x", t0));
+        l.get_mut(&first).expect("held").published = true;
+        l.remove(&first);
+        let again = |ack: &str, body: &str| Held {
+            message_id: "m1".into(),
+            ..held(ack, body, t0)
+        };
+        assert_eq!(l.insert(again("2", "x")), Taken::Answered);
+        assert_eq!(l.len(), 0);
+        // The same message id on other data (the emulator after a restart)
+        // is another message.
+        assert!(matches!(l.insert(again("3", "y")), Taken::New(_)));
     }
 }

@@ -26,6 +26,7 @@ mod client;
 mod connect;
 mod hold;
 mod message;
+mod seen;
 mod setup;
 
 use std::collections::{HashMap, HashSet};
@@ -37,7 +38,9 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use gcloud_gax::grpc::{Code, Status};
 use gcloud_gax::retry::RetrySetting;
-use gcloud_googleapis::pubsub::v1::{ModifyAckDeadlineRequest, PubsubMessage, PullRequest};
+use gcloud_googleapis::pubsub::v1::{
+    ModifyAckDeadlineRequest, PubsubMessage, PullRequest, ReceivedMessage,
+};
 use gcloud_pubsub::client::Client;
 use gcloud_pubsub::publisher::{Publisher, PublisherConfig};
 use gcloud_pubsub::subscription::Subscription;
@@ -53,7 +56,7 @@ use crate::request::{AttemptRecord, parse_message, source_result_id};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::tasks::Tasks;
 use crate::telemetry::metrics::PubSubMetrics;
-use hold::{Held, Leases, Plan};
+use hold::{Held, Leases, Plan, Taken};
 
 pub use client::PubSubClient;
 pub use connect::{EMULATOR_ENV, Target, connect, connect_to, target};
@@ -408,6 +411,7 @@ impl Inner {
     /// Sets the ack deadline of the ack ids `ack_ids` to `secs` (0 =
     /// redeliver now).
     async fn modack(&self, ack_ids: Vec<String>, secs: i32) -> Result<(), Status> {
+        tracing::debug!(queue = %self.name, secs, ack_ids = ?ack_ids, "modack");
         let client = self.subscription.get_client();
         for chunk in ack_ids.chunks(IDS_PER_REQUEST) {
             let request = ModifyAckDeadlineRequest {
@@ -538,6 +542,14 @@ impl Inner {
             return Ok(Vec::new());
         }
         let ids: Vec<String> = pulled.iter().map(|m| m.ack_id.clone()).collect();
+        tracing::debug!(
+            queue = %self.name,
+            n = pulled.len(),
+            message_ids = ?pulled.iter().filter_map(|m| m.message.as_ref().map(|p| p.message_id.as_str())).collect::<Vec<_>>(),
+            ack_ids = ?ids,
+            attempts = ?pulled.iter().map(|m| m.delivery_attempt).collect::<Vec<_>>(),
+            "pulled"
+        );
         let secs = message::deadline_secs(lease).max(1);
         if secs != self.ack_deadline_secs {
             // Best effort: if this fails, the subscription's deadline
@@ -546,11 +558,23 @@ impl Inner {
                 tracing::warn!(%error, queue = %self.name, "setting the lease after pull failed");
             }
         }
+        let (deliveries, answered) = self.take_pulled(pulled);
+        self.ack_answered_again(answered).await;
+        Ok(deliveries)
+    }
+
+    /// Records pulled messages as held: the new ones become deliveries for
+    /// the dispatcher; a delivery of a message already held joins its
+    /// lease; the ack ids of messages already answered are returned, to
+    /// be acked.
+    fn take_pulled(&self, pulled: Vec<ReceivedMessage>) -> (Vec<Delivery>, Vec<String>) {
         let now = Instant::now();
+        let mut answered = Vec::new();
+        let mut joined = 0u64;
         let mut leases = self.leases();
-        let deliveries = pulled
+        let deliveries: Vec<Delivery> = pulled
             .into_iter()
-            .map(|m| {
+            .filter_map(|m| {
                 let (data, attributes, message_id) = m
                     .message
                     .map(|p| (p.data, p.attributes, p.message_id))
@@ -560,26 +584,59 @@ impl Inner {
                 let attempt = usize::try_from(m.delivery_attempt).ok().filter(|a| *a > 0);
                 let retry_count = message::retry_count(attempt);
                 let source_id = Some(message_id.clone());
-                let tag = leases.insert(Held {
-                    ack_id: Some(m.ack_id),
+                let taken = leases.insert(Held {
+                    ack_id: Some(m.ack_id.clone()),
                     info,
                     message_id,
+                    joined: Vec::new(),
                     published: false,
                     pulled_at: now,
+                    extended_at: now,
                     retry_count,
                     delivery_attempt: (m.delivery_attempt > 0).then_some(m.delivery_attempt),
                     hold: None,
                 });
-                Delivery {
-                    tag: DeliveryTag(tag),
-                    body,
-                    retry_count,
-                    source_id,
+                match taken {
+                    Taken::New(tag) => Some(Delivery {
+                        tag: DeliveryTag(tag),
+                        body,
+                        retry_count,
+                        source_id,
+                    }),
+                    Taken::Joined(_) => {
+                        joined += 1;
+                        None
+                    }
+                    Taken::Answered => {
+                        answered.push(m.ack_id);
+                        None
+                    }
                 }
             })
             .collect();
         self.update_in_flight(&leases);
-        Ok(deliveries)
+        self.metrics.duplicates_joined.inc_by(joined);
+        (deliveries, answered)
+    }
+
+    /// Acks deliveries of messages this process already answered: their
+    /// results are on the topic, so nothing is sent twice. A failed ack
+    /// only means the broker delivers them once more, and they are acked
+    /// then.
+    async fn ack_answered_again(&self, ack_ids: Vec<String>) {
+        if ack_ids.is_empty() {
+            return;
+        }
+        let n = ack_ids.len() as u64;
+        tracing::debug!(queue = %self.name, n, "acking deliveries of messages already answered");
+        match self.subscription.ack(ack_ids).await {
+            Ok(()) => {
+                self.metrics.duplicates_answered.inc_by(n);
+            }
+            Err(error) => {
+                tracing::warn!(%error, queue = %self.name, "acking deliveries of messages already answered failed");
+            }
+        }
     }
 
     /// Up to `max` held deliveries whose hold ended, as deliveries again
@@ -625,7 +682,7 @@ impl Inner {
             };
             let plan = hold::plan(&facts, &self.budget);
             if let Plan::Hold { until, then } = plan {
-                leases.start_hold(&tag.0, until, then, now);
+                leases.start_hold(&tag.0, until, then);
             }
             plan
         };
@@ -761,6 +818,7 @@ impl Inner {
             leases.ack_ids(&to_ack)
         };
         if !to_ack.is_empty() {
+            tracing::debug!(queue = %self.name, ack_ids = ?ack_ids, "ack");
             match self.subscription.ack(ack_ids).await {
                 Ok(()) => {
                     report.acked += to_ack.len();
@@ -969,7 +1027,20 @@ impl Queue for PubSubQueue {
     ) -> BoxFuture<'_, Result<(), QueueError>> {
         let inner = &self.inner;
         Box::pin(async move {
-            let ids = inner.leases().ack_ids(tags.iter().map(|t| &t.0));
+            // The keeper extends every lease itself when it falls due; a
+            // renewal skips what it extended within half a period, so the
+            // two do not send the same extension twice.
+            let ids = {
+                let mut leases = inner.leases();
+                let now = Instant::now();
+                let tags = leases.not_extended_within(
+                    tags.iter().map(|t| &t.0),
+                    now,
+                    inner.extend_every() / 2,
+                );
+                leases.mark_extended(&tags, now);
+                leases.ack_ids(&tags)
+            };
             if ids.is_empty() {
                 return Ok(());
             }
