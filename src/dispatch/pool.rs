@@ -253,6 +253,17 @@ impl PoolWindow {
             .map(|c| if now < c.valid_until { c.units } else { 0 })
     }
 
+    /// Whether the lease behind the cap, if any, still holds at `now`.
+    /// A request released while it held is sent only if it still does just
+    /// before it goes out (`send.rs`): between the two the process may have
+    /// paused, or waited on the queue, past the lease, and its units may be
+    /// another replica's by now. An expired lease is zero units, also for
+    /// requests already counted in flight but not yet sent. Without a cap
+    /// (no shared window), always.
+    pub fn lease_holds(&self, now: Instant) -> bool {
+        self.cap.is_none_or(|c| now < c.valid_until)
+    }
+
     /// What the cap leaves for new sends at `now`.
     fn cap_room(&self, now: Instant) -> Option<u64> {
         self.cap(now)
@@ -377,6 +388,11 @@ impl LaneWindow<'_> {
         self.pool.in_flight()
     }
 
+    /// See [`PoolWindow::lease_holds`].
+    pub(super) fn lease_holds(&self, now: Instant) -> bool {
+        self.pool.lease_holds(now)
+    }
+
     /// See [`PoolWindow::allows`].
     pub(super) fn allows(&self, now: Instant, cost: u64) -> bool {
         self.pool.allows(self.lane, now, cost)
@@ -499,6 +515,32 @@ mod tests {
         );
         assert_eq!(pool.cap(until), Some(0));
         assert!(!pool.allows(a, until, 1), "an expired lease sends nothing");
+    }
+
+    #[test]
+    fn a_request_released_under_a_lease_does_not_go_out_once_it_lapsed() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        assert!(pool.lease_holds(now), "no shared window: no lease to lose");
+        let a = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 10, true, true);
+        let until = now + Duration::from_secs(2);
+        pool.set_cap(3, until);
+        assert!(pool.allows(a, now, 1));
+        pool.sent(now, 1);
+        // Checked again just before it goes: the lease holds until `until`.
+        assert!(pool.lease_holds(until - Duration::from_millis(1)));
+        // A pause past it: the request counted in flight must not go.
+        assert!(!pool.lease_holds(until));
+        assert!(!pool.lease_holds(until + Duration::from_secs(10)));
+        // A lost lease (failed or fenced sync) lapses at once, whatever
+        // the units.
+        pool.set_cap(3, now);
+        assert!(!pool.lease_holds(now));
+        // A new lease: the same request may go (its units are counted in
+        // what the replica reports in flight, so held at the join).
+        pool.set_cap(0, now + Duration::from_secs(2));
+        assert!(pool.lease_holds(now));
     }
 
     #[test]
