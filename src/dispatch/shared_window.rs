@@ -3,15 +3,22 @@
 //!
 //! Each replica (a *holder*) holds units of the pool's total under a lease
 //! and sends only within them: [`super::pool::PoolWindow`]'s cap is the
-//! units held, valid until shortly before the lease would expire. One Lua
+//! units held, valid until shortly before the lease would expire, and
+//! checked again just before each send (`send.rs`), so a request released
+//! before a pause that outlasted the lease is not sent on it. One Lua
 //! script ([`SYNC`]) does everything in one round trip per tick (every
 //! third of the lease, or at once when the window runs out of units):
-//! - holders whose lease expired are removed with their units (a dead
-//!   replica's units return when its lease expires);
+//! - holders whose lease expired lose their token; their units stay held,
+//!   as an *orphan*, until the lease's expiry plus the gateway's attempt
+//!   timeout, since what a dead or paused replica had in flight may run at
+//!   the pool until then (by then it has been answered, or a live replica
+//!   would have abandoned it);
 //! - the caller proves its *fencing token* (handed out when it joined);
 //!   a holder that was expired gets `fenced`, holds nothing and must join
 //!   again, so a replica that stalled past its lease cannot keep sending
-//!   on units that were handed to others meanwhile;
+//!   on units that were handed to others meanwhile; if it joins while its
+//!   orphan entry is still there it keeps, of the orphan's units, what it
+//!   still has in flight;
 //! - the pool's total `C` is written from the caller's fresh gate reading
 //!   (each reading once): `C = Σ min(base, in flight) + N`, where each
 //!   holder's `base` is what its own latest reading counted as in flight
@@ -40,7 +47,8 @@
 //! (sorted set holder → lease expiry, ms), `:held`, `:base`, `:used`,
 //! `:tokens`, `:want` (hashes by holder), `:total` (the window `C`), `:epoch` (the
 //! counter behind tokens and hold ids), `:hold` (the shared hold, its value
-//! the hold id).
+//! the hold id), `:orphans` (sorted set expired holder → when its units
+//! return, ms).
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -383,9 +391,13 @@ where
     async fn tick(&mut self) {
         let started = Instant::now();
         let (in_flight, demand, reading) = {
-            let window = self.pool.window();
+            let mut window = self.pool.window();
             let reading = window.reading(started);
-            (window.in_flight(), window.blocked_by_cap(started), reading)
+            let demand = window.blocked_by_cap(started);
+            // What this sync reports in flight stays the most in flight
+            // until its reply sets the cap again: Redis may cut the units
+            // down to it.
+            (window.freeze_cap(), demand, reading)
         };
         let granted = reading.is_some();
         let want = want_units(self.held, in_flight, self.settings.chunk, demand, granted);
