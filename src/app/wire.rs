@@ -105,6 +105,7 @@ pub(super) fn start_shared_windows(
         lease: config.dispatch.shared_window_lease,
         chunk: config.dispatch.shared_window_chunk,
         max_staleness: config.dispatch.max_staleness,
+        orphan_hold: config.gateway.attempt_timeout,
     };
     for (parts, pool_metrics) in pools.values().zip(pool_metrics) {
         let keeper = SharedWindow::new(

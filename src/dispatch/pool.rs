@@ -63,6 +63,9 @@ pub struct PoolWindow {
     lanes: Vec<Window>,
     /// `None`: no outside bound (no shared window).
     cap: Option<Cap>,
+    /// A sync is out and the cap is held at what it reported in flight
+    /// ([`Self::freeze_cap`]) until its reply.
+    syncing: bool,
     /// The pool's in flight (every lane holds the same count).
     in_flight: u64,
     /// Paced release of the pool's sends (`dispatch.pace`), if on: it only
@@ -244,6 +247,7 @@ impl PoolWindow {
     /// after it.
     pub fn set_cap(&mut self, units: u64, valid_until: Instant) {
         self.cap = Some(Cap { units, valid_until });
+        self.syncing = false;
     }
 
     /// The cap's units while valid at `now` (zero once expired), `None`
@@ -251,6 +255,32 @@ impl PoolWindow {
     pub fn cap(&self, now: Instant) -> Option<u64> {
         self.cap
             .map(|c| if now < c.valid_until { c.units } else { 0 })
+    }
+
+    /// Holds the cap at what is in flight now until the next
+    /// [`Self::set_cap`]; returns what is in flight. Called as a sync
+    /// starts: the sync reports this in flight, and Redis may cut the
+    /// units down to it; a send between the report and the reply would be
+    /// beyond what the reply holds, and its unit could go to another
+    /// replica at the same time (found under load: 10 in flight with a
+    /// window of 9, every holder within its units).
+    pub fn freeze_cap(&mut self) -> u64 {
+        if let Some(cap) = &mut self.cap {
+            cap.units = cap.units.min(self.in_flight);
+            self.syncing = true;
+        }
+        self.in_flight
+    }
+
+    /// Whether the lease behind the cap, if any, still holds at `now`.
+    /// A request released while it held is sent only if it still does just
+    /// before it goes out (`send.rs`): between the two the process may have
+    /// paused, or waited on the queue, past the lease, and its units may be
+    /// another replica's by now. An expired lease is zero units, also for
+    /// requests already counted in flight but not yet sent. Without a cap
+    /// (no shared window), always.
+    pub fn lease_holds(&self, now: Instant) -> bool {
+        self.cap.is_none_or(|c| now < c.valid_until)
     }
 
     /// What the cap leaves for new sends at `now`.
@@ -278,8 +308,13 @@ impl PoolWindow {
     }
 
     /// Whether some lane has budget that only the cap withholds (the
-    /// shared window should take more units).
+    /// shared window should take more units). Not while a sync is out: its
+    /// reply sets the cap, and asking again meanwhile would start the next
+    /// sync at once, and with it the next freeze.
     pub fn blocked_by_cap(&self, now: Instant) -> bool {
+        if self.syncing {
+            return false;
+        }
         let Some(room) = self.cap_room(now) else {
             return false;
         };
@@ -375,6 +410,11 @@ impl LaneWindow<'_> {
     /// The pool's in flight.
     pub(super) fn in_flight(&self) -> u64 {
         self.pool.in_flight()
+    }
+
+    /// See [`PoolWindow::lease_holds`].
+    pub(super) fn lease_holds(&self, now: Instant) -> bool {
+        self.pool.lease_holds(now)
     }
 
     /// See [`PoolWindow::allows`].
@@ -499,6 +539,71 @@ mod tests {
         );
         assert_eq!(pool.cap(until), Some(0));
         assert!(!pool.allows(a, until, 1), "an expired lease sends nothing");
+    }
+
+    #[test]
+    fn no_send_goes_while_a_sync_reports_what_is_in_flight() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        let a = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 10, true, true);
+        let until = now + Duration::from_secs(2);
+        pool.set_cap(5, until);
+        pool.sent(now, 2);
+        assert_eq!(pool.available(a, now), 3);
+        // The sync reports 2 in flight; until its reply nothing more goes
+        // (the reply may hold only 2 units).
+        assert_eq!(pool.freeze_cap(), 2);
+        assert!(!pool.allows(a, now, 1));
+        assert!(pool.lease_holds(now), "the lease itself still holds");
+        assert!(
+            !pool.blocked_by_cap(now),
+            "no second sync asked for while this one is out"
+        );
+        // Finishing lowers the frozen cap's room further, never raises it.
+        pool.finished(now, 1);
+        assert!(pool.allows(a, now, 1), "one of the two reported units");
+        pool.sent(now, 1);
+        assert!(!pool.allows(a, now, 1));
+        // The reply: units again.
+        pool.set_cap(4, until);
+        assert_eq!(pool.available(a, now), 2);
+        assert!(
+            pool.blocked_by_cap(now),
+            "the lane's budget exceeds the units"
+        );
+        // Without a shared window there is nothing to freeze.
+        let mut alone = PoolWindow::default();
+        let b = alone.add_lane(now, STALE);
+        alone.lanes[b.0].observe(now, 10, true, true);
+        assert_eq!(alone.freeze_cap(), 0);
+        assert_eq!(alone.available(b, now), 10);
+    }
+
+    #[test]
+    fn a_request_released_under_a_lease_does_not_go_out_once_it_lapsed() {
+        let now = Instant::now();
+        let mut pool = PoolWindow::default();
+        assert!(pool.lease_holds(now), "no shared window: no lease to lose");
+        let a = pool.add_lane(now, STALE);
+        pool.lanes[a.0].observe(now, 10, true, true);
+        let until = now + Duration::from_secs(2);
+        pool.set_cap(3, until);
+        assert!(pool.allows(a, now, 1));
+        pool.sent(now, 1);
+        // Checked again just before it goes: the lease holds until `until`.
+        assert!(pool.lease_holds(until - Duration::from_millis(1)));
+        // A pause past it: the request counted in flight must not go.
+        assert!(!pool.lease_holds(until));
+        assert!(!pool.lease_holds(until + Duration::from_secs(10)));
+        // A lost lease (failed or fenced sync) lapses at once, whatever
+        // the units.
+        pool.set_cap(3, now);
+        assert!(!pool.lease_holds(now));
+        // A new lease: the same request may go (its units are counted in
+        // what the replica reports in flight, so held at the join).
+        pool.set_cap(0, now + Duration::from_secs(2));
+        assert!(pool.lease_holds(now));
     }
 
     #[test]

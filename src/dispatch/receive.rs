@@ -24,7 +24,7 @@ use super::settle::settle;
 use super::state::{Ready, Results, SendKind, Shared};
 use crate::clock::unix_secs;
 use crate::gate::{Admission, AdmissionRequest, DropAnswer, Ticket};
-use crate::queue::{Delivery, NackReason, QueueError};
+use crate::queue::{Delivery, DeliveryTag, NackReason, QueueError};
 use crate::request::{log_id, parse_message, source_result_id};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::tasks::sleep_unless;
@@ -420,8 +420,8 @@ fn until_next_sweep() -> Duration {
 
 /// Answers every buffered message whose deadline has passed.
 async fn answer_expired(shared: &Arc<Shared>, fair: &mut FairQueue<Ready>, results: &Results) {
-    for ready in fair.take_expired(unix_secs()) {
-        settle_unreleased(shared, ready, Release::DeadlinePassed, results).await;
+    for mut ready in fair.take_expired(unix_secs()) {
+        settle_unreleased(shared, &mut ready, Release::DeadlinePassed, results).await;
     }
 }
 
@@ -532,7 +532,8 @@ pub(super) async fn handle(
         unreleased => {
             let refused = matches!(unreleased, Release::NotAdmitted(Admission::Refuse { .. }))
                 .then(Instant::now);
-            settle_unreleased(shared, ready, unreleased, results).await;
+            let mut ready = ready;
+            settle_unreleased(shared, &mut ready, unreleased, results).await;
             refused
         }
     }
@@ -540,9 +541,14 @@ pub(super) async fn handle(
 
 /// Ends a message that was not released: a result, or back to the queue
 /// without using an attempt.
-async fn settle_unreleased(shared: &Shared, ready: Ready, release: Release, results: &Results) {
+pub(super) async fn settle_unreleased(
+    shared: &Shared,
+    ready: &mut Ready,
+    release: Release,
+    results: &Results,
+) {
     let deadline = ready.message.request.deadline;
-    let tag = ready.delivery.tag;
+    let tag = std::mem::replace(&mut ready.delivery.tag, DeliveryTag(String::new()));
     match release {
         Release::Go(..) => {
             debug_assert!(false, "a released message is sent, not settled here");
@@ -895,7 +901,10 @@ pub(super) fn park(
             Release::Go(ticket, send) => {
                 send_and_settle(shared, ready, ticket, send, shutdown, abandon, results).await;
             }
-            unreleased => settle_unreleased(&shared, ready, unreleased, &results).await,
+            unreleased => {
+                let mut ready = ready;
+                settle_unreleased(&shared, &mut ready, unreleased, &results).await;
+            }
         }
     });
 }

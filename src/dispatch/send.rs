@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::congestion::{AfterCongestion, after_congestion};
+use super::receive::{Release, settle_unreleased};
 use super::retry::RetryDecision;
 use super::settle::settle;
 use super::state::{Ready, Results, SendKind, Shared};
@@ -34,8 +35,8 @@ pub(super) const CANCEL_RECHECK_AFTER: Duration = Duration::from_millis(500);
 pub(super) async fn send_and_settle(
     shared: Arc<Shared>,
     mut ready: Ready,
-    ticket: Ticket,
-    send: SendKind,
+    mut ticket: Ticket,
+    mut send: SendKind,
     shutdown: CancellationToken,
     abandon: CancellationToken,
     results: Results,
@@ -58,6 +59,26 @@ pub(super) async fn send_and_settle(
         let tag = take_tag(&mut ready);
         settle_cancelled(&shared, &results, &ready, tag, ticket, send).await;
         return;
+    }
+    // Last check before it goes: the shared window's lease behind the
+    // room it was released with may have lapsed since (the process paused,
+    // or the cancel check waited on the queue). Then its units may be
+    // another replica's: the room goes back and it is released again,
+    // under a lease this replica holds then. No await between this check
+    // and the request's first write on a kept-alive connection.
+    while !shared.window().lease_holds(Instant::now()) {
+        give_back(&shared, &ready, ticket, send);
+        tracing::info!(
+            id = log_id(&ready.message.request.id),
+            "shared-window lease lapsed before the send; released again"
+        );
+        match super::receive::release(&shared, &ready, &shutdown).await {
+            Release::Go(again, kind) => (ticket, send) = (again, kind),
+            unreleased => {
+                settle_unreleased(&shared, &mut ready, unreleased, &results).await;
+                return;
+            }
+        }
     }
     let deadline = deadline_instant(ready.message.request.deadline);
     let (started, end) = attempt(&shared, &ready, deadline, &abandon).await;
@@ -109,6 +130,23 @@ pub(super) async fn send_and_settle(
 /// peak RSS per drained message in `bench drain-memory`.
 fn take_tag(ready: &mut Ready) -> DeliveryTag {
     std::mem::replace(&mut ready.delivery.tag, DeliveryTag(String::new()))
+}
+
+/// Gives back a release that is not sent after all: the pool's room, the
+/// gate's reservation and, for the probe, the probe.
+fn give_back(shared: &Shared, ready: &Ready, ticket: Ticket, send: SendKind) {
+    let now = Instant::now();
+    {
+        let mut window = shared.window();
+        window.finished(now, ready.cost);
+        shared.export_window(&window, now);
+    }
+    ticket.refund();
+    if send == SendKind::Probe {
+        shared.config.congestion.lock().probe_abandoned();
+    }
+    shared.changed.notify_waiters();
+    shared.finished.notify_waiters();
 }
 
 /// Answers a message cancelled while it waited, giving back the room it

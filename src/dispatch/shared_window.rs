@@ -3,15 +3,22 @@
 //!
 //! Each replica (a *holder*) holds units of the pool's total under a lease
 //! and sends only within them: [`super::pool::PoolWindow`]'s cap is the
-//! units held, valid until shortly before the lease would expire. One Lua
+//! units held, valid until shortly before the lease would expire, and
+//! checked again just before each send (`send.rs`), so a request released
+//! before a pause that outlasted the lease is not sent on it. One Lua
 //! script ([`SYNC`]) does everything in one round trip per tick (every
 //! third of the lease, or at once when the window runs out of units):
-//! - holders whose lease expired are removed with their units (a dead
-//!   replica's units return when its lease expires);
+//! - holders whose lease expired lose their token; their units stay held,
+//!   as an *orphan*, until the lease's expiry plus the gateway's attempt
+//!   timeout, since what a dead or paused replica had in flight may run at
+//!   the pool until then (by then it has been answered, or a live replica
+//!   would have abandoned it);
 //! - the caller proves its *fencing token* (handed out when it joined);
 //!   a holder that was expired gets `fenced`, holds nothing and must join
 //!   again, so a replica that stalled past its lease cannot keep sending
-//!   on units that were handed to others meanwhile;
+//!   on units that were handed to others meanwhile; if it joins while its
+//!   orphan entry is still there it keeps, of the orphan's units, what it
+//!   still has in flight;
 //! - the pool's total `C` is written from the caller's fresh gate reading
 //!   (each reading once): `C = Σ min(base, in flight) + N`, where each
 //!   holder's `base` is what its own latest reading counted as in flight
@@ -40,7 +47,8 @@
 //! (sorted set holder → lease expiry, ms), `:held`, `:base`, `:used`,
 //! `:tokens`, `:want` (hashes by holder), `:total` (the window `C`), `:epoch` (the
 //! counter behind tokens and hold ids), `:hold` (the shared hold, its value
-//! the hold id).
+//! the hold id), `:orphans` (sorted set expired holder → when its units
+//! return, ms).
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -57,10 +65,11 @@ use crate::telemetry::{Health, PoolMetrics};
 /// SYNC: expire dead holders, check the fencing token, renew the lease,
 /// record in flight and base, write the total from a fresh reading, take
 /// or give back units, publish and read the shared hold.
-/// KEYS: holders, held, base, used, tokens, total, epoch, hold, want.
+/// KEYS: holders, held, base, used, tokens, total, epoch, hold, want,
+/// orphans.
 /// ARGV: holder, token (empty = join), lease ms, used, want, base, N (−1 =
 /// no fresh reading), total ttl ms, hold ms (0 = none), leave (0/1),
-/// ceiling of the total.
+/// ceiling of the total, orphan hold ms (the attempt timeout).
 /// Returns `{-1}` when fenced, else `{1, token, held, total, Σ held, Σ
 /// used, hold ttl ms, hold id, allowed}`: `held` never drops below what
 /// the caller has in flight, `allowed` (what it may have in flight) does
@@ -72,10 +81,31 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function forget(h)
   redis.call('ZREM', KEYS[1], h)
+  redis.call('ZREM', KEYS[10], h)
   for i = 2, 5 do redis.call('HDEL', KEYS[i], h) end
   redis.call('HDEL', KEYS[9], h)
 end
-for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do forget(h) end
+-- Orphans whose requests are over or abandoned by now: their units return.
+for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[10], '-inf', now)) do forget(h) end
+-- Holders whose lease expired are fenced (no token, no want). Their
+-- units stay held, as an orphan, until the lease's expiry plus the
+-- attempt timeout: a dead or paused replica may have had up to its units
+-- in flight (it sends within them until its cap lapses, between syncs
+-- too), and those requests may run at the pool until then.
+local drain = tonumber(ARGV[12])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES')
+for i = 1, #expired, 2 do
+  local h, until_ms = expired[i], tonumber(expired[i + 1]) + drain
+  local left = tonumber(redis.call('HGET', KEYS[2], h) or '0')
+  if left > 0 and until_ms > now then
+    redis.call('ZREM', KEYS[1], h)
+    redis.call('HDEL', KEYS[5], h)
+    redis.call('HDEL', KEYS[9], h)
+    redis.call('ZADD', KEYS[10], until_ms, h)
+  else
+    forget(h)
+  end
+end
 local holder, token = ARGV[1], ARGV[2]
 local current = redis.call('HGET', KEYS[5], holder)
 if token ~= '' and current ~= token then return {-1} end
@@ -83,14 +113,25 @@ if ARGV[10] == '1' then
   forget(holder)
   return {1, token, 0, 0, 0, 0, 0, '', 0}
 end
+local used = tonumber(ARGV[4])
 if token == '' then
   token = tostring(redis.call('INCR', KEYS[7]))
   redis.call('HSET', KEYS[5], holder, token)
-  redis.call('HSET', KEYS[2], holder, 0)
+  -- A replica that was fenced and comes back while its orphan entry
+  -- still holds its units keeps what it has in flight of them (its
+  -- requests from before are still out); the rest returns. Otherwise it
+  -- starts from nothing: a new replica has nothing out, and an orphan's
+  -- requests are past the attempt timeout once its entry is released.
+  local orphaned = redis.call('ZSCORE', KEYS[10], holder)
+  local kept = 0
+  if orphaned then
+    kept = math.min(used, tonumber(redis.call('HGET', KEYS[2], holder) or '0'))
+    redis.call('ZREM', KEYS[10], holder)
+  end
+  redis.call('HSET', KEYS[2], holder, kept)
 end
 local lease = tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], now + lease, holder)
-local used = tonumber(ARGV[4])
 redis.call('HSET', KEYS[4], holder, used)
 redis.call('HSET', KEYS[3], holder, ARGV[6])
 local function sum(key)
@@ -143,9 +184,10 @@ if hold_ms > 0 then
   local ttl = math.max(redis.call('PTTL', KEYS[8]), hold_ms)
   redis.call('SET', KEYS[8], id, 'PX', ttl)
 end
-local keep = lease * 10
+local keep = lease * 10 + drain
 for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], keep) end
 redis.call('PEXPIRE', KEYS[9], keep)
+redis.call('PEXPIRE', KEYS[10], keep)
 local hold_ttl = math.max(redis.call('PTTL', KEYS[8]), 0)
 local hold_id = redis.call('GET', KEYS[8]) or ''
 return {1, token, mine, total, others + mine, sum(KEYS[4]), hold_ttl, hold_id, allowed}
@@ -156,7 +198,7 @@ return {1, token, mine, total, others + mine, sum(KEYS[4]), hold_ttl, hold_id, a
 /// The keys of one pool's semaphore, all hash-tagged with the pool.
 #[derive(Debug, Clone)]
 pub struct Keys {
-    names: [String; 9],
+    names: [String; 10],
 }
 
 impl Keys {
@@ -174,6 +216,7 @@ impl Keys {
                 key("epoch"),
                 key("hold"),
                 key("want"),
+                key("orphans"),
             ],
         }
     }
@@ -203,6 +246,11 @@ pub struct SharedWindowSettings {
     pub chunk: u64,
     /// How long the total written from a reading lasts.
     pub max_staleness: Duration,
+    /// How long after its lease expired an expired holder's units stay
+    /// held (the gateway's attempt timeout): by then every request it sent
+    /// within its lease has been answered, or abandoned by the attempt
+    /// timeout had it been alive.
+    pub orphan_hold: Duration,
 }
 
 impl SharedWindowSettings {
@@ -211,9 +259,13 @@ impl SharedWindowSettings {
         self.lease / 3
     }
 
-    /// How long after a sync *started* its units may be used: the lease,
-    /// less a tenth so a replica stops before Redis could hand its units
-    /// to others (the lease runs from the script's start, later than ours).
+    /// How long after a sync *started* its units may be used: the lease
+    /// less a tenth. Redis counts the lease from the script's run, after
+    /// the sync started, so the round trip there only adds to the margin
+    /// (and a reply that comes back late, after a pause, finds its units
+    /// expired already); the tenth is for clocks that run at different
+    /// rates (the replica's monotonic clock against Redis's). Each send
+    /// checks it just before it goes ([`super::pool::PoolWindow::lease_holds`]).
     fn valid_for(&self) -> Duration {
         self.lease - self.lease / 10
     }
@@ -339,9 +391,13 @@ where
     async fn tick(&mut self) {
         let started = Instant::now();
         let (in_flight, demand, reading) = {
-            let window = self.pool.window();
+            let mut window = self.pool.window();
             let reading = window.reading(started);
-            (window.in_flight(), window.blocked_by_cap(started), reading)
+            let demand = window.blocked_by_cap(started);
+            // What this sync reports in flight stays the most in flight
+            // until its reply sets the cap again: Redis may cut the units
+            // down to it.
+            (window.freeze_cap(), demand, reading)
         };
         let granted = reading.is_some();
         let want = want_units(self.held, in_flight, self.settings.chunk, demand, granted);
@@ -466,7 +522,8 @@ where
             .arg(millis(self.settings.max_staleness))
             .arg(hold.map_or(0, millis))
             .arg(u8::from(leave))
-            .arg(ceiling);
+            .arg(ceiling)
+            .arg(millis(self.settings.orphan_hold));
         let mut conn = self.conn.clone();
         let reply: redis::Value = invocation
             .invoke_async(&mut conn)
@@ -529,6 +586,21 @@ mod tests {
         for key in &keys.names {
             assert!(key.starts_with("sluicegate:window:{pool-a}:"), "{key}");
         }
+    }
+
+    #[test]
+    fn units_are_usable_for_nine_tenths_of_the_lease_from_before_the_sync() {
+        let settings = SharedWindowSettings {
+            lease: Duration::from_secs(2),
+            chunk: 2,
+            max_staleness: Duration::from_secs(60),
+            orphan_hold: Duration::from_secs(120),
+        };
+        assert_eq!(settings.valid_for(), Duration::from_millis(1800));
+        assert_eq!(settings.renew_every(), Duration::from_secs(2) / 3);
+        // A renewal, and its reply within its timeout (a third of the
+        // lease), comes before the units lapse.
+        assert!(settings.renew_every() * 2 < settings.valid_for());
     }
 
     #[test]

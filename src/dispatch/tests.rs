@@ -54,6 +54,14 @@ fn shared(gate: Arc<Mutex<Observation>>) -> Arc<Shared> {
 }
 
 fn shared_with(gate: Arc<Mutex<Observation>>, pace: Option<Pace>) -> Arc<Shared> {
+    shared_on(Arc::new(MemoryQueue::new("q")), gate, pace)
+}
+
+fn shared_on(
+    queue: Arc<MemoryQueue>,
+    gate: Arc<Mutex<Observation>>,
+    pace: Option<Pace>,
+) -> Arc<Shared> {
     let settings = DispatchSettings {
         max_sys: 10.0,
         poll_interval: POLL,
@@ -62,7 +70,7 @@ fn shared_with(gate: Arc<Mutex<Observation>>, pace: Option<Pace>) -> Arc<Shared>
         ..DispatchSettings::default()
     };
     let config = QueueDispatcher {
-        queue: Arc::new(MemoryQueue::new("q")),
+        queue,
         gate: Arc::new(FailClosed::new(
             Box::new(Scripted(gate)),
             settings.max_staleness,
@@ -228,6 +236,68 @@ async fn a_429_holds_the_window_shut_until_the_hold_ends_then_one_probe() {
     // The probe's answer clears the congestion: the window is back.
     shared.config.congestion.lock().answered(Instant::now());
     assert_eq!(shared.room(Instant::now()), 9);
+    stop.cancel();
+    observer.await.expect("observer ends");
+}
+
+/// Issue 36: a request released under the shared window's lease, whose
+/// process paused (or waited on the queue) past the lease before it went
+/// out, was sent on units another replica may hold by then. It is not sent
+/// now: its room goes back and it waits for a lease again.
+#[tokio::test(start_paused = true)]
+async fn a_request_whose_lease_lapsed_after_its_release_is_not_sent() {
+    use super::receive::{Release, check, release};
+    use super::send::send_and_settle;
+    let queue = Arc::new(MemoryQueue::new("q"));
+    let data = Arc::new(Mutex::new(reading(1.0, Instant::now())));
+    let shared = shared_on(queue.clone(), data, None);
+    let stop = CancellationToken::new();
+    let observer = tokio::spawn(observe_loop(shared.clone(), stop.clone()));
+    poll().await;
+    // The keeper's sync granted 3 units, usable for 1.8 s (a 2 s lease).
+    let lapses = Instant::now() + Duration::from_millis(1800);
+    shared.config.pool.window().set_cap(3, lapses);
+    let deadline = crate::clock::unix_secs() + 3600;
+    queue.push_message(format!(
+        r#"{{"id":"a","deadline":{deadline},"payload":{{"model":"m","prompt":"p"}}}}"#
+    ));
+    let delivery = shared
+        .queue()
+        .receive(1, Duration::from_secs(60), Duration::ZERO)
+        .await
+        .expect("receive")
+        .pop()
+        .expect("a delivery");
+    let (results, mut settled) = tokio::sync::mpsc::channel(4);
+    let ready = check(&shared, delivery, &results).await.expect("valid");
+    let shutdown = CancellationToken::new();
+    let Release::Go(ticket, kind) = release(&shared, &ready, &shutdown).await else {
+        panic!("released under the lease");
+    };
+    assert_eq!(shared.window().in_flight(), 1);
+    // The process pauses past the lease before the request goes out.
+    tokio::time::advance(Duration::from_secs(3)).await;
+    let worker = tokio::spawn(send_and_settle(
+        shared.clone(),
+        ready,
+        ticket,
+        kind,
+        shutdown.clone(),
+        CancellationToken::new(),
+        results,
+    ));
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(shared.metrics().sent.get(), 0, "sent on a lapsed lease");
+    assert_eq!(shared.window().in_flight(), 0, "its room went back");
+    // It waits for room under a new lease; at shutdown it goes back to the
+    // queue unsent.
+    shutdown.cancel();
+    worker.await.expect("worker ends");
+    assert_eq!(shared.metrics().sent.get(), 0);
+    assert!(settled.try_recv().is_err(), "no result: it was not sent");
+    assert_eq!(queue.pending_len(), 1, "back in the queue");
     stop.cancel();
     observer.await.expect("observer ends");
 }
