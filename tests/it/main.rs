@@ -59,6 +59,7 @@ mod redis_transport;
 mod shared_window;
 mod sim_http;
 mod sim_selfcheck;
+mod soak;
 mod source_prometheus;
 mod sql_tls;
 mod sql_transport;

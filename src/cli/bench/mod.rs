@@ -1,7 +1,7 @@
 //! `sluicegate bench`: benchmarks against real servers, one file per
 //! subcommand (`redis.rs`: `drain`; `memory.rs`: `drain-memory`;
 //! `pubsub.rs`: `drain-pubsub`; `sql.rs`: `drain-sql`; `hold.rs`;
-//! `replicas.rs`), and what they measure with (`measure.rs`: wall and CPU
+//! `replicas.rs`; `soak.rs`), and what they measure with (`measure.rs`: wall and CPU
 //! time, peak RSS, the instant gateway, the requests every drain
 //! enqueues). Figures and commands: docs/benchmarks.md.
 
@@ -11,6 +11,7 @@ mod memory;
 mod pubsub;
 mod redis;
 mod replicas;
+mod soak;
 mod sql;
 
 use std::process::ExitCode;
@@ -35,6 +36,10 @@ pub(crate) enum BenchCommand {
     /// 1, 2, 4 replicas on one Redis queue with the shared window, against
     /// the simulator: global in flight against the window, throughput.
     Replicas(replicas::ReplicasArgs),
+    /// A chaos soak on Redis: replicas with the shared window killed and
+    /// paused, gateway storms and Redis restarts on a seeded schedule; an
+    /// account of every id at the end.
+    Soak(soak::SoakArgs),
 }
 
 pub(super) async fn run(command: BenchCommand) -> ExitCode {
@@ -45,6 +50,7 @@ pub(super) async fn run(command: BenchCommand) -> ExitCode {
         BenchCommand::DrainPubsub(args) => ("drain-pubsub", pubsub::drain(args).await),
         BenchCommand::DrainSql(args) => ("drain-sql", sql::drain_sql(args).await),
         BenchCommand::Replicas(args) => ("replicas", replicas::replicas(args).await),
+        BenchCommand::Soak(args) => ("soak", soak::soak(args).await),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -428,8 +428,16 @@ impl Inner {
     /// both the emulator and the service redeliver at once (subject to the
     /// subscription's retry policy). Issue 22: with a retry policy the
     /// emulator stopped redelivering messages nacked with a 2 s deadline.
+    ///
+    /// The leases are released before the RPC: the broker redelivers at
+    /// once, and a Pull that met the message still held would take the
+    /// new delivery for a duplicate of it and join it to a lease about to
+    /// end (found in testing: a hand-back lost that way waited out a whole
+    /// ack deadline). If the RPC fails, the leases run out and the broker
+    /// redelivers them.
     async fn hand_back(&self, tags: Vec<String>) -> Result<(), QueueError> {
         let ack_ids = self.leases().ack_ids(&tags);
+        self.release(&tags);
         let n = ack_ids.len() as u64;
         if n > 0 {
             match self.modack(ack_ids, 0).await {
@@ -441,7 +449,6 @@ impl Inner {
                 Err(source) => return Err(QueueError::PubSub { op: "nack", source }),
             }
         }
-        self.release(&tags);
         Ok(())
     }
 
