@@ -23,9 +23,9 @@ use crate::support;
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use crate::support::postgres::Postgres;
 use crate::support::redis::{RedisServer, fast_app_toml, redis_config};
+use bytes::Bytes;
 use sluicegate::clock::unix_secs;
 use sluicegate::config::{Config, EndpointUrl};
 use sluicegate::sim::{SimConfig, SimHandle, spawn_http};
@@ -49,7 +49,12 @@ fn line(id: &str, tenant: &str, deadline: i64) -> String {
 /// `big-<i>` with deadlines from `base`, then `small-<i>` 10 000 s later:
 /// (deadline, line) in queue order.
 fn backlog(base: i64) -> Vec<(i64, String)> {
-    let big = (0..BIG).map(|i| (base + i as i64, line(&format!("big-{i}"), "big", base + i as i64)));
+    let big = (0..BIG).map(|i| {
+        (
+            base + i as i64,
+            line(&format!("big-{i}"), "big", base + i as i64),
+        )
+    });
     let small = (0..SMALL).map(|i| {
         let d = base + 10_000 + i as i64;
         (d, line(&format!("small-{i}"), "small", d))
@@ -134,7 +139,10 @@ async fn submit_without_flags_is_fair_on_redis() {
     let server = RedisServer::start();
     let tmp = support::TempDir::new("fair-submit");
     let file = tmp.0.join("backlog.jsonl");
-    let lines: Vec<String> = backlog(unix_secs() + 3600).into_iter().map(|(_, l)| l).collect();
+    let lines: Vec<String> = backlog(unix_secs() + 3600)
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect();
     std::fs::write(&file, lines.join("\n")).expect("write the backlog");
     let out = support::cli::output(
         support::cli::sluicegate(&["submit", "--redis-url", &server.url(), "--queue", "fairsub"])
@@ -167,7 +175,11 @@ async fn a_plain_zadd_is_fair_on_redis() {
     }
     let added: usize = zadd.query_async(&mut conn).await.expect("ZADD");
     assert_eq!(added, BIG + SMALL);
-    assert_eq!(server.int(&["EXISTS", "fairzadd:tenant-lanes"]), 0, "no lanes yet");
+    assert_eq!(
+        server.int(&["EXISTS", "fairzadd:tenant-lanes"]),
+        0,
+        "no lanes yet"
+    );
     let sim = pool().await;
     let app = redis_dispatcher(&server, &sim, "fairzadd").await;
     let ids = redis_results(&server).await;
@@ -310,7 +322,10 @@ async fn replicas_filing_and_claiming_together_lose_and_duplicate_nothing() {
             .arg(line(&format!("m-{i}"), tenant, base + i as i64));
     }
     let c = redis::Client::open(server.url()).expect("client");
-    let mut conn = c.get_multiplexed_async_connection().await.expect("connects");
+    let mut conn = c
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connects");
     let _: usize = zadd.query_async(&mut conn).await.expect("ZADD");
     let tasks = Tasks::new();
     let replica = || {
@@ -385,6 +400,10 @@ async fn a_dispatcher_without_an_attribute_drops_the_lanes() {
         server.int(&["EXISTS", "nolanes:tenant-lanes", "nolanes:tenant-lane:t"]) == 0
     })
     .await;
-    assert_eq!(server.int(&["ZCARD", "nolanes"]), 5, "the queue itself is kept");
+    assert_eq!(
+        server.int(&["ZCARD", "nolanes"]),
+        5,
+        "the queue itself is kept"
+    );
     tasks.root_token().cancel();
 }

@@ -45,7 +45,7 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
         .arg(&keys.scores)
         .arg(&keys.dead)
         .arg(&keys.lanes)
-        .arg(&keys.lane(""))
+        .arg(keys.lane(""))
         .arg(&keys.lane_cursor)
         .query_async::<()>(&mut conn)
         .await

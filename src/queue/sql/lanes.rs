@@ -22,7 +22,8 @@ pub(super) const FILE_PER_CLAIM: i64 = 10_000;
 /// Files up to $3 waiting rows of queue $1 that have no lane yet under
 /// their tenant by attribute $2. Rows another claim holds are skipped,
 /// not waited for.
-pub(super) const FILE: &str = "UPDATE async_requests r SET tenant = sluicegate_tenant_of(r.payload, $2)
+pub(super) const FILE: &str =
+    "UPDATE async_requests r SET tenant = sluicegate_tenant_of(r.payload, $2)
      FROM (SELECT id, request_token FROM async_requests
            WHERE queue = $1 AND tenant IS NULL AND dispatch_epoch = 0
            LIMIT $3 FOR UPDATE SKIP LOCKED) u

@@ -36,11 +36,11 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::due::{DueProfile, HORIZONS};
+use super::lanes::TenantLanes;
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError,
     TransportStatus, long_poll,
 };
-use super::lanes::TenantLanes;
 use crate::request::{AttemptRecord, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 
