@@ -56,9 +56,15 @@ pub(crate) struct SubmitArgs {
     /// The dispatcher's `[gateway] fairness_attribute` (Redis): each
     /// message is also filed in its tenant's lane (its metadata value of
     /// this attribute), so the dispatcher sees every tenant's work however
-    /// deep the queue is. Leave it off when the dispatcher has none.
-    #[arg(long, env = "SLUICEGATE_FAIRNESS_ATTRIBUTE")]
-    fairness_attribute: Option<String>,
+    /// deep the queue is. The default is the dispatcher's default; an
+    /// empty value files no lane (for a dispatcher without an attribute,
+    /// whose claims would never empty them).
+    #[arg(
+        long,
+        env = "SLUICEGATE_FAIRNESS_ATTRIBUTE",
+        default_value = crate::config::DEFAULT_FAIRNESS_ATTRIBUTE
+    )]
+    fairness_attribute: String,
     /// Submit lines whose id an earlier line of the file already has
     /// (without it such a file is refused and nothing is submitted).
     #[arg(long)]
@@ -103,7 +109,8 @@ impl SubmitArgs {
             config: self.redis.config()?,
             queue: self.queue.clone(),
             result_list: self.result_list.clone(),
-            fairness_attribute: self.fairness_attribute.clone(),
+            // Empty: no lanes, as `[gateway] fairness_attribute = ""`.
+            fairness_attribute: Some(self.fairness_attribute.clone()).filter(|a| !a.is_empty()),
         })
     }
 }

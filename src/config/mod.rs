@@ -326,6 +326,10 @@ pub struct Config {
 pub(crate) const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379/0";
 /// Default queue name (upstream's `request-sortedset`).
 pub(crate) const DEFAULT_QUEUE_NAME: &str = "request-sortedset";
+/// `[gateway] fairness_attribute` when not set, which `submit` also files
+/// Redis tenant lanes by unless told otherwise: the two must agree for a
+/// dispatcher to find its tenants' lanes.
+pub(crate) const DEFAULT_FAIRNESS_ATTRIBUTE: &str = "userid";
 
 section! {
     /// `[gateway]`: the inference gateway and the HTTP client's limits.
@@ -361,7 +365,7 @@ section! {
             choice(ObjectiveHeader::CHOICES);
         /// Metadata attribute sent as `x-llm-d-inference-fairness-id`; `None` (empty) disables.
         #[serde(serialize_with = "render::or_empty")]
-        fairness_attribute: Option<String> = Some("userid".to_owned()), optional_string;
+        fairness_attribute: Option<String> = Some(DEFAULT_FAIRNESS_ATTRIBUTE.to_owned()), optional_string;
     }
 
     /// `[redis]` (`crate::redis::RedisConfig`, documented there).

@@ -15,6 +15,13 @@
 //! - `async_requests.visible_at_ms`: a retry's delay in milliseconds
 //!   (upstream's `not_before` is whole seconds; it is honoured as well).
 //! - `async_requests.retry_count`: failed attempts.
+//! - `async_requests.tenant`: the message's tenant lane (its metadata
+//!   value of the dispatcher's fairness attribute, `""` without one),
+//!   filled by the claims of a dispatcher with an attribute
+//!   (`queue/sql/lanes.rs`); `NULL` until then. Its index
+//!   `sluicegate_requests_lanes` finds each tenant's head and the rows
+//!   not filed yet. Added without a version change: an older build never
+//!   reads it.
 //! - `sluicegate_dead_letters`: messages that used up their attempts.
 //! - `sluicegate_sql_meta`: the schema version this build writes.
 //! - `sluicegate_idempotency`: the submission an idempotency key records
@@ -43,6 +50,39 @@ pub(crate) const SCHEMA_VERSION: u32 = 1;
 
 /// `pg_advisory_xact_lock` key serialising schema creation ("sluiceq").
 const LOCK_KEY: i64 = 0x0073_6c75_6963_6571;
+
+/// The tenant of a stored payload for the `sql` transport's lanes, as
+/// `queue/lanes.rs` reads it: `metadata[attr]` of the request (bare or in
+/// an envelope's `data`) when it is a string, else `""`, also for a
+/// payload that is not JSON (upstream's producer stores any text).
+const LANE_FUNCTIONS: &str = r"
+CREATE OR REPLACE FUNCTION sluicegate_tenant_of(p_payload TEXT, p_attr TEXT)
+RETURNS TEXT LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_msg   JSONB;
+    v_value JSONB;
+BEGIN
+    BEGIN
+        v_msg := p_payload::jsonb;
+    EXCEPTION WHEN others THEN
+        RETURN '';
+    END;
+    IF jsonb_typeof(v_msg) <> 'object' THEN
+        RETURN '';
+    END IF;
+    IF jsonb_typeof(v_msg -> 'data') = 'object' THEN
+        v_msg := v_msg -> 'data';
+    END IF;
+    IF jsonb_typeof(v_msg -> 'metadata') <> 'object' THEN
+        RETURN '';
+    END IF;
+    v_value := v_msg -> 'metadata' -> p_attr;
+    IF v_value IS NULL OR jsonb_typeof(v_value) <> 'string' THEN
+        RETURN '';
+    END IF;
+    RETURN v_value #>> '{}';
+END $$;
+";
 
 /// `sql-quota`'s statements that must lock a key first: functions, so
 /// each admission is one round trip. They count in upstream's quota
@@ -176,6 +216,8 @@ ALTER TABLE async_requests SET (
     autovacuum_analyze_scale_factor = 0.02,
     autovacuum_vacuum_cost_delay = 0
 );
+ALTER TABLE async_requests ADD COLUMN IF NOT EXISTS tenant TEXT;
+CREATE INDEX IF NOT EXISTS sluicegate_requests_lanes ON async_requests (queue, tenant, deadline, created_at) WHERE dispatch_epoch = 0;
 CREATE UNIQUE INDEX IF NOT EXISTS sluicegate_requests_lease_tag ON async_requests (lease_tag) WHERE lease_tag IS NOT NULL;
 CREATE INDEX IF NOT EXISTS sluicegate_requests_leases ON async_requests (queue, lease_expires_ms) WHERE lease_tag IS NOT NULL;
 CREATE TABLE IF NOT EXISTS async_results (
@@ -248,6 +290,7 @@ CREATE TABLE IF NOT EXISTS sluicegate_sql_meta (
 INSERT INTO sluicegate_sql_meta (key, value) VALUES ('schema_version', '{SCHEMA_VERSION}')
     ON CONFLICT (key) DO NOTHING;
 {QUOTA_FUNCTIONS}
+{LANE_FUNCTIONS}
 "
     )
 }

@@ -159,7 +159,7 @@ pub async fn open(
             Ok(Transports::Embedded(queues))
         }
         TransportKind::PubSub => open_pubsub(config, tasks, metrics).await,
-        TransportKind::Sql => open_sql(config).await,
+        TransportKind::Sql => open_sql(config, lanes).await,
     }
 }
 
@@ -252,7 +252,7 @@ fn embedded_path(config: &Config) -> PathBuf {
 /// Opens the `[sql]` database once (creating the schema) and one queue per
 /// `[[queue]]` on it. Unlike Redis, an unreachable database stops
 /// startup: the schema must exist before anything is claimed.
-async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
+async fn open_sql(config: &Config, lanes: Option<TenantLanes>) -> Result<Transports, OpenError> {
     // Config loading requires [sql] url for this transport; the defaults
     // only keep this total.
     let sql = config.sql.clone().unwrap_or_default();
@@ -272,6 +272,7 @@ async fn open_sql(config: &Config) -> Result<Transports, OpenError> {
             settings.poll_interval = sql.poll_interval;
             settings.batch_size = sql.batch_size;
             settings.lease_ttl = sql.lease_ttl;
+            settings.lanes = lanes.clone();
             Arc::new(SqlQueue::new(db.clone(), settings))
         })
         .collect();

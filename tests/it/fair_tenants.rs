@@ -466,8 +466,9 @@ async fn messages_back_in_pending_are_back_in_their_lane() {
 }
 
 /// `submit --fairness-attribute` files every line into its tenant's lane
-/// (lines without the attribute into the lane `""`); without the flag,
-/// nothing is filed.
+/// (lines without the attribute into the lane `""`); without the flag it
+/// files by the dispatcher's default attribute (`userid`, issue 36); with
+/// an empty one, nothing is filed.
 #[test]
 fn submit_files_lines_into_tenant_lanes() {
     let server = RedisServer::start();
@@ -485,6 +486,7 @@ fn submit_files_lines_into_tenant_lanes() {
     let submit = |queue: &str, flag: &[&str]| {
         let out = support::cli::output(
             support::cli::sluicegate(&["submit", "--redis-url", &server.url(), "--queue", queue])
+                .env_remove("SLUICEGATE_FAIRNESS_ATTRIBUTE")
                 .args(flag)
                 .arg(&file),
         );
@@ -495,7 +497,10 @@ fn submit_files_lines_into_tenant_lanes() {
     assert_eq!(server.int(&["ZCARD", "laned:tenant-lane:bob"]), 1);
     assert_eq!(server.int(&["ZCARD", "laned:tenant-lane:"]), 1);
     assert_eq!(server.int(&["SCARD", "laned:tenant-lanes"]), 3);
-    submit("plain", &[]);
+    submit("default", &[]);
+    assert_eq!(server.int(&["ZCARD", "default:tenant-lane:alice"]), 3);
+    assert_eq!(server.int(&["SCARD", "default:tenant-lanes"]), 3);
+    submit("plain", &["--fairness-attribute", ""]);
     assert_eq!(server.int(&["ZCARD", "plain"]), 5);
     assert_eq!(server.int(&["EXISTS", "plain:tenant-lanes"]), 0);
 }

@@ -26,6 +26,7 @@ mod dispatch_memory;
 mod embedded_worker;
 mod eval;
 mod failure_storm;
+mod fair_producers;
 mod fair_tenants;
 mod flex;
 mod flex_python;

@@ -301,6 +301,21 @@ async fn sigkilled_dispatchers_on_a_cluster_leave_exactly_one_result_per_id() {
 /// id is answered once, and the queue and its lanes end empty.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_small_tenant_behind_a_deep_backlog_on_a_cluster_is_served_from_the_start() {
+    deep_backlog_on_a_cluster(false).await;
+}
+
+/// The same deep backlog written by one plain `ZADD` of bare requests (as
+/// another producer writes them, no lane): the dispatcher's lane filer
+/// and claims file them in the queue's slot (`{deep}:tenant-index` as
+/// cursor), with the same bound (issue 36).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plain_zadd_deep_backlog_on_a_cluster_is_served_from_the_start() {
+    deep_backlog_on_a_cluster(true).await;
+}
+
+/// Issue 22's deep backlog on a cluster, written by `submit` with lanes or
+/// (`plain_zadd`) by one `ZADD` without.
+async fn deep_backlog_on_a_cluster(plain_zadd: bool) {
     use crate::support::tenants::{recording_gateway, seen, tenant_line};
     const BIG: usize = 2000;
     const SMALL: usize = 50;
@@ -316,22 +331,42 @@ async fn a_small_tenant_behind_a_deep_backlog_on_a_cluster_is_served_from_the_st
                 .map(|i| tenant_line(&format!("small-{i}"), "small", base + 10_000 + i as i64)),
         )
         .collect();
-    let dir = TempDir::new("cluster-lanes");
-    let file = dir.0.join("tenants.jsonl");
-    std::fs::write(&file, lines.join("\n") + "\n").expect("write requests");
-    let out = output(
-        sluicegate(&["submit", "--redis-cluster", "--queue", DEEP])
-            .args(["--fairness-attribute", "userid"])
-            .arg("--redis-url")
-            .arg(cluster.url())
-            .arg(&file),
-    );
-    assert!(out.status.success(), "submit failed: {}", text(&out.stderr));
     let lane = |t: &str| cluster.int(&["ZCARD", &format!("{{deep}}:tenant-lane:{t}")]);
-    assert_eq!((lane("big"), lane("small")), (BIG as i64, SMALL as i64));
-    assert_eq!(cluster.int(&["SCARD", "{deep}:tenant-lanes"]), 2);
+    if plain_zadd {
+        let scored: Vec<String> = (0..BIG)
+            .map(|i| base + i as i64)
+            .chain((0..SMALL).map(|i| base + 10_000 + i as i64))
+            .map(|d| d.to_string())
+            .collect();
+        let mut args = vec!["ZADD", DEEP];
+        for (score, line) in scored.iter().zip(&lines) {
+            args.push(score);
+            args.push(line);
+        }
+        assert_eq!(cluster.int(&args), (BIG + SMALL) as i64);
+        assert_eq!(cluster.int(&["EXISTS", "{deep}:tenant-lanes"]), 0);
+    } else {
+        let dir = TempDir::new("cluster-lanes");
+        let file = dir.0.join("tenants.jsonl");
+        std::fs::write(&file, lines.join("\n") + "\n").expect("write requests");
+        let out = output(
+            sluicegate(&["submit", "--redis-cluster", "--queue", DEEP])
+                .args(["--fairness-attribute", "userid"])
+                .arg("--redis-url")
+                .arg(cluster.url())
+                .arg(&file),
+        );
+        assert!(out.status.success(), "submit failed: {}", text(&out.stderr));
+        assert_eq!((lane("big"), lane("small")), (BIG as i64, SMALL as i64));
+        assert_eq!(cluster.int(&["SCARD", "{deep}:tenant-lanes"]), 2);
+    }
     assert_eq!(
-        cluster.nodes_owning(&[DEEP, "{deep}:tenant-lanes", "{deep}:tenant-lane:small"]),
+        cluster.nodes_owning(&[
+            DEEP,
+            "{deep}:tenant-lanes",
+            "{deep}:tenant-lane:small",
+            "{deep}:tenant-index"
+        ]),
         1,
         "the lanes share the queue's node"
     );
@@ -357,7 +392,7 @@ async fn a_small_tenant_behind_a_deep_backlog_on_a_cluster_is_served_from_the_st
         .rposition(|a| a.tenant == "small")
         .map_or(0, |i| i + 1);
     eprintln!(
-        "deep backlog, cluster: {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position}"
+        "deep backlog, cluster (plain ZADD: {plain_zadd}): {SMALL} of `small` behind {BIG} of `big`, window 8: last `small` request is dispatch {position}"
     );
     assert!(
         position <= 120,

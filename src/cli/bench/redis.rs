@@ -44,6 +44,9 @@ pub(super) async fn drain(args: DrainArgs) -> Result<(), String> {
         .arg(&keys.idx)
         .arg(&keys.scores)
         .arg(&keys.dead)
+        .arg(&keys.lanes)
+        .arg(keys.lane(""))
+        .arg(&keys.lane_cursor)
         .query_async::<()>(&mut conn)
         .await
         .map_err(|e| format!("redis: {e}"))?;

@@ -83,6 +83,10 @@ pub struct Keys {
     /// members and scores as pending, for that tenant only, so its head
     /// is found however deep it sits in pending.
     pub lane_prefix: String,
+    /// STRING: where the claims' filing of members written without a
+    /// lane (a plain `ZADD`) goes on in pending (a `ZSCAN` cursor;
+    /// sluicegate addition, see `scripts::CLAIM`).
+    pub lane_cursor: String,
     /// HASH claim key → how often the message's lease expired on a holder
     /// (sluicegate addition: each reclaim counts as an attempt).
     pub reclaims: String,
@@ -125,6 +129,7 @@ impl Keys {
             },
             lanes: format!("{base}:tenant-lanes"),
             lane_prefix: format!("{base}:tenant-lane:"),
+            lane_cursor: format!("{base}:tenant-index"),
             reclaims: format!("{base}:claim-reclaims"),
         }
     }
@@ -235,6 +240,12 @@ impl RedisQueue {
             format!("queue `{}`: redis housekeeping", inner.settings.name),
             housekeeping(inner.clone(), stop.clone()),
         );
+        if !inner.lane_attribute().is_empty() {
+            tasks.spawn(
+                format!("queue `{}`: redis lane filer", inner.settings.name),
+                lane_filer(inner.clone(), stop.clone()),
+            );
+        }
         Self {
             inner,
             _housekeeping: stop.drop_guard(),
@@ -392,6 +403,7 @@ impl Inner {
         k.claim_state(&mut claim)
             .key(&k.reclaims)
             .key(&k.lanes)
+            .key(&k.lane_cursor)
             .arg(max)
             .arg(expiry)
             .arg(&owner)
@@ -800,6 +812,20 @@ impl Inner {
             self.stats.reclaims.fetch_add(reclaimed, Ordering::Relaxed);
         }
         self.move_due_retries().await?;
+        if self.lane_attribute().is_empty() {
+            let dropped: u64 = self.observed(
+                "drop lanes",
+                scripts::DROP_LANES
+                    .key(&k.lanes)
+                    .key(&k.lane_cursor)
+                    .arg(&k.lane_prefix)
+                    .invoke_async(&mut conn)
+                    .await,
+            )?;
+            if dropped > 0 {
+                tracing::info!(queue = %self.settings.name, dropped, "tenant lanes dropped: this dispatcher has no fairness attribute");
+            }
+        }
         let claims: u64 = self.observed(
             "count claims",
             redis::cmd("ZCARD").arg(&k.idx).query_async(&mut conn).await,
@@ -867,6 +893,43 @@ impl Inner {
         }
         let _: i64 = self.observed("move retries", invocation.invoke_async(&mut conn).await)?;
         Ok(())
+    }
+}
+
+/// Files members written without a lane (a plain `ZADD` by another
+/// producer) into their tenants' lanes, so a tenant deep in a queue
+/// nobody filed is seen from the start. Steps of `scripts::INDEX` follow
+/// each other while a pass has more to go (each step is short, so Redis
+/// serves others in between); when nothing needs filing, or a pass
+/// ended, it looks again after `HOUSEKEEPING_EVERY`. Claims take a step
+/// too (`scripts::CLAIM`); replicas share the cursor.
+async fn lane_filer(inner: Arc<Inner>, stop: CancellationToken) {
+    let k = &inner.keys;
+    loop {
+        let mut conn = inner.conn.clone();
+        let step: Result<i64, _> = inner.observed(
+            "file lanes",
+            scripts::INDEX
+                .key(&k.pending)
+                .key(&k.lanes)
+                .key(&k.lane_cursor)
+                .arg(inner.lane_attribute())
+                .arg(&k.lane_prefix)
+                .invoke_async(&mut conn)
+                .await,
+        );
+        let pause = match step {
+            Ok(1) => Duration::ZERO,
+            Ok(_) => HOUSEKEEPING_EVERY,
+            Err(error) => {
+                tracing::debug!(%error, queue = %inner.settings.name, "filing tenant lanes failed");
+                HOUSEKEEPING_EVERY
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
     }
 }
 
@@ -1085,6 +1148,7 @@ mod tests {
         assert_eq!(k.idx, "request-sortedset:claims-idx");
         assert_eq!(k.reclaims, "request-sortedset:claim-reclaims");
         assert_eq!(k.lane("alice"), "request-sortedset:tenant-lane:alice");
+        assert_eq!(k.lane_cursor, "request-sortedset:tenant-index");
         let c = Keys::new("q", true);
         assert_eq!(c.pending, "q");
         assert_eq!(c.idx, "{q}:claims-idx");

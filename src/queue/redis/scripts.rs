@@ -67,6 +67,57 @@ local function file_in_lane(member, score, attr, prefix, lanes)
 end
 "#;
 
+/// One step of filing members written without a lane (a plain `ZADD` by
+/// another producer) into their tenants' lanes, for CLAIM and INDEX.
+///
+/// While pending holds more members than the lanes together (counted when
+/// there are at most `counted` lanes; above that, always), one `ZSCAN`
+/// step of about `per_step` members from the cursor kept in the cursor
+/// key, each `ZADD`ed to its tenant's lane at its pending score (one
+/// already there stays one entry). Filing only adds index entries for
+/// members in pending at that moment, and a claim checks pending for
+/// every lane entry it takes, so replicas filing and claiming together
+/// never lose or duplicate a member. Returns 0 when nothing needed filing,
+/// 1 after a step with more of the pass to go, 2 after a pass's last step.
+/// Needs `TENANT_OF` and `BATCHED`.
+const FILE_UNFILED: &str = r#"
+local INDEX_PER_STEP, CLAIM_COUNTS_LANES, INDEX_COUNTS_LANES = 1000, 256, 10000
+local function file_unfiled(pending_key, lanes_key, cursor_key, attr, prefix, per_step, counted)
+  local pending = redis.call('ZCARD', pending_key)
+  if pending == 0 then
+    redis.call('DEL', cursor_key)
+    return 0
+  end
+  if redis.call('SCARD', lanes_key) <= counted then
+    local filed = 0
+    for _, t in ipairs(redis.call('SMEMBERS', lanes_key)) do
+      filed = filed + redis.call('ZCARD', prefix .. t)
+    end
+    if filed >= pending then return 0 end
+  end
+  local step = redis.call('ZSCAN', pending_key, redis.call('GET', cursor_key) or '0',
+    'COUNT', per_step)
+  local items = step[2]
+  local by_lane, tenants = {}, {}
+  for i = 1, #items, 2 do
+    local t = tenant_of(items[i], attr)
+    if not by_lane[t] then
+      by_lane[t] = {}
+      tenants[#tenants + 1] = t
+    end
+    push_all(by_lane[t], items[i + 1], items[i])
+  end
+  for _, t in ipairs(tenants) do call_chunked('ZADD', prefix .. t, by_lane[t]) end
+  if #tenants > 0 then redis.call('SADD', lanes_key, unpack(tenants)) end
+  if step[1] == '0' then
+    redis.call('DEL', cursor_key)
+    return 2
+  end
+  redis.call('SET', cursor_key, step[1])
+  return 1
+end
+"#;
+
 /// Helpers for scripts that write a whole batch in a few variadic calls.
 /// `unpack` of a long table overflows Lua's C stack (about 8 000 values),
 /// so the calls go in chunks of `CHUNK` arguments (even, so field/value
@@ -106,7 +157,11 @@ end
 ///   "deadline at or before now"), whatever their tenant.
 ///
 /// Claimed members leave their lane.
-/// KEYS: pending, claimed, owners, idx, scores, reclaims, lanes. ARGV:
+///
+/// Before a claim without a score bound, one step of `FILE_UNFILED` (at
+/// most 256 lanes counted) files members written without a lane.
+/// KEYS: pending, claimed, owners, idx, scores, reclaims, lanes, index
+/// cursor. ARGV:
 /// max, lease expiry (Unix s), owner token, attribute ("" = no lanes),
 /// lane key prefix, score bound ("" = none), then tenant / weight pairs
 /// (`dispatch.tenant_weights`). Returns flat `[claim_key, member, score,
@@ -114,10 +169,14 @@ end
 /// earlier holder (each counts as an attempt).
 pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
-        "{TENANT_OF}{CLAIM_KEY}{BATCHED}{}",
+        "{TENANT_OF}{CLAIM_KEY}{BATCHED}{FILE_UNFILED}{}",
         r#"
 local max = tonumber(ARGV[1])
 local attr, prefix, bound = ARGV[4], ARGV[5], ARGV[6]
+
+if attr ~= '' and bound == '' then
+  file_unfiled(KEYS[1], KEYS[7], KEYS[8], attr, prefix, INDEX_PER_STEP, CLAIM_COUNTS_LANES)
+end
 -- Whether members are filed in lanes (then a claimed one leaves its lane),
 -- and whether this claim takes the lanes' heads.
 local filed = attr ~= '' and redis.call('SCARD', KEYS[7]) > 0
@@ -446,6 +505,37 @@ end
 return n
 "#
     ))
+});
+
+/// INDEX: one step of `FILE_UNFILED` for the background filer (counting
+/// up to 10 000 lanes). KEYS: pending, lanes, index cursor. ARGV:
+/// attribute, lane key prefix. Returns 0 (nothing to file), 1 (more to
+/// go) or 2 (a pass ended).
+pub(super) static INDEX: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{TENANT_OF}{BATCHED}{FILE_UNFILED}{}",
+        r#"
+return file_unfiled(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], INDEX_PER_STEP, INDEX_COUNTS_LANES)
+"#
+    ))
+});
+
+/// DROP_LANES: deletes up to 64 tenant lanes and the filing cursor of a
+/// queue whose dispatcher has no fairness attribute. Its claims neither
+/// read the lanes nor take members out of them, so lanes a producer
+/// filed (`submit` does by default) would only grow; a dispatcher with an
+/// attribute that shares the queue files its members again.
+/// KEYS: lanes, index cursor. ARGV: lane key prefix. Returns how many
+/// lanes were deleted.
+pub(super) static DROP_LANES: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local tenants = redis.call('SPOP', KEYS[1], 64)
+for _, t in ipairs(tenants) do redis.call('DEL', ARGV[1] .. t) end
+redis.call('DEL', KEYS[2])
+return #tenants
+"#,
+    )
 });
 
 /// FORGET: deletes a producer key (`request-active:<id>` or

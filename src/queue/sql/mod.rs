@@ -36,6 +36,7 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::due::{DueProfile, HORIZONS};
+use super::lanes::TenantLanes;
 use super::{
     AckReport, Completion, Delivery, DeliveryTag, Look, NackReason, Queue, QueueError,
     TransportStatus, long_poll,
@@ -66,6 +67,9 @@ pub struct SqlQueueSettings {
     pub batch_size: usize,
     /// Lease taken and renewed instead of the dispatcher's, when set.
     pub lease_ttl: Option<Duration>,
+    /// The dispatcher's fairness settings: when set, claims file rows into
+    /// tenant lanes and take the lanes' heads round robin (`lanes.rs`).
+    pub lanes: Option<TenantLanes>,
 }
 
 impl SqlQueueSettings {
@@ -78,6 +82,7 @@ impl SqlQueueSettings {
             poll_interval: Duration::from_secs(1),
             batch_size: 10,
             lease_ttl: None,
+            lanes: None,
         }
     }
 }
@@ -132,6 +137,9 @@ macro_rules! lease_picked {
         )
     };
 }
+
+// After `lease_picked!`, which its claim ends with.
+mod lanes;
 
 /// Leases up to $2 visible rows of queue $1 for $4 ms, owner $3.
 const CLAIM: &str = concat!(
@@ -290,8 +298,35 @@ impl SqlQueue {
         }
         let limit = i64::try_from(max.clamp(1, self.settings.batch_size.max(1))).unwrap_or(1);
         let lease_ms = ms(self.lease(lease));
-        let rows = match expired_by {
-            None => {
+        let rows = match (expired_by, &self.settings.lanes) {
+            (None, Some(lanes)) => {
+                let filed = (self.db)
+                    .execute(
+                        lanes::FILE,
+                        &[&self.settings.queue, &lanes.attribute, &lanes::FILE_PER_CLAIM],
+                    )
+                    .await
+                    .map_err(sql_err("file lanes"))?;
+                if filed > 0 {
+                    tracing::debug!(queue = %self.settings.queue, filed, "rows filed into tenant lanes");
+                }
+                let (tenants, weights) = lanes::weight_arrays(lanes);
+                self.db
+                    .query(
+                        lanes::CLAIM,
+                        &[
+                            &self.settings.queue,
+                            &limit,
+                            &self.owner,
+                            &lease_ms,
+                            &lanes::random_start(),
+                            &tenants,
+                            &weights,
+                        ],
+                    )
+                    .await
+            }
+            (None, None) => {
                 self.db
                     .query(
                         CLAIM,
@@ -299,7 +334,7 @@ impl SqlQueue {
                     )
                     .await
             }
-            Some(by) => {
+            (Some(by), _) => {
                 self.db
                     .query(
                         CLAIM_EXPIRED,
