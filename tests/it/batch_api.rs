@@ -1580,27 +1580,76 @@ impl IntakeQueue<'_> {
         }
     }
 
-    /// The prompts of the first `n` messages enqueued (embedded only).
-    fn first_prompts(&self, n: usize) -> Vec<String> {
-        let Self::Embedded(path) = self else {
-            return Vec::new();
+    /// The prompts of the messages waiting, in the queue's order (the
+    /// embedded queue's `seq`; on Redis the sorted set's, whose scores
+    /// keep the order within a chunk only: docs/batch-api.md).
+    fn queued_prompts(&self) -> Vec<String> {
+        let bodies: Vec<Vec<u8>> = match self {
+            Self::Embedded(path) => {
+                let db = rusqlite::Connection::open(path).expect("queue file");
+                let mut query = db
+                    .prepare("SELECT body FROM messages ORDER BY seq")
+                    .expect("query");
+                query
+                    .query_map([], |r| r.get::<_, Vec<u8>>(0))
+                    .expect("rows")
+                    .map(|body| body.expect("row"))
+                    .collect()
+            }
+            Self::Redis(redis) => redis
+                .cli(&["ZRANGE", "batch-api", "0", "-1"])
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.as_bytes().to_vec())
+                .collect(),
         };
-        let db = rusqlite::Connection::open(path).expect("queue file");
-        let mut query = db
-            .prepare("SELECT body FROM messages ORDER BY seq LIMIT ?1")
-            .expect("query");
-        let rows = query
-            .query_map([n as i64], |r| r.get::<_, Vec<u8>>(0))
-            .expect("rows");
-        rows.map(|body| {
-            let body: Value = serde_json::from_slice(&body.expect("row")).expect("message");
-            body["payload"]["prompt"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned()
-        })
-        .collect()
+        bodies
+            .iter()
+            .map(|body| {
+                let body: Value = serde_json::from_slice(body).expect("message");
+                // A Redis member wraps the message in `data` (upstream's
+                // envelope); the embedded queue keeps the message itself.
+                let message = body.get("data").unwrap_or(&body);
+                message["payload"]["prompt"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
     }
+}
+
+/// The `model-prefix` order kept across a kill: the lines enqueued before
+/// it (`prompts`, of [`prefixed_lines`]) are a start of that order, i.e.
+/// whole prefix groups and the first lines (in file order) of at most one
+/// more. Holds whatever order the queue itself lists them in.
+fn a_start_of_the_prefix_order(prompts: &[String]) {
+    let mut groups = std::collections::BTreeMap::<char, Vec<usize>>::new();
+    for prompt in prompts {
+        let start = prompt.chars().next().expect("prompt");
+        let line: usize = prompt
+            .rsplit(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("line number");
+        groups.entry(start).or_default().push(line);
+    }
+    let mut partial = 0;
+    for (start, lines) in &mut groups {
+        lines.sort_unstable();
+        // Line i has prefix (i * 7) % 5: the group's lines in file order.
+        let group: Vec<usize> = (0..3_000)
+            .filter(|i| ['v', 'w', 'x', 'y', 'z'][(i * 7) % 5] == *start)
+            .collect();
+        assert_eq!(
+            lines[..],
+            group[..lines.len()],
+            "group {start}: not the first {} lines of the group in file order",
+            lines.len()
+        );
+        partial += usize::from(lines.len() < group.len());
+    }
+    assert!(partial <= 1, "{partial} groups begun: {:?}", groups.keys());
 }
 
 /// `n` completion lines whose prompts start with one of 5 long prefixes
@@ -1723,11 +1772,17 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
     if order == "model-prefix" {
         // The first chunk is one prefix group (600 lines each), in file
         // order within it; in file order it would hold all five.
-        let first = queue.first_prompts(INTAKE_CHUNK);
-        assert_eq!(first.len(), INTAKE_CHUNK);
-        let starts: std::collections::BTreeSet<char> =
-            first.iter().filter_map(|p| p.chars().next()).collect();
-        assert_eq!(starts.len(), 1, "{starts:?}");
+        let queued = queue.queued_prompts();
+        assert_eq!(queued.len() as i64, at_kill);
+        a_start_of_the_prefix_order(&queued);
+        if let IntakeQueue::Embedded(_) = queue {
+            // In the queue's own order too (Redis scores interleave chunks).
+            let starts: std::collections::BTreeSet<char> = queued[..INTAKE_CHUNK]
+                .iter()
+                .filter_map(|p| p.chars().next())
+                .collect();
+            assert_eq!(starts.len(), 1, "{starts:?}");
+        }
     }
     let _second = serve_with_config(&dir.0, &data, transport, &gateway.uri(), false, ports);
     answered(&api).await;
@@ -1782,6 +1837,20 @@ async fn a_server_killed_during_intake_on_redis_sends_no_line_twice() {
         redis.port
     );
     a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis), "arrival").await;
+}
+
+/// Issue 36 part 4: the prefix-ordered intake killed on Redis, as on the
+/// embedded store: nothing lost, nothing sent twice, and what was queued
+/// at the kill is a start of the `model-prefix` order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_a_prefix_ordered_intake_on_redis_sends_no_line_twice() {
+    let redis = RedisServer::start();
+    let transport = format!(
+        "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
+        redis.port
+    );
+    a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis), "model-prefix")
+        .await;
 }
 
 /// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.
