@@ -1295,6 +1295,139 @@ async fn embeddings_and_responses_batches_run_through_the_pool() {
     sim.shutdown().await.expect("simulator stops");
 }
 
+/// A gateway that answers every request on an endpoint 429 and 503 in
+/// turn until `storm` has passed since that endpoint's first request,
+/// then 200 with a body of the endpoint's shape; it counts, per line (its
+/// `input`), the refusals and the 200s it gave.
+struct StormingGateway {
+    storm: Duration,
+    started: std::sync::Mutex<std::collections::BTreeMap<String, std::time::Instant>>,
+    seen: std::sync::Mutex<std::collections::BTreeMap<String, (usize, usize)>>,
+    refusals: std::sync::atomic::AtomicUsize,
+}
+
+struct SharedStorm(std::sync::Arc<StormingGateway>);
+
+impl wiremock::Respond for SharedStorm {
+    fn respond(&self, request: &wiremock::Request) -> wiremock::ResponseTemplate {
+        use wiremock::ResponseTemplate;
+        let gateway = &self.0;
+        let body: Value = serde_json::from_slice(&request.body).unwrap_or_default();
+        let line = body["input"].as_str().unwrap_or_default().to_owned();
+        let storming = (gateway.started.lock().expect("lock"))
+            .entry(request.url.path().to_owned())
+            .or_insert_with(std::time::Instant::now)
+            .elapsed()
+            < gateway.storm;
+        let mut seen = gateway.seen.lock().expect("lock");
+        let (refused, answered) = seen.entry(line.clone()).or_default();
+        if storming {
+            *refused += 1;
+            // 429 and 503 in turn across all lines.
+            let nth = gateway
+                .refusals
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return ResponseTemplate::new(if nth % 2 == 0 { 429 } else { 503 });
+        }
+        *answered += 1;
+        let answer = match request.url.path() {
+            "/v1/embeddings" => json!({"object": "list", "model": "m",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+                "usage": {"prompt_tokens": 2, "total_tokens": 2}}),
+            _ => json!({"id": format!("resp-{line}"), "object": "response", "status": "completed",
+                "output": [{"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": line}]}],
+                "usage": {"input_tokens": 2, "output_tokens": 1, "total_tokens": 3}}),
+        };
+        ResponseTemplate::new(200).set_body_json(answer)
+    }
+}
+
+/// Issue 36 part 4: embeddings and responses lines through a gateway
+/// answering 429 and 503 for the first 3 s of each endpoint: each is a congestion signal
+/// (held, tried again), so every line of both batches is answered once,
+/// its output the 200, and the gateway gave each line exactly one 200
+/// (none sent again after its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_responses_lines_through_a_429_503_storm_are_answered_once_with_the_200() {
+    const N: usize = 40;
+    let gateway = std::sync::Arc::new(StormingGateway {
+        storm: Duration::from_secs(3),
+        started: Default::default(),
+        seen: Default::default(),
+        refusals: Default::default(),
+    });
+    let server = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(SharedStorm(gateway.clone()))
+        .mount(&server)
+        .await;
+    let mut spec = ServeSpec::new(&server.uri());
+    spec.endpoints = Some(vec!["/v1/embeddings".into(), "/v1/responses".into()]);
+    // Holds of 250 ms doubling to 1 s: a few holds within the storm.
+    spec.dispatch = "congestion_backoff = \"250ms\"\ncongestion_max_backoff = \"1s\"\n".into();
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    let batch_of = |endpoint: &str, tag: &str| {
+        (0..N)
+            .map(|i| {
+                let body = match endpoint {
+                    "/v1/embeddings" => json!({"model": "m", "input": format!("{tag}{i}")}),
+                    _ => {
+                        json!({"model": "m", "input": format!("{tag}{i}"), "max_output_tokens": 2})
+                    }
+                };
+                line_on(&format!("{tag}{i}"), endpoint, &body)
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let embeddings = api
+        .batch(&batch_of("/v1/embeddings", "e"), "/v1/embeddings", "24h")
+        .await;
+    let responses = api
+        .batch(&batch_of("/v1/responses", "r"), "/v1/responses", "24h")
+        .await;
+    for (batch, tag, object) in [(embeddings, "e", "list"), (responses, "r", "response")] {
+        let done = api
+            .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+            .await;
+        assert_eq!(done["status"], "completed", "{done}");
+        assert_eq!(
+            done["request_counts"],
+            json!({"total": N, "completed": N, "failed": 0}),
+            "{done}"
+        );
+        let out = outputs(&api, &done).await;
+        assert_eq!(out.len(), N, "one output line per custom_id");
+        for i in 0..N {
+            let line = &out[&format!("{tag}{i}")];
+            assert!(line["error"].is_null(), "{line}");
+            assert_eq!(line["response"]["status_code"], 200, "{line}");
+            assert_eq!(line["response"]["body"]["object"], object, "{line}");
+        }
+    }
+    let seen = gateway.seen.lock().expect("lock").clone();
+    for tag in ["e", "r"] {
+        let refused: Vec<usize> = (seen.iter())
+            .filter(|(line, _)| line.starts_with(tag))
+            .map(|(_, (r, _))| *r)
+            .filter(|r| *r > 0)
+            .collect();
+        println!(
+            "429/503 storm, lines {tag}*: {} refusals, {} lines refused at least once",
+            refused.iter().sum::<usize>(),
+            refused.len()
+        );
+        assert!(!refused.is_empty(), "the storm refused no {tag} line");
+    }
+    assert_eq!(seen.len(), 2 * N, "{seen:?}");
+    for (line, (_, answered)) in &seen {
+        assert_eq!(*answered, 1, "line {line} got {answered} 200s");
+    }
+    served.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_and_responses_lines_are_checked_for_their_endpoint() {
     let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
