@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::support::TempDir;
 use crate::support::postgres::Postgres;
-use crate::support::redis::{RedisServer, redis_config};
+use crate::support::redis::{RedisOptions, RedisServer, redis_config};
 use bytes::Bytes;
 use sluicegate::clock::unix_secs;
 use sluicegate::config::EndpointUrl;
@@ -236,6 +236,183 @@ async fn sql_a_key_holds_across_a_postgres_restart() {
         "2",
         "the repeat enqueued nothing"
     );
+}
+
+/// A queue server a test can crash (SIGKILL) and start again on the same
+/// data, and count a queue's messages on.
+trait Crashable {
+    fn crash(&mut self);
+    fn start_again(&mut self);
+    fn queued(&self, queue: &str) -> i64;
+    async fn client(&self, queue: &str) -> Arc<dyn Client>;
+}
+
+impl Crashable for RedisServer {
+    fn crash(&mut self) {
+        self.kill();
+    }
+    fn start_again(&mut self) {
+        self.restart();
+    }
+    fn queued(&self, queue: &str) -> i64 {
+        self.int(&["ZCARD", queue])
+    }
+    async fn client(&self, queue: &str) -> Arc<dyn Client> {
+        open_client(ClientTarget::Redis {
+            config: redis_config(self),
+            queue: queue.into(),
+            result_list: None,
+            fairness_attribute: None,
+        })
+        .await
+        .expect("client")
+    }
+}
+
+impl Crashable for Postgres {
+    fn crash(&mut self) {
+        self.kill();
+    }
+    fn start_again(&mut self) {
+        self.restart();
+    }
+    fn queued(&self, queue: &str) -> i64 {
+        self.psql(&format!(
+            "SELECT COUNT(*) FROM async_requests WHERE queue = '{queue}'"
+        ))
+        .parse()
+        .expect("a count")
+    }
+    async fn client(&self, queue: &str) -> Arc<dyn Client> {
+        open_client(ClientTarget::Sql {
+            url: EndpointUrl::new(url::Url::parse(&self.url()).expect("url")),
+            connect_timeout: Duration::from_secs(5),
+            queue: queue.into(),
+            route: "idem-results".into(),
+        })
+        .await
+        .expect("client")
+    }
+}
+
+/// Issue 36 part 4: the server SIGKILLed while an idempotent submit of
+/// `n` requests under a key runs (killed at 0 to 1¼ of the time an
+/// undisturbed submit of `n` took, denser near its end, one round each on its own
+/// queue and key), started again; the producer
+/// sends the same submission under the key until answered. Whether the
+/// first call committed before the kill or not, the queue then holds the
+/// `n` requests exactly once, and a first call that was answered is
+/// answered the same record again. At least one kill must land while a
+/// call is in flight.
+async fn killed_mid_enqueue<S: Crashable>(server: &mut S, n: usize) {
+    let calibration: Vec<String> = (0..n).map(|i| format!("c-{i}")).collect();
+    let refs: Vec<&str> = calibration.iter().map(String::as_str).collect();
+    let client = server.client("kill-calibrate").await;
+    let began = std::time::Instant::now();
+    (client.enqueue_idempotent("calibrate".into(), requests_due(&refs, "Hi", 3600), KEEP))
+        .await
+        .expect("an undisturbed submit");
+    let took = began.elapsed();
+    // Denser near the end, where the commit and the answer are.
+    let delays: Vec<Duration> = [0, 4, 8, 12, 14, 15, 16, 20]
+        .iter()
+        .map(|sixteenths| took * *sixteenths / 16)
+        .collect();
+    println!("an undisturbed submit of {n} took {took:?}");
+    let mut rounds = Vec::new();
+    for (round, delay) in delays.iter().enumerate() {
+        let queue = format!("kill-q{round}");
+        let key = format!("kill-key-{round}");
+        let ids: Vec<String> = (0..n).map(|i| format!("k{round}-{i}")).collect();
+        let submission = || {
+            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            requests_due(&refs, "Hi", 3600)
+        };
+        let client = server.client(&queue).await;
+        let first = {
+            let (client, key, requests) = (client.clone(), key.clone(), submission());
+            tokio::spawn(async move { client.enqueue_idempotent(key, requests, KEEP).await })
+        };
+        tokio::time::sleep(*delay).await;
+        let in_flight = !first.is_finished();
+        server.crash();
+        let first = first.await.expect("the submit task");
+        let at_kill = server_count_after_restart(server, &queue);
+        // The producer sends again until answered (bounded).
+        let mut again = None;
+        for _ in 0..50 {
+            match client
+                .enqueue_idempotent(key.clone(), submission(), KEEP)
+                .await
+            {
+                Ok(done) => {
+                    again = Some(done);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        let again = again.expect("a retry after the restart is answered within 5 s");
+        let queued = server.queued(&queue);
+        println!(
+            "round {round}: killed {delay:?} in, in flight {in_flight}, first {}, {at_kill} queued after the restart, retry {}, {queued} queued",
+            if first.is_ok() { "answered" } else { "failed" },
+            if matches!(again, Submitted::New(_)) {
+                "new"
+            } else {
+                "existing"
+            },
+        );
+        assert_eq!(queued, n as i64, "round {round}: enqueued exactly once");
+        // All or nothing: the kill never leaves part of a submission.
+        assert!(
+            at_kill == 0 || at_kill == n as i64,
+            "round {round}: {at_kill} of {n}"
+        );
+        assert_eq!(
+            matches!(again, Submitted::Existing(_)),
+            at_kill == n as i64,
+            "round {round}: the retry finds the record exactly when the first committed: {again:?}"
+        );
+        if let Ok(first) = &first {
+            assert_eq!(again.record(), first.record(), "round {round}");
+        }
+        let got: Vec<&str> = again
+            .record()
+            .requests
+            .iter()
+            .map(|r| r.id.as_str())
+            .collect();
+        assert_eq!(got, ids.iter().map(String::as_str).collect::<Vec<_>>());
+        rounds.push(in_flight);
+    }
+    assert!(
+        rounds.iter().any(|in_flight| *in_flight),
+        "no kill landed while a submit was in flight: {rounds:?}"
+    );
+}
+
+/// Starts the crashed `server` again; what `queue` holds then.
+fn server_count_after_restart<S: Crashable>(server: &mut S, queue: &str) -> i64 {
+    server.start_again();
+    server.queued(queue)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_mid_idempotent_enqueue_enqueues_exactly_once_on_retry() {
+    // Append-only with fsync on every write: what Redis answered survives
+    // the kill, as a deployment that keeps its queue must run it.
+    let mut server = RedisServer::start_with(RedisOptions {
+        aof: true,
+        ..RedisOptions::default()
+    });
+    killed_mid_enqueue(&mut server, 3000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_killed_mid_idempotent_enqueue_enqueues_exactly_once_on_retry() {
+    let mut pg = Postgres::start();
+    killed_mid_enqueue(&mut pg, 2000).await;
 }
 
 #[tokio::test]
