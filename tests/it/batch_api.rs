@@ -1986,6 +1986,177 @@ async fn a_server_killed_during_a_prefix_ordered_intake_on_redis_sends_no_line_t
         .await;
 }
 
+/// What a keyed request of [`killed_mid_keyed_request`] creates.
+#[derive(Clone, Copy, Debug)]
+enum Keyed {
+    /// `POST /v1/files`: a file of its own content per key.
+    File,
+    /// `POST /v1/batches` on one input file, its own metadata per key.
+    Batch,
+}
+
+/// Sends `POST` of `kind` with `Idempotency-Key: key`, tagged `tag` (the
+/// file's content, the batch's metadata); a transport error (the server
+/// died) is `None`.
+async fn keyed_request(
+    api: &Api,
+    kind: Keyed,
+    key: &str,
+    tag: &str,
+    input: &str,
+) -> Option<(u16, Value)> {
+    let client = reqwest::Client::new();
+    let request = match kind {
+        Keyed::File => {
+            // Large enough that the upload and its hash take a while.
+            let mut bytes = completion_lines(50_000, 4).into_bytes();
+            bytes.extend_from_slice(format!("{{\"custom_id\":\"{tag}\"}}\n").as_bytes());
+            let boundary = "sluicegate-kill-boundary";
+            let mut body = format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{tag}.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
+            )
+            .into_bytes();
+            body.extend_from_slice(&bytes);
+            body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+            client
+                .post(format!("{}/v1/files", api.base))
+                .header(
+                    "content-type",
+                    format!("multipart/form-data; boundary={boundary}"),
+                )
+                .body(body)
+        }
+        Keyed::Batch => client
+            .post(format!("{}/v1/batches", api.base))
+            .header("content-type", "application/json")
+            .body(
+                json!({"input_file_id": input, "endpoint": "/v1/completions",
+                    "completion_window": "24h", "metadata": {"tag": tag}})
+                .to_string(),
+            ),
+    };
+    let response = request.header("Idempotency-Key", key).send().await.ok()?;
+    let status = response.status().as_u16();
+    let text = response.text().await.ok()?;
+    Some((
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    ))
+}
+
+/// How many objects of `kind` tagged `tag` the server lists.
+async fn tagged(api: &Api, kind: Keyed, tag: &str) -> usize {
+    let (path, matches): (&str, fn(&Value, &str) -> bool) = match kind {
+        Keyed::File => ("/v1/files?limit=10000", |o, tag| {
+            o["filename"] == format!("{tag}.jsonl")
+        }),
+        Keyed::Batch => ("/v1/batches?limit=100", |o, tag| {
+            o["metadata"]["tag"] == tag
+        }),
+    };
+    let (status, list) = api.get(path).await;
+    assert_eq!(status, 200, "{list}");
+    (list["data"].as_array().expect("list").iter())
+        .filter(|o| matches(o, tag))
+        .count()
+}
+
+/// Issue 36 part 4: `serve` SIGKILLed while a request carrying
+/// `Idempotency-Key` runs (killed at 0 to 1¼ of the time an undisturbed
+/// one took, denser near its end, one key per round), started again on
+/// the same data; the caller retries with the same key until answered.
+/// Exactly one object carries the round's tag, and when the first call
+/// was answered the retry returns the same object. At least one kill must
+/// land while the request is in flight.
+async fn killed_mid_keyed_request(kind: Keyed) {
+    let dir = support::TempDir::new("serve-idem-kill");
+    let data = dir.0.join("data");
+    let ports = (support::free_port(), support::free_port());
+    let api = Api::new(&format!("http://127.0.0.1:{}", ports.0), None);
+    let transport = "transport = \"embedded\"\n";
+    let gateway = "http://127.0.0.1:9";
+    let mut server = serve_with_config(&dir.0, &data, transport, gateway, true, ports);
+    answered(&api).await;
+    let (status, file) = api
+        .upload("batch", completion_lines(10, 4).as_bytes())
+        .await;
+    assert_eq!(status, 200, "{file}");
+    let input = file["id"].as_str().expect("id").to_owned();
+    let began = std::time::Instant::now();
+    let (status, calibrated) = keyed_request(&api, kind, "calibrate", "calibrate", &input)
+        .await
+        .expect("an undisturbed request");
+    assert_eq!(status, 200, "{calibrated}");
+    let took = began.elapsed();
+    println!("{kind:?}: an undisturbed keyed request took {took:?}");
+    let mut in_flight_at_kill = Vec::new();
+    for (round, sixteenths) in [0u32, 4, 8, 12, 14, 15, 16, 20].iter().enumerate() {
+        let (key, tag) = (format!("kill-{round}"), format!("round-{round}"));
+        let first = {
+            let (api, key, tag, input) = (
+                Api::new(&api.base, None),
+                key.clone(),
+                tag.clone(),
+                input.clone(),
+            );
+            tokio::spawn(async move { keyed_request(&api, kind, &key, &tag, &input).await })
+        };
+        tokio::time::sleep(took * *sixteenths / 16).await;
+        let in_flight = !first.is_finished();
+        server.kill();
+        let first = first.await.expect("the request task");
+        // Whether the dead server had recorded the key (its object may
+        // not exist: the record is then forgotten at the retry).
+        let recorded: i64 = rusqlite::Connection::open(data.join("batches.db"))
+            .and_then(|db| {
+                db.query_row(
+                    "SELECT COUNT(*) FROM idempotency_keys WHERE key = ?1",
+                    [&key],
+                    |r| r.get(0),
+                )
+            })
+            .expect("the store's idempotency keys");
+        server = serve_with_config(&dir.0, &data, transport, gateway, true, ports);
+        answered(&api).await;
+        let give_up = std::time::Instant::now() + LONG;
+        let again = loop {
+            match keyed_request(&api, kind, &key, &tag, &input).await {
+                Some((200, again)) => break again,
+                other => {
+                    assert!(std::time::Instant::now() < give_up, "retry: {other:?}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let count = tagged(&api, kind, &tag).await;
+        println!(
+            "{kind:?} round {round}: killed {:?} in, in flight {in_flight}, first {:?}, key recorded at the kill {recorded}, {count} tagged after the retry",
+            took * *sixteenths / 16,
+            first.as_ref().map(|(status, _)| status)
+        );
+        assert_eq!(count, 1, "{kind:?} round {round}: one object, not {count}");
+        if let Some((200, first)) = &first {
+            assert_eq!(again["id"], first["id"], "{kind:?} round {round}");
+        }
+        in_flight_at_kill.push(in_flight);
+    }
+    assert!(
+        in_flight_at_kill.iter().any(|f| *f),
+        "{kind:?}: no kill landed mid-request: {in_flight_at_kill:?}"
+    );
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_killed_mid_batch_creation_with_an_idempotency_key_makes_one_batch() {
+    killed_mid_keyed_request(Keyed::Batch).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_killed_mid_upload_with_an_idempotency_key_makes_one_file() {
+    killed_mid_keyed_request(Keyed::File).await;
+}
+
 /// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.
 fn tenant_limits() -> sluicegate::serve::quota::TenantLimits {
     use sluicegate::serve::quota::{TenantLimit, TenantLimits};
