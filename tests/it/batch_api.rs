@@ -1327,7 +1327,7 @@ impl wiremock::Respond for SharedStorm {
             let nth = gateway
                 .refusals
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            return ResponseTemplate::new(if nth % 2 == 0 { 429 } else { 503 });
+            return ResponseTemplate::new(if nth.is_multiple_of(2) { 429 } else { 503 });
         }
         *answered += 1;
         let answer = match request.url.path() {
@@ -1414,7 +1414,7 @@ async fn embeddings_and_responses_lines_through_a_429_503_storm_are_answered_onc
             .map(|(_, (r, _))| *r)
             .filter(|r| *r > 0)
             .collect();
-        println!(
+        eprintln!(
             "429/503 storm, lines {tag}*: {} refusals, {} lines refused at least once",
             refused.iter().sum::<usize>(),
             refused.len()
@@ -2088,7 +2088,7 @@ async fn killed_mid_keyed_request(kind: Keyed) {
         .expect("an undisturbed request");
     assert_eq!(status, 200, "{calibrated}");
     let took = began.elapsed();
-    println!("{kind:?}: an undisturbed keyed request took {took:?}");
+    eprintln!("{kind:?}: an undisturbed keyed request took {took:?}");
     let mut in_flight_at_kill = Vec::new();
     for (round, sixteenths) in [0u32, 4, 8, 12, 14, 15, 16, 20].iter().enumerate() {
         let (key, tag) = (format!("kill-{round}"), format!("round-{round}"));
@@ -2129,7 +2129,7 @@ async fn killed_mid_keyed_request(kind: Keyed) {
             }
         };
         let count = tagged(&api, kind, &tag).await;
-        println!(
+        eprintln!(
             "{kind:?} round {round}: killed {:?} in, in flight {in_flight}, first {:?}, key recorded at the kill {recorded}, {count} tagged after the retry",
             took * *sixteenths / 16,
             first.as_ref().map(|(status, _)| status)

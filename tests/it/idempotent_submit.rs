@@ -318,7 +318,7 @@ async fn killed_mid_enqueue<S: Crashable>(server: &mut S, n: usize) {
         .iter()
         .map(|sixteenths| took * *sixteenths / 16)
         .collect();
-    println!("an undisturbed submit of {n} took {took:?}");
+    eprintln!("an undisturbed submit of {n} took {took:?}");
     let mut rounds = Vec::new();
     for (round, delay) in delays.iter().enumerate() {
         let queue = format!("kill-q{round}");
@@ -354,7 +354,7 @@ async fn killed_mid_enqueue<S: Crashable>(server: &mut S, n: usize) {
         }
         let again = again.expect("a retry after the restart is answered within 5 s");
         let queued = server.queued(&queue);
-        println!(
+        eprintln!(
             "round {round}: killed {delay:?} in, in flight {in_flight}, first {}, {at_kill} queued after the restart, retry {}, {queued} queued",
             if first.is_ok() { "answered" } else { "failed" },
             if matches!(again, Submitted::New(_)) {
