@@ -415,6 +415,178 @@ async fn sql_killed_mid_idempotent_enqueue_enqueues_exactly_once_on_retry() {
     killed_mid_enqueue(&mut pg, 2000).await;
 }
 
+/// A loopback proxy in front of a server that, once armed, loses the
+/// first reply matching its predicate: it forwards nothing more to that
+/// client (closing its side) but keeps the server's side open, as a
+/// network that fails after the server committed. Connections opened
+/// later pass through.
+struct LosingProxy {
+    port: u16,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    lost: Arc<tokio::sync::Notify>,
+}
+
+impl LosingProxy {
+    async fn start(upstream: u16, lose: fn(&[u8]) -> bool) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let lost = Arc::new(tokio::sync::Notify::new());
+        let (is_armed, on_lost) = (armed.clone(), lost.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+                });
+                let (armed, lost) = (is_armed.clone(), on_lost.clone());
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let mut losing = false;
+                    loop {
+                        let n = match server_read.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if !losing
+                            && lose(&buf[..n])
+                            && armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+                        {
+                            losing = true;
+                            let _ = client_write.shutdown().await;
+                            lost.notify_one();
+                        }
+                        if !losing && client_write.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, armed, lost }
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The server commits a keyed submit, then dies before its answer reaches
+/// the producer (the proxy loses the reply, the server is SIGKILLed): the
+/// retry under the key after the restart finds the record, `Existing`,
+/// and the queue holds the submission once. `committed` waits until the
+/// server has the rows (PostgreSQL commits at the `Sync` that follows the
+/// reply the proxy lost).
+async fn killed_after_commit_before_the_answer<S: Crashable>(
+    server: &mut S,
+    proxied: Arc<dyn Client>,
+    proxy: &LosingProxy,
+    queue: &str,
+) {
+    const N: usize = 500;
+    let ids: Vec<String> = (0..N).map(|i| format!("lost-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    // A first keyed submit through the proxy readies the connection (the
+    // Redis script cache, PostgreSQL's session), so the armed reply is
+    // the submit's own.
+    let primer = ["primer"];
+    (proxied.enqueue_idempotent("primer".into(), requests_due(&primer, "Hi", 3600), KEEP))
+        .await
+        .expect("primer");
+    proxy.arm();
+    let first =
+        (proxied.enqueue_idempotent("lost-key".into(), requests_due(&refs, "Hi", 3600), KEEP))
+            .await;
+    assert!(first.is_err(), "the answer was lost: {first:?}");
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    while server.queued(queue) < N as i64 + 1 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the submit never committed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(1), proxy.lost.notified())
+        .await
+        .ok();
+    server.crash();
+    server.start_again();
+    let mut again = None;
+    for _ in 0..50 {
+        match (proxied.enqueue_idempotent("lost-key".into(), requests_due(&refs, "Hi", 3600), KEEP))
+            .await
+        {
+            Ok(done) => {
+                again = Some(done);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let again = again.expect("a retry after the restart is answered within 5 s");
+    assert!(matches!(again, Submitted::Existing(_)), "{again:?}");
+    assert_eq!(
+        server.queued(queue),
+        N as i64 + 1,
+        "the submission once, and the primer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_after_commit_before_the_answer_the_retry_finds_the_record() {
+    let mut server = RedisServer::start_with(RedisOptions {
+        aof: true,
+        ..RedisOptions::default()
+    });
+    // The first reply after arming is the script's: Redis answers after
+    // the write is in the append-only file (`appendfsync always`).
+    let proxy = LosingProxy::start(server.port, |_| true).await;
+    let mut config = redis_config(&server);
+    config.url = EndpointUrl::new(
+        url::Url::parse(&format!("redis://127.0.0.1:{}/0", proxy.port)).expect("url"),
+    );
+    let client = open_client(ClientTarget::Redis {
+        config,
+        queue: "lost-q".into(),
+        result_list: None,
+        fairness_attribute: None,
+    })
+    .await
+    .expect("client");
+    killed_after_commit_before_the_answer(&mut server, client, &proxy, "lost-q").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_killed_after_commit_before_the_answer_the_retry_finds_the_record() {
+    let mut pg = Postgres::start();
+    // The insert statement's completion (`SELECT 1`: its CTE answers a
+    // count); the expiry sweep before it completes as `DELETE n`.
+    let proxy = LosingProxy::start(pg.port, |bytes| {
+        bytes.windows(9).any(|w| w == b"SELECT 1\0")
+    })
+    .await;
+    let url = pg
+        .url()
+        .replace(&format!(":{}/", pg.port), &format!(":{}/", proxy.port));
+    let client = open_client(ClientTarget::Sql {
+        url: EndpointUrl::new(url::Url::parse(&url).expect("url")),
+        connect_timeout: Duration::from_secs(5),
+        queue: "lost-q".into(),
+        route: "idem-results".into(),
+    })
+    .await
+    .expect("client");
+    killed_after_commit_before_the_answer(&mut pg, client, &proxy, "lost-q").await;
+}
+
 #[tokio::test]
 async fn memory_refuses_a_key_instead_of_ignoring_it() {
     let client: Arc<dyn Client> = Arc::new(MemoryQueue::new("q"));
