@@ -135,3 +135,58 @@ async fn concurrent_creates(redis_port: Option<u16>) {
     );
     served.stop().await;
 }
+
+/// A server that died between recording a key and making its object
+/// leaves a record without an object: a retry once that record is older
+/// than the making grace (10 s) forgets it and makes the object, at once.
+/// The record is rewritten here as the dead server would have left it
+/// (its object never made, claimed 11 s ago).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_whose_claimer_died_before_making_the_batch_is_forgotten_after_the_grace() {
+    let mut spec = ServeSpec::new("http://127.0.0.1:9");
+    spec.closed_gate = true;
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    let (status, file) = api.upload("batch", completion_lines(2, 4).as_bytes()).await;
+    assert_eq!(status, 200, "{file}");
+    let body = json!({"input_file_id": file["id"], "endpoint": "/v1/completions",
+        "completion_window": "24h"});
+    let key = [("Idempotency-Key", "orphan")];
+    let (status, first) = api.post_with("/v1/batches", &body, &key).await;
+    assert_eq!(status, 200, "{first}");
+    let db = rusqlite::Connection::open(served.dir.0.join("data").join("batches.db"))
+        .expect("the store");
+    let record: String = db
+        .query_row(
+            "SELECT record FROM idempotency_keys WHERE key = 'orphan'",
+            [],
+            |r| r.get(0),
+        )
+        .expect("the record");
+    let mut record: serde_json::Value = serde_json::from_str(&record).expect("JSON");
+    record["object_id"] = json!("batch_never_made");
+    record["claimed_at_ms"] = json!(sluicegate::clock::unix_millis() - 11_000);
+    db.execute(
+        "UPDATE idempotency_keys SET object_id = 'batch_never_made', record = ?1 WHERE key = 'orphan'",
+        [record.to_string()],
+    )
+    .expect("rewrite");
+    let began = std::time::Instant::now();
+    let (status, again) = api.post_with("/v1/batches", &body, &key).await;
+    assert_eq!(status, 200, "{again}");
+    assert_ne!(again["id"], "batch_never_made");
+    assert_ne!(
+        again["id"], first["id"],
+        "a new batch: the record named another"
+    );
+    // Not held for the grace (10 s): the record was already past it.
+    assert!(
+        began.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        began.elapsed()
+    );
+    let (status, repeat) = api.post_with("/v1/batches", &body, &key).await;
+    assert_eq!(status, 200, "{repeat}");
+    assert_eq!(repeat["id"], again["id"], "the key now names the new batch");
+    served.stop().await;
+}
