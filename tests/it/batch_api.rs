@@ -2068,12 +2068,20 @@ async fn tagged(api: &Api, kind: Keyed, tag: &str) -> usize {
 /// Exactly one object carries the round's tag, and when the first call
 /// was answered the retry returns the same object. At least one kill must
 /// land while the request is in flight.
-async fn killed_mid_keyed_request(kind: Keyed) {
+/// `redis`: the Redis transport and store on it, else embedded (SQLite).
+async fn killed_mid_keyed_request(kind: Keyed, redis: Option<&RedisServer>) {
     let dir = support::TempDir::new("serve-idem-kill");
     let data = dir.0.join("data");
     let ports = (support::free_port(), support::free_port());
     let api = Api::new(&format!("http://127.0.0.1:{}", ports.0), None);
-    let transport = "transport = \"embedded\"\n";
+    let transport = match redis {
+        Some(redis) => format!(
+            "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
+            redis.port
+        ),
+        None => "transport = \"embedded\"\n".to_owned(),
+    };
+    let transport = transport.as_str();
     let gateway = "http://127.0.0.1:9";
     let mut server = serve_with_config(&dir.0, &data, transport, gateway, true, ports);
     answered(&api).await;
@@ -2107,15 +2115,22 @@ async fn killed_mid_keyed_request(kind: Keyed) {
         let first = first.await.expect("the request task");
         // Whether the dead server had recorded the key (its object may
         // not exist: the record is then forgotten at the retry).
-        let recorded: i64 = rusqlite::Connection::open(data.join("batches.db"))
-            .and_then(|db| {
-                db.query_row(
-                    "SELECT COUNT(*) FROM idempotency_keys WHERE key = ?1",
-                    [&key],
-                    |r| r.get(0),
-                )
-            })
-            .expect("the store's idempotency keys");
+        let recorded: i64 = match redis {
+            Some(redis) => redis
+                .cli(&["KEYS", &format!("*idem:*:{key}")])
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .count() as i64,
+            None => rusqlite::Connection::open(data.join("batches.db"))
+                .and_then(|db| {
+                    db.query_row(
+                        "SELECT COUNT(*) FROM idempotency_keys WHERE key = ?1",
+                        [&key],
+                        |r| r.get(0),
+                    )
+                })
+                .expect("the store's idempotency keys"),
+        };
         server = serve_with_config(&dir.0, &data, transport, gateway, true, ports);
         answered(&api).await;
         let give_up = std::time::Instant::now() + LONG;
@@ -2149,12 +2164,18 @@ async fn killed_mid_keyed_request(kind: Keyed) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_killed_mid_batch_creation_with_an_idempotency_key_makes_one_batch() {
-    killed_mid_keyed_request(Keyed::Batch).await;
+    killed_mid_keyed_request(Keyed::Batch, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_killed_mid_upload_with_an_idempotency_key_makes_one_file() {
-    killed_mid_keyed_request(Keyed::File).await;
+    killed_mid_keyed_request(Keyed::File, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_on_redis_killed_mid_batch_creation_with_an_idempotency_key_makes_one_batch() {
+    let redis = RedisServer::start();
+    killed_mid_keyed_request(Keyed::Batch, Some(&redis)).await;
 }
 
 /// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.
