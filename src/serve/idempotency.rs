@@ -4,7 +4,8 @@
 //! repeat with the same fingerprint gets the same object back, another
 //! fingerprint a conflict. Keys are scoped per tenant (API key), so one
 //! tenant never learns of another's. A record whose object is gone
-//! (deleted, expired) is forgotten and the key made anew.
+//! (deleted, expired, never made) is forgotten and the key made anew; one
+//! whose object may still be in the making is waited for.
 
 use axum::http::HeaderMap;
 
@@ -74,11 +75,27 @@ pub fn key(headers: &HeaderMap) -> Result<Option<String>, BadKey> {
     }
 }
 
+/// How long a claimed key's object may take to appear. The claimer
+/// records the key before it makes the object, so a record without its
+/// object is either in the making (a concurrent request under the same
+/// key: a caller that retried while its first request ran) or left by a
+/// claimer that died in between. A younger record is waited for; an older
+/// one is taken for the second kind and forgotten. Making an object is a
+/// file rename and a store write, or a batch's record: milliseconds, so
+/// this is a wide margin for a loaded store.
+const MAKING_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often a request waiting for a key's object in the making looks.
+const MAKING_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Claims the key `name` for `object_id` made from a
 /// request with `fingerprint`, or finds what it records. `exists` tells
-/// whether a recorded object is still there; a record of a gone object is
-/// forgotten and the key claimed again. `expires_at` bounds the record by
-/// its object's life (a file's expiry).
+/// whether a recorded object is there. A record without its object is
+/// waited for while it may be in the making (younger than
+/// [`MAKING_GRACE`]; the same request's object is then returned, another
+/// request's is a conflict at once); after that it is forgotten and the
+/// key claimed again. `expires_at` bounds the record by its object's life
+/// (a file's expiry).
 pub async fn claim<F, Fut>(
     store: &Store,
     name: KeyName<'_>,
@@ -95,23 +112,40 @@ where
     let record = KeyRecord {
         fingerprint: fingerprint.to_owned(),
         object_id: object_id.to_owned(),
+        claimed_at_ms: crate::clock::unix_millis(),
     };
-    // Twice at most: once more after forgetting a record of a gone object.
-    for _ in 0..2 {
+    // Bounded by the local clock too: another replica's may be ahead.
+    let give_up = std::time::Instant::now() + MAKING_GRACE;
+    let mut forgotten = false;
+    loop {
         let found = (store.claim_key(tenant, scope.as_str(), key, &record, expires_at)).await?;
         let Some(found) = found else {
             return Ok(Claim::New);
         };
-        if !exists(found.object_id.clone()).await? {
-            store.forget_key(tenant, scope.as_str(), key).await?;
+        let same = found.fingerprint == fingerprint;
+        if exists(found.object_id.clone()).await? {
+            return Ok(match same {
+                true => Claim::Existing(found.object_id),
+                false => Claim::Conflict,
+            });
+        }
+        let age_ms = crate::clock::unix_millis().saturating_sub(found.claimed_at_ms);
+        let young = u128::try_from(age_ms).unwrap_or(0) < MAKING_GRACE.as_millis();
+        if young && std::time::Instant::now() < give_up {
+            if !same {
+                return Ok(Claim::Conflict);
+            }
+            tokio::time::sleep(MAKING_POLL).await;
             continue;
         }
-        return Ok(match found.fingerprint == fingerprint {
-            true => Claim::Existing(found.object_id),
-            false => Claim::Conflict,
-        });
+        // Once at most: a second record without its object is a rival's
+        // claim that failed as well.
+        if forgotten {
+            return Ok(Claim::Conflict);
+        }
+        store.forget_key(tenant, scope.as_str(), key).await?;
+        forgotten = true;
     }
-    Ok(Claim::Conflict)
 }
 
 /// Gives the key up after the object could not be made, so a retry can.

@@ -1295,6 +1295,139 @@ async fn embeddings_and_responses_batches_run_through_the_pool() {
     sim.shutdown().await.expect("simulator stops");
 }
 
+/// A gateway that answers every request on an endpoint 429 and 503 in
+/// turn until `storm` has passed since that endpoint's first request,
+/// then 200 with a body of the endpoint's shape; it counts, per line (its
+/// `input`), the refusals and the 200s it gave.
+struct StormingGateway {
+    storm: Duration,
+    started: std::sync::Mutex<std::collections::BTreeMap<String, std::time::Instant>>,
+    seen: std::sync::Mutex<std::collections::BTreeMap<String, (usize, usize)>>,
+    refusals: std::sync::atomic::AtomicUsize,
+}
+
+struct SharedStorm(std::sync::Arc<StormingGateway>);
+
+impl wiremock::Respond for SharedStorm {
+    fn respond(&self, request: &wiremock::Request) -> wiremock::ResponseTemplate {
+        use wiremock::ResponseTemplate;
+        let gateway = &self.0;
+        let body: Value = serde_json::from_slice(&request.body).unwrap_or_default();
+        let line = body["input"].as_str().unwrap_or_default().to_owned();
+        let storming = (gateway.started.lock().expect("lock"))
+            .entry(request.url.path().to_owned())
+            .or_insert_with(std::time::Instant::now)
+            .elapsed()
+            < gateway.storm;
+        let mut seen = gateway.seen.lock().expect("lock");
+        let (refused, answered) = seen.entry(line.clone()).or_default();
+        if storming {
+            *refused += 1;
+            // 429 and 503 in turn across all lines.
+            let nth = gateway
+                .refusals
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return ResponseTemplate::new(if nth.is_multiple_of(2) { 429 } else { 503 });
+        }
+        *answered += 1;
+        let answer = match request.url.path() {
+            "/v1/embeddings" => json!({"object": "list", "model": "m",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.5, 0.25]}],
+                "usage": {"prompt_tokens": 2, "total_tokens": 2}}),
+            _ => json!({"id": format!("resp-{line}"), "object": "response", "status": "completed",
+                "output": [{"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": line}]}],
+                "usage": {"input_tokens": 2, "output_tokens": 1, "total_tokens": 3}}),
+        };
+        ResponseTemplate::new(200).set_body_json(answer)
+    }
+}
+
+/// Issue 36 part 4: embeddings and responses lines through a gateway
+/// answering 429 and 503 for the first 3 s of each endpoint: each is a congestion signal
+/// (held, tried again), so every line of both batches is answered once,
+/// its output the 200, and the gateway gave each line exactly one 200
+/// (none sent again after its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_and_responses_lines_through_a_429_503_storm_are_answered_once_with_the_200() {
+    const N: usize = 40;
+    let gateway = std::sync::Arc::new(StormingGateway {
+        storm: Duration::from_secs(3),
+        started: Default::default(),
+        seen: Default::default(),
+        refusals: Default::default(),
+    });
+    let server = wiremock::MockServer::start().await;
+    wiremock::Mock::given(wiremock::matchers::method("POST"))
+        .respond_with(SharedStorm(gateway.clone()))
+        .mount(&server)
+        .await;
+    let mut spec = ServeSpec::new(&server.uri());
+    spec.endpoints = Some(vec!["/v1/embeddings".into(), "/v1/responses".into()]);
+    // Holds of 250 ms doubling to 1 s: a few holds within the storm.
+    spec.dispatch = "congestion_backoff = \"250ms\"\ncongestion_max_backoff = \"1s\"\n".into();
+    let served = start(&spec, None).await;
+    let api = Api::new(&served.base, None);
+    let batch_of = |endpoint: &str, tag: &str| {
+        (0..N)
+            .map(|i| {
+                let body = match endpoint {
+                    "/v1/embeddings" => json!({"model": "m", "input": format!("{tag}{i}")}),
+                    _ => {
+                        json!({"model": "m", "input": format!("{tag}{i}"), "max_output_tokens": 2})
+                    }
+                };
+                line_on(&format!("{tag}{i}"), endpoint, &body)
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let embeddings = api
+        .batch(&batch_of("/v1/embeddings", "e"), "/v1/embeddings", "24h")
+        .await;
+    let responses = api
+        .batch(&batch_of("/v1/responses", "r"), "/v1/responses", "24h")
+        .await;
+    for (batch, tag, object) in [(embeddings, "e", "list"), (responses, "r", "response")] {
+        let done = api
+            .wait_for(batch["id"].as_str().expect("id"), LONG, terminal)
+            .await;
+        assert_eq!(done["status"], "completed", "{done}");
+        assert_eq!(
+            done["request_counts"],
+            json!({"total": N, "completed": N, "failed": 0}),
+            "{done}"
+        );
+        let out = outputs(&api, &done).await;
+        assert_eq!(out.len(), N, "one output line per custom_id");
+        for i in 0..N {
+            let line = &out[&format!("{tag}{i}")];
+            assert!(line["error"].is_null(), "{line}");
+            assert_eq!(line["response"]["status_code"], 200, "{line}");
+            assert_eq!(line["response"]["body"]["object"], object, "{line}");
+        }
+    }
+    let seen = gateway.seen.lock().expect("lock").clone();
+    for tag in ["e", "r"] {
+        let refused: Vec<usize> = (seen.iter())
+            .filter(|(line, _)| line.starts_with(tag))
+            .map(|(_, (r, _))| *r)
+            .filter(|r| *r > 0)
+            .collect();
+        eprintln!(
+            "429/503 storm, lines {tag}*: {} refusals, {} lines refused at least once",
+            refused.iter().sum::<usize>(),
+            refused.len()
+        );
+        assert!(!refused.is_empty(), "the storm refused no {tag} line");
+    }
+    assert_eq!(seen.len(), 2 * N, "{seen:?}");
+    for (line, (_, answered)) in &seen {
+        assert_eq!(*answered, 1, "line {line} got {answered} 200s");
+    }
+    served.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_and_responses_lines_are_checked_for_their_endpoint() {
     let served = start(&ServeSpec::new("http://127.0.0.1:9"), None).await;
@@ -1580,27 +1713,76 @@ impl IntakeQueue<'_> {
         }
     }
 
-    /// The prompts of the first `n` messages enqueued (embedded only).
-    fn first_prompts(&self, n: usize) -> Vec<String> {
-        let Self::Embedded(path) = self else {
-            return Vec::new();
+    /// The prompts of the messages waiting, in the queue's order (the
+    /// embedded queue's `seq`; on Redis the sorted set's, whose scores
+    /// keep the order within a chunk only: docs/batch-api.md).
+    fn queued_prompts(&self) -> Vec<String> {
+        let bodies: Vec<Vec<u8>> = match self {
+            Self::Embedded(path) => {
+                let db = rusqlite::Connection::open(path).expect("queue file");
+                let mut query = db
+                    .prepare("SELECT body FROM messages ORDER BY seq")
+                    .expect("query");
+                query
+                    .query_map([], |r| r.get::<_, Vec<u8>>(0))
+                    .expect("rows")
+                    .map(|body| body.expect("row"))
+                    .collect()
+            }
+            Self::Redis(redis) => redis
+                .cli(&["ZRANGE", "batch-api", "0", "-1"])
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| l.as_bytes().to_vec())
+                .collect(),
         };
-        let db = rusqlite::Connection::open(path).expect("queue file");
-        let mut query = db
-            .prepare("SELECT body FROM messages ORDER BY seq LIMIT ?1")
-            .expect("query");
-        let rows = query
-            .query_map([n as i64], |r| r.get::<_, Vec<u8>>(0))
-            .expect("rows");
-        rows.map(|body| {
-            let body: Value = serde_json::from_slice(&body.expect("row")).expect("message");
-            body["payload"]["prompt"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned()
-        })
-        .collect()
+        bodies
+            .iter()
+            .map(|body| {
+                let body: Value = serde_json::from_slice(body).expect("message");
+                // A Redis member wraps the message in `data` (upstream's
+                // envelope); the embedded queue keeps the message itself.
+                let message = body.get("data").unwrap_or(&body);
+                message["payload"]["prompt"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
     }
+}
+
+/// The `model-prefix` order kept across a kill: the lines enqueued before
+/// it (`prompts`, of [`prefixed_lines`]) are a start of that order, i.e.
+/// whole prefix groups and the first lines (in file order) of at most one
+/// more. Holds whatever order the queue itself lists them in.
+fn a_start_of_the_prefix_order(prompts: &[String]) {
+    let mut groups = std::collections::BTreeMap::<char, Vec<usize>>::new();
+    for prompt in prompts {
+        let start = prompt.chars().next().expect("prompt");
+        let line: usize = prompt
+            .rsplit(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("line number");
+        groups.entry(start).or_default().push(line);
+    }
+    let mut partial = 0;
+    for (start, lines) in &mut groups {
+        lines.sort_unstable();
+        // Line i has prefix (i * 7) % 5: the group's lines in file order.
+        let group: Vec<usize> = (0..3_000)
+            .filter(|i| ['v', 'w', 'x', 'y', 'z'][(i * 7) % 5] == *start)
+            .collect();
+        assert_eq!(
+            lines[..],
+            group[..lines.len()],
+            "group {start}: not the first {} lines of the group in file order",
+            lines.len()
+        );
+        partial += usize::from(lines.len() < group.len());
+    }
+    assert!(partial <= 1, "{partial} groups begun: {:?}", groups.keys());
 }
 
 /// `n` completion lines whose prompts start with one of 5 long prefixes
@@ -1723,11 +1905,17 @@ async fn a_killed_intake_sends_no_line_twice(transport: &str, queue: IntakeQueue
     if order == "model-prefix" {
         // The first chunk is one prefix group (600 lines each), in file
         // order within it; in file order it would hold all five.
-        let first = queue.first_prompts(INTAKE_CHUNK);
-        assert_eq!(first.len(), INTAKE_CHUNK);
-        let starts: std::collections::BTreeSet<char> =
-            first.iter().filter_map(|p| p.chars().next()).collect();
-        assert_eq!(starts.len(), 1, "{starts:?}");
+        let queued = queue.queued_prompts();
+        assert_eq!(queued.len() as i64, at_kill);
+        a_start_of_the_prefix_order(&queued);
+        if let IntakeQueue::Embedded(_) = queue {
+            // In the queue's own order too (Redis scores interleave chunks).
+            let starts: std::collections::BTreeSet<char> = queued[..INTAKE_CHUNK]
+                .iter()
+                .filter_map(|p| p.chars().next())
+                .collect();
+            assert_eq!(starts.len(), 1, "{starts:?}");
+        }
     }
     let _second = serve_with_config(&dir.0, &data, transport, &gateway.uri(), false, ports);
     answered(&api).await;
@@ -1782,6 +1970,212 @@ async fn a_server_killed_during_intake_on_redis_sends_no_line_twice() {
         redis.port
     );
     a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis), "arrival").await;
+}
+
+/// Issue 36 part 4: the prefix-ordered intake killed on Redis, as on the
+/// embedded store: nothing lost, nothing sent twice, and what was queued
+/// at the kill is a start of the `model-prefix` order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_a_prefix_ordered_intake_on_redis_sends_no_line_twice() {
+    let redis = RedisServer::start();
+    let transport = format!(
+        "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
+        redis.port
+    );
+    a_killed_intake_sends_no_line_twice(&transport, IntakeQueue::Redis(&redis), "model-prefix")
+        .await;
+}
+
+/// What a keyed request of [`killed_mid_keyed_request`] creates.
+#[derive(Clone, Copy, Debug)]
+enum Keyed {
+    /// `POST /v1/files`: a file of its own content per key.
+    File,
+    /// `POST /v1/batches` on one input file, its own metadata per key.
+    Batch,
+}
+
+/// Sends `POST` of `kind` with `Idempotency-Key: key`, tagged `tag` (the
+/// file's content, the batch's metadata); a transport error (the server
+/// died) is `None`.
+async fn keyed_request(
+    api: &Api,
+    kind: Keyed,
+    key: &str,
+    tag: &str,
+    input: &str,
+) -> Option<(u16, Value)> {
+    let client = reqwest::Client::new();
+    let request = match kind {
+        Keyed::File => {
+            // Large enough that the upload and its hash take a while.
+            let mut bytes = completion_lines(50_000, 4).into_bytes();
+            bytes.extend_from_slice(format!("{{\"custom_id\":\"{tag}\"}}\n").as_bytes());
+            let boundary = "sluicegate-kill-boundary";
+            let mut body = format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{tag}.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
+            )
+            .into_bytes();
+            body.extend_from_slice(&bytes);
+            body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+            client
+                .post(format!("{}/v1/files", api.base))
+                .header(
+                    "content-type",
+                    format!("multipart/form-data; boundary={boundary}"),
+                )
+                .body(body)
+        }
+        Keyed::Batch => client
+            .post(format!("{}/v1/batches", api.base))
+            .header("content-type", "application/json")
+            .body(
+                json!({"input_file_id": input, "endpoint": "/v1/completions",
+                    "completion_window": "24h", "metadata": {"tag": tag}})
+                .to_string(),
+            ),
+    };
+    let response = request.header("Idempotency-Key", key).send().await.ok()?;
+    let status = response.status().as_u16();
+    let text = response.text().await.ok()?;
+    Some((
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    ))
+}
+
+/// How many objects of `kind` tagged `tag` the server lists.
+async fn tagged(api: &Api, kind: Keyed, tag: &str) -> usize {
+    let (path, matches): (&str, fn(&Value, &str) -> bool) = match kind {
+        Keyed::File => ("/v1/files?limit=10000", |o, tag| {
+            o["filename"] == format!("{tag}.jsonl")
+        }),
+        Keyed::Batch => ("/v1/batches?limit=100", |o, tag| {
+            o["metadata"]["tag"] == tag
+        }),
+    };
+    let (status, list) = api.get(path).await;
+    assert_eq!(status, 200, "{list}");
+    (list["data"].as_array().expect("list").iter())
+        .filter(|o| matches(o, tag))
+        .count()
+}
+
+/// Issue 36 part 4: `serve` SIGKILLed while a request carrying
+/// `Idempotency-Key` runs (killed at 0 to 1¼ of the time an undisturbed
+/// one took, denser near its end, one key per round), started again on
+/// the same data; the caller retries with the same key until answered.
+/// Exactly one object carries the round's tag, and when the first call
+/// was answered the retry returns the same object. At least one kill must
+/// land while the request is in flight.
+/// `redis`: the Redis transport and store on it, else embedded (SQLite).
+async fn killed_mid_keyed_request(kind: Keyed, redis: Option<&RedisServer>) {
+    let dir = support::TempDir::new("serve-idem-kill");
+    let data = dir.0.join("data");
+    let ports = (support::free_port(), support::free_port());
+    let api = Api::new(&format!("http://127.0.0.1:{}", ports.0), None);
+    let transport = match redis {
+        Some(redis) => format!(
+            "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n",
+            redis.port
+        ),
+        None => "transport = \"embedded\"\n".to_owned(),
+    };
+    let transport = transport.as_str();
+    let gateway = "http://127.0.0.1:9";
+    let mut server = serve_with_config(&dir.0, &data, transport, gateway, true, ports);
+    answered(&api).await;
+    let (status, file) = api
+        .upload("batch", completion_lines(10, 4).as_bytes())
+        .await;
+    assert_eq!(status, 200, "{file}");
+    let input = file["id"].as_str().expect("id").to_owned();
+    let began = std::time::Instant::now();
+    let (status, calibrated) = keyed_request(&api, kind, "calibrate", "calibrate", &input)
+        .await
+        .expect("an undisturbed request");
+    assert_eq!(status, 200, "{calibrated}");
+    let took = began.elapsed();
+    eprintln!("{kind:?}: an undisturbed keyed request took {took:?}");
+    let mut in_flight_at_kill = Vec::new();
+    for (round, sixteenths) in [0u32, 4, 8, 12, 14, 15, 16, 20].iter().enumerate() {
+        let (key, tag) = (format!("kill-{round}"), format!("round-{round}"));
+        let first = {
+            let (api, key, tag, input) = (
+                Api::new(&api.base, None),
+                key.clone(),
+                tag.clone(),
+                input.clone(),
+            );
+            tokio::spawn(async move { keyed_request(&api, kind, &key, &tag, &input).await })
+        };
+        tokio::time::sleep(took * *sixteenths / 16).await;
+        let in_flight = !first.is_finished();
+        server.kill();
+        let first = first.await.expect("the request task");
+        // Whether the dead server had recorded the key (its object may
+        // not exist: the record is then forgotten at the retry).
+        let recorded: i64 = match redis {
+            Some(redis) => redis
+                .cli(&["KEYS", &format!("*idem:*:{key}")])
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .count() as i64,
+            None => rusqlite::Connection::open(data.join("batches.db"))
+                .and_then(|db| {
+                    db.query_row(
+                        "SELECT COUNT(*) FROM idempotency_keys WHERE key = ?1",
+                        [&key],
+                        |r| r.get(0),
+                    )
+                })
+                .expect("the store's idempotency keys"),
+        };
+        server = serve_with_config(&dir.0, &data, transport, gateway, true, ports);
+        answered(&api).await;
+        let give_up = std::time::Instant::now() + LONG;
+        let again = loop {
+            match keyed_request(&api, kind, &key, &tag, &input).await {
+                Some((200, again)) => break again,
+                other => {
+                    assert!(std::time::Instant::now() < give_up, "retry: {other:?}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let count = tagged(&api, kind, &tag).await;
+        eprintln!(
+            "{kind:?} round {round}: killed {:?} in, in flight {in_flight}, first {:?}, key recorded at the kill {recorded}, {count} tagged after the retry",
+            took * *sixteenths / 16,
+            first.as_ref().map(|(status, _)| status)
+        );
+        assert_eq!(count, 1, "{kind:?} round {round}: one object, not {count}");
+        if let Some((200, first)) = &first {
+            assert_eq!(again["id"], first["id"], "{kind:?} round {round}");
+        }
+        in_flight_at_kill.push(in_flight);
+    }
+    assert!(
+        in_flight_at_kill.iter().any(|f| *f),
+        "{kind:?}: no kill landed mid-request: {in_flight_at_kill:?}"
+    );
+    server.kill();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_killed_mid_batch_creation_with_an_idempotency_key_makes_one_batch() {
+    killed_mid_keyed_request(Keyed::Batch, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_killed_mid_upload_with_an_idempotency_key_makes_one_file() {
+    killed_mid_keyed_request(Keyed::File, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_on_redis_killed_mid_batch_creation_with_an_idempotency_key_makes_one_batch() {
+    let redis = RedisServer::start();
+    killed_mid_keyed_request(Keyed::Batch, Some(&redis)).await;
 }
 
 /// Limits of 10 requests per tenant, and 50 estimated tokens for `beta`.

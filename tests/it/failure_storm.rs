@@ -33,10 +33,16 @@ use crate::support;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use crate::support::TempDir;
 use crate::support::failing::{FailingGateway, Failure, per_unit};
+use crate::support::postgres::Postgres;
 use crate::support::pubsub::{Emulator, Names, collect, create, publish, results_by_id};
+use crate::support::redis::RedisServer;
 use sluicegate::clock::unix_secs;
-use sluicegate::config::Config;
+use sluicegate::config::{Config, EndpointUrl};
+use sluicegate::queue::embedded::EmbeddedQueue;
+use sluicegate::queue::sql::SqlClient;
+use sluicegate::result::ResultRecord;
 
 /// The window: `max_sys` of the one queue, through the blind `constant`
 /// gate (always a fresh reading, so only the hold keeps the gateway quiet).
@@ -80,9 +86,14 @@ fn dispatch_timings() -> String {
 }
 
 fn config(gateway: &str) -> Config {
+    config_on(&Store::Memory, gateway)
+}
+
+/// The storm's configuration on `store`'s transport.
+fn config_on(store: &Store, gateway: &str) -> Config {
     let toml = format!(
         r#"
-transport = "memory"
+{transport}
 [gateway]
 url = "{gateway}"
 {gateway_timings}[dispatch]
@@ -95,6 +106,7 @@ queue_name = "storm"
 max_sys = {WINDOW}
 gate_type = "constant"
 "#,
+        transport = store.transport_toml(),
         gateway_timings = gateway_timings(),
         dispatch_timings = dispatch_timings(),
         wait = (UNIT / 10).as_millis(),
@@ -185,7 +197,21 @@ fn check(what: &str, per_unit: &[usize]) {
     // came back; the first probe follows a hold of at least 1 unit (half
     // of `congestion_backoff`, 2 units), in a later unit.
     assert!(peak <= WINDOW, "{what}: peak {peak} attempts/unit");
+    // After the first wave (its failures are back within FIRST_WAVE
+    // units), one probe per hold, not a stream: holds of at least 1 unit
+    // doubling to at least 4 leave room for 1 + 1 + 1 probes in the next
+    // 7 units and one per 4 units after; twice that is the bound.
+    let after: usize = per_unit.iter().skip(FIRST_WAVE).sum();
+    let holds = 3 + per_unit.len().saturating_sub(FIRST_WAVE + 7) / 4;
+    assert!(
+        after <= 2 * holds,
+        "{what}: {after} attempts after the first wave, more than 2 per hold ({holds} holds)"
+    );
 }
+
+/// Units the first wave (the window released before the first failure
+/// came back) is given to end.
+const FIRST_WAVE: usize = 2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resetting_gateway_with_2000_queued_sees_a_few_attempts_per_backoff() {
@@ -433,4 +459,256 @@ async fn a_refusing_gateway_on_pubsub_is_bounded_and_loses_nothing() {
     storm
         .every_id_answered_once("pubsub, connect refused")
         .await;
+}
+
+/// Where a storm's messages wait: the memory queue, or a transport whose
+/// messages outlive the process (issue 36 part 4: the reset and refuse
+/// storms had run on memory and Pub/Sub only).
+enum Store {
+    Memory,
+    Redis(RedisServer),
+    Embedded(TempDir),
+    Sql(Postgres, SqlClient),
+}
+
+/// The result route of the `sql` storms (the transport's default).
+const SQL_ROUTE: &str = "result-sql";
+
+impl Store {
+    fn redis() -> Self {
+        Self::Redis(RedisServer::start())
+    }
+
+    fn embedded() -> Self {
+        Self::Embedded(TempDir::new("storm-embedded"))
+    }
+
+    async fn sql() -> Self {
+        let pg = Postgres::start();
+        let url = EndpointUrl::new(url::Url::parse(&pg.url()).unwrap());
+        let client = SqlClient::open(&url, Duration::from_secs(5)).await.unwrap();
+        Self::Sql(pg, client)
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Redis(_) => "redis",
+            Self::Embedded(_) => "embedded",
+            Self::Sql(..) => "sql",
+        }
+    }
+
+    /// The configuration's transport lines (before `[gateway]`).
+    fn transport_toml(&self) -> String {
+        match self {
+            Self::Memory => "transport = \"memory\"".to_owned(),
+            Self::Redis(server) => {
+                format!("transport = \"redis\"\n[redis]\nurl = \"{}\"", server.url())
+            }
+            Self::Embedded(_) => format!(
+                "transport = \"embedded\"\n[embedded]\npath = \"{}\"",
+                self.embedded_path().display()
+            ),
+            Self::Sql(pg, _) => format!(
+                "transport = \"sql\"\n[sql]\nurl = \"{}\"\npoll_interval = \"{}ms\"",
+                pg.url(),
+                (UNIT / 10).as_millis()
+            ),
+        }
+    }
+
+    fn embedded_path(&self) -> std::path::PathBuf {
+        match self {
+            Self::Embedded(dir) => dir.0.join("store.db"),
+            _ => unreachable!("an embedded store"),
+        }
+    }
+
+    /// Enqueues `bodies` on queue `storm` (memory: the running `app`'s;
+    /// the others before the app starts).
+    async fn push(&self, app: Option<&support::App>, bodies: &[String]) {
+        match self {
+            Self::Memory => {
+                let app = app.expect("the memory queue lives in the app");
+                let queue = app.running.transports().memory()[0].clone();
+                for body in bodies {
+                    queue.push_message(body.clone());
+                }
+            }
+            Self::Redis(server) => support::redis::submit(server, "storm", bodies).await,
+            Self::Embedded(_) => {
+                let bytes: Vec<bytes::Bytes> = bodies.iter().map(|b| b.clone().into()).collect();
+                EmbeddedQueue::open(self.embedded_path(), "storm")
+                    .unwrap()
+                    .enqueue(&bytes, &[])
+                    .unwrap();
+            }
+            Self::Sql(_, client) => {
+                let deadline = unix_secs() + 3600;
+                let items: Vec<(bytes::Bytes, i64)> = bodies
+                    .iter()
+                    .map(|b| (b.clone().into(), deadline))
+                    .collect();
+                client.enqueue("storm", &items).await.unwrap();
+            }
+        }
+    }
+
+    /// Every result written for queue `storm` so far.
+    async fn results(&self, app: &support::App) -> Vec<Answer> {
+        let records: Vec<ResultRecord> = match self {
+            Self::Memory => app.running.transports().memory()[0].results(),
+            // Upstream's result shape: the id and the status code are
+            // what these tests read.
+            Self::Redis(server) => {
+                return server
+                    .cli(&["LRANGE", "result-list", "0", "-1"])
+                    .lines()
+                    .filter(|l| !l.trim().is_empty())
+                    .map(|l| {
+                        let r: serde_json::Value = serde_json::from_str(l).unwrap();
+                        Answer {
+                            id: r["id"].as_str().unwrap().to_owned(),
+                            status_code: r["status_code"].as_u64().map(|c| c as u16),
+                        }
+                    })
+                    .collect();
+            }
+            Self::Embedded(_) => EmbeddedQueue::open(self.embedded_path(), "storm")
+                .unwrap()
+                .results()
+                .unwrap(),
+            Self::Sql(_, client) => client
+                .results_after(SQL_ROUTE, 0, 100_000)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| serde_json::from_str(&r.raw).unwrap())
+                .collect(),
+        };
+        records
+            .into_iter()
+            .map(|r| Answer {
+                id: r.id,
+                status_code: r.status_code,
+            })
+            .collect()
+    }
+}
+
+/// What a storm test reads of a result.
+#[derive(Debug)]
+struct Answer {
+    id: String,
+    status_code: Option<u16>,
+}
+
+/// `n` storm messages, ids `m0`…, due in an hour.
+fn storm_bodies(n: usize) -> Vec<String> {
+    let deadline = unix_secs() + 3600;
+    (0..n)
+        .map(|i| {
+            serde_json::json!({"id": format!("m{i}"), "deadline": deadline,
+                "payload": {"model": "m", "prompt": "p", "max_tokens": 1}})
+            .to_string()
+        })
+        .collect()
+}
+
+/// A gateway failing with `failure` (`None`: a port nothing listens on)
+/// for 30 units while 500 messages wait on `store`: attempts bounded as
+/// [`check`] says and nothing answered; then the gateway answers (the
+/// failing one recovers, or one starts on the refused port) and every id
+/// gets exactly one result, a 200.
+async fn storm_then_recover(store: Store, failure: Option<Failure>) {
+    const QUEUED: usize = 500;
+    let what = format!("{}, {failure:?}, {QUEUED} queued, 30 units", store.name());
+    let (server, port) = match failure {
+        Some(failure) => (Some(FailingGateway::start(failure).await), 0),
+        None => (None, support::free_port()),
+    };
+    let url = server
+        .as_ref()
+        .map_or_else(|| format!("http://127.0.0.1:{port}"), |s| s.url.clone());
+    let bodies = storm_bodies(QUEUED);
+    let durable = !matches!(store, Store::Memory);
+    if durable {
+        store.push(None, &bodies).await;
+    }
+    let app = support::start_app(&config_on(&store, &url)).await;
+    let start = Instant::now();
+    if !durable {
+        store.push(Some(&app), &bodies).await;
+    }
+    let counts = attempts_per_unit(&app, "storm", server.as_ref(), start, units(30)).await;
+    let during = store.results(&app).await;
+    assert!(
+        during.is_empty(),
+        "{what}: answered in the storm: {during:?}"
+    );
+    check(&what, &counts);
+    let _answering = match &server {
+        Some(server) => {
+            server.recover();
+            None
+        }
+        None => Some(FailingGateway::start_on(port, Failure::ResetThenOk(0)).await),
+    };
+    let give_up = Instant::now() + Duration::from_secs(60);
+    while store.results(&app).await.len() < QUEUED {
+        assert!(Instant::now() < give_up, "{what}: not all answered in 60 s");
+        tokio::time::sleep(UNIT / 5).await;
+    }
+    // A second answer (a lease lapsed during the holds, say) would follow
+    // within a few units.
+    tokio::time::sleep(units(4)).await;
+    let results = store.results(&app).await;
+    app.stop().await;
+    let mut by_id = std::collections::BTreeMap::<&str, Vec<&Answer>>::new();
+    for r in &results {
+        by_id.entry(r.id.as_str()).or_default().push(r);
+    }
+    let twice: Vec<_> = by_id.iter().filter(|(_, rs)| rs.len() > 1).collect();
+    println!(
+        "{what}: after recovery {} results for {} ids, {} answered more than once",
+        results.len(),
+        by_id.len(),
+        twice.len()
+    );
+    assert!(twice.is_empty(), "{what}: answered twice: {twice:?}");
+    assert_eq!(by_id.len(), QUEUED, "{what}: ids lost");
+    for r in &results {
+        assert_eq!(r.status_code, Some(200), "{what}: {r:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resetting_gateway_on_redis_is_bounded_and_loses_nothing() {
+    storm_then_recover(Store::redis(), Some(Failure::Reset)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_gateway_on_redis_is_bounded_and_loses_nothing() {
+    storm_then_recover(Store::redis(), None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resetting_gateway_on_the_embedded_store_is_bounded_and_loses_nothing() {
+    storm_then_recover(Store::embedded(), Some(Failure::Reset)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_gateway_on_the_embedded_store_is_bounded_and_loses_nothing() {
+    storm_then_recover(Store::embedded(), None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resetting_gateway_on_sql_is_bounded_and_loses_nothing() {
+    storm_then_recover(Store::sql().await, Some(Failure::Reset)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusing_gateway_on_sql_is_bounded_and_loses_nothing() {
+    storm_then_recover(Store::sql().await, None).await;
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::support::TempDir;
 use crate::support::postgres::Postgres;
-use crate::support::redis::{RedisServer, redis_config};
+use crate::support::redis::{RedisOptions, RedisServer, redis_config};
 use bytes::Bytes;
 use sluicegate::clock::unix_secs;
 use sluicegate::config::EndpointUrl;
@@ -236,6 +236,355 @@ async fn sql_a_key_holds_across_a_postgres_restart() {
         "2",
         "the repeat enqueued nothing"
     );
+}
+
+/// A queue server a test can crash (SIGKILL) and start again on the same
+/// data, and count a queue's messages on.
+trait Crashable {
+    fn crash(&mut self);
+    fn start_again(&mut self);
+    fn queued(&self, queue: &str) -> i64;
+    async fn client(&self, queue: &str) -> Arc<dyn Client>;
+}
+
+impl Crashable for RedisServer {
+    fn crash(&mut self) {
+        self.kill();
+    }
+    fn start_again(&mut self) {
+        self.restart();
+    }
+    fn queued(&self, queue: &str) -> i64 {
+        self.int(&["ZCARD", queue])
+    }
+    async fn client(&self, queue: &str) -> Arc<dyn Client> {
+        open_client(ClientTarget::Redis {
+            config: redis_config(self),
+            queue: queue.into(),
+            result_list: None,
+            fairness_attribute: None,
+        })
+        .await
+        .expect("client")
+    }
+}
+
+impl Crashable for Postgres {
+    fn crash(&mut self) {
+        self.kill();
+    }
+    fn start_again(&mut self) {
+        self.restart();
+    }
+    fn queued(&self, queue: &str) -> i64 {
+        self.psql(&format!(
+            "SELECT COUNT(*) FROM async_requests WHERE queue = '{queue}'"
+        ))
+        .parse()
+        .expect("a count")
+    }
+    async fn client(&self, queue: &str) -> Arc<dyn Client> {
+        open_client(ClientTarget::Sql {
+            url: EndpointUrl::new(url::Url::parse(&self.url()).expect("url")),
+            connect_timeout: Duration::from_secs(5),
+            queue: queue.into(),
+            route: "idem-results".into(),
+        })
+        .await
+        .expect("client")
+    }
+}
+
+/// Issue 36 part 4: the server SIGKILLed while an idempotent submit of
+/// `n` requests under a key runs (killed at 0 to 1¼ of the time an
+/// undisturbed submit of `n` took, denser near its end, one round each on its own
+/// queue and key), started again; the producer
+/// sends the same submission under the key until answered. Whether the
+/// first call committed before the kill or not, the queue then holds the
+/// `n` requests exactly once, and a first call that was answered is
+/// answered the same record again. At least one kill must land while a
+/// call is in flight.
+async fn killed_mid_enqueue<S: Crashable>(server: &mut S, n: usize) {
+    let calibration: Vec<String> = (0..n).map(|i| format!("c-{i}")).collect();
+    let refs: Vec<&str> = calibration.iter().map(String::as_str).collect();
+    let client = server.client("kill-calibrate").await;
+    let began = std::time::Instant::now();
+    (client.enqueue_idempotent("calibrate".into(), requests_due(&refs, "Hi", 3600), KEEP))
+        .await
+        .expect("an undisturbed submit");
+    let took = began.elapsed();
+    // Denser near the end, where the commit and the answer are.
+    let delays: Vec<Duration> = [0, 4, 8, 12, 14, 15, 16, 20]
+        .iter()
+        .map(|sixteenths| took * *sixteenths / 16)
+        .collect();
+    eprintln!("an undisturbed submit of {n} took {took:?}");
+    let mut rounds = Vec::new();
+    for (round, delay) in delays.iter().enumerate() {
+        let queue = format!("kill-q{round}");
+        let key = format!("kill-key-{round}");
+        let ids: Vec<String> = (0..n).map(|i| format!("k{round}-{i}")).collect();
+        let submission = || {
+            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            requests_due(&refs, "Hi", 3600)
+        };
+        let client = server.client(&queue).await;
+        let first = {
+            let (client, key, requests) = (client.clone(), key.clone(), submission());
+            tokio::spawn(async move { client.enqueue_idempotent(key, requests, KEEP).await })
+        };
+        tokio::time::sleep(*delay).await;
+        let in_flight = !first.is_finished();
+        server.crash();
+        let first = first.await.expect("the submit task");
+        let at_kill = server_count_after_restart(server, &queue);
+        // The producer sends again until answered (bounded).
+        let mut again = None;
+        for _ in 0..50 {
+            match client
+                .enqueue_idempotent(key.clone(), submission(), KEEP)
+                .await
+            {
+                Ok(done) => {
+                    again = Some(done);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        let again = again.expect("a retry after the restart is answered within 5 s");
+        let queued = server.queued(&queue);
+        eprintln!(
+            "round {round}: killed {delay:?} in, in flight {in_flight}, first {}, {at_kill} queued after the restart, retry {}, {queued} queued",
+            if first.is_ok() { "answered" } else { "failed" },
+            if matches!(again, Submitted::New(_)) {
+                "new"
+            } else {
+                "existing"
+            },
+        );
+        assert_eq!(queued, n as i64, "round {round}: enqueued exactly once");
+        // All or nothing: the kill never leaves part of a submission.
+        assert!(
+            at_kill == 0 || at_kill == n as i64,
+            "round {round}: {at_kill} of {n}"
+        );
+        assert_eq!(
+            matches!(again, Submitted::Existing(_)),
+            at_kill == n as i64,
+            "round {round}: the retry finds the record exactly when the first committed: {again:?}"
+        );
+        if let Ok(first) = &first {
+            assert_eq!(again.record(), first.record(), "round {round}");
+        }
+        let got: Vec<&str> = again
+            .record()
+            .requests
+            .iter()
+            .map(|r| r.id.as_str())
+            .collect();
+        assert_eq!(got, ids.iter().map(String::as_str).collect::<Vec<_>>());
+        rounds.push(in_flight);
+    }
+    assert!(
+        rounds.iter().any(|in_flight| *in_flight),
+        "no kill landed while a submit was in flight: {rounds:?}"
+    );
+}
+
+/// Starts the crashed `server` again; what `queue` holds then.
+fn server_count_after_restart<S: Crashable>(server: &mut S, queue: &str) -> i64 {
+    server.start_again();
+    server.queued(queue)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_mid_idempotent_enqueue_enqueues_exactly_once_on_retry() {
+    // Append-only with fsync on every write: what Redis answered survives
+    // the kill, as a deployment that keeps its queue must run it.
+    let mut server = RedisServer::start_with(RedisOptions {
+        aof: true,
+        ..RedisOptions::default()
+    });
+    killed_mid_enqueue(&mut server, 3000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_killed_mid_idempotent_enqueue_enqueues_exactly_once_on_retry() {
+    let mut pg = Postgres::start();
+    killed_mid_enqueue(&mut pg, 2000).await;
+}
+
+/// A loopback proxy in front of a server that, once armed, loses the
+/// first reply matching its predicate: it forwards nothing more to that
+/// client (closing its side) but keeps the server's side open, as a
+/// network that fails after the server committed. Connections opened
+/// later pass through.
+struct LosingProxy {
+    port: u16,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    lost: Arc<tokio::sync::Notify>,
+}
+
+impl LosingProxy {
+    async fn start(upstream: u16, lose: fn(&[u8]) -> bool) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let lost = Arc::new(tokio::sync::Notify::new());
+        let (is_armed, on_lost) = (armed.clone(), lost.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                else {
+                    continue;
+                };
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+                });
+                let (armed, lost) = (is_armed.clone(), on_lost.clone());
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let mut losing = false;
+                    loop {
+                        let n = match server_read.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if !losing
+                            && lose(&buf[..n])
+                            && armed.swap(false, std::sync::atomic::Ordering::SeqCst)
+                        {
+                            losing = true;
+                            let _ = client_write.shutdown().await;
+                            lost.notify_one();
+                        }
+                        if !losing && client_write.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Self { port, armed, lost }
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The server commits a keyed submit, then dies before its answer reaches
+/// the producer (the proxy loses the reply, the server is SIGKILLed): the
+/// retry under the key after the restart finds the record, `Existing`,
+/// and the queue holds the submission once. `committed` waits until the
+/// server has the rows (PostgreSQL commits at the `Sync` that follows the
+/// reply the proxy lost).
+async fn killed_after_commit_before_the_answer<S: Crashable>(
+    server: &mut S,
+    proxied: Arc<dyn Client>,
+    proxy: &LosingProxy,
+    queue: &str,
+) {
+    const N: usize = 500;
+    let ids: Vec<String> = (0..N).map(|i| format!("lost-{i}")).collect();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    // A first keyed submit through the proxy readies the connection (the
+    // Redis script cache, PostgreSQL's session), so the armed reply is
+    // the submit's own.
+    let primer = ["primer"];
+    (proxied.enqueue_idempotent("primer".into(), requests_due(&primer, "Hi", 3600), KEEP))
+        .await
+        .expect("primer");
+    proxy.arm();
+    let first =
+        (proxied.enqueue_idempotent("lost-key".into(), requests_due(&refs, "Hi", 3600), KEEP))
+            .await;
+    assert!(first.is_err(), "the answer was lost: {first:?}");
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    while server.queued(queue) < N as i64 + 1 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the submit never committed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(1), proxy.lost.notified())
+        .await
+        .ok();
+    server.crash();
+    server.start_again();
+    let mut again = None;
+    for _ in 0..50 {
+        match (proxied.enqueue_idempotent("lost-key".into(), requests_due(&refs, "Hi", 3600), KEEP))
+            .await
+        {
+            Ok(done) => {
+                again = Some(done);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let again = again.expect("a retry after the restart is answered within 5 s");
+    assert!(matches!(again, Submitted::Existing(_)), "{again:?}");
+    assert_eq!(
+        server.queued(queue),
+        N as i64 + 1,
+        "the submission once, and the primer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_after_commit_before_the_answer_the_retry_finds_the_record() {
+    let mut server = RedisServer::start_with(RedisOptions {
+        aof: true,
+        ..RedisOptions::default()
+    });
+    // The first reply after arming is the script's: Redis answers after
+    // the write is in the append-only file (`appendfsync always`).
+    let proxy = LosingProxy::start(server.port, |_| true).await;
+    let mut config = redis_config(&server);
+    config.url = EndpointUrl::new(
+        url::Url::parse(&format!("redis://127.0.0.1:{}/0", proxy.port)).expect("url"),
+    );
+    let client = open_client(ClientTarget::Redis {
+        config,
+        queue: "lost-q".into(),
+        result_list: None,
+        fairness_attribute: None,
+    })
+    .await
+    .expect("client");
+    killed_after_commit_before_the_answer(&mut server, client, &proxy, "lost-q").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_killed_after_commit_before_the_answer_the_retry_finds_the_record() {
+    let mut pg = Postgres::start();
+    // The insert statement's completion (`SELECT 1`: its CTE answers a
+    // count); the expiry sweep before it completes as `DELETE n`.
+    let proxy = LosingProxy::start(pg.port, |bytes| {
+        bytes.windows(9).any(|w| w == b"SELECT 1\0")
+    })
+    .await;
+    let url = pg
+        .url()
+        .replace(&format!(":{}/", pg.port), &format!(":{}/", proxy.port));
+    let client = open_client(ClientTarget::Sql {
+        url: EndpointUrl::new(url::Url::parse(&url).expect("url")),
+        connect_timeout: Duration::from_secs(5),
+        queue: "lost-q".into(),
+        route: "idem-results".into(),
+    })
+    .await
+    .expect("client");
+    killed_after_commit_before_the_answer(&mut pg, client, &proxy, "lost-q").await;
 }
 
 #[tokio::test]

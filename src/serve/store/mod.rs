@@ -83,6 +83,12 @@ pub struct KeyRecord {
     pub fingerprint: String,
     /// The object it made (a file or batch id).
     pub object_id: String,
+    /// When the key was claimed (Unix ms, the claimer's clock): the
+    /// object is made after the claim, so until a grace has passed a
+    /// record without its object may be one still in the making. Records
+    /// written before this field read 0: old, so as before.
+    #[serde(default)]
+    pub claimed_at_ms: i64,
 }
 
 /// The configured store.

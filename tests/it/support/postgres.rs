@@ -345,6 +345,43 @@ impl Postgres {
         let _ = child.wait();
     }
 
+    /// SIGKILLs the server (by PID), as a crash would, and waits (up to
+    /// 30 s) until the backends it had started are gone too: they notice
+    /// the postmaster's death and exit, and a new postmaster refuses to
+    /// start while one still holds the old shared memory. [`Self::restart`]
+    /// then runs crash recovery from the write-ahead log.
+    pub(crate) fn kill(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pid = child.id().to_string();
+        let backends: Vec<String> = Command::new("pgrep")
+            .args(["-P", &pid])
+            .output()
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let _ = child.kill();
+        let _ = child.wait();
+        let give_up = Instant::now() + Duration::from_secs(30);
+        // A zombie (state `Z`, not yet reaped by init) holds nothing.
+        let alive = |pid: &String| {
+            std::fs::read_to_string(Path::new("/proc").join(pid).join("stat")).is_ok_and(|stat| {
+                stat.rsplit(") ")
+                    .next()
+                    .is_some_and(|s| !s.starts_with('Z'))
+            })
+        };
+        while backends.iter().any(alive) {
+            assert!(Instant::now() < give_up, "backends outlived the postmaster");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Starts the server again on the same data directory and port.
     pub(crate) fn restart(&mut self) {
         self.stop();
