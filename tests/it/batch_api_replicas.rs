@@ -342,9 +342,12 @@ async fn a_batch_of_a_killed_replica_is_finished_by_the_other() {
 /// test knows which requests each holds in flight. A batch is created on
 /// A; once both hold requests, A is SIGKILLed and `stop` (cancel or
 /// expiry) is applied through B, then B's gateway answers. The batch ends
-/// `status`: the requests B had in flight keep their real answers, every
-/// other one (unsent, or in flight on dead A and returned to the queue
-/// when its lease lapsed) reads `code`, each `custom_id` exactly once.
+/// `status`: a request B had in flight keeps its real answer when the
+/// answer came before B's cancel watcher aborted it (within
+/// `dispatch.cancel_check_interval` of the stop; both happen, depending
+/// on timing: a full run once kept neither answer), every other one (unsent,
+/// or in flight on dead A and returned to the queue when its lease
+/// lapsed) reads `code`, each `custom_id` exactly once.
 async fn a_stop_on_the_surviving_replica(backend: Backend, stop: Stop, window: &str) {
     const N: usize = 12;
     let store = backend.store();
@@ -408,14 +411,14 @@ async fn a_stop_on_the_surviving_replica(backend: Backend, stop: Stop, window: &
     let answered_by_b = 2 + more_arrivals(&mut gateway_b);
     let counts = &done["request_counts"];
     assert_eq!(counts["total"], N, "{done}");
-    assert_eq!(
-        counts["completed"].as_u64(),
-        Some(answered_by_b as u64),
-        "the answers of B's requests in flight are kept: {done}"
+    let completed = counts["completed"].as_u64().expect("completed");
+    assert!(
+        completed <= answered_by_b as u64,
+        "only B's requests in flight can have answers: {done}"
     );
     assert_eq!(
         counts["failed"].as_u64(),
-        Some((N - answered_by_b) as u64),
+        Some(N as u64 - completed),
         "{done}"
     );
     let by_id = answers(&b.api, &done).await;
