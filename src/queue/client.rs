@@ -340,6 +340,17 @@ pub trait Client: Send + Sync + fmt::Debug {
     /// Cancels the unsent requests with these ids; one outcome per id.
     fn cancel(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>>;
 
+    /// Stops the requests with these ids that no dispatcher has taken,
+    /// as [`Client::cancel`] does, but leaves one a dispatcher holds
+    /// (in flight, or leased in its lookahead) unmarked, so the
+    /// dispatcher's cancel watcher does not abort it: a batch's expiry
+    /// keeps the answers of what was already sent (docs/batch-api.md,
+    /// "Expiry"). One outcome per id (`InFlight` for those left alone).
+    /// Transports that cannot tell cancel.
+    fn expire(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
+        self.cancel(ids)
+    }
+
     /// Withdraws the requests among `ids` still waiting (never one a
     /// dispatcher has leased): each withdrawn one is answered `CANCELLED`
     /// once. Per id: whether it was withdrawn. Default: unsupported.

@@ -134,4 +134,12 @@ impl Sink {
         self.client.cancel(message_ids).await?;
         Ok(())
     }
+
+    /// Stops the batch's requests no dispatcher has taken, as
+    /// [`Self::cancel`] does; those a dispatcher holds go out (or have)
+    /// and keep their answers (a batch's expiry, docs/batch-api.md).
+    pub async fn expire(&self, message_ids: Vec<String>) -> Result<(), SinkError> {
+        self.client.expire(message_ids).await?;
+        Ok(())
+    }
 }

@@ -342,12 +342,13 @@ async fn a_batch_of_a_killed_replica_is_finished_by_the_other() {
 /// test knows which requests each holds in flight. A batch is created on
 /// A; once both hold requests, A is SIGKILLed and `stop` (cancel or
 /// expiry) is applied through B, then B's gateway answers. The batch ends
-/// `status`: a request B had in flight keeps its real answer when the
-/// answer came before B's cancel watcher aborted it (within
-/// `dispatch.cancel_check_interval` of the stop; both happen, depending
-/// on timing: a full run once kept neither answer), every other one (unsent,
-/// or in flight on dead A and returned to the queue when its lease
-/// lapsed) reads `code`, each `custom_id` exactly once.
+/// `status`: at expiry the requests B had in flight keep their real
+/// answers (a full run once kept neither, when expiry still marked them
+/// for B's cancel watcher); at a cancel one keeps its answer only when it
+/// came before the watcher aborted it (within
+/// `dispatch.cancel_check_interval`). Every other one (unsent, or in
+/// flight on dead A and returned to the queue when its lease lapsed)
+/// reads `code`, each `custom_id` exactly once.
 async fn a_stop_on_the_surviving_replica(backend: Backend, stop: Stop, window: &str) {
     const N: usize = 12;
     let store = backend.store();
@@ -404,6 +405,11 @@ async fn a_stop_on_the_surviving_replica(backend: Backend, stop: Stop, window: &
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+    if stop == Stop::Expire {
+        // Past B's cancel watcher's next look (every 1 s): an expiry must
+        // not abort what B has in flight.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
     // The requests in flight on B get their answers now.
     gateway_b.release_all();
     let done = b.api.wait_for(&id, LONG, terminal).await;
@@ -412,6 +418,12 @@ async fn a_stop_on_the_surviving_replica(backend: Backend, stop: Stop, window: &
     let counts = &done["request_counts"];
     assert_eq!(counts["total"], N, "{done}");
     let completed = counts["completed"].as_u64().expect("completed");
+    if stop == Stop::Expire {
+        assert_eq!(
+            completed, answered_by_b as u64,
+            "the answers of B's requests in flight are kept: {done}"
+        );
+    }
     assert!(
         completed <= answered_by_b as u64,
         "only B's requests in flight can have answers: {done}"

@@ -154,6 +154,19 @@ impl Client for EmbeddedClient {
         })
     }
 
+    fn expire(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
+        Box::pin(async move {
+            let each = self.off_thread(move |queue| queue.expire_ids(&ids)).await?;
+            Ok((each.into_iter())
+                .map(|done| match done {
+                    EmbeddedCancel::Cancelled(_) => CancelOutcome::Cancelled,
+                    EmbeddedCancel::InFlight => CancelOutcome::InFlight,
+                    EmbeddedCancel::NotPending => CancelOutcome::NotActive,
+                })
+                .collect())
+        })
+    }
+
     fn withdraw(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
         Box::pin(self.off_thread(move |queue| queue.withdraw_ids(&ids)))
     }

@@ -120,6 +120,15 @@ pub struct EmbeddedDeadLetter {
     pub last_error: ResultRecord,
 }
 
+/// What a stop does to a message a dispatcher has leased.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leased {
+    /// Marks it: not sent, or aborted in flight (a cancel).
+    Mark,
+    /// Leaves it to finish (a batch's expiry).
+    Leave,
+}
+
 /// What [`EmbeddedQueue::cancel`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EmbeddedCancel {
@@ -371,16 +380,32 @@ impl EmbeddedQueue {
         &self,
         matches: impl Fn(&str) -> bool,
     ) -> Result<(u64, u64), EmbeddedError> {
-        self.cancel_matching(matches, |_, _| {})
+        self.cancel_matching(matches, Leased::Mark, |_, _| {})
     }
 
     /// [`EmbeddedQueue::cancel`] for each of `ids`, in one pass over the
     /// queue: what each came to, in the order given.
     pub fn cancel_ids(&self, ids: &[String]) -> Result<Vec<EmbeddedCancel>, EmbeddedError> {
+        self.stop_ids(ids, Leased::Mark)
+    }
+
+    /// [`EmbeddedQueue::cancel_ids`] that leaves leased messages unmarked:
+    /// a dispatcher that holds one sends it (or has) and keeps its answer
+    /// (a batch's expiry, `Client::expire`).
+    pub fn expire_ids(&self, ids: &[String]) -> Result<Vec<EmbeddedCancel>, EmbeddedError> {
+        self.stop_ids(ids, Leased::Leave)
+    }
+
+    fn stop_ids(
+        &self,
+        ids: &[String],
+        leased: Leased,
+    ) -> Result<Vec<EmbeddedCancel>, EmbeddedError> {
         let mut seen: HashMap<String, (u64, u64)> = HashMap::new();
         let wanted: HashSet<&str> = ids.iter().map(String::as_str).collect();
         self.cancel_matching(
             |id| wanted.contains(id),
+            leased,
             |id, leased| {
                 let (cancelled, in_flight) = seen.entry(id.to_owned()).or_default();
                 *if leased { in_flight } else { cancelled } += 1;
@@ -401,6 +426,7 @@ impl EmbeddedQueue {
     fn cancel_matching(
         &self,
         matches: impl Fn(&str) -> bool,
+        leased_ones: Leased,
         mut each: impl FnMut(&str, bool),
     ) -> Result<(u64, u64), EmbeddedError> {
         let now = crate::clock::unix_millis();
@@ -425,11 +451,14 @@ impl EmbeddedQueue {
                 if leased {
                     // Leased is not yet sent: a dispatcher may hold it in
                     // its lookahead or at a gate. The mark makes
-                    // `Queue::cancelled` say so before it is sent.
-                    tx.execute(
-                        "INSERT OR IGNORE INTO cancel_marks (seq) VALUES (?1)",
-                        [seq],
-                    )?;
+                    // `Queue::cancelled` say so before it is sent (and
+                    // its cancel watcher abort it in flight).
+                    if leased_ones == Leased::Mark {
+                        tx.execute(
+                            "INSERT OR IGNORE INTO cancel_marks (seq) VALUES (?1)",
+                            [seq],
+                        )?;
+                    }
                     in_flight += 1;
                     continue;
                 }

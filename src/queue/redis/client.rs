@@ -243,6 +243,47 @@ impl Client for RedisClient {
     /// withdrawal costs a pass over pending: meant for the rare flex
     /// request past `serve.flex_max_wait`. A stale lane entry is dropped
     /// by the next claim.
+    /// The upstream cancel for each id no dispatcher holds; one a
+    /// dispatcher has claimed (`claimed` has its claim key) is left
+    /// unmarked, so its cancel watcher lets it finish. A claim that comes
+    /// just after the look is sent, as one just before it would be.
+    fn expire(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
+        Box::pin(async move {
+            let claimed = super::Keys::new(&self.queue, self.conn.is_cluster()).claimed;
+            let mut conn = self.conn.clone();
+            let mut outcomes = Vec::with_capacity(ids.len());
+            for id in &ids {
+                let token: Option<String> = redis::cmd("GET")
+                    .arg(format!("request-active:{id}"))
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(Self::error("expire"))?;
+                let claim_key = match &token {
+                    Some(token) => format!("{id}\0{token}"),
+                    None => id.clone(),
+                };
+                let held: bool = redis::cmd("HEXISTS")
+                    .arg(&claimed)
+                    .arg(&claim_key)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(Self::error("expire"))?;
+                if held {
+                    outcomes.push(CancelOutcome::InFlight);
+                    continue;
+                }
+                let done = producer::cancel(&mut conn, id)
+                    .await
+                    .map_err(Self::error("expire"))?;
+                outcomes.push(match done {
+                    producer::CancelOutcome::Cancelled => CancelOutcome::Cancelled,
+                    producer::CancelOutcome::NotActive => CancelOutcome::NotActive,
+                });
+            }
+            Ok(outcomes)
+        })
+    }
+
     fn withdraw(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<bool>, ClientError>> {
         Box::pin(async move {
             let mut conn = self.conn.clone();

@@ -50,10 +50,16 @@ impl Engine {
         self.record(&batch.id, items).await
     }
 
-    /// Asks the queue to stop the batch's requests not yet sent.
+    /// Asks the queue to stop the batch's requests not yet sent. A
+    /// cancel also aborts those in flight (the dispatcher's cancel
+    /// watcher); an expiry leaves every request a dispatcher holds to
+    /// finish, so the answers in flight are kept within the grace.
     pub(super) async fn stop_requests(&self, batch: &BatchRecord) -> Result<(), EngineError> {
         let ids = self.message_ids(batch).await?;
-        self.sink.cancel(ids).await?;
+        match batch.stop {
+            Some(Stop::Expire) => self.sink.expire(ids).await?,
+            _ => self.sink.cancel(ids).await?,
+        }
         Ok(())
     }
 
