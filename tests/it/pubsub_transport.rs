@@ -792,21 +792,7 @@ async fn an_exactly_once_subscription_drains_with_one_result_each_and_nothing_le
 /// skipped knowingly (`SLUICEGATE_SKIP_PYTHON_SUITE`, as for the openai
 /// suite).
 fn python_client() -> Option<std::path::PathBuf> {
-    let python =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/py-venv/bin/python");
-    if python.is_file() {
-        return Some(python);
-    }
-    if std::env::var_os("SLUICEGATE_SKIP_PYTHON_SUITE").is_some() {
-        eprintln!(
-            "SKIPPED: the google-cloud-pubsub Python client test (SLUICEGATE_SKIP_PYTHON_SUITE is set)"
-        );
-        return None;
-    }
-    panic!(
-        "{} is missing: run `bash scripts/test.sh` (it creates the venv with the pinned clients), or set SLUICEGATE_SKIP_PYTHON_SUITE=1 to skip this test",
-        python.display()
-    );
+    support::pytest::venv_python("the google-cloud-pubsub Python client test")
 }
 
 /// Publishes `messages` (bodies, or `{"data", "attributes"}` objects) with

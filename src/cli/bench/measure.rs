@@ -165,3 +165,32 @@ pub(super) async fn instant_gateway() -> std::io::Result<(String, tokio::task::J
     });
     Ok((format!("http://{addr}"), task))
 }
+
+/// A `/metrics` page at `url`.
+pub(super) async fn metrics_page(http: &reqwest::Client, url: &str) -> Result<String, String> {
+    http.get(url)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?
+        .text()
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The sum of the samples of `page` whose lines start with one of
+/// `prefixes` (a family name and its `{`).
+pub(super) fn metric_sum(page: &str, prefixes: &[&str]) -> f64 {
+    page.lines()
+        .filter(|l| prefixes.iter().any(|p| l.starts_with(p)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Requests running or waiting at the simulator whose `/metrics` is `url`.
+pub(super) async fn pool_in_flight(http: &reqwest::Client, url: &str) -> Result<f64, String> {
+    let page = metrics_page(http, url).await?;
+    Ok(metric_sum(
+        &page,
+        &["vllm:num_requests_running{", "vllm:num_requests_waiting{"],
+    ))
+}

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::redis::RedisConnection;
 use clap::Args;
 
-use super::measure::bench_requests;
+use super::measure::{bench_requests, pool_in_flight};
 use crate::cli::args::RedisArgs;
 use crate::dispatch::shared_window::Keys as WindowKeys;
 use crate::queue::Client;
@@ -141,7 +141,9 @@ async fn run_once(
     // Bounded: a run that makes no progress for a minute is an error.
     let mut last_progress = (0u64, Instant::now());
     loop {
-        stats.max_pool = stats.max_pool.max(pool_in_flight(&http, sim).await?);
+        stats.max_pool = stats
+            .max_pool
+            .max(pool_in_flight(&http, &format!("{}/metrics", sim.base_url())).await?);
         let held: Vec<i64> = redis::cmd("HVALS")
             .arg(window_keys.held())
             .query_async(conn)
@@ -212,26 +214,6 @@ fn spawn_replica(args: &ReplicasArgs, sim: &SimHandle, results: &str) -> Result<
         .spawn()
         .map(Replica)
         .map_err(|e| format!("spawn a replica: {e}"))
-}
-
-/// Requests running or waiting at the simulator, from its `/metrics`.
-async fn pool_in_flight(http: &reqwest::Client, sim: &SimHandle) -> Result<f64, String> {
-    let text = http
-        .get(format!("{}/metrics", sim.base_url()))
-        .send()
-        .await
-        .map_err(|e| e.to_string())?
-        .text()
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(text
-        .lines()
-        .filter(|l| {
-            l.starts_with("vllm:num_requests_running{")
-                || l.starts_with("vllm:num_requests_waiting{")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum())
 }
 
 fn redis_error(e: redis::RedisError) -> String {

@@ -26,7 +26,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-use super::measure::bench_requests;
+use super::measure::{bench_requests, metric_sum, metrics_page, pool_in_flight};
 use crate::queue::Client;
 use crate::queue::redis::RedisClient;
 use crate::redis::{RedisConfig, RedisConnection, RedisMode, connection};
@@ -594,7 +594,7 @@ impl PoolSampler {
             let mut max = 0u64;
             loop {
                 if let Ok(n) = pool_in_flight(&http, &url).await {
-                    max = max.max(n);
+                    max = max.max(n as u64);
                 }
                 tokio::select! {
                     _ = stopped.changed() => return max,
@@ -611,38 +611,14 @@ impl PoolSampler {
     }
 }
 
-/// Requests running or waiting at the simulator, from its `/metrics`.
-async fn pool_in_flight(http: &reqwest::Client, url: &str) -> Result<u64, String> {
-    let text = http
-        .get(url)
-        .send()
-        .await
-        .map_err(|e| e.to_string())?
-        .text()
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(sum_of(
-        &text,
-        &["vllm:num_requests_running{", "vllm:num_requests_waiting{"],
-    ) as u64)
-}
-
 /// Requests the simulator finished (`vllm:request_success_total`).
 async fn requests_finished(sim: &SimHandle) -> Result<u64, String> {
-    let text = reqwest::get(format!("{}/metrics", sim.base_url()))
-        .await
-        .map_err(|e| e.to_string())?
-        .text()
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(sum_of(&text, &["vllm:request_success_total{"]) as u64)
-}
-
-fn sum_of(page: &str, prefixes: &[&str]) -> f64 {
-    page.lines()
-        .filter(|l| prefixes.iter().any(|p| l.starts_with(p)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    let page = metrics_page(
+        &reqwest::Client::new(),
+        &format!("{}/metrics", sim.base_url()),
+    )
+    .await?;
+    Ok(metric_sum(&page, &["vllm:request_success_total{"]) as u64)
 }
 
 #[derive(Default)]

@@ -144,26 +144,14 @@ impl Client for EmbeddedClient {
     fn cancel(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
         Box::pin(async move {
             let each = self.off_thread(move |queue| queue.cancel_ids(&ids)).await?;
-            Ok((each.into_iter())
-                .map(|done| match done {
-                    EmbeddedCancel::Cancelled(_) => CancelOutcome::Cancelled,
-                    EmbeddedCancel::InFlight => CancelOutcome::InFlight,
-                    EmbeddedCancel::NotPending => CancelOutcome::NotActive,
-                })
-                .collect())
+            Ok(each.into_iter().map(outcome).collect())
         })
     }
 
     fn expire(&self, ids: Vec<String>) -> BoxFuture<'_, Result<Vec<CancelOutcome>, ClientError>> {
         Box::pin(async move {
             let each = self.off_thread(move |queue| queue.expire_ids(&ids)).await?;
-            Ok((each.into_iter())
-                .map(|done| match done {
-                    EmbeddedCancel::Cancelled(_) => CancelOutcome::Cancelled,
-                    EmbeddedCancel::InFlight => CancelOutcome::InFlight,
-                    EmbeddedCancel::NotPending => CancelOutcome::NotActive,
-                })
-                .collect())
+            Ok(each.into_iter().map(outcome).collect())
         })
     }
 
@@ -215,5 +203,14 @@ impl Client for EmbeddedClient {
                 .await)
                 .ok()
         })
+    }
+}
+
+/// A stop's outcome for one id, as the client contract names it.
+fn outcome(done: EmbeddedCancel) -> CancelOutcome {
+    match done {
+        EmbeddedCancel::Cancelled(_) => CancelOutcome::Cancelled,
+        EmbeddedCancel::InFlight => CancelOutcome::InFlight,
+        EmbeddedCancel::NotPending => CancelOutcome::NotActive,
     }
 }

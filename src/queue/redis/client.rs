@@ -272,13 +272,7 @@ impl Client for RedisClient {
                     outcomes.push(CancelOutcome::InFlight);
                     continue;
                 }
-                let done = producer::cancel(&mut conn, id)
-                    .await
-                    .map_err(Self::error("expire"))?;
-                outcomes.push(match done {
-                    producer::CancelOutcome::Cancelled => CancelOutcome::Cancelled,
-                    producer::CancelOutcome::NotActive => CancelOutcome::NotActive,
-                });
+                outcomes.push(cancel_one(&mut conn, id).await?);
             }
             Ok(outcomes)
         })
@@ -374,13 +368,7 @@ impl Client for RedisClient {
             let mut conn = self.conn.clone();
             let mut outcomes = Vec::with_capacity(ids.len());
             for id in &ids {
-                let done = producer::cancel(&mut conn, id)
-                    .await
-                    .map_err(Self::error("cancel"))?;
-                outcomes.push(match done {
-                    producer::CancelOutcome::Cancelled => CancelOutcome::Cancelled,
-                    producer::CancelOutcome::NotActive => CancelOutcome::NotActive,
-                });
+                outcomes.push(cancel_one(&mut conn, id).await?);
             }
             Ok(outcomes)
         })
@@ -486,4 +474,15 @@ async fn remove(conn: &mut RedisConnection, list: &str, raw: &str) -> Result<(),
         .query_async::<()>(conn)
         .await
         .map_err(RedisClient::error("remove a result"))
+}
+
+/// The upstream cancel of one id, as the client contract names its outcome.
+async fn cancel_one(conn: &mut RedisConnection, id: &str) -> Result<CancelOutcome, ClientError> {
+    let done = producer::cancel(conn, id)
+        .await
+        .map_err(RedisClient::error("cancel"))?;
+    Ok(match done {
+        producer::CancelOutcome::Cancelled => CancelOutcome::Cancelled,
+        producer::CancelOutcome::NotActive => CancelOutcome::NotActive,
+    })
 }

@@ -9,6 +9,7 @@ pub mod otlp;
 pub mod postgres;
 pub mod prometheus;
 pub mod pubsub;
+pub mod pytest;
 pub mod redis;
 pub mod redis_cluster;
 pub mod redis_sentinel;
