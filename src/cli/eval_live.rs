@@ -190,7 +190,7 @@ async fn options(
 }
 
 /// The first model `<url>/v1/models` lists.
-async fn first_model(url: &str) -> Result<String, String> {
+pub(super) async fn first_model(url: &str) -> Result<String, String> {
     let models: serde_json::Value = reqwest::get(format!("{url}/v1/models"))
         .await
         .and_then(reqwest::Response::error_for_status)

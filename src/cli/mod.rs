@@ -279,11 +279,7 @@ async fn run_command(cli: Cli) -> ExitCode {
         Command::Eval(args) => tokio::task::spawn_blocking(move || eval::run(args))
             .await
             .unwrap_or(ExitCode::FAILURE),
-        Command::Sim(SimCommand::Sweep(args)) => {
-            tokio::task::spawn_blocking(move || sim_sweep::run(&args))
-                .await
-                .unwrap_or(ExitCode::FAILURE)
-        }
+        Command::Sim(SimCommand::Sweep(args)) => sim_sweep::run(args).await,
         Command::Sim(SimCommand::Serve(args)) => {
             crate::telemetry::logging::init(crate::telemetry::LogFormat::Text, "info");
             let shutdown = CancellationToken::new();

@@ -1,11 +1,17 @@
 //! `sluicegate sim sweep`: the simulator's closed-loop concurrency sweep
-//! next to the llm-d H100 figures (`src/sim/sweep.rs`).
+//! next to a reference: the llm-d H100 figures (`src/sim/sweep.rs`), or a
+//! real engine measured now (`--live URL`) or before (`--against FILE`),
+//! with the simulator's step model fitted to it (`src/sim/fit.rs`).
 
 use std::fmt::Write as _;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
 
+use crate::eval::live::sweep::{MeasuredSweep, SweepPlan, measure};
+use crate::sim::config::{EngineConfig, LoadMode, SimConfig};
+use crate::sim::fit::{Fit, MeasuredPoint, fit};
 use crate::sim::sweep::{LLM_D_H100, SweepConfig, SweepPoint, point};
 
 /// Flags of `sluicegate sim sweep`.
@@ -14,23 +20,95 @@ pub(super) struct SweepArgs {
     /// Mean prompt length, tokens (the reference does not publish it).
     #[arg(long, default_value_t = 256.0)]
     prompt_tokens: f64,
-    /// Output tokens of every request.
-    #[arg(long, default_value_t = 256)]
-    output_tokens: u32,
+    /// Output tokens of every request (default 256 against the reference,
+    /// 64 with `--live`).
+    #[arg(long)]
+    output_tokens: Option<u32>,
     /// KV capacity in blocks of 16 tokens (28 000 ≈ an 8B model on an
     /// 80 GB H100).
     #[arg(long, default_value_t = 28_000)]
     num_gpu_blocks: u32,
-    /// Simulated seconds per concurrency (the first 30 s are not measured).
+    /// Simulated seconds per concurrency (the first sixth, at most 30 s,
+    /// is not measured).
     #[arg(long, default_value_t = 180.0)]
     duration: f64,
+    /// Measure a real engine at this base URL instead (its
+    /// `/v1/completions`, streamed), fit the step model to it, and run the
+    /// simulator at the same points.
+    #[arg(long, value_name = "URL", conflicts_with = "against")]
+    live: Option<String>,
+    /// Fit and compare against a sweep saved with `--save` instead of
+    /// measuring.
+    #[arg(long, value_name = "FILE")]
+    against: Option<PathBuf>,
+    /// Write the measured sweep as JSON (with `--live`).
+    #[arg(long, value_name = "FILE", requires = "live")]
+    save: Option<PathBuf>,
+    /// Write the fitted engine as a simulator configuration
+    /// (`sluicegate sim serve --config FILE`): one replica.
+    #[arg(long, value_name = "FILE")]
+    profile: Option<PathBuf>,
+    /// The engine's `/metrics` (default `<URL>/metrics`).
+    #[arg(long, value_name = "URL", requires = "live")]
+    metrics_url: Option<String>,
+    /// The model to ask for (default: the first the engine lists).
+    #[arg(long, requires = "live")]
+    model: Option<String>,
+    /// Concurrencies measured with `--prompt-words` prompts.
+    #[arg(
+        long,
+        default_value = "1,2,4,8,16,32",
+        value_name = "LIST",
+        requires = "live"
+    )]
+    concurrency: String,
+    /// Words per prompt (about a token each on the test model).
+    #[arg(long, default_value_t = 250, requires = "live")]
+    prompt_words: usize,
+    /// A second prompt length, measured at concurrency 1 and 8: the fit
+    /// needs two to tell the prefill cost from the context cost.
+    #[arg(long, default_value_t = 1000, requires = "live")]
+    long_prompt_words: usize,
+    /// Measured time per point on the engine (e.g. `40s`).
+    #[arg(long, default_value = "40s", requires = "live")]
+    point_duration: String,
+    /// Unmeasured time at the start of each point on the engine.
+    #[arg(long, default_value = "10s", requires = "live")]
+    point_warmup: String,
+    /// The engine's `--max-num-seqs`, for the fitted engine.
+    #[arg(long, default_value_t = 32)]
+    max_num_seqs: u32,
+    /// The engine's `--max-model-len`, for the fitted engine.
+    #[arg(long, default_value_t = 2048)]
+    max_model_len: u32,
+    /// The engine's `--max-num-batched-tokens`, for the fitted engine.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: u32,
 }
 
 /// Runs the sweep and prints the side-by-side table.
-pub(super) fn run(args: &SweepArgs) -> ExitCode {
+pub(super) async fn run(args: SweepArgs) -> ExitCode {
+    if args.live.is_none() && args.against.is_none() {
+        return tokio::task::spawn_blocking(move || against_reference(&args))
+            .await
+            .unwrap_or(ExitCode::FAILURE);
+    }
+    let measured = match measured(&args).await {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("sluicegate sim sweep: {e}");
+            return ExitCode::from(super::EXIT_CONFIG);
+        }
+    };
+    tokio::task::spawn_blocking(move || against_engine(&args, &measured))
+        .await
+        .unwrap_or(ExitCode::FAILURE)
+}
+
+fn against_reference(args: &SweepArgs) -> ExitCode {
     let mut cfg = SweepConfig {
         prompt_mean: args.prompt_tokens,
-        output_tokens: args.output_tokens,
+        output_tokens: args.output_tokens.unwrap_or(256),
         duration_s: args.duration,
         ..SweepConfig::default()
     };
@@ -46,11 +124,204 @@ pub(super) fn run(args: &SweepArgs) -> ExitCode {
             }
         }
     }
-    print!("{}", table(&cfg, &points));
+    print!("{}", reference_table(&cfg, &points));
     ExitCode::SUCCESS
 }
 
-fn table(cfg: &SweepConfig, points: &[SweepPoint]) -> String {
+/// The engine's sweep: read from `--against`, or measured on `--live`
+/// (and saved with `--save`).
+async fn measured(args: &SweepArgs) -> Result<MeasuredSweep, String> {
+    if let Some(path) = &args.against {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--against {}: {e}", path.display()))?;
+        return serde_json::from_str(&text)
+            .map_err(|e| format!("--against {}: {e}", path.display()));
+    }
+    let url = args
+        .live
+        .clone()
+        .unwrap_or_default()
+        .trim_end_matches('/')
+        .to_owned();
+    let duration = crate::config::parse_duration(&args.point_duration)
+        .map_err(|e| format!("--point-duration: {e}"))?;
+    let warmup = crate::config::parse_duration(&args.point_warmup)
+        .map_err(|e| format!("--point-warmup: {e}"))?;
+    let mut points = Vec::new();
+    for c in args.concurrency.split(',') {
+        let concurrency = c
+            .trim()
+            .parse::<u32>()
+            .ok()
+            .filter(|c| *c >= 1)
+            .ok_or_else(|| format!("--concurrency: {c:?} is not a whole number >= 1"))?;
+        points.push(crate::eval::live::sweep::SweepPoint {
+            concurrency,
+            prompt_words: args.prompt_words,
+        });
+    }
+    for concurrency in [1, 8] {
+        points.push(crate::eval::live::sweep::SweepPoint {
+            concurrency,
+            prompt_words: args.long_prompt_words,
+        });
+    }
+    let model = match &args.model {
+        Some(m) => m.clone(),
+        None => super::eval_live::first_model(&url).await?,
+    };
+    let plan = SweepPlan {
+        metrics_url: args
+            .metrics_url
+            .clone()
+            .unwrap_or_else(|| format!("{url}/metrics")),
+        url,
+        model,
+        points,
+        output_tokens: args.output_tokens.unwrap_or(64),
+        duration,
+        warmup,
+        seed: 1,
+    };
+    let sweep = measure(&plan, &|what| eprintln!("sluicegate sim sweep: {what}")).await?;
+    if let Some(path) = &args.save {
+        let json = serde_json::to_string_pretty(&sweep).map_err(|e| e.to_string())?;
+        std::fs::write(path, json).map_err(|e| format!("--save {}: {e}", path.display()))?;
+    }
+    Ok(sweep)
+}
+
+/// Fits the step model to the engine's sweep, runs the simulator at the
+/// same points, prints both, and writes `--profile`.
+fn against_engine(args: &SweepArgs, measured: &MeasuredSweep) -> ExitCode {
+    let fitted = match fit(&measured.points, 0.03) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("sluicegate sim sweep: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut engine = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: args.max_model_len,
+        step: fitted.step.clone(),
+        ..EngineConfig::default()
+    };
+    if let Some(kv) = measured.kv {
+        engine.block_size = kv.block_size;
+        engine.num_gpu_blocks = kv.num_gpu_blocks;
+    }
+    let mut rows = Vec::new();
+    for m in &measured.points {
+        let cfg = SweepConfig {
+            engine: engine.clone(),
+            prompt_mean: m.prompt_tokens,
+            // Prompts of a fixed number of words vary a little in tokens.
+            prompt_cv: 0.05,
+            output_tokens: m.output_tokens,
+            duration_s: args.duration,
+            warmup_s: (args.duration / 6.0).min(30.0),
+            seed: 1,
+        };
+        match point(&cfg, m.concurrency) {
+            Ok(p) => rows.push((m, p)),
+            Err(e) => {
+                eprintln!("sluicegate sim sweep: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    print!("{}", engine_table(measured, &fitted, &rows));
+    if let Some(path) = &args.profile {
+        let profile = profile(engine, measured);
+        let written = toml::to_string(&profile)
+            .map_err(|e| e.to_string())
+            .and_then(|t| std::fs::write(path, t).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            eprintln!("sluicegate sim sweep: --profile {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// The fitted engine as a one-replica simulator with no load of its own,
+/// its prompts counted in tokens as the engine counted them.
+fn profile(engine: EngineConfig, measured: &MeasuredSweep) -> SimConfig {
+    let (chars, tokens) = measured.points.iter().fold((0.0, 0.0), |(c, t), p| {
+        (c + p.prompt_chars, t + p.prompt_tokens)
+    });
+    let mut cfg = SimConfig {
+        replicas: 1,
+        ..SimConfig::default()
+    };
+    cfg.http.max_output_tokens = engine.max_model_len.saturating_sub(1).max(1);
+    cfg.engine = engine;
+    cfg.interactive.mode = LoadMode::Off;
+    if tokens > 0.0 {
+        cfg.http.chars_per_token = (chars / tokens).max(1.0);
+    }
+    cfg
+}
+
+/// Within the ±15 % the simulator is held to.
+fn mark(ratio: f64) -> &'static str {
+    if (0.85..=1.15).contains(&ratio) {
+        " "
+    } else {
+        "*"
+    }
+}
+
+fn engine_table(
+    measured: &MeasuredSweep,
+    fitted: &Fit,
+    rows: &[(&MeasuredPoint, SweepPoint)],
+) -> String {
+    let s = &fitted.step;
+    let mut out = String::new();
+    let _ = writeln!(out, "engine: {}", measured.url);
+    let _ = writeln!(
+        out,
+        "fitted step: c0 {:.3} ms, c1 {:.5} ms/prefill token, c2 {:.4} ms/seq, c3 {:.6} ms/context token; HTTP path {:.1} ms (not simulated, added to the simulator's TTFT below); worst fitted ITL error {:.1} %",
+        s.c0_ms,
+        s.c1_ms_per_prefill_token,
+        s.c2_ms_per_decode_seq,
+        s.c3_ms_per_context_token,
+        fitted.http_s * 1000.0,
+        fitted.worst_itl_error * 100.0
+    );
+    let _ = writeln!(
+        out,
+        "each cell: engine / simulator / ratio; * outside ±15 %"
+    );
+    let _ = writeln!(
+        out,
+        "{:>4} {:>6} | {:>22} | {:>24} | {:>24} | {:>22}",
+        "conc", "prompt", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL mean ms"
+    );
+    let cell = |a: f64, b: f64, digits: usize| {
+        let r = if a > 0.0 { b / a } else { f64::NAN };
+        format!("{a:>7.digits$} {b:>7.digits$} {r:>5.2}{}", mark(r))
+    };
+    for (m, p) in rows {
+        let h = fitted.http_s;
+        let _ = writeln!(
+            out,
+            "{:>4} {:>6.0} | {} | {} | {} | {}",
+            m.concurrency,
+            m.prompt_tokens,
+            cell(m.requests_per_s, p.requests_per_s, 2),
+            cell(m.ttft_p50_s * 1e3, (p.ttft_p50_s + h) * 1e3, 1),
+            cell(m.ttft_p99_s * 1e3, (p.ttft_p99_s + h) * 1e3, 1),
+            cell(m.itl_mean_s * 1e3, p.itl_mean_s * 1e3, 1),
+        );
+    }
+    out
+}
+
+fn reference_table(cfg: &SweepConfig, points: &[SweepPoint]) -> String {
     let s = &cfg.engine.step;
     let mut out = String::new();
     let _ = writeln!(

@@ -13,7 +13,8 @@
 //!   exposition, lagged views with blackouts.
 //! - [`runner`]: the virtual-time runner that evaluates batch policies.
 //! - [`sweep`]: a closed-loop concurrency sweep against published figures
-//!   (`sluicegate sim sweep`).
+//!   (`sluicegate sim sweep`), or against a real engine's; [`fit`] fits
+//!   the step-time model to a real engine's sweep.
 //! - [`http`]: the real-time OpenAI-compatible front (`sluicegate sim serve`);
 //!   `endpoints.rs` reads `/v1/embeddings` and `/v1/responses` bodies and
 //!   shapes their answers; `bad_request.rs` is the 400 every parser returns.
@@ -25,6 +26,7 @@ pub mod config;
 mod endpoints;
 pub mod engine;
 pub mod error;
+pub mod fit;
 pub mod http;
 pub mod load;
 pub mod metrics;

@@ -99,6 +99,12 @@ impl Scenario {
             engine: self.pool.engine.clone(),
             gateway: self.pool.gateway.clone(),
             interactive: self.interactive.clone(),
+            // No HTTP front in virtual time: its output cap must not refuse
+            // an engine whose model length is at or below the default cap.
+            http: super::config::HttpConfig {
+                max_output_tokens: self.pool.engine.max_model_len.saturating_sub(1).max(1),
+                ..Default::default()
+            },
             ..Default::default()
         };
         cfg.validate()?;

@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::config::{EngineConfig, LoadMode};
 use super::engine::{Outcome, RequestClass};
 use super::error::SimError;
-use super::runner::{self, BatchSpec, StaticCap};
+use super::runner::{self, BatchSpec, StaticCap, quantile};
 
 /// One published point of a closed-loop sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -126,6 +126,13 @@ pub struct SweepPoint {
     pub kv_pct: f64,
     /// Output tokens per second after the warm-up.
     pub output_tokens_per_s: f64,
+    /// Median time to first token of requests sent after the warm-up,
+    /// seconds (the engine's time: no HTTP path).
+    pub ttft_p50_s: f64,
+    /// Their 99th percentile TTFT, seconds.
+    pub ttft_p99_s: f64,
+    /// Their mean gap between tokens, averaged over requests, seconds.
+    pub itl_mean_s: f64,
 }
 
 /// Runs one closed loop at `concurrency`.
@@ -159,11 +166,13 @@ pub fn point(cfg: &SweepConfig, concurrency: u32) -> Result<SweepPoint, SimError
         .iter()
         .filter(|r| r.finished_at.is_some_and(|t| t >= cfg.warmup_s))
         .count();
-    let latencies: Vec<f64> = done
+    let measured: Vec<_> = done.iter().filter(|r| r.arrival >= cfg.warmup_s).collect();
+    let latencies: Vec<f64> = measured
         .iter()
-        .filter(|r| r.arrival >= cfg.warmup_s)
         .filter_map(|r| r.finished_at.map(|t| t - r.arrival))
         .collect();
+    let mut ttfts: Vec<f64> = measured.iter().filter_map(|r| r.ttft()).collect();
+    let itls: Vec<f64> = measured.iter().filter_map(|r| r.itl_mean).collect();
     let late: Vec<_> = run.series.iter().filter(|p| p.t >= cfg.warmup_s).collect();
     let kv = late.iter().map(|p| p.kv_usage).sum::<f64>() / late.len().max(1) as f64;
     let tokens = match (late.first(), late.last()) {
@@ -178,6 +187,9 @@ pub fn point(cfg: &SweepConfig, concurrency: u32) -> Result<SweepPoint, SimError
         mean_latency_s: latencies.iter().sum::<f64>() / latencies.len().max(1) as f64,
         kv_pct: 100.0 * kv,
         output_tokens_per_s: tokens,
+        ttft_p50_s: quantile(&mut ttfts, 0.5).unwrap_or(0.0),
+        ttft_p99_s: quantile(&mut ttfts, 0.99).unwrap_or(0.0),
+        itl_mean_s: itls.iter().sum::<f64>() / itls.len().max(1) as f64,
     })
 }
 
@@ -205,6 +217,25 @@ mod tests {
             let per_request = p.output_tokens_per_s / p.requests_per_s;
             assert!((per_request - 256.0).abs() < 0.1 * 256.0, "{c}: {p:?}");
         }
+    }
+
+    #[test]
+    fn an_engine_with_a_short_model_length_runs() {
+        // The virtual-time runner once checked the HTTP front's default
+        // output cap (2 048) against the engine, refusing the test engine
+        // of `scripts/vllm.sh` (`--max-model-len 2048`).
+        let mut cfg = SweepConfig {
+            duration_s: 20.0,
+            warmup_s: 5.0,
+            ..SweepConfig::default()
+        };
+        cfg.engine.max_model_len = 2048;
+        cfg.engine.max_num_seqs = 32;
+        let p = point(&cfg, 4).unwrap();
+        assert!(
+            p.requests_per_s > 0.0 && p.ttft_p50_s > 0.0 && p.itl_mean_s > 0.0,
+            "{p:?}"
+        );
     }
 
     #[test]

@@ -19,6 +19,12 @@ pub struct Timing {
     /// The request's own p95 gap between streamed tokens, seconds; `None`
     /// with fewer than two tokens.
     pub itl_p95_s: Option<f64>,
+    /// The request's mean gap between streamed tokens, seconds; `None`
+    /// with fewer than two tokens.
+    pub itl_mean_s: Option<f64>,
+    /// Seconds from sending to the last streamed token; `None` when none
+    /// came.
+    pub last_token_s: Option<f64>,
     /// Output tokens received.
     pub output_tokens: u64,
     /// Prompt tokens, as the engine counted them (0 when it did not say).
@@ -178,6 +184,8 @@ mod tests {
             sent_s: 0.0,
             ttft_s: ttft,
             itl_p95_s: itl,
+            itl_mean_s: itl,
+            last_token_s: ttft,
             output_tokens: 32,
             prompt_tokens: 250,
             ok,

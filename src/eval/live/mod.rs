@@ -18,6 +18,7 @@
 
 pub mod engine;
 pub mod figures;
+pub mod sweep;
 pub mod traffic;
 
 use std::fmt::Write as _;
@@ -583,6 +584,8 @@ mod tests {
             sent_s,
             ttft_s: Some(0.1),
             itl_p95_s: Some(0.01),
+            itl_mean_s: Some(0.01),
+            last_token_s: Some(0.5),
             output_tokens: 32,
             prompt_tokens: 250,
             ok,

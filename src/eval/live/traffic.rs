@@ -142,6 +142,8 @@ pub async fn interactive_request(
         sent_s,
         ttft_s: None,
         itl_p95_s: None,
+        itl_mean_s: None,
+        last_token_s: None,
         output_tokens: 0,
         prompt_tokens: 0,
         ok: false,
@@ -189,6 +191,10 @@ pub async fn interactive_request(
     let done = tokio::time::timeout(give_up, stream).await.ok().flatten();
     timing.ttft_s = token_times.first().copied();
     timing.itl_p95_s = itl_p95(&token_times);
+    timing.last_token_s = token_times.last().copied();
+    if let [first, .., last] = token_times[..] {
+        timing.itl_mean_s = Some((last - first) / (token_times.len() - 1) as f64);
+    }
     timing.output_tokens = token_times.len() as u64;
     timing.ok = done == Some(true) && timing.output_tokens >= u64::from(output_tokens);
     timing
