@@ -55,6 +55,14 @@ pub(super) struct LiveArgs {
     /// Output tokens of a batch request.
     #[arg(long, default_value_t = 64, requires = "live")]
     batch_output_tokens: u32,
+    /// The SLO's TTFT bound, seconds (scores, and `feedback`'s and
+    /// `slo-headroom`'s `ttft_slo`).
+    #[arg(long, default_value_t = 0.5, requires = "live")]
+    ttft_slo: f64,
+    /// The SLO's bound on a request's p95 gap between tokens, seconds
+    /// (scores, and the gates' `itl_slo`).
+    #[arg(long, default_value_t = 0.05, requires = "live")]
+    itl_slo: f64,
     /// The engine's API server PID (`scripts/vllm.sh serve` prints it):
     /// the CPU time of its process tree is reported per run.
     #[arg(long, requires = "live")]
@@ -183,10 +191,24 @@ async fn options(
         prompt_words: live.prompt_words,
         output_tokens: live.output_tokens,
         batch_output_tokens: live.batch_output_tokens,
-        slo: Slo::default(),
+        slo: Slo {
+            ttft_s: positive("--ttft-slo", live.ttft_slo)?,
+            itl_s: positive("--itl-slo", live.itl_slo)?,
+        },
         engine_pid: live.engine_pid,
         work_dir: std::env::temp_dir().join(format!("sluicegate-eval-live-{}", std::process::id())),
     })
+}
+
+/// `value` when it is a finite number > 0.
+fn positive(flag: &str, value: f64) -> Result<f64, String> {
+    if value.is_finite() && value > 0.0 {
+        Ok(value)
+    } else {
+        Err(format!(
+            "{flag}: must be a number of seconds > 0, got {value}"
+        ))
+    }
 }
 
 /// The first model `<url>/v1/models` lists.
@@ -211,10 +233,12 @@ fn table(report: &LiveReport) -> String {
     let shape = report.shape.name();
     let _ = writeln!(
         out,
-        "live eval: {shape}, {} interactive requests/s, {} s per run, {} repeats",
+        "live eval: {shape}, {} interactive requests/s, {} s per run, {} repeats; SLO TTFT <= {} s, p95 ITL <= {} s",
         report.rate,
         report.duration_s,
-        report.baselines.len()
+        report.baselines.len(),
+        report.slo.ttft_s,
+        report.slo.itl_s
     );
     let _ = writeln!(out, "\nbaseline (no batch), per repeat:");
     for (i, b) in report.baselines.iter().enumerate() {

@@ -10,8 +10,8 @@ use std::process::ExitCode;
 use clap::Args;
 
 use crate::eval::live::sweep::{MeasuredSweep, SweepPlan, measure};
-use crate::sim::config::{EngineConfig, LoadMode, SimConfig};
-use crate::sim::fit::{Fit, MeasuredPoint, fit};
+use crate::sim::config::{EngineConfig, LoadMode, SimConfig, StepModel};
+use crate::sim::fit::{MeasuredPoint, REFINE_DURATION_S, fit, refine, sim_error, simulate};
 use crate::sim::sweep::{LLM_D_H100, SweepConfig, SweepPoint, point};
 
 /// Flags of `sluicegate sim sweep`.
@@ -65,8 +65,9 @@ pub(super) struct SweepArgs {
     /// Words per prompt (about a token each on the test model).
     #[arg(long, default_value_t = 250, requires = "live")]
     prompt_words: usize,
-    /// A second prompt length, measured at concurrency 1 and 8: the fit
-    /// needs two to tell the prefill cost from the context cost.
+    /// A longer prompt length, measured at concurrency 1 and 8, and the
+    /// length halfway at concurrency 1: the fit needs three lengths for
+    /// the prefill's linear and quadratic costs.
     #[arg(long, default_value_t = 1000, requires = "live")]
     long_prompt_words: usize,
     /// Measured time per point on the engine (e.g. `40s`).
@@ -160,10 +161,18 @@ async fn measured(args: &SweepArgs) -> Result<MeasuredSweep, String> {
             prompt_words: args.prompt_words,
         });
     }
-    for concurrency in [1, 8] {
+    // Three lengths at concurrency 1 give the prefill's linear and
+    // quadratic costs; concurrency 8 at the long one separates the
+    // per-sequence cost from the per-context-token one.
+    let middle = (args.prompt_words + args.long_prompt_words) / 2;
+    for (concurrency, prompt_words) in [
+        (1, middle),
+        (1, args.long_prompt_words),
+        (8, args.long_prompt_words),
+    ] {
         points.push(crate::eval::live::sweep::SweepPoint {
             concurrency,
-            prompt_words: args.long_prompt_words,
+            prompt_words,
         });
     }
     let model = match &args.model {
@@ -191,59 +200,81 @@ async fn measured(args: &SweepArgs) -> Result<MeasuredSweep, String> {
     Ok(sweep)
 }
 
-/// Fits the step model to the engine's sweep, runs the simulator at the
-/// same points, prints both, and writes `--profile`.
+/// Fits the step model to the engine's sweep (closed form, then refined
+/// by simulation), runs the simulator at the same points, prints both,
+/// and writes `--profile`.
 fn against_engine(args: &SweepArgs, measured: &MeasuredSweep) -> ExitCode {
-    let fitted = match fit(&measured.points, 0.03) {
-        Ok(f) => f,
+    match fit_and_compare(args, measured) {
+        Ok(table) => {
+            print!("{table}");
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("sluicegate sim sweep: {e}");
-            return ExitCode::FAILURE;
+            ExitCode::FAILURE
         }
-    };
+    }
+}
+
+fn fit_and_compare(args: &SweepArgs, measured: &MeasuredSweep) -> Result<String, String> {
+    let closed = fit(&measured.points, 0.03).map_err(|e| e.to_string())?;
     let mut engine = EngineConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: args.max_model_len,
-        step: fitted.step.clone(),
+        step: closed.step.clone(),
         ..EngineConfig::default()
     };
     if let Some(kv) = measured.kv {
         engine.block_size = kv.block_size;
         engine.num_gpu_blocks = kv.num_gpu_blocks;
     }
+    let closed_error = sim_error(&engine, &measured.points, closed.http_s, args.duration)
+        .map_err(|e| e.to_string())?;
+    let (step, _) = refine(&engine, &measured.points, closed.http_s, REFINE_DURATION_S)
+        .map_err(|e| e.to_string())?;
+    engine.step = step;
+    let refined_error = sim_error(&engine, &measured.points, closed.http_s, args.duration)
+        .map_err(|e| e.to_string())?;
     let mut rows = Vec::new();
     for m in &measured.points {
-        let cfg = SweepConfig {
-            engine: engine.clone(),
-            prompt_mean: m.prompt_tokens,
-            // Prompts of a fixed number of words vary a little in tokens.
-            prompt_cv: 0.05,
-            output_tokens: m.output_tokens,
-            duration_s: args.duration,
-            warmup_s: (args.duration / 6.0).min(30.0),
-            seed: 1,
-        };
-        match point(&cfg, m.concurrency) {
-            Ok(p) => rows.push((m, p)),
-            Err(e) => {
-                eprintln!("sluicegate sim sweep: {e}");
-                return ExitCode::FAILURE;
-            }
-        }
+        rows.push((
+            m,
+            simulate(&engine, m, args.duration).map_err(|e| e.to_string())?,
+        ));
     }
-    print!("{}", engine_table(measured, &fitted, &rows));
+    let mut out = String::new();
+    let _ = writeln!(out, "engine: {}", measured.url);
+    let _ = writeln!(
+        out,
+        "closed-form fit: {}; HTTP path {:.1} ms; simulator error {:.4} (mean squared log ratio)",
+        constants(&closed.step),
+        closed.http_s * 1000.0,
+        closed_error
+    );
+    let _ = writeln!(
+        out,
+        "refined by simulation: {}; simulator error {:.4}",
+        constants(&engine.step),
+        refined_error
+    );
+    out.push_str(&engine_table(closed.http_s, &rows));
     if let Some(path) = &args.profile {
-        let profile = profile(engine, measured);
-        let written = toml::to_string(&profile)
-            .map_err(|e| e.to_string())
-            .and_then(|t| std::fs::write(path, t).map_err(|e| e.to_string()));
-        if let Err(e) = written {
-            eprintln!("sluicegate sim sweep: --profile {}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
+        let text = toml::to_string(&profile(engine, measured)).map_err(|e| e.to_string())?;
+        std::fs::write(path, text).map_err(|e| format!("--profile {}: {e}", path.display()))?;
     }
-    ExitCode::SUCCESS
+    Ok(out)
+}
+
+fn constants(s: &StepModel) -> String {
+    format!(
+        "c0 {:.3} ms, c1 {:.5} ms/prefill token, c2 {:.4} ms/seq, c3 {:.6} ms/context token, c4 {:.3e} ms/prefill token/context token",
+        s.c0_ms,
+        s.c1_ms_per_prefill_token,
+        s.c2_ms_per_decode_seq,
+        s.c3_ms_per_context_token,
+        s.c4_ms_per_prefill_context
+    )
 }
 
 /// The fitted engine as a one-replica simulator with no load of its own,
@@ -274,27 +305,11 @@ fn mark(ratio: f64) -> &'static str {
     }
 }
 
-fn engine_table(
-    measured: &MeasuredSweep,
-    fitted: &Fit,
-    rows: &[(&MeasuredPoint, SweepPoint)],
-) -> String {
-    let s = &fitted.step;
+fn engine_table(http_s: f64, rows: &[(&MeasuredPoint, SweepPoint)]) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "engine: {}", measured.url);
     let _ = writeln!(
         out,
-        "fitted step: c0 {:.3} ms, c1 {:.5} ms/prefill token, c2 {:.4} ms/seq, c3 {:.6} ms/context token; HTTP path {:.1} ms (not simulated, added to the simulator's TTFT below); worst fitted ITL error {:.1} %",
-        s.c0_ms,
-        s.c1_ms_per_prefill_token,
-        s.c2_ms_per_decode_seq,
-        s.c3_ms_per_context_token,
-        fitted.http_s * 1000.0,
-        fitted.worst_itl_error * 100.0
-    );
-    let _ = writeln!(
-        out,
-        "each cell: engine / simulator / ratio; * outside ±15 %"
+        "each cell: engine / simulator / ratio; * outside ±15 %; the simulator's TTFT includes the HTTP path"
     );
     let _ = writeln!(
         out,
@@ -306,15 +321,14 @@ fn engine_table(
         format!("{a:>7.digits$} {b:>7.digits$} {r:>5.2}{}", mark(r))
     };
     for (m, p) in rows {
-        let h = fitted.http_s;
         let _ = writeln!(
             out,
             "{:>4} {:>6.0} | {} | {} | {} | {}",
             m.concurrency,
             m.prompt_tokens,
             cell(m.requests_per_s, p.requests_per_s, 2),
-            cell(m.ttft_p50_s * 1e3, (p.ttft_p50_s + h) * 1e3, 1),
-            cell(m.ttft_p99_s * 1e3, (p.ttft_p99_s + h) * 1e3, 1),
+            cell(m.ttft_p50_s * 1e3, (p.ttft_p50_s + http_s) * 1e3, 1),
+            cell(m.ttft_p99_s * 1e3, (p.ttft_p99_s + http_s) * 1e3, 1),
             cell(m.itl_mean_s * 1e3, p.itl_mean_s * 1e3, 1),
         );
     }

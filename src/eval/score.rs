@@ -168,6 +168,7 @@ impl PhysicalBound {
         // length: E[o²] = ō²(1 + cv²).
         let o2 = o * o * (1.0 + batch.output_cv * batch.output_cv);
         let per_request_ms = m.c1_ms_per_prefill_token * p
+            + m.c4_ms_per_prefill_context * p * p * (1.0 + batch.prompt_cv * batch.prompt_cv) / 2.0
             + m.c2_ms_per_decode_seq * (o - 1.0)
             + m.c3_ms_per_context_token * ((o - 1.0) * p + (o2 - o) / 2.0);
         let k = per_request_ms / o / 1000.0;

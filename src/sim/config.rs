@@ -196,7 +196,11 @@ impl EngineConfig {
     }
 }
 
-/// Step duration `d = c0 + c1·P + c2·N_dec + c3·Σctx`, times `1 + jitter·U(−1, 1)`.
+/// Step duration `d = c0 + c1·P + c2·N_dec + c3·Σctx + c4·Σpctx`, times
+/// `1 + jitter·U(−1, 1)`, where `Σpctx` sums, over the step's prefill
+/// chunks, chunk tokens × the context each attends to on average
+/// (`computed + chunk / 2`): attention's quadratic part, which makes a
+/// long prompt cost more per token than a short one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StepModel {
@@ -208,6 +212,10 @@ pub struct StepModel {
     pub c2_ms_per_decode_seq: f64,
     /// Cost per token of context over all decoding sequences, milliseconds.
     pub c3_ms_per_context_token: f64,
+    /// Cost per prefill token per token of context it attends to,
+    /// milliseconds (0 by default: the calibrated H100 engine's sweep does
+    /// not show it; the CPU engine's does, `docs/real-engine.md`).
+    pub c4_ms_per_prefill_context: f64,
     /// Relative jitter amplitude (0.03 = ±3 %, uniform).
     pub jitter: f64,
 }
@@ -224,6 +232,7 @@ impl Default for StepModel {
             c1_ms_per_prefill_token: 0.0345,
             c2_ms_per_decode_seq: 0.0138,
             c3_ms_per_context_token: 3.45e-5,
+            c4_ms_per_prefill_context: 0.0,
             jitter: 0.03,
         }
     }
@@ -244,6 +253,10 @@ impl StepModel {
             (
                 "engine.step.c3_ms_per_context_token",
                 self.c3_ms_per_context_token,
+            ),
+            (
+                "engine.step.c4_ms_per_prefill_context",
+                self.c4_ms_per_prefill_context,
             ),
         ];
         for (key, v) in all {

@@ -367,6 +367,9 @@ pub struct StepWork {
     pub decode_seqs: u32,
     /// Total context of the decoding sequences, tokens.
     pub decode_context: u64,
+    /// Σ over prefill chunks of chunk tokens × (tokens computed before the
+    /// chunk + half the chunk): the attention work of the prefill.
+    pub prefill_context: u64,
 }
 
 /// Length of a jitter slot, seconds: the GPU's speed is constant within a
@@ -608,7 +611,8 @@ impl Engine {
         (s.c0_ms
             + s.c1_ms_per_prefill_token * f64::from(w.prefill_tokens)
             + s.c2_ms_per_decode_seq * f64::from(w.decode_seqs)
-            + s.c3_ms_per_context_token * w.decode_context as f64)
+            + s.c3_ms_per_context_token * w.decode_context as f64
+            + s.c4_ms_per_prefill_context * w.prefill_context as f64)
             / 1000.0
     }
 
@@ -790,6 +794,8 @@ impl Engine {
                     x.decode_context += u64::from(s.computed + 1);
                 } else {
                     x.prefill_tokens += s.scheduled;
+                    x.prefill_context += u64::from(s.scheduled)
+                        * (u64::from(s.computed) + u64::from(s.scheduled) / 2);
                 }
             }
         }

@@ -465,6 +465,88 @@ async fn gates_read_the_real_page_and_every_budget_falls_when_requests_wait() {
         "{report}"
     );
     step(t0, "eval --live scored a contender against its baseline");
+
+    // `sim sweep --live` as small as the fit allows: three prompt lengths at
+    // concurrency 1, two concurrencies, a few seconds each; then the same
+    // fit and table again from the saved sweep, without the engine.
+    let tmp = TempDir::new("real-engine-sweep");
+    let (saved, profile) = (tmp.0.join("sweep.json"), tmp.0.join("profile.toml"));
+    let sweep = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sluicegate"))
+            .args(["sim", "sweep", "--duration", "60"])
+            .args(extra)
+            .output()
+            .expect("sluicegate runs")
+    };
+    let out = sweep(&[
+        "--live",
+        &base,
+        "--concurrency",
+        "1,2",
+        "--prompt-words",
+        "100",
+        "--long-prompt-words",
+        "400",
+        "--point-duration",
+        "4s",
+        "--point-warmup",
+        "1s",
+        "--save",
+        saved.to_str().expect("utf-8"),
+        "--profile",
+        profile.to_str().expect("utf-8"),
+    ]);
+    let table = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{table}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let measured: Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved).expect("saved")).expect("JSON");
+    // The KV shape is the engine's own (1 GiB of 128-token blocks).
+    assert_eq!(measured["kv"]["block_size"], 128, "{measured}");
+    let points = measured["points"].as_array().expect("points");
+    let shape: Vec<(u64, u64)> = points
+        .iter()
+        .map(|p| {
+            (
+                p["concurrency"].as_u64().unwrap(),
+                p["prompt_words"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(shape, [(1, 100), (2, 100), (1, 250), (1, 400), (8, 400)]);
+    for p in points {
+        assert!(p["requests"].as_u64() > Some(0), "{p}");
+        assert!(p["itl_mean_s"].as_f64() > Some(0.0), "{p}");
+    }
+    // Longer prompts: more tokens as the engine counted them, later first
+    // tokens at concurrency 1.
+    let at = |i: usize, key: &str| points[i][key].as_f64().expect("number");
+    assert!(
+        at(0, "prompt_tokens") < at(2, "prompt_tokens")
+            && at(2, "prompt_tokens") < at(3, "prompt_tokens")
+    );
+    assert!(at(0, "ttft_p50_s") < at(3, "ttft_p50_s"), "{measured}");
+    // The profile is a simulator configuration with the fitted steps.
+    let cfg: toml::Value =
+        toml::from_str(&std::fs::read_to_string(&profile).expect("profile")).expect("TOML");
+    let fitted = &cfg["engine"]["step"];
+    assert!(fitted["c0_ms"].as_float() > Some(0.0), "{cfg}");
+    assert!(
+        fitted["c1_ms_per_prefill_token"].as_float() > Some(0.0),
+        "{cfg}"
+    );
+    assert_eq!(cfg["replicas"].as_integer(), Some(1));
+    let again = sweep(&["--against", saved.to_str().expect("utf-8")]);
+    assert!(again.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&again.stdout),
+        table,
+        "the fit is deterministic"
+    );
+    step(t0, "sim sweep --live measured, fitted and compared");
 }
 
 /// An OpenAI batch line to the engine: a completion (`chat` false) or a

@@ -83,8 +83,14 @@ impl LiveContender {
     }
 
     /// The batch runner's gate type, parameters and `max_SYS`: a static cap
-    /// of N is the constant gate with a window of N.
-    fn batch_gate(&self, metrics_url: &str, max_sys: u32) -> (String, serde_json::Value, u32) {
+    /// of N is the constant gate with a window of N; the gates that hold an
+    /// SLO hold the eval's.
+    fn batch_gate(
+        &self,
+        metrics_url: &str,
+        max_sys: u32,
+        slo: Slo,
+    ) -> (String, serde_json::Value, u32) {
         match self {
             Self::Ungated => ("constant".into(), json!({}), max_sys),
             Self::StaticCap(n) => ("constant".into(), json!({}), *n),
@@ -93,7 +99,11 @@ impl LiveContender {
                 json!({"urls": [metrics_url], "max_num_seqs": max_sys}),
                 max_sys,
             ),
-            Self::Gate(g) => (g.clone(), json!({"urls": [metrics_url]}), max_sys),
+            Self::Gate(g) => (
+                g.clone(),
+                json!({"urls": [metrics_url], "ttft_slo": slo.ttft_s, "itl_slo": slo.itl_s}),
+                max_sys,
+            ),
         }
     }
 }
@@ -203,6 +213,8 @@ pub struct LiveReport {
     pub rate: f64,
     /// Seconds per run.
     pub duration_s: f64,
+    /// The SLO every run is scored against.
+    pub slo: Slo,
     /// The baselines' figures, one per repeat (their own spread is the
     /// noise every ratio sits in).
     pub baselines: Vec<RunFigures>,
@@ -297,6 +309,7 @@ fn report(options: &LiveOptions, runs: Vec<LiveRun>) -> LiveReport {
         shape: options.shape,
         rate: options.rate,
         duration_s: options.duration.as_secs_f64(),
+        slo: options.slo,
         baselines,
         contenders,
         runs,
@@ -393,7 +406,8 @@ async fn start_batch(
         .join(format!("r{repeat}-{}", contender.name()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let (gate_type, params, max_sys) = contender.batch_gate(&options.metrics_url, options.max_sys);
+    let (gate_type, params, max_sys) =
+        contender.batch_gate(&options.metrics_url, options.max_sys, options.slo);
     let gate = build_gate_for_batch(&gate_type, &params, f64::from(max_sys))?;
     // One request per slot per second of the run, twice over: more than the
     // engine can finish (a 64-token request takes over a second at 32 in flight).
@@ -564,17 +578,28 @@ mod tests {
 
     #[test]
     fn a_static_cap_is_a_constant_window_of_its_size() {
-        let (gate, _, max_sys) = LiveContender::StaticCap(3).batch_gate("http://e/metrics", 32);
+        let (gate, _, max_sys) =
+            LiveContender::StaticCap(3).batch_gate("http://e/metrics", 32, Slo::default());
         assert_eq!((gate.as_str(), max_sys), ("constant", 3));
         let (gate, params, max_sys) =
-            LiveContender::Gate("vllm".into()).batch_gate("http://e/metrics", 32);
+            LiveContender::Gate("vllm".into()).batch_gate("http://e/metrics", 32, Slo::default());
         assert_eq!((gate.as_str(), max_sys), ("vllm", 32));
         assert_eq!(params["urls"][0], "http://e/metrics");
+        let slo = Slo {
+            ttft_s: 1.0,
+            itl_s: 0.1,
+        };
         for name in PAGE_GATES {
             let (gate, params, max_sys) =
-                LiveContender::Gate((*name).into()).batch_gate("http://e/metrics", 32);
+                LiveContender::Gate((*name).into()).batch_gate("http://e/metrics", 32, slo);
             build_gate_for_batch(&gate, &params, f64::from(max_sys))
-                .expect("builds with its defaults");
+                .expect("builds with its defaults and the eval's SLO");
+            if *name != "vllm" {
+                assert_eq!(
+                    (params["ttft_slo"].as_f64(), params["itl_slo"].as_f64()),
+                    (Some(1.0), Some(0.1))
+                );
+            }
         }
     }
 
