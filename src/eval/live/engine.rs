@@ -19,8 +19,8 @@ pub struct EngineReading {
     pub waiting: f64,
 }
 
-/// Reads the engine's page.
-pub async fn read(client: &reqwest::Client, metrics_url: &str) -> Result<EngineReading, String> {
+/// Fetches and parses the engine's page.
+pub async fn page(client: &reqwest::Client, metrics_url: &str) -> Result<text::Exposition, String> {
     let text = client
         .get(metrics_url)
         .timeout(Duration::from_secs(5))
@@ -31,7 +31,12 @@ pub async fn read(client: &reqwest::Client, metrics_url: &str) -> Result<EngineR
         .text()
         .await
         .map_err(|e| format!("{metrics_url}: {e}"))?;
-    let page = text::parse(&text).map_err(|e| format!("{metrics_url}: {e}"))?;
+    text::parse(&text).map_err(|e| format!("{metrics_url}: {e}"))
+}
+
+/// Reads the engine's page.
+pub async fn read(client: &reqwest::Client, metrics_url: &str) -> Result<EngineReading, String> {
+    let page = page(client, metrics_url).await?;
     let sum = |name: &str| page.named(name).map(|s| s.value).sum::<f64>();
     if page.named("vllm:num_requests_running").next().is_none() {
         return Err(format!(

@@ -139,10 +139,12 @@ async fn closed_loop(
     let timings = std::mem::take(&mut *timings.lock().await);
     let failed = timings.iter().filter(|(t, _)| !t.ok).count();
     if failed * 10 > timings.len() {
+        let silent = timings.iter().filter(|(t, _)| t.ttft_s.is_none()).count();
         return Err(format!(
-            "concurrency {}: {failed} of {} requests failed; is {} a vLLM serving {}?",
+            "concurrency {}: {failed} of {} requests failed ({silent} without a first token, the rest short of {} tokens or without [DONE]); is {} a vLLM serving {}?",
             point.concurrency,
             timings.len(),
+            plan.output_tokens,
             plan.url,
             plan.model
         ));
@@ -194,17 +196,7 @@ fn figures(point: SweepPoint, plan: &SweepPlan, timings: &[(Timing, usize)]) -> 
 /// The KV shape on the engine's page (`vllm:cache_config_info`'s labels);
 /// `None` when the page has no such series.
 async fn kv_shape(client: &reqwest::Client, metrics_url: &str) -> Result<Option<KvShape>, String> {
-    let text = client
-        .get(metrics_url)
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .and_then(reqwest::Response::error_for_status)
-        .map_err(|e| format!("{metrics_url}: {e}"))?
-        .text()
-        .await
-        .map_err(|e| format!("{metrics_url}: {e}"))?;
-    let page = crate::source::text::parse(&text).map_err(|e| format!("{metrics_url}: {e}"))?;
+    let page = engine::page(client, metrics_url).await?;
     Ok(page.named("vllm:cache_config_info").find_map(|s| {
         let label = |k: &str| s.labels.get(k)?.parse::<u32>().ok();
         Some(KvShape {

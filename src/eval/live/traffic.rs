@@ -149,6 +149,9 @@ pub async fn interactive_request(
         ok: false,
     };
     let mut token_times = Vec::with_capacity(output_tokens as usize);
+    // A busy API server sends several tokens in one event: the count is
+    // the engine's own (`usage`), the times are the events'.
+    let mut completion_tokens = None;
     let stream = async {
         let mut response = client
             .post(format!("{url}/v1/completions"))
@@ -179,6 +182,7 @@ pub async fn interactive_request(
                 };
                 if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
                     timing.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+                    completion_tokens = usage["completion_tokens"].as_u64();
                 }
                 let texts = event["choices"].as_array().map_or(0, Vec::len);
                 if texts > 0 {
@@ -192,10 +196,10 @@ pub async fn interactive_request(
     timing.ttft_s = token_times.first().copied();
     timing.itl_p95_s = itl_p95(&token_times);
     timing.last_token_s = token_times.last().copied();
+    timing.output_tokens = completion_tokens.unwrap_or(token_times.len() as u64);
     if let [first, .., last] = token_times[..] {
-        timing.itl_mean_s = Some((last - first) / (token_times.len() - 1) as f64);
+        timing.itl_mean_s = Some((last - first) / (timing.output_tokens.max(2) - 1) as f64);
     }
-    timing.output_tokens = token_times.len() as u64;
     timing.ok = done == Some(true) && timing.output_tokens >= u64::from(output_tokens);
     timing
 }
@@ -224,6 +228,51 @@ mod tests {
         assert!((250.0..480.0).contains(&low), "{low}");
         assert_eq!(LiveShape::parse("waves"), Some(LiveShape::Waves));
         assert_eq!(LiveShape::parse("diurnal"), None);
+    }
+
+    #[tokio::test]
+    async fn tokens_merged_into_one_event_are_counted_from_usage() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A busy vLLM API server sends several tokens in one event; the
+        // request is complete when the engine's usage says so (found by the
+        // real-engine suite under load: 4 of 20 requests counted short).
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !(request.windows(4).any(|w| w == b"\r\n\r\n") && request.ends_with(b"}")) {
+                let n = socket.read(&mut buf).await.unwrap();
+                assert!(n > 0, "the request ended early");
+                request.extend_from_slice(&buf[..n]);
+            }
+            let events = concat!(
+                "data: {\"choices\":[{\"text\":\" a\"}]}\n\n",
+                "data: {\"choices\":[{\"text\":\" b c d\"}]}\n\n",
+                "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":4}}\n\n",
+                "data: [DONE]\n\n"
+            );
+            let response = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{events}",
+                events.len()
+            );
+            socket.write_all(response.as_bytes()).await.unwrap();
+        });
+        let client = reqwest::Client::new();
+        let t = interactive_request(
+            &client,
+            &url,
+            "m",
+            "p",
+            4,
+            Instant::now(),
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(t.ok, "{t:?}");
+        assert_eq!((t.output_tokens, t.prompt_tokens), (4, 5), "{t:?}");
+        assert!(t.itl_mean_s.is_some() && t.ttft_s.is_some(), "{t:?}");
     }
 
     #[test]
