@@ -194,3 +194,52 @@ pub(super) async fn pool_in_flight(http: &reqwest::Client, url: &str) -> Result<
         &["vllm:num_requests_running{", "vllm:num_requests_waiting{"],
     ))
 }
+
+/// What a bench's `sluicegate run` replica runs against: a Redis queue with
+/// the shared window, the endpoint-scrape gate on the simulator's running
+/// count.
+pub(super) struct ReplicaSpec<'a> {
+    pub(super) redis_url: &'a str,
+    pub(super) queue: &'a str,
+    pub(super) results: &'a str,
+    pub(super) gateway: &'a str,
+    pub(super) metrics_url: String,
+    pub(super) max_count: f64,
+    pub(super) baseline: f64,
+    pub(super) shared_window: &'a str,
+    pub(super) lease: String,
+}
+
+/// The command both replica benches start (this executable's `run`, a clean
+/// environment); the caller adds its own settings and spawns it.
+pub(super) fn replica_command(spec: &ReplicaSpec) -> Result<std::process::Command, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
+    let params = serde_json::json!({
+        "url": spec.metrics_url,
+        "metric": "vllm:num_requests_running",
+        "max_count_per_pod": spec.max_count,
+        "baseline": spec.baseline,
+        "sees_own_load": true,
+    });
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("run")
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("SLUICEGATE_TRANSPORT", "redis")
+        .env("SLUICEGATE_REDIS_URL", spec.redis_url)
+        .env("SLUICEGATE_QUEUE", spec.queue)
+        .env("SLUICEGATE_QUEUE_RESULT_QUEUE_NAME", spec.results)
+        .env("SLUICEGATE_GATEWAY_URL", spec.gateway)
+        .env("SLUICEGATE_GATE_TYPE", "endpoint-scrape")
+        .env("SLUICEGATE_GATE_PARAMS", params.to_string())
+        .env("SLUICEGATE_QUEUE_MAX_SYS", spec.max_count.to_string())
+        .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
+        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
+        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
+        .env("SLUICEGATE_DISPATCH_SHARED_WINDOW", spec.shared_window)
+        .env("SLUICEGATE_DISPATCH_SHARED_WINDOW_LEASE", &spec.lease)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit());
+    Ok(cmd)
+}

@@ -5,7 +5,7 @@
 //! simulator and from the semaphore, against the window, and the
 //! throughput (docs/benchmarks.md).
 
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use crate::redis::RedisConnection;
@@ -181,39 +181,22 @@ async fn run_once(
 }
 
 fn spawn_replica(args: &ReplicasArgs, sim: &SimHandle, results: &str) -> Result<Replica, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
-    let params = serde_json::json!({
-        "url": format!("{}/metrics", sim.base_url()),
-        "metric": "vllm:num_requests_running",
-        "max_count_per_pod": args.max_count,
-        "baseline": args.baseline,
-        "sees_own_load": true,
-    });
     let redis = args.redis.config()?;
-    Command::new(exe)
-        .arg("run")
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("SLUICEGATE_TRANSPORT", "redis")
-        .env("SLUICEGATE_REDIS_URL", redis.url.expose().as_str())
-        .env("SLUICEGATE_QUEUE", &args.queue)
-        .env("SLUICEGATE_QUEUE_RESULT_QUEUE_NAME", results)
-        .env("SLUICEGATE_GATEWAY_URL", sim.base_url())
-        .env("SLUICEGATE_GATE_TYPE", "endpoint-scrape")
-        .env("SLUICEGATE_GATE_PARAMS", params.to_string())
-        .env("SLUICEGATE_QUEUE_MAX_SYS", args.max_count.to_string())
-        .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
-        .env("SLUICEGATE_LOG_LEVEL", "warn")
-        .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
-        .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
-        .env("SLUICEGATE_DISPATCH_SHARED_WINDOW", &args.shared_window)
-        .env("SLUICEGATE_DISPATCH_SHARED_WINDOW_LEASE", "3s")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map(Replica)
-        .map_err(|e| format!("spawn a replica: {e}"))
+    super::measure::replica_command(&super::measure::ReplicaSpec {
+        redis_url: redis.url.expose().as_str(),
+        queue: &args.queue,
+        results,
+        gateway: &sim.base_url(),
+        metrics_url: format!("{}/metrics", sim.base_url()),
+        max_count: args.max_count,
+        baseline: args.baseline,
+        shared_window: &args.shared_window,
+        lease: "3s".to_owned(),
+    })?
+    .env("SLUICEGATE_LOG_LEVEL", "warn")
+    .spawn()
+    .map(Replica)
+    .map_err(|e| format!("spawn a replica: {e}"))
 }
 
 fn redis_error(e: redis::RedisError) -> String {

@@ -360,43 +360,23 @@ struct Replica(Child);
 
 impl Replica {
     fn spawn(args: &SoakArgs, redis: &str, gateway: &str, sim: &SimHandle) -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
-        let params = serde_json::json!({
-            "url": format!("{}/metrics", sim.base_url()),
-            "metric": "vllm:num_requests_running",
-            "max_count_per_pod": args.max_count,
-            "baseline": args.baseline,
-            "sees_own_load": true,
-        });
-        Command::new(exe)
-            .arg("run")
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("SLUICEGATE_TRANSPORT", "redis")
-            .env("SLUICEGATE_REDIS_URL", redis)
-            .env("SLUICEGATE_QUEUE", QUEUE)
-            .env("SLUICEGATE_QUEUE_RESULT_QUEUE_NAME", RESULTS)
-            .env("SLUICEGATE_GATEWAY_URL", gateway)
-            .env("SLUICEGATE_GATEWAY_ATTEMPT_TIMEOUT", ATTEMPT_TIMEOUT)
-            .env("SLUICEGATE_GATE_TYPE", "endpoint-scrape")
-            .env("SLUICEGATE_GATE_PARAMS", params.to_string())
-            .env("SLUICEGATE_QUEUE_MAX_SYS", args.max_count.to_string())
-            .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
-            .env("SLUICEGATE_LOG_LEVEL", "error")
-            .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
-            .env("SLUICEGATE_DISPATCH_RECEIVE_WAIT", "100ms")
-            .env("SLUICEGATE_DISPATCH_CONGESTION_MAX_BACKOFF", "4s")
-            .env("SLUICEGATE_DISPATCH_SHARED_WINDOW", "redis")
-            .env(
-                "SLUICEGATE_DISPATCH_SHARED_WINDOW_LEASE",
-                format!("{}s", LEASE.as_secs()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map(Self)
-            .map_err(|e| format!("spawn a replica: {e}"))
+        super::measure::replica_command(&super::measure::ReplicaSpec {
+            redis_url: redis,
+            queue: QUEUE,
+            results: RESULTS,
+            gateway,
+            metrics_url: format!("{}/metrics", sim.base_url()),
+            max_count: args.max_count,
+            baseline: args.baseline,
+            shared_window: "redis",
+            lease: format!("{}s", LEASE.as_secs()),
+        })?
+        .env("SLUICEGATE_GATEWAY_ATTEMPT_TIMEOUT", ATTEMPT_TIMEOUT)
+        .env("SLUICEGATE_LOG_LEVEL", "error")
+        .env("SLUICEGATE_DISPATCH_CONGESTION_MAX_BACKOFF", "4s")
+        .spawn()
+        .map(Self)
+        .map_err(|e| format!("spawn a replica: {e}"))
     }
 
     fn kill(&mut self) {

@@ -19,6 +19,15 @@ pub struct EngineReading {
     pub waiting: f64,
 }
 
+/// The HTTP client of the live eval and the sweep: connections kept for
+/// as many requests as the engine runs at once.
+pub fn client() -> Result<reqwest::Client, String> {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()
+        .map_err(|e| e.to_string())
+}
+
 /// Fetches and parses the engine's page.
 pub async fn page(client: &reqwest::Client, metrics_url: &str) -> Result<text::Exposition, String> {
     let text = client

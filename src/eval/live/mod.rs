@@ -229,10 +229,7 @@ pub async fn evaluate(
     options: &LiveOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<LiveReport, String> {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(64)
-        .build()
-        .map_err(|e| e.to_string())?;
+    let client = engine::client()?;
     engine::read(&client, &options.metrics_url).await?;
     if !options.warmup.is_zero() {
         progress("warm-up");

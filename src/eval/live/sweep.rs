@@ -73,10 +73,7 @@ pub async fn measure(
     plan: &SweepPlan,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<MeasuredSweep, String> {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(64)
-        .build()
-        .map_err(|e| e.to_string())?;
+    let client = engine::client()?;
     let kv = kv_shape(&client, &plan.metrics_url).await?;
     let mut points = Vec::new();
     for (i, point) in plan.points.iter().enumerate() {
