@@ -11,8 +11,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::dispatch::DispatchSettings;
 use crate::dispatch::pace::{Pace, PaceUnit};
 use crate::eval::{
-    Contender, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread, TEST_SEEDS,
-    TRAIN_SEEDS, contender,
+    Contender, NamedSpec, Options, PoolSize, Report, Scenario, ScenarioReport, Shape, Slo, Spread,
+    TEST_SEEDS, TRAIN_SEEDS, contender,
 };
 use crate::sim::config::SchedPolicy;
 
@@ -35,7 +35,8 @@ pub(super) struct EvalArgs {
     /// Also evaluate a gate of your own (repeatable):
     /// `NAME={"gate_type": "...", "gate_params": {...}}`, with the
     /// simulated pool's metrics at `http://pool.sim.invalid/metrics` and
-    /// Prometheus pool name `pool`.
+    /// Prometheus pool name `pool`; with `--live`, `urls`, `ttft_slo` and
+    /// `itl_slo` default to the engine's page and the eval's SLO.
     #[arg(long = "gate-spec", value_name = "NAME=JSON")]
     gate_specs: Vec<String>,
     /// Replay a CSV trace (timestamp, input tokens, output tokens) as a
@@ -119,7 +120,6 @@ impl EvalArgs {
 pub(super) async fn run_live(args: EvalArgs) -> ExitCode {
     let simulator_only = [
         ("--pool", args.pool != "all"),
-        ("--gate-spec", !args.gate_specs.is_empty()),
         ("--trace", args.trace.is_some()),
         ("--scale", args.scale != 1.0),
         ("--svg", args.svg.is_some()),
@@ -145,6 +145,7 @@ pub(super) async fn run_live(args: EvalArgs) -> ExitCode {
         args.live,
         &args.scenarios,
         &args.gates,
+        &args.gate_specs,
         args.csv,
         args.json,
     )
@@ -412,20 +413,8 @@ fn seed_set(set: &str) -> Result<Vec<u64>, String> {
 
 /// A `--gate-spec NAME=JSON` contender.
 fn custom_gate(arg: &str) -> Result<Contender, String> {
-    let (name, json) = arg
-        .split_once('=')
-        .ok_or_else(|| format!("--gate-spec: expected NAME=JSON, got `{arg}`"))?;
-    let value: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| format!("--gate-spec {name}: {e}"))?;
-    let gate_type = value
-        .get("gate_type")
-        .and_then(serde_json::Value::as_str)
-        .ok_or_else(|| format!("--gate-spec {name}: `gate_type` (a string) is required"))?;
-    let params = value
-        .get("gate_params")
-        .cloned()
-        .unwrap_or_else(|| serde_json::json!({}));
-    Contender::gate(name, gate_type, &params)
+    let spec = NamedSpec::parse(arg).map_err(|e| format!("--gate-spec: {e}"))?;
+    Contender::gate(&spec.name, &spec.gate_type, &spec.params)
 }
 
 /// Runs the evaluation will make, for the progress bar.

@@ -86,10 +86,11 @@ pub(super) async fn run(
     live: LiveArgs,
     scenarios: &[String],
     gates: &[String],
+    gate_specs: &[String],
     csv: Option<PathBuf>,
     json: bool,
 ) -> ExitCode {
-    let options = match options(url, &live, scenarios, gates).await {
+    let options = match options(url, &live, scenarios, gates, gate_specs).await {
         Ok(o) => o,
         Err(e) => {
             eprintln!("sluicegate eval --live: {e}");
@@ -131,6 +132,7 @@ async fn options(
     live: &LiveArgs,
     scenarios: &[String],
     gates: &[String],
+    gate_specs: &[String],
 ) -> Result<LiveOptions, String> {
     let url = url.trim_end_matches('/').to_owned();
     let shape = match scenarios {
@@ -140,15 +142,18 @@ async fn options(
         })?,
         _ => return Err("--scenario: one scenario per live eval (steady or waves)".to_owned()),
     };
-    let names: Vec<&str> = if gates.is_empty() {
+    let names: Vec<&str> = if gates.is_empty() && gate_specs.is_empty() {
         DEFAULT_CONTENDERS.to_vec()
     } else {
         gates.iter().map(String::as_str).collect()
     };
-    let contenders = names
+    let mut contenders = names
         .iter()
         .map(|n| LiveContender::parse(n).map_err(|e| format!("--gate: {e}")))
         .collect::<Result<Vec<_>, _>>()?;
+    for spec in gate_specs {
+        contenders.push(LiveContender::spec(spec).map_err(|e| format!("--gate-spec: {e}"))?);
+    }
     let duration =
         crate::config::parse_duration(&live.duration).map_err(|e| format!("--duration: {e}"))?;
     let warmup =

@@ -11,6 +11,44 @@ use crate::config::GateSpec;
 /// `inference_pool` label).
 pub const POOL: &str = "pool";
 
+/// A gate of the user's own, as `--gate-spec` gives it (to `eval` and to
+/// `eval --live`): `NAME={"gate_type": "...", "gate_params": {...}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedSpec {
+    /// Its name in reports.
+    pub name: String,
+    /// The gate type.
+    pub gate_type: String,
+    /// Its parameters (an object; `{}` when absent).
+    pub params: Value,
+}
+
+impl NamedSpec {
+    /// Parses `NAME=JSON`.
+    pub fn parse(arg: &str) -> Result<Self, String> {
+        let (name, text) = arg
+            .split_once('=')
+            .ok_or_else(|| format!("expected NAME=JSON, got `{arg}`"))?;
+        let value: Value = serde_json::from_str(text).map_err(|e| format!("{name}: {e}"))?;
+        let gate_type = value
+            .get("gate_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("{name}: `gate_type` (a string) is required"))?;
+        let params = value
+            .get("gate_params")
+            .cloned()
+            .unwrap_or_else(|| json!({}));
+        if !params.is_object() {
+            return Err(format!("{name}: `gate_params` must be an object"));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            gate_type: gate_type.to_owned(),
+            params,
+        })
+    }
+}
+
 /// How a contender releases batch work.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kind {

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use serde::Serialize;
 
 pub use chart::timeline_svg;
-pub use contender::{Contender, Kind};
+pub use contender::{Contender, Kind, NamedSpec};
 pub use endpoint::{PAGE_URL, SimMetrics};
 pub use harness::{GatePolicy, GateSample, HarnessError, Release};
 pub use scenario::{PoolSize, Scenario, Shape, TEST_SEEDS, TRAIN_SEEDS};

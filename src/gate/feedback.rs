@@ -4,7 +4,9 @@
 //! waiting queue, new preemptions) and by 429/503 answers. `D = W / max_sys`,
 //! baseline 0, blind (the window caps own in-flight at `W`). The rules are
 //! in [`super::control::Aimd`]; this file reads the pages and feeds it once
-//! per new reading. sluicegate's own gate: no upstream equivalent.
+//! per new reading. With `lull_quantile` set, new work starts only at lulls
+//! of the foreign load ([`super::control::Lulls`]). sluicegate's own gate:
+//! no upstream equivalent.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -12,7 +14,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use serde::{Deserialize, Serialize};
 
 use super::Unit;
-use super::control::{Aimd, AimdConfig, Signals, Step, attainment};
+use super::control::{Aimd, AimdConfig, Lulls, Signals, Step, attainment};
 use super::engine_signals::{History, OwnLoad, own_work_reading, read_pages};
 use super::param::{GateParams, ParseCx, loose, validate_engine_urls};
 use super::reading::{MetricGate, SourceReport};
@@ -82,6 +84,23 @@ pub struct FeedbackParams {
     /// (default false: cut by `decrease` on any miss).
     #[serde(deserialize_with = "loose::bool")]
     pub graded_cut: bool,
+    /// Start new batch requests only at lulls of the interactive load: at
+    /// readings whose foreign requests per engine (running and waiting, less
+    /// ours in flight) are at or below this quantile of the last
+    /// `lull_readings` readings, in [0, 1); unset = start at any reading
+    /// (`control::Lulls` says why).
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub lull_quantile: Option<f64>,
+    /// Readings the lull level is taken over, >= 1 (default 120: 30 s at
+    /// the batch runner's 250 ms, 2 min at `run`'s 1 s).
+    #[serde(deserialize_with = "loose::u32")]
+    pub lull_readings: u32,
+    /// Most new work started per lull, in the queue's unit, > 0 (default
+    /// the growth step `increase`): starts bunched into one lull make one
+    /// long prefill step, which an interactive request arriving during it
+    /// waits for.
+    #[serde(deserialize_with = "loose::opt_f64")]
+    pub lull_burst: Option<f64>,
     /// `slo-headroom` parameters (without `urls`: it reads these pages)
     /// whose admitted amount caps `W`.
     pub setpoint: Option<SloHeadroomParams>,
@@ -105,6 +124,9 @@ impl Default for FeedbackParams {
             jitter: 0.2,
             use_fraction: 0.5,
             graded_cut: false,
+            lull_quantile: None,
+            lull_readings: 120,
+            lull_burst: None,
             setpoint: None,
         }
     }
@@ -138,6 +160,15 @@ impl GateParams for FeedbackParams {
             cx.error("jitter", format!("must be in [0, 1), got {}", self.jitter));
         }
         cx.fraction("use_fraction", self.use_fraction);
+        if let Some(q) = self.lull_quantile
+            && !(0.0..1.0).contains(&q)
+        {
+            cx.error("lull_quantile", format!("must be in [0, 1), got {q}"));
+        }
+        cx.at_least_one("lull_readings", self.lull_readings);
+        if let Some(b) = self.lull_burst {
+            cx.positive("lull_burst", b);
+        }
         if let Some(s) = &self.setpoint {
             if !s.urls.is_empty() {
                 cx.error(
@@ -191,6 +222,12 @@ impl GateParams for FeedbackParams {
                 history: History::default(),
                 own: OwnLoad::default(),
                 setpoint,
+                lulls: self.lull_quantile.map(|q| {
+                    (
+                        Lulls::new(q, self.lull_readings as usize),
+                        self.lull_burst.unwrap_or(increase),
+                    )
+                }),
                 last: None,
             }),
         }))
@@ -205,6 +242,8 @@ struct State {
     own: OwnLoad,
     /// The slo-headroom controller capping `W`, if configured.
     setpoint: Option<Headroom>,
+    /// The lull rule and the most started per lull, if configured.
+    lulls: Option<(Lulls, f64)>,
     /// The window reported for the newest reading and why.
     last: Option<(f64, String)>,
 }
@@ -288,6 +327,26 @@ impl MetricGate for FeedbackGate {
                 w = w.min(admitted);
                 reason.push_str(&format!("; setpoint {admitted:.3} ({why})"));
             }
+            if let Some((lulls, burst)) = st.lulls.as_mut() {
+                let now = &interval.now;
+                let foreign = (now.running + now.waiting - st.own.requests) / now.engines.max(1.0);
+                let lull = lulls.on_reading(foreign);
+                w = if lull.is_lull {
+                    w.min(st.own.units + *burst)
+                } else {
+                    // No new start until a lull: what runs goes on (the
+                    // window never recalls a request), and a request of
+                    // ours that finishes frees no room for another.
+                    0.0
+                };
+                reason.push_str(&format!(
+                    "; {} foreign requests per engine {:.2} {} lull level {:.2}",
+                    if lull.is_lull { "lull:" } else { "no start:" },
+                    lull.foreign,
+                    if lull.is_lull { "<=" } else { ">" },
+                    lull.level
+                ));
+            }
             st.last = Some((w, reason));
         }
         let (w, reason) = st
@@ -298,7 +357,8 @@ impl MetricGate for FeedbackGate {
     }
 
     fn notes(&self) -> Vec<String> {
-        let c = *self.state().aimd.config();
+        let state = self.state();
+        let c = *state.aimd.config();
         // Three decimals at most: `0.05 × 48` reads 2.4, not 2.4000000000000004.
         let n = |x: f64| {
             let s = format!("{x:.3}");
@@ -309,7 +369,7 @@ impl MetricGate for FeedbackGate {
         } else {
             ""
         };
-        vec![format!(
+        let mut notes = vec![format!(
             "AIMD window in [{}, {}] from {}: +{} (±{:.0} %) per clean reading (attainment >= {} + {}, own in flight >= {} of the window), ×{} on 429/503, preemption, attainment < {} or waiting > {} per engine for {} readings{graded}; attainment of TTFT <= {} s and ITL <= {} s",
             n(c.min),
             n(c.max),
@@ -325,7 +385,16 @@ impl MetricGate for FeedbackGate {
             c.waiting_persist,
             n(self.ttft_slo),
             n(self.itl_slo)
-        )]
+        )];
+        if let Some((l, burst)) = &state.lulls {
+            notes.push(format!(
+                "new batch work starts only at lulls, at most {} per lull: readings whose foreign requests per engine are at or below the {} quantile of the last {} readings",
+                n(*burst),
+                n(l.quantile()),
+                l.readings()
+            ));
+        }
+        notes
     }
 
     fn on_event(&self, event: DispatchEvent) {

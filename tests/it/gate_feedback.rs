@@ -147,3 +147,34 @@ async fn feedback_gates_compose_and_composite_forwards_events() {
     .await;
     assert!(close(o.budget.get(), 0.20), "{}", o.reason);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feedback_starts_only_at_lulls_of_the_foreign_load() {
+    let sim = small_pool().await;
+    let url = format!("{}/metrics", sim.base_url());
+    // A lull is the lowest load seen: zero, after the idle readings. At
+    // most 2 start per lull: the window (5) is not reached from nothing.
+    let gate = gate(
+        "feedback",
+        json!({"urls": [url], "jitter": 0, "lull_quantile": 0.0, "lull_readings": 1000, "lull_burst": 2}),
+    );
+    let idle = gate.observe().await;
+    assert!(close(idle.budget.get(), 0.02), "{}", idle.reason);
+    assert!(idle.reason.contains("lull: foreign"), "{}", idle.reason);
+    // Foreign requests running: no new start (the window itself is kept).
+    let _load = flood(&sim, 20, 1500).await;
+    let busy = until(&gate, |o| o.budget.get() == 0.0).await;
+    assert_eq!(busy.budget.get(), 0.0, "{}", busy.reason);
+    assert!(busy.source_available);
+    assert!(busy.reason.contains("W = 5.000"), "{}", busy.reason);
+    assert!(busy.reason.contains("no start: foreign"), "{}", busy.reason);
+    // The same requests counted as ours are no foreign load: a lull again,
+    // and 20 of ours + 2 exceed the window, which caps it.
+    let now = Instant::now();
+    for _ in 0..20 {
+        gate.on_event(DispatchEvent::Sent { at: now, cost: 1 });
+    }
+    let ours = until(&gate, |o| o.budget.get() > 0.0).await;
+    assert!(close(ours.budget.get(), 0.05), "{}", ours.reason);
+    assert!(ours.reason.contains("lull: foreign"), "{}", ours.reason);
+}

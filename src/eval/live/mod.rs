@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use self::figures::{LiveScore, RunFigures, Summary, Timing};
 pub use self::traffic::LiveShape;
 use crate::batch::{BatchOptions, build_gate_for_batch, run_batch};
-use crate::eval::Slo;
+use crate::eval::{NamedSpec, Slo};
 use crate::gate::control::Histogram;
 
 /// A contender of the live eval.
@@ -46,10 +46,24 @@ pub enum LiveContender {
     StaticCap(u32),
     /// A gate reading the engine's page, with its default parameters.
     Gate(String),
+    /// A gate with parameters of its own (`--gate-spec NAME=JSON`); `urls`,
+    /// `ttft_slo` and `itl_slo` default to the engine's page and the eval's
+    /// SLO where the gate takes them.
+    Spec {
+        /// Its name in reports.
+        name: String,
+        /// The gate type.
+        gate_type: String,
+        /// Its parameters as given.
+        params: serde_json::Value,
+    },
 }
 
 /// Gates that read an engine's own page and need nothing else.
 const PAGE_GATES: &[&str] = &["feedback", "slo-headroom", "vllm"];
+
+/// Gates that hold an interactive SLO (`ttft_slo`, `itl_slo`).
+const SLO_GATES: &[&str] = &["feedback", "slo-headroom"];
 
 impl LiveContender {
     /// By name: `ungated`, `static-cap-N`, or a gate that reads the
@@ -73,12 +87,27 @@ impl LiveContender {
         ))
     }
 
+    /// From `NAME={"gate_type": "...", "gate_params": {...}}`.
+    pub fn spec(arg: &str) -> Result<Self, String> {
+        let NamedSpec {
+            name,
+            gate_type,
+            params,
+        } = NamedSpec::parse(arg)?;
+        Ok(Self::Spec {
+            name,
+            gate_type,
+            params,
+        })
+    }
+
     /// Its name in reports.
     pub fn name(&self) -> String {
         match self {
             Self::Ungated => "ungated".to_owned(),
             Self::StaticCap(n) => format!("static-cap-{n}"),
             Self::Gate(g) => g.clone(),
+            Self::Spec { name, .. } => name.clone(),
         }
     }
 
@@ -104,6 +133,19 @@ impl LiveContender {
                 json!({"urls": [metrics_url], "ttft_slo": slo.ttft_s, "itl_slo": slo.itl_s}),
                 max_sys,
             ),
+            Self::Spec {
+                gate_type, params, ..
+            } => {
+                let mut params = params.clone();
+                if let Some(map) = params.as_object_mut() {
+                    map.entry("urls").or_insert_with(|| json!([metrics_url]));
+                    if SLO_GATES.contains(&gate_type.as_str()) {
+                        map.entry("ttft_slo").or_insert_with(|| json!(slo.ttft_s));
+                        map.entry("itl_slo").or_insert_with(|| json!(slo.itl_s));
+                    }
+                }
+                (gate_type.clone(), params, max_sys)
+            }
         }
     }
 }
@@ -407,8 +449,11 @@ async fn start_batch(
         contender.batch_gate(&options.metrics_url, options.max_sys, options.slo);
     let gate = build_gate_for_batch(&gate_type, &params, f64::from(max_sys))?;
     // One request per slot per second of the run, twice over: more than the
-    // engine can finish (a 64-token request takes over a second at 32 in flight).
-    let lines = 2 * max_sys as usize * options.duration.as_secs().max(1) as usize;
+    // engine can finish (a 64-token request takes over a second at 32 in
+    // flight). The same file for every contender, a static cap included:
+    // the batch runner's work grows with its backlog, and it shares a core
+    // with the engine's API server.
+    let lines = 2 * options.max_sys as usize * options.duration.as_secs().max(1) as usize;
     let input = dir.join("input.jsonl");
     let text = traffic::batch_lines(
         &options.model,
@@ -597,6 +642,38 @@ mod tests {
                     (Some(1.0), Some(0.1))
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_gate_spec_gets_the_engine_page_and_the_slo_unless_it_names_its_own() {
+        let slo = Slo {
+            ttft_s: 1.0,
+            itl_s: 0.1,
+        };
+        let spec = LiveContender::spec(
+            r#"lulls={"gate_type": "feedback", "gate_params": {"lull_quantile": 0.2, "itl_slo": 0.2}}"#,
+        )
+        .expect("a spec");
+        assert_eq!(spec.name(), "lulls");
+        let (gate, params, max_sys) = spec.batch_gate("http://e/metrics", 32, slo);
+        assert_eq!((gate.as_str(), max_sys), ("feedback", 32));
+        assert_eq!(params["urls"][0], "http://e/metrics");
+        assert_eq!(params["ttft_slo"].as_f64(), Some(1.0));
+        assert_eq!(params["itl_slo"].as_f64(), Some(0.2), "its own SLO stays");
+        assert_eq!(params["lull_quantile"].as_f64(), Some(0.2));
+        build_gate_for_batch(&gate, &params, f64::from(max_sys)).expect("builds");
+        // A gate that holds no SLO gets none.
+        let spec = LiveContender::spec(r#"v={"gate_type": "vllm"}"#).expect("a spec");
+        let (_, params, _) = spec.batch_gate("http://e/metrics", 32, slo);
+        assert!(params.get("ttft_slo").is_none(), "{params}");
+        for bad in [
+            "no-equals",
+            "x={",
+            r#"x={"gate_params": {}}"#,
+            r#"x={"gate_type": "vllm", "gate_params": 3}"#,
+        ] {
+            assert!(LiveContender::spec(bad).is_err(), "{bad}");
         }
     }
 

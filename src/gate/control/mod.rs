@@ -8,6 +8,8 @@
 //! - [`attainment`]: interactive SLO attainment from the TTFT and ITL
 //!   fractions.
 //! - [`Aimd`]: the additive-increase / multiplicative-decrease window.
+//! - [`Lulls`]: the readings at which the interactive load is low enough
+//!   for `feedback` to start batch requests.
 //! - [`LocalLinearTrend`]: a Kalman filter (level + slope) that forecasts
 //!   the interactive load.
 //! - [`NnlsLine`]: a sliding-window least-squares line `y ≈ a + b·x` with
@@ -19,6 +21,7 @@ mod headroom;
 mod histogram;
 mod jitter;
 mod kalman;
+mod lull;
 mod nnls;
 
 pub use aimd::{Aimd, AimdConfig, Cause, Hold, Signals, Step};
@@ -26,4 +29,5 @@ pub use headroom::{Admitted, HeadroomConfig, HeadroomInputs, HeadroomModel, admi
 pub use histogram::{Histogram, attainment};
 pub use jitter::SplitMix64;
 pub use kalman::{KalmanConfig, LocalLinearTrend};
+pub use lull::{Lull, Lulls};
 pub use nnls::{Line, NnlsLine};

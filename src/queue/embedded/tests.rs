@@ -440,6 +440,20 @@ async fn due_counts_the_waiting_messages_by_time_to_deadline_and_not_the_leased(
     let profile = q.due().await.expect("ok").expect("profile");
     assert_eq!(profile.within, [0, 1, 1, 1, 2, 2]);
     assert_eq!(profile.earliest, Some(now + 200));
+    assert_eq!(q.backlog().await.expect("ok"), Some(3));
+    // A lapsed lease is waiting again, in the backlog and the profile.
+    let d = q
+        .receive(1, Duration::from_millis(1), NO_WAIT)
+        .await
+        .expect("ok");
+    assert_eq!(d[0].body.as_ref(), b"soon");
+    assert_eq!(q.backlog().await.expect("ok"), Some(2), "soon is leased");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(q.backlog().await.expect("ok"), Some(3), "its lease lapsed");
+    let profile = q.due().await.expect("ok").expect("profile");
+    assert_eq!(profile.within, [0, 1, 1, 1, 2, 2]);
+    assert_eq!(profile.earliest, Some(now + 200));
+    assert_eq!(q.leased_count().expect("ok"), 1, "overdue is still leased");
 }
 
 /// Flex requests past `serve.flex_max_wait` are withdrawn only while
