@@ -443,12 +443,12 @@ async fn due_counts_the_waiting_messages_by_time_to_deadline_and_not_the_leased(
     assert_eq!(q.backlog().await.expect("ok"), Some(3));
     // A lapsed lease is waiting again, in the backlog and the profile.
     let d = q
-        .receive(1, Duration::from_millis(1), NO_WAIT)
+        .receive(1, Duration::from_millis(1500), NO_WAIT)
         .await
         .expect("ok");
     assert_eq!(d[0].body.as_ref(), b"soon");
     assert_eq!(q.backlog().await.expect("ok"), Some(2), "soon is leased");
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    tokio::time::sleep(Duration::from_millis(1700)).await;
     assert_eq!(q.backlog().await.expect("ok"), Some(3), "its lease lapsed");
     let profile = q.due().await.expect("ok").expect("profile");
     assert_eq!(profile.within, [0, 1, 1, 1, 2, 2]);
