@@ -35,8 +35,9 @@ pub(super) struct EvalArgs {
     /// Also evaluate a gate of your own (repeatable):
     /// `NAME={"gate_type": "...", "gate_params": {...}}`, with the
     /// simulated pool's metrics at `http://pool.sim.invalid/metrics` and
-    /// Prometheus pool name `pool`; with `--live`, `urls`, `ttft_slo` and
-    /// `itl_slo` default to the engine's page and the eval's SLO.
+    /// Prometheus pool name `pool`; with `--live`, a gate that reads the
+    /// engine's page gets it as `urls`, and the eval's SLO as `ttft_slo` and
+    /// `itl_slo`, unless it names its own.
     #[arg(long = "gate-spec", value_name = "NAME=JSON")]
     gate_specs: Vec<String>,
     /// Replay a CSV trace (timestamp, input tokens, output tokens) as a

@@ -46,9 +46,9 @@ pub enum LiveContender {
     StaticCap(u32),
     /// A gate reading the engine's page, with its default parameters.
     Gate(String),
-    /// A gate with parameters of its own (`--gate-spec NAME=JSON`); `urls`,
-    /// `ttft_slo` and `itl_slo` default to the engine's page and the eval's
-    /// SLO where the gate takes them.
+    /// A gate with parameters of its own (`--gate-spec NAME=JSON`); for the
+    /// gates that read the engine's page, `urls`, `ttft_slo` and `itl_slo`
+    /// default to that page and the eval's SLO where the gate takes them.
     Spec {
         /// Its name in reports.
         name: String,
@@ -138,7 +138,9 @@ impl LiveContender {
             } => {
                 let mut params = params.clone();
                 if let Some(map) = params.as_object_mut() {
-                    map.entry("urls").or_insert_with(|| json!([metrics_url]));
+                    if PAGE_GATES.contains(&gate_type.as_str()) {
+                        map.entry("urls").or_insert_with(|| json!([metrics_url]));
+                    }
                     if SLO_GATES.contains(&gate_type.as_str()) {
                         map.entry("ttft_slo").or_insert_with(|| json!(slo.ttft_s));
                         map.entry("itl_slo").or_insert_with(|| json!(slo.itl_s));
@@ -667,6 +669,15 @@ mod tests {
         let spec = LiveContender::spec(r#"v={"gate_type": "vllm"}"#).expect("a spec");
         let (_, params, _) = spec.batch_gate("http://e/metrics", 32, slo);
         assert!(params.get("ttft_slo").is_none(), "{params}");
+        // A gate that reads no page gets no `urls` (its parameters refuse
+        // unknown keys) and builds from what it was given.
+        let spec = LiveContender::spec(
+            r#"cap={"gate_type": "local-max-concurrency", "gate_params": {"max_concurrency": 3}}"#,
+        )
+        .expect("a spec");
+        let (gate, params, max_sys) = spec.batch_gate("http://e/metrics", 32, slo);
+        assert!(params.get("urls").is_none(), "{params}");
+        build_gate_for_batch(&gate, &params, f64::from(max_sys)).expect("builds");
         for bad in [
             "no-equals",
             "x={",
