@@ -193,6 +193,8 @@ pub(super) fn store_target(
         connect_timeout: SQL_CONNECT_TIMEOUT,
         queue: queue.to_owned(),
         route: route.to_owned(),
+        // Readers file nothing; `submit` sets its attribute.
+        fairness_attribute: None,
     }))
 }
 

@@ -53,12 +53,13 @@ pub(crate) struct SubmitArgs {
     /// plain request JSON).
     #[arg(long, conflicts_with_all = ["embedded", "result_list"])]
     pubsub_topic: Option<String>,
-    /// The dispatcher's `[gateway] fairness_attribute` (Redis): each
-    /// message is also filed in its tenant's lane (its metadata value of
-    /// this attribute), so the dispatcher sees every tenant's work however
-    /// deep the queue is. The default is the dispatcher's default; an
-    /// empty value files no lane (for a dispatcher without an attribute,
-    /// whose claims would never empty them).
+    /// The dispatcher's `[gateway] fairness_attribute` (Redis, `--sql-url`):
+    /// each message is also filed in its tenant's lane (its metadata value
+    /// of this attribute), so the dispatcher sees every tenant's work
+    /// however deep the queue is without filing it itself. The default is
+    /// the dispatcher's default; an empty value files no lane (on Redis
+    /// for a dispatcher without an attribute, whose claims would never
+    /// empty them; on `sql` the dispatcher's claims then file the rows).
     #[arg(
         long,
         env = "SLUICEGATE_FAIRNESS_ATTRIBUTE",
@@ -95,8 +96,10 @@ impl SubmitArgs {
     fn target(&self) -> Result<ClientTarget, String> {
         let route = crate::queue::sql::DEFAULT_RESULT_ROUTE;
         let (embedded, sql) = (self.embedded.as_ref(), self.sql_url.as_deref());
+        // Empty: no lanes, as `[gateway] fairness_attribute = ""`.
+        let lanes = Some(self.fairness_attribute.clone()).filter(|a| !a.is_empty());
         if let Some(store) = store_target(embedded, sql, &self.queue, route, true) {
-            return store;
+            return store.map(|target| target.in_lanes(lanes));
         }
         if let Some(topic) = &self.pubsub_topic {
             return Ok(ClientTarget::PubSub {
@@ -109,8 +112,7 @@ impl SubmitArgs {
             config: self.redis.config()?,
             queue: self.queue.clone(),
             result_list: self.result_list.clone(),
-            // Empty: no lanes, as `[gateway] fairness_attribute = ""`.
-            fairness_attribute: Some(self.fairness_attribute.clone()).filter(|a| !a.is_empty()),
+            fairness_attribute: lanes,
         })
     }
 }

@@ -470,10 +470,31 @@ pub enum ClientTarget {
         queue: String,
         /// The result route (`async_results.route`).
         route: String,
+        /// The dispatcher's fairness attribute: each row is also filed in
+        /// its tenant's lane (`None`: the dispatcher's claims file it).
+        fairness_attribute: Option<String>,
     },
 }
 
 impl ClientTarget {
+    /// This target filing each message in its tenant's lane by
+    /// `attribute` as it enqueues (`None`: none), on the transports whose
+    /// producer files lanes (Redis, `sql`); the others file at the claim
+    /// or have no lanes, and are returned unchanged.
+    #[must_use]
+    pub fn in_lanes(mut self, attribute: Option<String>) -> Self {
+        if let Self::Redis {
+            fairness_attribute, ..
+        }
+        | Self::Sql {
+            fairness_attribute, ..
+        } = &mut self
+        {
+            *fairness_attribute = attribute;
+        }
+        self
+    }
+
     /// This target with `list` as the Redis result list when the queue
     /// names none (the Batch API's `serve.result_list`): its messages then
     /// name it, and its results are read from it. Other transports have

@@ -189,6 +189,7 @@ pub fn client_target(config: &Config, queue: &QueueConfig) -> Result<ClientTarge
                 queue: name,
                 // Precedence queue > [sql], as the dispatcher routes them.
                 route: (queue.result_queue_name.clone()).unwrap_or(sql.result_queue_name),
+                fairness_attribute: config.gateway.fairness_attribute.clone(),
             })
         }
         kind @ (TransportKind::Memory | TransportKind::PubSub) => Err(OpenError::NoClient(kind)),
@@ -236,9 +237,10 @@ pub async fn open_client(target: ClientTarget) -> Result<Arc<dyn Client>, OpenEr
             connect_timeout,
             queue,
             route,
+            fairness_attribute,
         } => {
             let client = SqlClient::open(&url, connect_timeout).await?;
-            Arc::new(SqlQueueClient::new(client, queue, route))
+            Arc::new(SqlQueueClient::new(client, queue, route).in_lanes(fairness_attribute))
         }
     })
 }

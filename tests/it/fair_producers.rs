@@ -11,7 +11,8 @@
 //! - Redis, by a plain `ZADD` of upstream's format (the dispatcher's
 //!   claims file them into lanes themselves);
 //! - PostgreSQL (`sql`), by our client as upstream's producer writes rows
-//!   (the claims file them);
+//!   (the claims file them), and by `sluicegate submit` without flags (it
+//!   files each row's lane at insert);
 //! - the embedded store (its claims always filed them; kept here so every
 //!   producer path is measured the same way).
 //!
@@ -187,8 +188,8 @@ async fn a_plain_zadd_is_fair_on_redis() {
     check("redis, plain ZADD", &ids);
 }
 
-/// Rows written by our `sql` client, which files nothing (as upstream's
-/// producer writes them): the dispatcher's claims file them into lanes.
+/// Rows written by our `sql` client without an attribute, as upstream's
+/// producer writes them (no lane): the dispatcher's claims file them.
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_of_any_producer_are_fair_on_sql() {
     use sluicegate::queue::sql::SqlClient;
@@ -203,6 +204,116 @@ async fn rows_of_any_producer_are_fair_on_sql() {
         .collect();
     let n = client.enqueue("fairsql", &items).await.expect("enqueued");
     assert_eq!(n as usize, BIG + SMALL);
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM async_requests WHERE queue = 'fairsql' AND tenant IS NULL"),
+        (BIG + SMALL).to_string(),
+        "no row filed before the dispatcher"
+    );
+    let ids = sql_results_of_a_dispatcher(&pg, &client, "fairsql").await;
+    check("sql, rows of any producer", &ids);
+}
+
+/// `sluicegate submit --sql-url URL --queue Q FILE`, no other flag: each
+/// row is filed in its tenant's lane as it is inserted (the dispatcher's
+/// default attribute), so the claims file nothing, and `small` goes out
+/// from the start.
+#[tokio::test(flavor = "multi_thread")]
+async fn submit_without_flags_is_fair_on_sql() {
+    use sluicegate::queue::sql::SqlClient;
+    let pg = Postgres::start();
+    let tmp = support::TempDir::new("fair-submit-sql");
+    let file = tmp.0.join("backlog.jsonl");
+    let lines: Vec<String> = backlog(unix_secs() + 3600)
+        .into_iter()
+        .map(|(_, l)| l)
+        .collect();
+    std::fs::write(&file, lines.join("\n")).expect("write the backlog");
+    let out = support::cli::output(
+        support::cli::sluicegate(&["submit", "--sql-url", &pg.url(), "--queue", "fairsqlsub"])
+            .env_remove("SLUICEGATE_FAIRNESS_ATTRIBUTE")
+            .arg(&file),
+    );
+    assert!(out.status.success(), "{}", support::cli::text(&out.stderr));
+    assert_eq!(
+        pg.psql(
+            "SELECT tenant || ':' || count(*) FROM async_requests WHERE queue = 'fairsqlsub' GROUP BY tenant ORDER BY tenant"
+        )
+        .lines()
+        .collect::<Vec<_>>(),
+        vec![format!("big:{BIG}"), format!("small:{SMALL}")],
+        "every row filed in its lane at insert"
+    );
+    let url = EndpointUrl::new(url::Url::parse(&pg.url()).expect("url"));
+    let client = SqlClient::open(&url, Duration::from_secs(5))
+        .await
+        .expect("client opens");
+    let ids = sql_results_of_a_dispatcher(&pg, &client, "fairsqlsub").await;
+    check("sql, submit without flags", &ids);
+}
+
+/// A queue of one tenant is claimed by the plain claim (its lanes' heads
+/// are the queue's head); a second tenant's rows arriving later, unfiled,
+/// switch the claims back to the lanes at once: `small` goes out within
+/// the dispatcher's lookahead (64 claimed before it came), the window (8)
+/// and the 1 : 1 interleave of its 50 (100) after its arrival, not behind
+/// `big`'s whole backlog.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_arriving_behind_a_one_tenant_queue_is_fair_on_sql() {
+    use sluicegate::queue::sql::SqlClient;
+    let pg = Postgres::start();
+    let url = EndpointUrl::new(url::Url::parse(&pg.url()).expect("url"));
+    let client = SqlClient::open(&url, Duration::from_secs(5))
+        .await
+        .expect("client opens");
+    let (big, small): (Vec<_>, Vec<_>) = backlog(unix_secs() + 3600)
+        .into_iter()
+        .map(|(d, l)| (Bytes::from(l), d))
+        .partition(|(l, _)| !String::from_utf8_lossy(l).contains("small-"));
+    let n = (client
+        .enqueue_in_lanes("fairlate", &big, Some("userid"))
+        .await)
+        .expect("enqueued");
+    assert_eq!(n as usize, BIG);
+    let queue = "fairlate".to_owned();
+    let late = async {
+        // Once the dispatcher is well into `big`, `small` arrives unfiled.
+        let give_up = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let done = (client.results_after("result-sql", 0, BIG + SMALL).await).expect("results");
+            if done.len() >= 50 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < give_up,
+                "big not under way within 120 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let before = (client.results_after("result-sql", 0, BIG + SMALL).await)
+            .expect("results")
+            .len();
+        (client.enqueue(&queue, &small).await).expect("small enqueued");
+        before
+    };
+    let (ids, before) = tokio::join!(sql_results_of_a_dispatcher(&pg, &client, "fairlate"), late);
+    let position = last_small(&ids);
+    eprintln!(
+        "sql, a tenant arriving late: small enqueued after result {before}, its last is number {position}"
+    );
+    assert!(
+        position <= before + 64 + 8 + 2 * SMALL + 20,
+        "small's last result was number {position}, small came after result {before}"
+    );
+}
+
+/// Starts a dispatcher with the default fairness settings on `sql` queue
+/// `queue`, and returns result ids in write order once every `small` is
+/// answered (bounded wait).
+async fn sql_results_of_a_dispatcher(
+    pg: &Postgres,
+    client: &sluicegate::queue::sql::SqlClient,
+    queue: &str,
+) -> Vec<String> {
     let sim = pool().await;
     let toml = format!(
         r#"
@@ -222,7 +333,7 @@ listen = "127.0.0.1:0"
 "#,
         url = pg.url(),
         gateway = sim.base_url(),
-        queue = queue_toml("fairsql"),
+        queue = queue_toml(queue),
     );
     let config = Config::from_toml_str(&toml, &Default::default()).expect("valid config");
     let app = support::start_app(&config).await;
@@ -248,7 +359,7 @@ listen = "127.0.0.1:0"
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     app.stop().await;
-    check("sql, rows of any producer", &ids);
+    ids
 }
 
 /// The embedded store: its claims file every message (no producer flag).

@@ -186,6 +186,7 @@ async fn sql_client(pg: &Postgres) -> Arc<dyn Client> {
         connect_timeout: Duration::from_secs(5),
         queue: "idem-q".into(),
         route: "idem-results".into(),
+        fairness_attribute: None,
     })
     .await
     .expect("client")
@@ -289,6 +290,7 @@ impl Crashable for Postgres {
             connect_timeout: Duration::from_secs(5),
             queue: queue.into(),
             route: "idem-results".into(),
+            fairness_attribute: None,
         })
         .await
         .expect("client")
@@ -581,6 +583,7 @@ async fn sql_killed_after_commit_before_the_answer_the_retry_finds_the_record() 
         connect_timeout: Duration::from_secs(5),
         queue: "lost-q".into(),
         route: "idem-results".into(),
+        fairness_attribute: None,
     })
     .await
     .expect("client");

@@ -29,6 +29,23 @@ pub(super) const FILE: &str =
            LIMIT $3 FOR UPDATE SKIP LOCKED) u
      WHERE r.id = u.id AND r.request_token = u.request_token";
 
+/// Whether the lane claim is needed for queue $1: some waiting row is not
+/// filed yet, or the waiting rows are in more than one lane. Otherwise
+/// (one tenant, or none waiting) the lanes' heads are the queue's head,
+/// and the plain claim takes the same rows for a fraction of the work:
+/// the lane claim's skip scan and per-lane reads halved a one-tenant
+/// drain (docs/benchmarks.md). Three probes of the lane index. A row
+/// filed by a producer just after is seen by the next claim.
+pub(super) const SEVERAL: &str = "SELECT EXISTS (SELECT 1 FROM async_requests
+                WHERE queue = $1 AND dispatch_epoch = 0 AND tenant IS NULL)
+         OR (SELECT tenant FROM async_requests
+             WHERE queue = $1 AND dispatch_epoch = 0 AND tenant IS NOT NULL
+             ORDER BY tenant LIMIT 1)
+            IS DISTINCT FROM
+            (SELECT tenant FROM async_requests
+             WHERE queue = $1 AND dispatch_epoch = 0 AND tenant IS NOT NULL
+             ORDER BY tenant DESC LIMIT 1)";
+
 /// The visible waiting rows of queue $1, as the plain claim reads them.
 macro_rules! visible {
     () => {

@@ -284,6 +284,29 @@ impl SqlQueue {
         })
     }
 
+    /// Files waiting rows no producer filed into their tenant lanes
+    /// (bounded per claim), then says whether the queue's waiting rows
+    /// need the lane claim (`lanes::SEVERAL`).
+    async fn file_lanes(&self, lanes: &TenantLanes) -> Result<bool, QueueError> {
+        let filed = (self.db)
+            .execute(
+                lanes::FILE,
+                &[
+                    &self.settings.queue,
+                    &lanes.attribute,
+                    &lanes::FILE_PER_CLAIM,
+                ],
+            )
+            .await
+            .map_err(sql_err("file lanes"))?;
+        if filed > 0 {
+            tracing::debug!(queue = %self.settings.queue, filed, "rows filed into tenant lanes");
+        }
+        let rows = (self.db.query(lanes::SEVERAL, &[&self.settings.queue]).await)
+            .map_err(sql_err("count lanes"))?;
+        Ok(rows.first().is_none_or(|r| r.get::<_, bool>(0)))
+    }
+
     async fn take(
         &self,
         max: usize,
@@ -298,18 +321,13 @@ impl SqlQueue {
         }
         let limit = i64::try_from(max.clamp(1, self.settings.batch_size.max(1))).unwrap_or(1);
         let lease_ms = ms(self.lease(lease));
-        let rows = match (expired_by, &self.settings.lanes) {
+        // The lane claim only where it takes other rows than the plain one.
+        let lanes = match (expired_by, &self.settings.lanes) {
+            (None, Some(lanes)) => self.file_lanes(lanes).await?.then_some(lanes),
+            _ => None,
+        };
+        let rows = match (expired_by, lanes) {
             (None, Some(lanes)) => {
-                let filed = (self.db)
-                    .execute(
-                        lanes::FILE,
-                        &[&self.settings.queue, &lanes.attribute, &lanes::FILE_PER_CLAIM],
-                    )
-                    .await
-                    .map_err(sql_err("file lanes"))?;
-                if filed > 0 {
-                    tracing::debug!(queue = %self.settings.queue, filed, "rows filed into tenant lanes");
-                }
                 let (tenants, weights) = lanes::weight_arrays(lanes);
                 self.db
                     .query(
