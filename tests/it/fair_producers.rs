@@ -14,7 +14,9 @@
 //!   (the claims file them), and by `sluicegate submit` without flags (it
 //!   files each row's lane at insert);
 //! - the embedded store (its claims always filed them; kept here so every
-//!   producer path is measured the same way).
+//!   producer path is measured the same way);
+//! - the Batch API (`serve` files each line in its tenant's lane), on its
+//!   embedded store and on Redis.
 //!
 //! Before issue 36 the first two and the `sql` one ended at about result
 //! 2 050 of 2 050. Only the first results are waited for: the dispatcher
@@ -360,6 +362,72 @@ listen = "127.0.0.1:0"
     };
     app.stop().await;
     ids
+}
+
+/// The Batch API (`serve`, dispatcher in process, window 8, default
+/// fairness settings), on its embedded store and on Redis: tenant `big`'s
+/// batch of 2 000 lines, then `small`'s of 50, both queued whole while
+/// the gate is shut. `serve` writes each line's tenant into its metadata
+/// and files its lane, so once the gate opens `small` is dispatched among
+/// the first 120, as for the other producers. Measured at the gateway.
+#[tokio::test(flavor = "multi_thread")]
+async fn batches_of_the_batch_api_are_fair() {
+    use crate::support::gate::Gate;
+    use crate::support::serve::{Api, ServeSpec, completion_lines};
+    use crate::support::tenants::{recording_gateway, seen};
+    for redis in [None, Some(RedisServer::start())] {
+        let what = if redis.is_some() { "redis" } else { "embedded" };
+        let (gateway, arrivals) = recording_gateway(Duration::from_millis(5)).await;
+        let gate = Gate::closed().await;
+        let mut spec = ServeSpec::new(&gateway.uri());
+        spec.keys = Some("big:key-big,small:key-small".into());
+        spec.redis_port = redis.as_ref().map(|r| r.port);
+        spec.gate_url = Some(gate.url.clone());
+        let served = support::serve::start(&spec, None).await;
+        let big = Api::new(&served.base, Some("key-big"));
+        let small = Api::new(&served.base, Some("key-small"));
+        for (api, n) in [(&big, BIG), (&small, SMALL)] {
+            let (status, body) = api.try_batch(&completion_lines(n, 1)).await;
+            assert_eq!(status, 200, "{what}: {body}");
+        }
+        let queued = || match &redis {
+            Some(r) => usize::try_from(r.int(&["ZCARD", "batch-api"])).unwrap_or(0),
+            None => {
+                let db =
+                    rusqlite::Connection::open(served.dir.0.join("queue.db")).expect("queue file");
+                db.query_row("SELECT count(*) FROM messages", [], |r| r.get::<_, i64>(0))
+                    .map_or(0, |n| usize::try_from(n).unwrap_or(0))
+            }
+        };
+        support::wait_until(Duration::from_secs(60), "both batches queued", || {
+            queued() == BIG + SMALL
+        })
+        .await;
+        assert!(
+            seen(&arrivals).is_empty(),
+            "{what}: sent through a shut gate"
+        );
+        gate.set_open(true);
+        support::wait_until(Duration::from_secs(120), "every small dispatch", || {
+            seen(&arrivals)
+                .iter()
+                .filter(|a| a.tenant == "small")
+                .count()
+                == SMALL
+        })
+        .await;
+        let all = seen(&arrivals);
+        let position = all
+            .iter()
+            .rposition(|a| a.tenant == "small")
+            .map_or(0, |i| i + 1);
+        served.stop().await;
+        eprintln!("batch api, {what}: small's last dispatch is number {position}");
+        assert!(
+            position <= WITHIN,
+            "{what}: small's last dispatch was number {position}"
+        );
+    }
 }
 
 /// The embedded store: its claims file every message (no producer flag).

@@ -4,58 +4,17 @@
 //! serves ([`Gate`]), so a test opens and closes it while a request is
 //! held.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use crate::support;
+use crate::support::gate::Gate;
 use crate::support::serve::{ServeSpec, Served, start};
 use crate::support::sim::{metric_sum, small_pool};
 
 /// Generous bound on anything that should happen soon on a loaded machine.
 const LONG: Duration = Duration::from_secs(60);
-
-/// A `/metrics` page for an endpoint-scrape gate (`m` of 4 per pod):
-/// `m 4` (saturated: the gate is closed) until opened, then `m 0`.
-struct Gate {
-    url: String,
-    open: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Gate {
-    async fn closed() -> Self {
-        let open = Arc::new(AtomicBool::new(false));
-        let page = open.clone();
-        let app = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(move || {
-                let open = page.load(Ordering::SeqCst);
-                async move { if open { "m 0\n" } else { "m 4\n" } }
-            }),
-        );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let url = format!("http://{}/metrics", listener.local_addr().expect("addr"));
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Self { url, open, task }
-    }
-
-    fn set_open(&self, open: bool) {
-        self.open.store(open, Ordering::SeqCst);
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
 
 /// A JSON POST with `key` as bearer; status, `Retry-After` and body.
 async fn post(

@@ -5,6 +5,7 @@
 
 pub mod cli;
 pub mod failing;
+pub mod gate;
 pub mod otlp;
 pub mod postgres;
 pub mod prometheus;
