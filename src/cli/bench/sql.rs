@@ -35,6 +35,16 @@ pub(crate) struct DrainSqlArgs {
     /// default 10 would make the claim the bottleneck of a drain).
     #[arg(long, default_value_t = 512)]
     batch_size: usize,
+    /// The dispatcher's `[gateway] fairness_attribute` (tenant lanes);
+    /// `""`: none, claims in deadline order as upstream's.
+    #[arg(long, default_value = crate::config::DEFAULT_FAIRNESS_ATTRIBUTE)]
+    fairness_attribute: String,
+    /// Enqueue as our producers do, each row filed in its tenant's lane
+    /// by the attribute; without it the rows are written as upstream's
+    /// producer writes them (no lane: the claims file every one, the
+    /// worst case).
+    #[arg(long)]
+    filed: bool,
 }
 
 pub(super) async fn drain_sql(args: DrainSqlArgs) -> Result<(), String> {
@@ -52,7 +62,9 @@ pub(super) async fn drain_sql(args: DrainSqlArgs) -> Result<(), String> {
     let deadline = crate::clock::unix_secs() + 3600;
     let requests = bench_requests(0..args.messages, deadline, 1);
     let fill = Instant::now();
-    let queue = SqlQueueClient::new(client.clone(), args.queue.clone(), route.clone());
+    let attribute = Some(args.fairness_attribute.clone()).filter(|a| !a.is_empty());
+    let queue = SqlQueueClient::new(client.clone(), args.queue.clone(), route.clone())
+        .in_lanes(attribute.clone().filter(|_| args.filed));
     (queue.enqueue(requests, None).await).map_err(|e| e.to_string())?;
     let fill_secs = fill.elapsed().as_secs_f64();
 
@@ -67,7 +79,8 @@ result_queue_name = "{route}""#,
         batch = args.batch_size,
     );
     let queue_table = format!("queue_name = \"{}\"", args.queue);
-    let config = drain_config(&transport, &gateway, &queue_table, args.max_sys)?;
+    let mut config = drain_config(&transport, &gateway, &queue_table, args.max_sys)?;
+    config.gateway.fairness_attribute = attribute.clone();
     let stopwatch = Stopwatch::start();
     let (running, shutdown) = start_dispatcher(&config).await?;
     let peak_in_flight = peak_until_drained(&running, &args.queue, async || {
@@ -88,8 +101,13 @@ result_queue_name = "{route}""#,
             args.messages
         ));
     }
+    let lanes = match (&attribute, args.filed) {
+        (None, _) => "no lanes".to_owned(),
+        (Some(a), true) => format!("lanes by `{a}`, filed at insert"),
+        (Some(a), false) => format!("lanes by `{a}`, filed by the claims"),
+    };
     println!(
-        "drain-sql benchmark: {} messages, window {}, batch_size {}",
+        "drain-sql benchmark: {} messages, window {}, batch_size {}, {lanes}",
         args.messages, args.max_sys, args.batch_size
     );
     println!("  enqueue (1000 rows per statement): {fill_secs:.2}s");
