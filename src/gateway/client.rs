@@ -364,7 +364,11 @@ fn exchange_outcome(error: ExchangeError) -> AttemptOutcome {
 }
 
 /// Reads the body chunk by chunk, never holding more than `limit` bytes.
-async fn read_body<T: BodyTap>(response: &mut reqwest::Response, limit: usize, tap: &mut T) -> Body {
+async fn read_body<T: BodyTap>(
+    response: &mut reqwest::Response,
+    limit: usize,
+    tap: &mut T,
+) -> Body {
     let tapped = response.status().is_success();
     let declared = response
         .content_length()

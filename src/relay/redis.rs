@@ -93,7 +93,12 @@ async fn write_all(mut conn: RedisConnection, key: String, mut rx: mpsc::Unbound
             let cmd = pipe.cmd("XADD").arg(&key).arg("*");
             match e {
                 Event::Chunk { attempt, seq, data } => {
-                    cmd.arg("k").arg("c").arg("a").arg(attempt).arg("s").arg(seq);
+                    cmd.arg("k")
+                        .arg("c")
+                        .arg("a")
+                        .arg(attempt)
+                        .arg("s")
+                        .arg(seq);
                     cmd.arg("d").arg(data.as_ref());
                 }
                 Event::End {
@@ -101,7 +106,12 @@ async fn write_all(mut conn: RedisConnection, key: String, mut rx: mpsc::Unbound
                     chunks,
                     error,
                 } => {
-                    cmd.arg("k").arg("e").arg("a").arg(attempt).arg("n").arg(chunks);
+                    cmd.arg("k")
+                        .arg("e")
+                        .arg("a")
+                        .arg(attempt)
+                        .arg("n")
+                        .arg(chunks);
                     if let Some(error) = error {
                         cmd.arg("d").arg(error);
                     }
@@ -138,7 +148,9 @@ pub async fn read_loop(
             let mut pipe = redis::pipe();
             for id in &gone {
                 last.remove(id);
-                pipe.cmd("DEL").arg(stream_key(&queue, cluster, id)).ignore();
+                pipe.cmd("DEL")
+                    .arg(stream_key(&queue, cluster, id))
+                    .ignore();
             }
             if let Err(error) = pipe.query_async::<()>(&mut conn).await {
                 tracing::debug!(%error, "cannot delete finished relay streams; they expire");
@@ -163,7 +175,11 @@ pub async fn read_loop(
             by_key.insert(key, id.clone());
         }
         for id in &ids {
-            cmd.arg(last.entry(id.clone()).or_insert_with(|| "0-0".to_owned()).as_str());
+            cmd.arg(
+                last.entry(id.clone())
+                    .or_insert_with(|| "0-0".to_owned())
+                    .as_str(),
+            );
         }
         let reply = tokio::select! {
             () = stop.cancelled() => return,
@@ -196,9 +212,8 @@ pub async fn read_loop(
 
 /// An entry's fields as an event; `None` when it is not one of ours.
 fn decode(fields: &HashMap<String, Vec<u8>>) -> Option<Event> {
-    let number = |name: &str| -> Option<u64> {
-        std::str::from_utf8(fields.get(name)?).ok()?.parse().ok()
-    };
+    let number =
+        |name: &str| -> Option<u64> { std::str::from_utf8(fields.get(name)?).ok()?.parse().ok() };
     let attempt = number("a")?;
     match fields.get("k").map(Vec::as_slice) {
         Some(b"c") => Some(Event::Chunk {
@@ -336,7 +351,14 @@ mod tests {
                 ),
                 entry(
                     "1-1",
-                    vec![bulk(b"k"), bulk(b"e"), bulk(b"a"), bulk(b"9"), bulk(b"n"), bulk(b"1")],
+                    vec![
+                        bulk(b"k"),
+                        bulk(b"e"),
+                        bulk(b"a"),
+                        bulk(b"9"),
+                        bulk(b"n"),
+                        bulk(b"1"),
+                    ],
                 ),
             ]),
         ])]);

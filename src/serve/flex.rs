@@ -33,14 +33,14 @@ use axum::{Extension, Router};
 use serde_json::{Map, Value, json};
 
 use super::http::{ApiError, AppState, Tenant};
-use crate::relay::local::{LocalRelay, Subscription};
-use crate::relay::{Event, Follow, Step, error_event};
 use super::replies::{Bound, Replies, Ticket};
 use super::sink::Sink;
 use super::store::{Store, StoreError};
 use crate::clock::unix_secs;
 use crate::endpoint::Endpoint;
 use crate::queue::ClientError;
+use crate::relay::local::{LocalRelay, Subscription};
+use crate::relay::{Event, Follow, Step, error_event};
 use crate::request::{Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::FlexMetrics;
