@@ -70,6 +70,13 @@ pub enum Event {
     },
 }
 
+/// Whether a queue message id is a flex request's: `serve` names them
+/// `flex_…` (`serve::flex`). Here, below both, so a dispatcher can tell
+/// without importing `serve`.
+pub fn is_flex_id(id: &str) -> bool {
+    id.starts_with("flex_")
+}
+
 /// Where a dispatcher relays its streamed flex requests: the holders in
 /// its own process, then (Redis transport) the queue's streams. Off (the
 /// default) relays nothing: every answer goes whole through the record.
@@ -103,9 +110,7 @@ impl Relay {
     /// directly, else it goes to Redis (whoever holds it reads there).
     /// Any other request (every batch line) costs one prefix check.
     pub fn open(&self, request: &Request) -> Option<Outlet> {
-        if (self.local.is_none() && self.redis.is_none())
-            || !crate::serve::flex::is_flex_id(&request.id)
-        {
+        if (self.local.is_none() && self.redis.is_none()) || !is_flex_id(&request.id) {
             return None;
         }
         let streamed = serde_json::from_str::<Streamed>(request.payload.get())

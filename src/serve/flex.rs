@@ -66,9 +66,10 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// How a background response is answered at once, and a flex one at its end.
 const FLEX: &str = "flex";
 
-/// Whether a queue message id is a flex request's.
+/// Whether a queue message id is a flex request's (the relay's rule,
+/// which a dispatcher below `serve` applies too).
 pub fn is_flex_id(id: &str) -> bool {
-    id.starts_with("flex_")
+    crate::relay::is_flex_id(id)
 }
 
 /// How one inference request is to be served.
@@ -491,7 +492,7 @@ impl Flex {
                             continue;
                         };
                         let relayed = Relayed {
-                            ticket,
+                            ticket: Some(ticket),
                             subscription,
                             follow,
                             guard,
@@ -575,7 +576,9 @@ async fn next_event(subscription: &mut Option<Subscription>) -> Event {
 /// cancels the message, which aborts the request at the gateway, and its
 /// subscription's drop stops a dispatcher in this process at once.
 struct Relayed {
-    ticket: Ticket,
+    /// Taken when the relay completed the stream before the record came
+    /// (`Self::keep_route`).
+    ticket: Option<Ticket>,
     subscription: Subscription,
     follow: Follow,
     guard: CancelOnDrop,
@@ -597,8 +600,14 @@ impl Relayed {
         }
         loop {
             // From the record the message is settled: nothing to cancel.
+            let record = async {
+                match self.ticket.as_mut() {
+                    Some(ticket) => ticket.answer().await,
+                    None => std::future::pending().await,
+                }
+            };
             let (step, settled) = tokio::select! {
-                result = self.ticket.answer() => {
+                result = record => {
                     let success = result.status_code.is_some_and(|s| (200..300).contains(&s));
                     let error = record_error(&result);
                     (self.follow.record(success, &result.payload, &error), true)
@@ -614,6 +623,9 @@ impl Relayed {
                 Step::Finish(rest) => {
                     self.done = true;
                     self.guard.disarm();
+                    if !settled {
+                        self.keep_route();
+                    }
                     self.metrics.streamed("complete");
                     return (!rest.is_empty()).then_some(rest);
                 }
@@ -629,6 +641,21 @@ impl Relayed {
                     return Some(error_event(&message));
                 }
             }
+        }
+    }
+}
+
+impl Relayed {
+    /// The relay completed the stream; the record is still on its way
+    /// (the collector reads it within seconds). Its route is kept until
+    /// it comes, at most [`GIVE_UP_SLACK`], so the collector finds it and
+    /// drops it, instead of parking it in a shared store for another
+    /// replica that does not hold it either.
+    fn keep_route(&mut self) {
+        if let Some(mut ticket) = self.ticket.take() {
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(GIVE_UP_SLACK, ticket.answer()).await;
+            });
         }
     }
 }

@@ -1070,6 +1070,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_flex_waiting",
     "sluicegate_flex_dispatch_seconds",
     "sluicegate_flex_refusals_total",
+    "sluicegate_flex_streams_total",
+    "sluicegate_flex_first_chunk_seconds",
     "sluicegate_background_responses_total",
     "sluicegate_pubsub_in_flight_messages",
     "sluicegate_pubsub_acks_total",
