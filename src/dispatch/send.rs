@@ -664,3 +664,98 @@ pub(super) fn deadline_result(message: &Message, attempts: u32) -> ResultRecord 
 pub(super) fn error_result(message: &Message, code: ErrorCode, text: &str) -> ResultRecord {
     ResultRecord::error(&message.request.id, message.token(), code, text)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::gateway::BodyTap;
+    use crate::relay::local::LocalRelay;
+    use crate::relay::{Event, Relay};
+
+    /// A held streamed flex request and the outlet of one attempt of it.
+    fn held(
+        stream: bool,
+    ) -> (
+        Arc<LocalRelay>,
+        crate::relay::local::Subscription,
+        Option<Outlet>,
+    ) {
+        let local = Arc::new(LocalRelay::default());
+        let subscription = local.subscribe("flex_1");
+        let message = crate::request::parse_message(
+            serde_json::json!({"id": "flex_1", "deadline": crate::clock::unix_secs() + 60,
+                "payload": {"model": "m", "stream": stream}})
+            .to_string()
+            .as_bytes(),
+        )
+        .expect("a message");
+        let outlet = Relay::default()
+            .with_local(local.clone())
+            .open(&message.request);
+        (local, subscription, outlet)
+    }
+
+    fn broken() -> AttemptEnd {
+        AttemptEnd::Answered(AttemptOutcome::Retryable {
+            failure: AttemptFailure::Body("reset".into()),
+            retry_after: None,
+        })
+    }
+
+    #[test]
+    fn only_streamed_flex_requests_get_an_outlet() {
+        assert!(held(true).2.is_some());
+        assert!(held(false).2.is_none(), "not streamed");
+    }
+
+    #[test]
+    fn before_any_piece_a_failure_is_retried_as_ever() {
+        let (_local, _sub, outlet) = held(true);
+        let end = end_stream(outlet.expect("outlet"), broken());
+        assert!(matches!(
+            end,
+            AttemptEnd::Answered(AttemptOutcome::Retryable { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn after_a_piece_a_failure_is_final_and_ends_the_relay_with_it() {
+        let (_local, mut sub, outlet) = held(true);
+        let mut outlet = outlet.expect("outlet");
+        outlet.bytes(b"data: a\n\ndata: b");
+        assert!(outlet.started());
+        let end = end_stream(outlet, broken());
+        assert!(matches!(
+            end,
+            AttemptEnd::Answered(AttemptOutcome::Failed { .. })
+        ));
+        assert!(matches!(sub.next().await, Event::Chunk { seq: 0, .. }));
+        match sub.next().await {
+            Event::End { chunks, error, .. } => {
+                assert_eq!(chunks, 1);
+                assert!(error.is_some_and(|e| e.contains("reset")));
+            }
+            other => panic!("expected the end, got {other:?}"),
+        }
+        // A shutdown's requeue is final too once streaming began.
+        let (_local, _sub, outlet) = held(true);
+        let mut outlet = outlet.expect("outlet");
+        outlet.bytes(b"data: a\n\n");
+        assert!(matches!(
+            end_stream(outlet, AttemptEnd::Abandoned),
+            AttemptEnd::Answered(AttemptOutcome::Failed { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_holder_that_goes_away_is_seen_at_once() {
+        let (_local, sub, outlet) = held(true);
+        let gone = outlet.expect("outlet").holder_gone();
+        drop(sub);
+        tokio::time::timeout(Duration::from_secs(5), gone)
+            .await
+            .expect("the outlet saw its holder go");
+    }
+}
