@@ -477,3 +477,53 @@ async fn flex_a_stream_that_breaks_after_pieces_ends_with_an_error_event_and_is_
     assert_eq!(gateway.requests.load(Ordering::SeqCst), 1, "never retried");
     served.stop().await;
 }
+
+/// On a Redis Cluster: the relay's streams live in the queue's slot, so
+/// `serve`'s one `XREAD` over them all is routed to one node, and a
+/// `sluicegate run` dispatcher's answer streams through them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flex_streamed_answers_relay_on_a_redis_cluster() {
+    let cluster = support::redis_cluster::RedisCluster::start();
+    let sim = slow_pool().await;
+    let dir = support::TempDir::new("flex-cluster");
+    let text = format!(
+        "transport = \"redis\"\n[redis]\nurl = \"{}\"\ncluster = true\n[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"{{fq}}\"\nresult_queue_name = \"{{fq}}:results\"\nmax_sys = 8\ngate_type = \"constant\"\n",
+        cluster.url(),
+        sim.base_url()
+    );
+    let config_file = dir.0.join("run.toml");
+    std::fs::write(&config_file, &text).expect("config");
+    let _run = support::cli::Background::spawn(
+        support::cli::sluicegate(&["run", "--config"]).arg(&config_file),
+    );
+    let config = sluicegate::config::Config::from_toml_str(&text, &Default::default())
+        .expect("config loads");
+    let serve = sluicegate::config::ServeConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: dir.0.join("data"),
+        dispatcher: sluicegate::config::ServeDispatcher::Separate,
+        ..sluicegate::config::ServeConfig::default()
+    };
+    let server = sluicegate::serve::start(&config, &serve, std::future::pending())
+        .await
+        .expect("serve starts on the cluster");
+    let http = reqwest::Client::new();
+    let mut events = Events::open(
+        &format!("http://{}/v1/chat/completions", server.addr),
+        &streamed_chat(200),
+    )
+    .await;
+    let first = events.next_content().await;
+    assert_eq!(pool_in_flight(&http, &sim).await, 1.0, "still running");
+    assert_eq!(
+        cluster.keys("{fq}:flex-stream:*").len(),
+        1,
+        "the answer came through its relay stream, in the queue's slot"
+    );
+    let rest = events.rest().await;
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
+    assert_eq!(format!("{first}{}", content(&rest)), filler(200));
+    server.shutdown();
+    server.wait().await.expect("serve stops");
+    sim.shutdown().await.expect("simulator stops");
+}
