@@ -201,6 +201,31 @@ async fn flex_streamed_answers_reach_the_client_while_the_engine_runs_in_process
     sim.shutdown().await.expect("simulator stops");
 }
 
+/// `serve` with `dispatcher = separate` on the Redis at `port`, and a
+/// `sluicegate run` process as its dispatcher (killed on drop).
+async fn separate_on_redis(
+    port: u16,
+    sim: &sluicegate::sim::SimHandle,
+) -> (Served, support::cli::Background) {
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(port);
+    spec.in_process = false;
+    let served = start(&spec, None).await;
+    let config = served.dir.0.join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{port}/0\"\n[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\ncancel_check_interval = \"200ms\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 8\ngate_type = \"constant\"\n",
+            sim.base_url()
+        ),
+    )
+    .expect("config");
+    let run = support::cli::Background::spawn(
+        support::cli::sluicegate(&["run", "--config"]).arg(&config),
+    );
+    (served, run)
+}
+
 /// `serve` with `dispatcher = separate` and a `sluicegate run` process as
 /// the dispatcher, on Redis: the answer crosses processes through the
 /// queue's relay stream.
@@ -208,23 +233,7 @@ async fn flex_streamed_answers_reach_the_client_while_the_engine_runs_in_process
 async fn flex_streamed_answers_cross_processes_through_redis() {
     let redis = support::redis::RedisServer::start();
     let sim = slow_pool().await;
-    let mut spec = ServeSpec::new(&sim.base_url());
-    spec.redis_port = Some(redis.port);
-    spec.in_process = false;
-    let served = start(&spec, None).await;
-    let config = served.dir.0.join("run.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "transport = \"redis\"\n[redis]\nurl = \"redis://127.0.0.1:{}/0\"\n[gateway]\nurl = \"{}\"\n[dispatch]\npoll_interval = \"100ms\"\nreceive_wait = \"100ms\"\nmax_staleness = \"1s\"\n[telemetry]\nlisten = \"127.0.0.1:0\"\n[[queue]]\nqueue_name = \"batch-api\"\nmax_sys = 8\ngate_type = \"constant\"\n",
-            redis.port,
-            sim.base_url()
-        ),
-    )
-    .expect("config");
-    let _run = support::cli::Background::spawn(
-        support::cli::sluicegate(&["run", "--config"]).arg(&config),
-    );
+    let (served, _run) = separate_on_redis(redis.port, &sim).await;
     let mut conn = redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port))
         .expect("client")
         .get_multiplexed_async_connection()
@@ -525,5 +534,31 @@ async fn flex_streamed_answers_relay_on_a_redis_cluster() {
     assert_eq!(format!("{first}{}", content(&rest)), filler(200));
     server.shutdown();
     server.wait().await.expect("serve stops");
+    sim.shutdown().await.expect("simulator stops");
+}
+
+/// Across processes, a client that leaves mid-stream cancels its message
+/// through the queue, and the `run` dispatcher's cancel watcher aborts
+/// the request at the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flex_a_client_that_leaves_mid_stream_aborts_at_the_engine_across_processes() {
+    let redis = support::redis::RedisServer::start();
+    let sim = slow_pool().await;
+    let (served, _run) = separate_on_redis(redis.port, &sim).await;
+    let http = reqwest::Client::new();
+    let mut events = Events::open(
+        &format!("{}/v1/chat/completions", served.base),
+        &streamed_chat(1000),
+    )
+    .await;
+    events.next_content().await;
+    assert_eq!(pool_in_flight(&http, &sim).await, 1.0);
+    drop(events);
+    until("the engine saw the abort", async || {
+        aborted(&http, &sim).await == 1
+    })
+    .await;
+    assert_eq!(pool_in_flight(&http, &sim).await, 0.0, "its slot is free");
+    served.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
