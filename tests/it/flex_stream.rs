@@ -562,3 +562,25 @@ async fn flex_a_client_that_leaves_mid_stream_aborts_at_the_engine_across_proces
     served.stop().await;
     sim.shutdown().await.expect("simulator stops");
 }
+
+/// `serve` on Redis with its dispatcher in process: the answer goes
+/// through the in-process channel (the holder is local), and streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flex_streamed_answers_stream_in_process_on_redis() {
+    let redis = support::redis::RedisServer::start();
+    let sim = slow_pool().await;
+    let mut spec = ServeSpec::new(&sim.base_url());
+    spec.redis_port = Some(redis.port);
+    let served = start(&spec, None).await;
+    streams_while_running(&served.base, &sim, 200).await;
+    assert_eq!(
+        serve_metric(
+            &served,
+            "sluicegate_flex_streams_total",
+            "reason=\"complete\""
+        ),
+        1.0
+    );
+    served.stop().await;
+    sim.shutdown().await.expect("simulator stops");
+}
