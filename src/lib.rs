@@ -47,6 +47,10 @@
 //!   OpenAI-line converter.
 //! - [`chart`]: SVG line charts (stacked panels over a shared time axis,
 //!   drawn with `plotters`) for the demo and `eval`.
+//! - [`relay`]: a streamed flex request's event stream from the
+//!   dispatcher to the `serve` holding its client, as it arrives (in
+//!   process, or a Redis Stream per request); the record still goes
+//!   whole through the queue.
 //! - [`serve`]: the OpenAI Files and Batches API (`sluicegate serve`):
 //!   batches become queue messages (in file order, or grouped by model
 //!   and shared prompt prefix, `serve::order`), their results output
@@ -105,6 +109,7 @@ pub mod postgres;
 pub mod prompt;
 pub mod queue;
 pub mod redis;
+pub mod relay;
 pub mod request;
 pub mod result;
 pub mod secret;

@@ -75,6 +75,9 @@ pub enum AppError {
     /// The shared window's Redis client could not be built.
     #[error("dispatch.shared_window: {0}")]
     SharedWindow(#[source] crate::redis::ConnectError),
+    /// The stream relay's Redis client could not be built.
+    #[error("redis (stream relay): {0}")]
+    Relay(#[source] crate::redis::ConnectError),
 }
 
 impl AppError {
@@ -91,7 +94,8 @@ impl AppError {
             | Self::Target { .. }
             | Self::Gate { .. }
             | Self::Traces(_)
-            | Self::SharedWindow(_) => EXIT_CONFIG,
+            | Self::SharedWindow(_)
+            | Self::Relay(_) => EXIT_CONFIG,
         }
     }
 }

@@ -70,6 +70,10 @@ pub struct RunOptions {
     pub output: Option<ResultsOutput>,
     /// Memory and embedded transports: drain once every message is settled.
     pub exit_when_done: bool,
+    /// The streamed flex requests held in this process (`serve` with its
+    /// dispatcher in process): their answers are relayed to them directly
+    /// (`crate::relay`).
+    pub relay: Option<Arc<crate::relay::local::LocalRelay>>,
 }
 
 /// A running application.
@@ -207,6 +211,16 @@ pub async fn start(
     // congestion hold (a 429 seen by one queue holds them all) and one
     // `local-max-concurrency` slot counter.
     let mut pools: BTreeMap<String, PoolParts> = BTreeMap::new();
+    // On the Redis transport every dispatcher relays streamed flex
+    // answers to the queue's streams (a `serve` anywhere may hold them):
+    // one more multiplexed connection, written to only for those.
+    let relay_conn = match config.transport {
+        TransportKind::Redis => {
+            let redis = (config.redis.clone()).unwrap_or_else(crate::queue::default_redis_config);
+            Some(crate::redis::connection(&redis).map_err(AppError::Relay)?)
+        }
+        _ => None,
+    };
     // `open` made one queue per `[[queue]]`, in order.
     for (queue_config, queue) in config.queues.iter().zip(&queues) {
         let name = pool_name(queue_config);
@@ -232,6 +246,11 @@ pub async fn start(
             &metrics,
         )?;
         dispatcher.traces = trace_export.as_ref().map(TraceExport::traces);
+        dispatcher.relay = crate::relay::Relay::new(
+            options.relay.clone(),
+            (relay_conn.clone())
+                .map(|conn| crate::relay::redis::RedisRelay::new(conn, &queue_config.queue_name)),
+        );
         built.push(dispatcher);
     }
     start_shared_windows(config, &pools, &context.replica, &metrics, &health, &tasks)?;

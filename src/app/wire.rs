@@ -75,6 +75,7 @@ pub fn build_dispatcher(
         metrics: metrics.queue(&name),
         labels: queue_config.labels.clone(),
         traces: None,
+        relay: crate::relay::Relay::default(),
     })
 }
 

@@ -313,6 +313,7 @@ async fn run_dispatcher(args: RunArgs) -> ExitCode {
         input: args.input,
         output,
         exit_when_done: args.exit_when_done,
+        relay: None,
     };
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());

@@ -17,6 +17,7 @@ use super::state::{Ready, Results, SendKind, Shared};
 use crate::gate::{Classification, DispatchEvent, Ticket};
 use crate::gateway::{AttemptFailure, AttemptOutcome, deadline_instant};
 use crate::queue::{DeliveryTag, NackReason};
+use crate::relay::Outlet;
 use crate::request::{AttemptRecord, LastAnswer, Message, log_id};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::traces::{self as trace_attr, MessageTrace};
@@ -81,7 +82,12 @@ pub(super) async fn send_and_settle(
         }
     }
     let deadline = deadline_instant(ready.message.request.deadline);
-    let (started, end) = attempt(&shared, &ready, deadline, &abandon).await;
+    let mut outlet = shared.config.relay.open(&ready.message.request);
+    let (started, end) = attempt(&shared, &ready, deadline, &abandon, outlet.as_mut()).await;
+    let end = match outlet {
+        Some(outlet) => end_stream(outlet, end),
+        None => end,
+    };
     let now = Instant::now();
     let cancelled = matches!(end, AttemptEnd::Cancelled);
     let outcome = match end {
@@ -208,14 +214,52 @@ impl AttemptEnd {
     }
 }
 
+/// The retry rule of a streamed answer, and the end of its relay: once
+/// any piece of it reached the client (the relay started), no other
+/// attempt may follow, since a second answer would be spliced after the
+/// first's beginning. So what would be retried (a body that broke, the
+/// attempt timeout, a shutdown's requeue) is final instead, and the
+/// relay's end tells the holder, which ends the client's stream with an
+/// error event. Before any piece nothing changes: a 429, a reset or a
+/// timeout is retried as ever, and the retry's pieces are the stream.
+fn end_stream(outlet: Outlet, end: AttemptEnd) -> AttemptEnd {
+    if !outlet.started() {
+        return end;
+    }
+    let end = match end {
+        AttemptEnd::Answered(AttemptOutcome::Retryable { failure, .. }) => {
+            AttemptEnd::Answered(AttemptOutcome::Failed { failure })
+        }
+        AttemptEnd::Abandoned => AttemptEnd::Answered(AttemptOutcome::Failed {
+            failure: AttemptFailure::Reset(
+                "the dispatcher shut down while the answer was streaming".into(),
+            ),
+        }),
+        other => other,
+    };
+    let error = match &end {
+        AttemptEnd::Answered(AttemptOutcome::Success { .. }) => None,
+        AttemptEnd::Answered(AttemptOutcome::Failed { failure }) => Some(failure.to_string()),
+        AttemptEnd::Answered(AttemptOutcome::DeadlineExceeded) => {
+            Some("the request's deadline passed while its answer was streaming".into())
+        }
+        other => Some(format!("the answer's stream ended: {}", other.label())),
+    };
+    outlet.end(error);
+    end
+}
+
 /// Sends the request (traced when tracing is on) and returns when it
 /// started and how it ended. An answer that arrives before a cancel is
-/// noticed is kept.
+/// noticed is kept. A streamed flex request's body goes to its `outlet`
+/// as it arrives; a holder in this process that goes away (its client
+/// left) aborts the attempt at once, as a cancel does.
 async fn attempt(
     shared: &Shared,
     ready: &Ready,
     deadline: Instant,
     abandon: &CancellationToken,
+    outlet: Option<&mut Outlet>,
 ) -> (Instant, AttemptEnd) {
     let metrics = shared.metrics();
     metrics
@@ -237,13 +281,27 @@ async fn attempt(
         span
     });
     let running = shared.running.register(&ready.delivery.tag);
+    let holder_gone = outlet.as_ref().map(|o| o.holder_gone());
+    let gateway = &shared.config.gateway;
+    let send = async {
+        match outlet {
+            Some(outlet) => gateway.send_tapped(&ready.prepared, deadline, outlet).await,
+            None => gateway.send(&ready.prepared, deadline).await,
+        }
+    };
     let end = tokio::select! {
         // Biased: an answer that is ready wins over a cancel seen at the
         // same moment (the work is done; the answer is kept).
         biased;
-        o = shared.config.gateway.send(&ready.prepared, deadline) => AttemptEnd::Answered(o),
+        o = send => AttemptEnd::Answered(o),
         () = abandon.cancelled() => AttemptEnd::Abandoned,
         () = running.cancelled() => AttemptEnd::Cancelled,
+        () = async {
+            match holder_gone {
+                Some(gone) => gone.await,
+                None => std::future::pending().await,
+            }
+        } => AttemptEnd::Cancelled,
     };
     drop(running);
     if let Some(mut span) = span {
@@ -605,4 +663,99 @@ pub(super) fn deadline_result(message: &Message, attempts: u32) -> ResultRecord 
 
 pub(super) fn error_result(message: &Message, code: ErrorCode, text: &str) -> ResultRecord {
     ResultRecord::error(&message.request.id, message.token(), code, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::gateway::BodyTap;
+    use crate::relay::local::LocalRelay;
+    use crate::relay::{Event, Relay};
+
+    /// A held streamed flex request and the outlet of one attempt of it.
+    fn held(
+        stream: bool,
+    ) -> (
+        Arc<LocalRelay>,
+        crate::relay::local::Subscription,
+        Option<Outlet>,
+    ) {
+        let local = Arc::new(LocalRelay::default());
+        let subscription = local.subscribe("flex_1");
+        let message = crate::request::parse_message(
+            serde_json::json!({"id": "flex_1", "deadline": crate::clock::unix_secs() + 60,
+                "payload": {"model": "m", "stream": stream}})
+            .to_string()
+            .as_bytes(),
+        )
+        .expect("a message");
+        let outlet = Relay::default()
+            .with_local(local.clone())
+            .open(&message.request);
+        (local, subscription, outlet)
+    }
+
+    fn broken() -> AttemptEnd {
+        AttemptEnd::Answered(AttemptOutcome::Retryable {
+            failure: AttemptFailure::Body("reset".into()),
+            retry_after: None,
+        })
+    }
+
+    #[test]
+    fn only_streamed_flex_requests_get_an_outlet() {
+        assert!(held(true).2.is_some());
+        assert!(held(false).2.is_none(), "not streamed");
+    }
+
+    #[test]
+    fn before_any_piece_a_failure_is_retried_as_ever() {
+        let (_local, _sub, outlet) = held(true);
+        let end = end_stream(outlet.expect("outlet"), broken());
+        assert!(matches!(
+            end,
+            AttemptEnd::Answered(AttemptOutcome::Retryable { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn after_a_piece_a_failure_is_final_and_ends_the_relay_with_it() {
+        let (_local, mut sub, outlet) = held(true);
+        let mut outlet = outlet.expect("outlet");
+        outlet.bytes(b"data: a\n\ndata: b");
+        assert!(outlet.started());
+        let end = end_stream(outlet, broken());
+        assert!(matches!(
+            end,
+            AttemptEnd::Answered(AttemptOutcome::Failed { .. })
+        ));
+        assert!(matches!(sub.next().await, Event::Chunk { seq: 0, .. }));
+        match sub.next().await {
+            Event::End { chunks, error, .. } => {
+                assert_eq!(chunks, 1);
+                assert!(error.is_some_and(|e| e.contains("reset")));
+            }
+            other => panic!("expected the end, got {other:?}"),
+        }
+        // A shutdown's requeue is final too once streaming began.
+        let (_local, _sub, outlet) = held(true);
+        let mut outlet = outlet.expect("outlet");
+        outlet.bytes(b"data: a\n\n");
+        assert!(matches!(
+            end_stream(outlet, AttemptEnd::Abandoned),
+            AttemptEnd::Answered(AttemptOutcome::Failed { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_holder_that_goes_away_is_seen_at_once() {
+        let (_local, sub, outlet) = held(true);
+        let gone = outlet.expect("outlet").holder_gone();
+        drop(sub);
+        tokio::time::timeout(Duration::from_secs(5), gone)
+            .await
+            .expect("the outlet saw its holder go");
+    }
 }

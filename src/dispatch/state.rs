@@ -55,6 +55,9 @@ pub struct QueueDispatcher {
     /// Span export, `None` when traces are off (the default): then no
     /// `traceparent` is parsed and no span is built.
     pub traces: Option<crate::telemetry::Traces>,
+    /// Where streamed flex requests' answers are relayed as they arrive
+    /// (`crate::relay`); off by default.
+    pub relay: crate::relay::Relay,
 }
 
 /// State shared by the dispatcher's tasks.

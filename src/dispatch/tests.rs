@@ -87,6 +87,7 @@ fn shared_on(
         metrics: Metrics::new().queue("q"),
         labels: BTreeMap::new(),
         traces: None,
+        relay: crate::relay::Relay::default(),
     };
     Arc::new(Shared::new(config))
 }

@@ -29,6 +29,25 @@ const IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(90);
 /// Sent as `User-Agent` unless the message sets its own.
 const USER_AGENT: &str = concat!("sluicegate/", env!("CARGO_PKG_VERSION"));
 
+/// Sees a success's body as it arrives, piece by piece, while the client
+/// still builds the whole body for the result (the stream relay,
+/// `crate::relay`). Called only for 2xx answers, with the bytes in order
+/// and never more than the body limit.
+pub trait BodyTap: Send {
+    /// The next bytes of the body.
+    fn bytes(&mut self, bytes: &[u8]);
+}
+
+/// No tap: what [`GatewayClient::send`] uses. Monomorphised away, so an
+/// untapped attempt costs what it did before taps existed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoTap;
+
+impl BodyTap for NoTap {
+    #[inline(always)]
+    fn bytes(&mut self, _: &[u8]) {}
+}
+
 /// Sends requests to the inference gateway. Cheap to clone: every clone
 /// shares one connection pool.
 #[derive(Clone)]
@@ -210,6 +229,17 @@ impl GatewayClient {
     /// outcome, while the attempt timeout alone gives a retryable
     /// [`AttemptFailure::Timeout`].
     pub async fn send(&self, request: &PreparedRequest, deadline: Instant) -> AttemptOutcome {
+        self.send_tapped(request, deadline, &mut NoTap).await
+    }
+
+    /// [`Self::send`], handing a success's body to `tap` as it arrives
+    /// (a streamed answer reaches its relay before the engine finishes).
+    pub async fn send_tapped<T: BodyTap>(
+        &self,
+        request: &PreparedRequest,
+        deadline: Instant,
+        tap: &mut T,
+    ) -> AttemptOutcome {
         let now = Instant::now();
         if now >= deadline {
             return AttemptOutcome::DeadlineExceeded;
@@ -217,7 +247,7 @@ impl GatewayClient {
         let attempt_end = now
             .checked_add(self.inner.attempt_timeout)
             .map_or(deadline, |end| end.min(deadline));
-        match tokio::time::timeout_at(attempt_end, self.attempt(request)).await {
+        match tokio::time::timeout_at(attempt_end, self.attempt(request, tap)).await {
             Ok(outcome) => outcome,
             Err(_) if attempt_end >= deadline => AttemptOutcome::DeadlineExceeded,
             Err(_) => AttemptOutcome::Retryable {
@@ -227,20 +257,20 @@ impl GatewayClient {
         }
     }
 
-    async fn attempt(&self, request: &PreparedRequest) -> AttemptOutcome {
+    async fn attempt<T: BodyTap>(&self, request: &PreparedRequest, tap: &mut T) -> AttemptOutcome {
         let limit = self.inner.max_response_bytes;
         let plain = request.url().scheme() == "http";
         let answer = match self.inner.http1.as_ref().filter(|_| plain) {
             Some(http1) => {
                 let posted = http1
-                    .post(request.url(), request.headers(), request.body(), limit)
+                    .post(request.url(), request.headers(), request.body(), limit, tap)
                     .await;
                 match posted {
                     Ok(answer) => answer,
                     Err(error) => return exchange_outcome(error),
                 }
             }
-            None => match self.attempt_with_reqwest(request).await {
+            None => match self.attempt_with_reqwest(request, tap).await {
                 Ok(answer) => answer,
                 Err(outcome) => return outcome,
             },
@@ -248,9 +278,10 @@ impl GatewayClient {
         outcome_of(answer, limit)
     }
 
-    async fn attempt_with_reqwest(
+    async fn attempt_with_reqwest<T: BodyTap>(
         &self,
         request: &PreparedRequest,
+        tap: &mut T,
     ) -> Result<Answer, AttemptOutcome> {
         let sent = self
             .inner
@@ -263,7 +294,7 @@ impl GatewayClient {
         let mut response = sent.map_err(transport_outcome)?;
         let status = response.status().as_u16();
         let headers = std::mem::take(response.headers_mut());
-        let body = read_body(&mut response, self.inner.max_response_bytes).await;
+        let body = read_body(&mut response, self.inner.max_response_bytes, tap).await;
         Ok(Answer {
             status,
             headers,
@@ -333,7 +364,12 @@ fn exchange_outcome(error: ExchangeError) -> AttemptOutcome {
 }
 
 /// Reads the body chunk by chunk, never holding more than `limit` bytes.
-async fn read_body(response: &mut reqwest::Response, limit: usize) -> Body {
+async fn read_body<T: BodyTap>(
+    response: &mut reqwest::Response,
+    limit: usize,
+    tap: &mut T,
+) -> Body {
+    let tapped = response.status().is_success();
     let declared = response
         .content_length()
         .and_then(|len| usize::try_from(len).ok());
@@ -349,6 +385,9 @@ async fn read_body(response: &mut reqwest::Response, limit: usize) -> Body {
                 if chunk.len() > room {
                     bytes.extend_from_slice(&chunk[..room]);
                     return Body::TooLarge(bytes);
+                }
+                if tapped {
+                    tap.bytes(&chunk);
                 }
                 bytes.extend_from_slice(&chunk);
             }

@@ -31,6 +31,8 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use super::client::BodyTap;
+
 /// Longest answer head (status line and headers) read; a longer one is a
 /// protocol error, as it is for hyper.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -128,23 +130,26 @@ impl Http1Client {
     /// before any answer byte arrives (the keep-alive race every HTTP/1.1
     /// client meets); such an exchange is made once more on a new
     /// connection, so a stale socket never costs the request an attempt.
-    pub(super) async fn post(
+    pub(super) async fn post<T: BodyTap>(
         &self,
         url: &Url,
         headers: &HeaderMap,
         body: &Bytes,
         limit: usize,
+        tap: &mut T,
     ) -> Result<Answer, ExchangeError> {
         let origin = origin(url)?;
         let head = request_head(url, &origin, headers, body.len(), &self.user_agent);
         if let Some(stream) = self.checkout(&origin) {
-            match exchange(stream, &head, body, limit).await {
+            // A stale connection fails before any answer byte, so before
+            // the tap saw anything: the exchange made again starts clean.
+            match exchange(stream, &head, body, limit, tap).await {
                 Err(Exchange::Stale(_)) => {}
                 other => return self.finish(origin, other),
             }
         }
         let stream = self.connect(&origin).await?;
-        let result = exchange(stream, &head, body, limit).await;
+        let result = exchange(stream, &head, body, limit, tap).await;
         self.finish(origin, result)
     }
 
@@ -293,11 +298,12 @@ enum Exchange {
 
 /// One request and its answer on `stream`. Gives the stream back when the
 /// answer was complete and the connection may be reused.
-async fn exchange(
+async fn exchange<T: BodyTap>(
     mut stream: TcpStream,
     head: &[u8],
     body: &Bytes,
     limit: usize,
+    tap: &mut T,
 ) -> Result<(Answer, Option<TcpStream>), Exchange> {
     let (mut buf, request_complete, send_error) = match send_request(&stream, head, body).await {
         Sent::Whole => (Vec::new(), true, None),
@@ -349,15 +355,18 @@ async fn exchange(
     buf.drain(..parsed.len);
     let framing = framing(&parsed)?;
     let success = (200..300).contains(&parsed.status);
+    // Only a success's body is tapped (the relay streams answers, not
+    // errors).
+    let tap = success.then_some(tap);
     let (body, complete) = match framing {
         Framing::Empty => (Body::Complete(Vec::new()), true),
         Framing::Length(length) if success && length > limit as u64 => {
             (Body::TooLarge(Vec::new()), false)
         }
-        Framing::Length(length) => read_length(&mut stream, buf, length, limit).await,
-        Framing::Chunked => read_chunked(&mut stream, buf, limit).await,
+        Framing::Length(length) => read_length(&mut stream, buf, length, limit, tap).await,
+        Framing::Chunked => read_chunked(&mut stream, buf, limit, tap).await,
         Framing::UntilClose => {
-            let (body, _) = read_until_close(&mut stream, buf, limit).await;
+            let (body, _) = read_until_close(&mut stream, buf, limit, tap).await;
             (body, false)
         }
     };
@@ -537,13 +546,16 @@ fn framing(head: &Head) -> Result<Framing, Exchange> {
 
 /// Reads a body of `length` bytes of which `buf` holds the start. Returns
 /// the body and whether the connection ended clean (the whole body read).
-async fn read_length(
+async fn read_length<T: BodyTap>(
     stream: &mut TcpStream,
     mut buf: Vec<u8>,
     length: u64,
     limit: usize,
+    mut tap: Option<&mut T>,
 ) -> (Body, bool) {
     let keep = usize::try_from(length).map_or(limit, |length| length.min(limit));
+    let mut tapped = 0;
+    feed(&mut tap, &buf, &mut tapped, keep);
     if buf.len() >= keep {
         let complete = keep as u64 == length && buf.len() == keep;
         buf.truncate(keep);
@@ -564,7 +576,7 @@ async fn read_length(
                 );
                 return (Body::Broken(buf, reason), false);
             }
-            Ok(_) => {}
+            Ok(_) => feed(&mut tap, &buf, &mut tapped, keep),
             Err(error) => return (Body::Broken(buf, error.to_string()), false),
         }
     }
@@ -576,9 +588,27 @@ async fn read_length(
     }
 }
 
+/// Hands the bytes of `body` after `tapped` (up to `limit`) to the tap.
+fn feed<T: BodyTap>(tap: &mut Option<&mut T>, body: &[u8], tapped: &mut usize, limit: usize) {
+    let end = body.len().min(limit);
+    if let Some(tap) = tap
+        && end > *tapped
+    {
+        tap.bytes(&body[*tapped..end]);
+        *tapped = end;
+    }
+}
+
 /// Reads until the server closes the connection.
-async fn read_until_close(stream: &mut TcpStream, mut buf: Vec<u8>, limit: usize) -> (Body, bool) {
+async fn read_until_close<T: BodyTap>(
+    stream: &mut TcpStream,
+    mut buf: Vec<u8>,
+    limit: usize,
+    mut tap: Option<&mut T>,
+) -> (Body, bool) {
+    let mut tapped = 0;
     loop {
+        feed(&mut tap, &buf, &mut tapped, limit);
         if buf.len() > limit {
             buf.truncate(limit);
             return (Body::TooLarge(buf), false);
@@ -594,11 +624,18 @@ async fn read_until_close(stream: &mut TcpStream, mut buf: Vec<u8>, limit: usize
 
 /// Decodes a chunked body of which `raw` holds the start, keeping at most
 /// `limit` bytes of it.
-async fn read_chunked(stream: &mut TcpStream, mut raw: Vec<u8>, limit: usize) -> (Body, bool) {
+async fn read_chunked<T: BodyTap>(
+    stream: &mut TcpStream,
+    mut raw: Vec<u8>,
+    limit: usize,
+    mut tap: Option<&mut T>,
+) -> (Body, bool) {
     let mut body = Vec::new();
     let mut decoder = Chunked::default();
+    let mut tapped = 0;
     loop {
         let done = decoder.decode(&mut raw, &mut body);
+        feed(&mut tap, &body, &mut tapped, limit);
         if body.len() > limit {
             body.truncate(limit);
             return (Body::TooLarge(body), false);

@@ -44,7 +44,7 @@ pub use classify::{
     AttemptFailure, AttemptOutcome, MAX_RETRY_AFTER, StatusClass, classify_status,
     parse_retry_after, parse_retry_after_at,
 };
-pub use client::{GatewayBuildError, GatewayClient};
+pub use client::{BodyTap, GatewayBuildError, GatewayClient, NoTap};
 pub use target::{EndpointError, PrepareError, PreparedRequest, Target, TargetError};
 pub use time::{deadline_instant, deadline_instant_at};
 

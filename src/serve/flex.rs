@@ -39,6 +39,8 @@ use super::store::{Store, StoreError};
 use crate::clock::unix_secs;
 use crate::endpoint::Endpoint;
 use crate::queue::ClientError;
+use crate::relay::local::{LocalRelay, Subscription};
+use crate::relay::{Event, Follow, Step, error_event};
 use crate::request::{Message, parse_message};
 use crate::result::{ErrorCode, ResultRecord};
 use crate::telemetry::FlexMetrics;
@@ -64,9 +66,10 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// How a background response is answered at once, and a flex one at its end.
 const FLEX: &str = "flex";
 
-/// Whether a queue message id is a flex request's.
+/// Whether a queue message id is a flex request's (the relay's rule,
+/// which a dispatcher below `serve` applies too).
 pub fn is_flex_id(id: &str) -> bool {
-    id.starts_with("flex_")
+    crate::relay::is_flex_id(id)
 }
 
 /// How one inference request is to be served.
@@ -216,6 +219,9 @@ pub struct Flex {
     pub(super) metrics: FlexMetrics,
     pace: Mutex<Pace>,
     pub(super) http: reqwest::Client,
+    /// The streamed requests held here, whose answers are relayed as they
+    /// arrive (`crate::relay`).
+    relay: Arc<LocalRelay>,
 }
 
 /// Cancels a held request's message when its handler is dropped before
@@ -256,6 +262,7 @@ impl Flex {
     pub fn new(
         sink: Sink,
         replies: Arc<Replies>,
+        relay: Arc<LocalRelay>,
         settings: FlexSettings,
         metrics: FlexMetrics,
     ) -> Self {
@@ -266,6 +273,7 @@ impl Flex {
             metrics,
             pace: Mutex::new(Pace::default()),
             http: reqwest::Client::new(),
+            relay,
         }
     }
 
@@ -405,7 +413,12 @@ impl Flex {
     }
 
     /// A flex request: enqueue, hold, answer (see the module docs).
-    async fn flex(&self, tenant: &str, endpoint: Endpoint, body: Map<String, Value>) -> Response {
+    async fn flex(
+        self: &Arc<Self>,
+        tenant: &str,
+        endpoint: Endpoint,
+        body: Map<String, Value>,
+    ) -> Response {
         let id = super::model::new_id("flex_");
         let mut ticket: Ticket = match self.replies.hold(tenant, id.clone()) {
             Ok(t) => t,
@@ -428,6 +441,10 @@ impl Flex {
                 .as_secs(),
         )
         .unwrap_or(i64::MAX);
+        // Subscribed before the message exists, so no piece of its answer
+        // can come before its route.
+        let mut subscription = stream.then(|| self.relay.subscribe(&id));
+        let mut follow = Follow::default();
         let message = match self.message(
             &id,
             tenant,
@@ -441,6 +458,7 @@ impl Flex {
         if let Err(error) = self.sink.enqueue_one(message).await {
             return ApiError::internal(error).into_response();
         }
+        let enqueued = Instant::now();
         self.metrics.waiting.inc();
         let mut guard = CancelOnDrop {
             sink: self.sink.clone(),
@@ -453,15 +471,40 @@ impl Flex {
         // the collector reads that within seconds: a connection still
         // without an answer well past it lost its reply (a result that
         // another replica collected), and is not held forever.
-        let give_up = tokio::time::sleep(
+        // Boxed: a stream that begins takes it along.
+        let mut give_up = Box::pin(tokio::time::sleep(
             (self.settings.max_wait + self.settings.attempt_grace).saturating_add(GIVE_UP_SLACK),
-        );
-        tokio::pin!(give_up);
+        ));
         let mut past_max_wait = false;
         let result = loop {
             tokio::select! {
                 result = ticket.answer() => break result,
-                () = &mut give_up => {
+                event = next_event(&mut subscription) => {
+                    // The first piece of a streamed answer: the stream
+                    // begins (anything else before it changes nothing;
+                    // the record still answers whole).
+                    if let Step::Send(first) = follow.event(event) {
+                        if let Some(waited) = self.replies.mark_dispatched(std::slice::from_ref(&id)).pop() {
+                            self.observe_dispatch(waited);
+                        }
+                        self.metrics.first_chunk.observe(enqueued.elapsed().as_secs_f64());
+                        let Some(subscription) = subscription.take() else {
+                            continue;
+                        };
+                        let relayed = Relayed {
+                            ticket: Some(ticket),
+                            subscription,
+                            follow,
+                            guard,
+                            give_up,
+                            first: Some(first),
+                            done: false,
+                            metrics: self.metrics.clone(),
+                        };
+                        return relayed.into_response();
+                    }
+                }
+                () = give_up.as_mut() => {
                     let _ = self.sink.cancel(vec![id.clone()]).await;
                     guard.disarm();
                     return ApiError {
@@ -516,6 +559,130 @@ impl Flex {
         }
         drop(guard);
         answer(result, stream)
+    }
+}
+
+/// The next relayed event of a held streamed request; pending forever for
+/// one that is not streamed.
+async fn next_event(subscription: &mut Option<Subscription>) -> Event {
+    match subscription {
+        Some(s) => s.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A streamed flex answer being relayed to its client: what the body
+/// stream owns. Dropped with the connection (the client left), its guard
+/// cancels the message, which aborts the request at the gateway, and its
+/// subscription's drop stops a dispatcher in this process at once.
+struct Relayed {
+    /// Taken when the relay completed the stream before the record came
+    /// (`Self::keep_route`).
+    ticket: Option<Ticket>,
+    subscription: Subscription,
+    follow: Follow,
+    guard: CancelOnDrop,
+    /// The connection's last moment, as before the stream began.
+    give_up: std::pin::Pin<Box<tokio::time::Sleep>>,
+    first: Option<Bytes>,
+    done: bool,
+    metrics: FlexMetrics,
+}
+
+impl Relayed {
+    /// The next bytes for the client, `None` once the stream ended.
+    async fn next(&mut self) -> Option<Bytes> {
+        if let Some(first) = self.first.take() {
+            return Some(first);
+        }
+        if self.done {
+            return None;
+        }
+        loop {
+            // From the record the message is settled: nothing to cancel.
+            let record = async {
+                match self.ticket.as_mut() {
+                    Some(ticket) => ticket.answer().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let (step, settled) = tokio::select! {
+                result = record => {
+                    let success = result.status_code.is_some_and(|s| (200..300).contains(&s));
+                    let error = record_error(&result);
+                    (self.follow.record(success, &result.payload, &error), true)
+                }
+                event = self.subscription.next() => (self.follow.event(event), false),
+                () = self.give_up.as_mut() => (Step::Fail(
+                    "no answer reached this server by the request's deadline (serve.flex_max_wait + gateway.attempt_timeout)".into(),
+                ), false),
+            };
+            match step {
+                Step::Send(bytes) => return Some(bytes),
+                Step::Skip | Step::Stall => {}
+                Step::Finish(rest) => {
+                    self.done = true;
+                    self.guard.disarm();
+                    if !settled {
+                        self.keep_route();
+                    }
+                    self.metrics.streamed("complete");
+                    return (!rest.is_empty()).then_some(rest);
+                }
+                Step::Fail(message) => {
+                    self.done = true;
+                    if settled {
+                        self.guard.disarm();
+                    }
+                    // Otherwise the guard's drop cancels the message: an
+                    // attempt still running (a second one, or one past
+                    // the deadline) is aborted at the gateway.
+                    self.metrics.streamed("interrupted");
+                    return Some(error_event(&message));
+                }
+            }
+        }
+    }
+}
+
+impl Relayed {
+    /// The relay completed the stream; the record is still on its way
+    /// (the collector reads it within seconds). Its route is kept until
+    /// it comes, at most [`GIVE_UP_SLACK`], so the collector finds it and
+    /// drops it, instead of parking it in a shared store for another
+    /// replica that does not hold it either.
+    fn keep_route(&mut self) {
+        if let Some(mut ticket) = self.ticket.take() {
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(GIVE_UP_SLACK, ticket.answer()).await;
+            });
+        }
+    }
+}
+
+impl IntoResponse for Relayed {
+    fn into_response(self) -> Response {
+        let body = futures_util::stream::unfold(self, |mut relayed| async move {
+            let bytes = relayed.next().await?;
+            Some((Ok::<Bytes, std::convert::Infallible>(bytes), relayed))
+        });
+        let mut response = Response::new(Body::from_stream(body));
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        response
+    }
+}
+
+/// What a record that is not a success says, for the error event.
+fn record_error(result: &ResultRecord) -> String {
+    match (&result.error_message, result.status_code) {
+        (Some(message), _) => message.clone(),
+        (None, Some(status)) => format!("the gateway answered {status}: {}", result.payload),
+        (None, None) => "no answer from the gateway".into(),
     }
 }
 

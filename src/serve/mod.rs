@@ -295,11 +295,17 @@ pub async fn start(
             }
         });
     }
+    // The streamed flex requests this server holds: a dispatcher in
+    // process relays their answers here directly (`crate::relay`).
+    let relay = Arc::new(crate::relay::local::LocalRelay::default());
     let (app, metrics, telemetry_addr) = match serve.dispatcher {
         ServeDispatcher::InProcess => {
             let running = crate::app::start(
                 config,
-                RunOptions::default(),
+                RunOptions {
+                    relay: Some(relay.clone()),
+                    ..RunOptions::default()
+                },
                 stop.clone().cancelled_owned(),
             )
             .await?;
@@ -372,6 +378,19 @@ pub async fn start(
                 });
             }
             let conn = crate::redis::connection(&redis_config)?;
+            // Answers a dispatcher elsewhere relays come through the
+            // queue's streams, read on a connection of their own
+            // (`XREAD BLOCK` holds it).
+            let reader = crate::redis::connection(&redis_config)?;
+            tasks.spawn(
+                "serve: stream relay reader",
+                crate::relay::redis::read_loop(
+                    relay.clone(),
+                    reader,
+                    queue_name.clone(),
+                    stop.clone(),
+                ),
+            );
             Store::Redis(RedisStore::new(conn, serve.key_prefix.clone()))
         }
         _ => Store::Sqlite(SqliteStore::open(&serve.data_dir.join(STORE_FILE))?),
@@ -384,6 +403,7 @@ pub async fn start(
             total: serve.flex_max_held,
             per_tenant: serve.flex_max_held_per_tenant,
         })),
+        relay,
         FlexSettings {
             max_wait: serve.flex_max_wait,
             attempt_grace: config.gateway.attempt_timeout,

@@ -203,7 +203,13 @@ struct FlexFamilies {
     dispatch: HistogramFamily,
     refusals: Family<ReasonLabels, Counter>,
     background: Family<StatusLabels, Counter>,
+    streams: Family<ReasonLabels, Counter>,
+    first_chunk: HistogramFamily,
 }
+
+/// How a streamed flex answer relayed to its client ended
+/// (`sluicegate_flex_streams_total`).
+pub const FLEX_STREAM_ENDS: [&str; 2] = ["complete", "interrupted"];
 
 /// Why a flex request was refused (`sluicegate_flex_refusals_total`).
 pub const FLEX_REFUSALS: [&str; 4] = ["max_wait", "held_total", "held_tenant", "background_bound"];
@@ -216,9 +222,13 @@ pub struct FlexMetrics {
     pub waiting: Gauge,
     /// Time from enqueue to a dispatcher taking a flex request.
     pub dispatch: Histogram,
+    /// Time from enqueue to the first relayed piece of a streamed flex
+    /// answer written to its client.
+    pub first_chunk: Histogram,
     queue: String,
     refusals: Family<ReasonLabels, Counter>,
     background: Family<StatusLabels, Counter>,
+    streams: Family<ReasonLabels, Counter>,
 }
 
 impl FlexMetrics {
@@ -229,6 +239,16 @@ impl FlexMetrics {
             reason: cause,
         };
         self.refusals.get_or_create(&labels).inc();
+    }
+
+    /// Counts one streamed flex answer relayed to its client, ended `how`
+    /// (of [`FLEX_STREAM_ENDS`]).
+    pub fn streamed(&self, how: &'static str) {
+        let labels = ReasonLabels {
+            queue: self.queue.clone(),
+            reason: how,
+        };
+        self.streams.get_or_create(&labels).inc();
     }
 
     /// Counts one background response reaching `status` on this server.
@@ -585,6 +605,17 @@ impl Metrics {
                     "sluicegate_background_responses",
                     "Background responses that reached each status on this server: queued at creation, in_progress when seen leased, then completed, failed, cancelled or incomplete (sluicegate serve)",
                 ),
+                streams: family(
+                    r,
+                    "sluicegate_flex_streams",
+                    "Streamed flex answers relayed to their clients as they arrived, by how they ended: complete, interrupted (an error event ended them) (sluicegate serve)",
+                ),
+                first_chunk: histograms(
+                    r,
+                    "sluicegate_flex_first_chunk_seconds",
+                    "Time from a streamed flex request's enqueue to the first relayed piece of its answer written to the client (sluicegate serve)",
+                    latency_histogram,
+                ),
             },
             shared_held: family(
                 r,
@@ -788,15 +819,23 @@ impl Metrics {
                 status: status.as_str(),
             });
         }
+        for how in FLEX_STREAM_ENDS {
+            let _ = f.streams.get_or_create_owned(&ReasonLabels {
+                queue: queue.to_owned(),
+                reason: how,
+            });
+        }
         let l = QueueLabel {
             queue: queue.to_owned(),
         };
         FlexMetrics {
             waiting: f.waiting.get_or_create_owned(&l),
             dispatch: f.dispatch.get_or_create_owned(&l),
+            first_chunk: f.first_chunk.get_or_create_owned(&l),
             queue: queue.to_owned(),
             refusals: f.refusals.clone(),
             background: f.background.clone(),
+            streams: f.streams.clone(),
         }
     }
 
@@ -1031,6 +1070,8 @@ pub const METRIC_NAMES: &[&str] = &[
     "sluicegate_flex_waiting",
     "sluicegate_flex_dispatch_seconds",
     "sluicegate_flex_refusals_total",
+    "sluicegate_flex_streams_total",
+    "sluicegate_flex_first_chunk_seconds",
     "sluicegate_background_responses_total",
     "sluicegate_pubsub_in_flight_messages",
     "sluicegate_pubsub_acks_total",

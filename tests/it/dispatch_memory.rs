@@ -109,6 +109,7 @@ impl Harness {
             metrics: metrics.queue("q"),
             labels: BTreeMap::new(),
             traces: None,
+            relay: sluicegate::relay::Relay::default(),
         };
         let shutdown = CancellationToken::new();
         let tasks = Tasks::new();

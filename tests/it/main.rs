@@ -30,6 +30,7 @@ mod fair_producers;
 mod fair_tenants;
 mod flex;
 mod flex_python;
+mod flex_stream;
 mod gate_cascade;
 mod gate_config_examples;
 mod gate_dispatch;

@@ -8,6 +8,8 @@ servers (our simulator as the pool) and sets:
 - SLUICEGATE_FLEX_CLOSED: a server whose gate stays closed, with
   `serve.flex_max_wait = 1s`;
 - SLUICEGATE_FLEX_CLOSED_METRICS: that server's `/metrics` URL;
+- SLUICEGATE_FLEX_SLOW: a server (open gate) in front of a simulator whose
+  decode is slow (25 ms a token), SLUICEGATE_FLEX_SLOW_SIM that simulator;
 - SLUICEGATE_KEY_A / SLUICEGATE_KEY_B: alice's and bob's API keys.
 """
 
@@ -22,6 +24,8 @@ import pytest
 BASE = os.environ["SLUICEGATE_FLEX_BASE"] + "/v1"
 CLOSED = os.environ["SLUICEGATE_FLEX_CLOSED"] + "/v1"
 CLOSED_METRICS = os.environ["SLUICEGATE_FLEX_CLOSED_METRICS"]
+SLOW = os.environ["SLUICEGATE_FLEX_SLOW"] + "/v1"
+SLOW_SIM = os.environ["SLUICEGATE_FLEX_SLOW_SIM"]
 KEY_A = os.environ["SLUICEGATE_KEY_A"]
 KEY_B = os.environ["SLUICEGATE_KEY_B"]
 ENDED = {"completed", "incomplete", "failed", "cancelled"}
@@ -75,6 +79,35 @@ def test_a_streamed_flex_chat_completion_arrives_in_order_and_completes():
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def running_at_the_engine():
+    text = urllib.request.urlopen(SLOW_SIM + "/metrics", timeout=30).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
+def test_a_streamed_flex_chat_completion_streams_while_the_engine_runs():
+    words = [" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."]
+    stream = client(base=SLOW).chat.completions.create(
+        model="sim-model", messages=MESSAGES, max_tokens=200, service_tier="flex", stream=True
+    )
+    text, running_at_first, finished = "", None, False
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        piece = chunk.choices[0].delta.content or ""
+        if piece and running_at_first is None:
+            # The first piece of content: the engine still runs the request.
+            running_at_first = running_at_the_engine()
+        text += piece
+        finished = finished or bool(chunk.choices[0].finish_reason)
+    assert running_at_first == 1.0
+    assert text == "".join(words[i % len(words)] for i in range(200))
+    assert finished
 
 
 def test_background_responses_are_polled_until_they_end():

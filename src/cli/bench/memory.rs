@@ -65,6 +65,7 @@ pub(super) async fn drain_memory(args: DrainMemoryArgs) -> Result<(), String> {
         metrics: metrics.queue("bench-drain-memory"),
         labels: BTreeMap::new(),
         traces: None,
+        relay: crate::relay::Relay::default(),
     };
     let shutdown = CancellationToken::new();
     let tasks = Tasks::new();
