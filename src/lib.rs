@@ -108,6 +108,7 @@ pub mod redis;
 pub mod request;
 pub mod result;
 pub mod secret;
+pub mod servers;
 pub mod serve;
 pub mod sim;
 pub mod source;
