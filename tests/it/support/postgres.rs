@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-pub(crate) use super::free_port;
 
 /// A running (or stopped) PostgreSQL server; the rest of the crate's
 /// (`url`, `pid`, `port`, `dir`, `log`, `stop`) through `Deref`.
