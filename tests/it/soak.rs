@@ -77,9 +77,6 @@ fn a_small_soak_on_pubsub_answers_every_id_within_the_window() {
     // publishes that result again when the request comes back, so repeats
     // of one submission's result are allowed (and printed); the soak
     // fails on a lost id or the window either way.
-    assert!(
-        stdout.contains("1500 ids answered, 0 lost,"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("1500 ids answered, 0 lost,"), "{stdout}");
     assert_every_fault(&stdout, "shared-window Redis");
 }

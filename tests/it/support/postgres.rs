@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-
 /// A running (or stopped) PostgreSQL server; the rest of the crate's
 /// (`url`, `pid`, `port`, `dir`, `log`, `stop`) through `Deref`.
 #[derive(Debug)]
@@ -36,8 +35,14 @@ impl Postgres {
         server.make_tls();
         let tls = server.0.dir().join("tls");
         server.0.set("ssl=on");
-        server.0.set(&format!("ssl_cert_file={}", tls.join("server.pem").display()));
-        server.0.set(&format!("ssl_key_file={}", tls.join("server.key").display()));
+        server.0.set(&format!(
+            "ssl_cert_file={}",
+            tls.join("server.pem").display()
+        ));
+        server.0.set(&format!(
+            "ssl_key_file={}",
+            tls.join("server.key").display()
+        ));
         server.0.run().unwrap_or_else(|e| panic!("{e}"));
         let certs = PgTls {
             ca: tls.join("ca.pem"),

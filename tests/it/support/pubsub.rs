@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use sluicegate::queue::pubsub::{SetupPlan, Target, connect_to, pubsub_message, setup};
 
-
 /// The project every test uses (the emulator accepts any).
 pub const PROJECT: &str = "sluicegate-test";
 

@@ -187,4 +187,3 @@ impl Faults {
         self.kills + self.stops + self.storms.len() as u64
     }
 }
-

@@ -582,11 +582,20 @@ mod tests {
     fn a_lost_id_or_an_exceeded_window_fails_every_transport_and_a_repeat_fails_all_but_pubsub() {
         for t in [Transport::Redis, Transport::Sql, Transport::Pubsub] {
             assert_eq!(Verdict::of(t, &account(0, 0, 0), 18, 18), Verdict::Pass);
-            assert!(matches!(Verdict::of(t, &account(1, 0, 0), 18, 18), Verdict::Fail(_)));
-            assert!(matches!(Verdict::of(t, &account(0, 0, 0), 19, 18), Verdict::Fail(_)));
+            assert!(matches!(
+                Verdict::of(t, &account(1, 0, 0), 18, 18),
+                Verdict::Fail(_)
+            ));
+            assert!(matches!(
+                Verdict::of(t, &account(0, 0, 0), 19, 18),
+                Verdict::Fail(_)
+            ));
         }
         for t in [Transport::Redis, Transport::Sql] {
-            assert!(matches!(Verdict::of(t, &account(0, 1, 1), 18, 18), Verdict::Fail(_)));
+            assert!(matches!(
+                Verdict::of(t, &account(0, 1, 1), 18, 18),
+                Verdict::Fail(_)
+            ));
         }
         assert_eq!(
             Verdict::of(Transport::Pubsub, &account(0, 1, 1), 18, 18),

@@ -130,12 +130,9 @@ impl Store {
     /// Enqueues `bench-0` … `bench-<messages − 1>`.
     pub(super) async fn enqueue(&self, messages: usize, max_tokens: u32) -> Result<(), String> {
         let client: Box<dyn Client> = match self {
-            Self::Redis { conn, .. } => Box::new(RedisClient::new(
-                conn.clone(),
-                QUEUE.to_owned(),
-                None,
-                None,
-            )),
+            Self::Redis { conn, .. } => {
+                Box::new(RedisClient::new(conn.clone(), QUEUE.to_owned(), None, None))
+            }
             Self::Sql { client, .. } => Box::new(SqlQueueClient::new(
                 client.clone(),
                 QUEUE.to_owned(),
@@ -150,7 +147,9 @@ impl Store {
         let deadline = crate::clock::unix_secs() + 24 * 3600;
         for start in (0..messages).step_by(CHUNK) {
             let ids = start..(start + CHUNK).min(messages);
-            (client.enqueue(bench_requests(ids, deadline, max_tokens), None).await)
+            (client
+                .enqueue(bench_requests(ids, deadline, max_tokens), None)
+                .await)
                 .map_err(|e| format!("enqueue: {e}"))?;
         }
         Ok(())
