@@ -158,12 +158,17 @@ pub(super) async fn soak(args: SoakArgs) -> Result<(), String> {
         .map(|k| faulty * k as u64 / (args.server_restarts as u64 + 1))
         .collect();
     let mut restarts_done = 0;
+    // Replicas that exited on their own (a `sql` replica started while
+    // PostgreSQL restarts stops at startup, docs/transports.md), started
+    // again as a supervisor would.
+    let mut exited = 0u64;
     // Every kind of fault once in each round of five, in a seeded order.
     let mut deck: Vec<u8> = Vec::new();
     // Faults while the faulty part lasts, one at a time.
     loop {
         let done = progress.look(&mut store).await;
         progress.check_stall(args.stall_secs)?;
+        exited += restart_exited(&mut replicas, || spawn(&store))?;
         let random_left = args.max_faults.is_none_or(|m| faults.random() < m);
         let restarts_left = restarts_done < restart_at.len();
         // A restart whose share a long fault overtook comes at once: every
@@ -225,6 +230,7 @@ pub(super) async fn soak(args: SoakArgs) -> Result<(), String> {
             break;
         }
         progress.check_stall(args.stall_secs)?;
+        exited += restart_exited(&mut replicas, || spawn(&store))?;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let last_result = Instant::now();
@@ -249,6 +255,7 @@ pub(super) async fn soak(args: SoakArgs) -> Result<(), String> {
         faults.server_restarts,
         restarted_label(args.transport),
     );
+    println!("replicas that exited on their own and were started again: {exited}");
     println!("| storm | seconds | attempts at the gateway | attempts/s |");
     println!("|---|---|---|---|");
     for s in &faults.storms {
@@ -429,6 +436,21 @@ impl Drop for Replica {
         let _ = self.signal("CONT");
         self.kill();
     }
+}
+
+/// Starts again (with `spawn`) every replica that has exited; how many.
+fn restart_exited(
+    replicas: &mut [Replica],
+    mut spawn: impl FnMut() -> Result<Replica, String>,
+) -> Result<u64, String> {
+    let mut n = 0;
+    for replica in replicas.iter_mut() {
+        if matches!(replica.0.try_wait(), Ok(Some(_))) {
+            *replica = spawn()?;
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// Samples the requests running or waiting at the simulator every 20 ms.
