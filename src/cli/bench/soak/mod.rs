@@ -578,8 +578,9 @@ impl Progress {
     fn check_stall(&self, stall_secs: u64) -> Result<(), String> {
         if self.grew_at.elapsed() > Duration::from_secs(stall_secs) {
             return Err(format!(
-                "no result for {stall_secs} s at {} ids answered",
-                self.tally.answered()
+                "no result for {stall_secs} s at {} ids answered; not answered: {:?}",
+                self.tally.answered(),
+                self.tally.missing(10)
             ));
         }
         Ok(())

@@ -59,6 +59,15 @@ impl Tally {
         self.record(value.as_ref().and_then(|v| v["id"].as_str()));
     }
 
+    /// Up to `n` ids not answered yet.
+    pub(super) fn missing(&self, n: usize) -> Vec<String> {
+        (self.seen.iter().enumerate())
+            .filter(|(_, k)| **k == 0)
+            .take(n)
+            .map(|(i, _)| format!("bench-{i}"))
+            .collect()
+    }
+
     /// Ids answered at least once.
     pub(super) fn answered(&self) -> u64 {
         self.answered
