@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The chaos soak (issue 36, part 6; docs/operations.md, "Chaos soak"): a
-# release build of `sluicegate bench soak` on Redis, 200 000 messages by
-# default. Arguments go to `bench soak` (e.g. --seed 2, --messages 50000).
-# Needs redis-server on PATH; starts and stops everything it uses.
+# release build of `sluicegate bench soak`, 200 000 messages on Redis by
+# default. Arguments go to `bench soak` (e.g. --seed 2, --messages 50000,
+# --transport sql|pubsub). Needs redis-server and prometheus on PATH (and
+# PostgreSQL's server binaries for sql, gcloud's Pub/Sub emulator for
+# pubsub); starts and stops everything it uses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked --bin sluicegate

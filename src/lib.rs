@@ -60,6 +60,9 @@
 //!   flags in `args.rs`, output formats in `output.rs`, benchmarks in
 //!   `bench/`).
 //! - [`sim`]: the vLLM-like pool simulator (virtual time and HTTP front).
+//! - [`servers`]: real servers the benchmarks and the integration tests
+//!   start for themselves (Prometheus, PostgreSQL, the Pub/Sub emulator,
+//!   `redis-server`), each on a free loopback port, stopped by PID.
 //! - [`eval`]: gate quality in virtual time (`sluicegate eval`): the
 //!   production gates, window and congestion hold driving the simulator,
 //!   scored against a batch-free twin run; and on a real engine in real
@@ -114,6 +117,7 @@ pub mod request;
 pub mod result;
 pub mod secret;
 pub mod serve;
+pub mod servers;
 pub mod sim;
 pub mod source;
 pub mod tasks;

@@ -196,31 +196,65 @@ pub(super) async fn pool_in_flight(http: &reqwest::Client, url: &str) -> Result<
 }
 
 /// What a bench's `sluicegate run` replica runs against: a Redis queue with
-/// the shared window, the endpoint-scrape gate on the simulator's running
-/// count.
+/// the shared window (callers on another transport override the transport
+/// settings; the window stays on Redis), behind a metric gate.
 pub(super) struct ReplicaSpec<'a> {
     pub(super) redis_url: &'a str,
     pub(super) queue: &'a str,
     pub(super) results: &'a str,
     pub(super) gateway: &'a str,
-    pub(super) metrics_url: String,
+    pub(super) gate: ReplicaGate,
     pub(super) max_count: f64,
-    pub(super) baseline: f64,
     pub(super) shared_window: &'a str,
     pub(super) lease: String,
+}
+
+/// The gate of a bench replica, and the Prometheus it reads if any.
+#[derive(Clone)]
+pub(super) struct ReplicaGate {
+    pub(super) gate_type: &'static str,
+    pub(super) params: serde_json::Value,
+    pub(super) prometheus_url: Option<String>,
+}
+
+impl ReplicaGate {
+    /// `endpoint-scrape` of the simulator's running requests at
+    /// `metrics_url`: `max_count` of them count as full.
+    pub(super) fn endpoint_scrape(metrics_url: String, max_count: f64, baseline: f64) -> Self {
+        Self {
+            gate_type: "endpoint-scrape",
+            params: serde_json::json!({
+                "url": metrics_url,
+                "metric": "vllm:num_requests_running",
+                "max_count_per_pod": max_count,
+                "baseline": baseline,
+                "sees_own_load": true,
+            }),
+            prometheus_url: None,
+        }
+    }
+
+    /// `prometheus-budget` of pool `pool` through the Prometheus at `url`:
+    /// its running-requests source (the Prometheus must drop the queue
+    /// metrics that come first in the cascade, docs/gates.md), with
+    /// `per_pod` running requests per ready pod counting as full.
+    pub(super) fn prometheus_budget(url: String, pool: &str, per_pod: f64, baseline: f64) -> Self {
+        Self {
+            gate_type: "prometheus-budget",
+            params: serde_json::json!({
+                "pool": pool,
+                "max_concurrency": per_pod,
+                "baseline": baseline,
+            }),
+            prometheus_url: Some(url),
+        }
+    }
 }
 
 /// The command both replica benches start (this executable's `run`, a clean
 /// environment); the caller adds its own settings and spawns it.
 pub(super) fn replica_command(spec: &ReplicaSpec) -> Result<std::process::Command, String> {
     let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
-    let params = serde_json::json!({
-        "url": spec.metrics_url,
-        "metric": "vllm:num_requests_running",
-        "max_count_per_pod": spec.max_count,
-        "baseline": spec.baseline,
-        "sees_own_load": true,
-    });
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("run")
         .env_clear()
@@ -230,8 +264,8 @@ pub(super) fn replica_command(spec: &ReplicaSpec) -> Result<std::process::Comman
         .env("SLUICEGATE_QUEUE", spec.queue)
         .env("SLUICEGATE_QUEUE_RESULT_QUEUE_NAME", spec.results)
         .env("SLUICEGATE_GATEWAY_URL", spec.gateway)
-        .env("SLUICEGATE_GATE_TYPE", "endpoint-scrape")
-        .env("SLUICEGATE_GATE_PARAMS", params.to_string())
+        .env("SLUICEGATE_GATE_TYPE", spec.gate.gate_type)
+        .env("SLUICEGATE_GATE_PARAMS", spec.gate.params.to_string())
         .env("SLUICEGATE_QUEUE_MAX_SYS", spec.max_count.to_string())
         .env("SLUICEGATE_LISTEN", "127.0.0.1:0")
         .env("SLUICEGATE_DISPATCH_POLL_INTERVAL", "100ms")
@@ -241,5 +275,8 @@ pub(super) fn replica_command(spec: &ReplicaSpec) -> Result<std::process::Comman
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit());
+    if let Some(url) = &spec.gate.prometheus_url {
+        cmd.env("SLUICEGATE_PROMETHEUS_URL", url);
+    }
     Ok(cmd)
 }

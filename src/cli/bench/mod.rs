@@ -1,7 +1,7 @@
 //! `sluicegate bench`: benchmarks against real servers, one file per
 //! subcommand (`redis.rs`: `drain`; `memory.rs`: `drain-memory`;
 //! `pubsub.rs`: `drain-pubsub`; `sql.rs`: `drain-sql`; `hold.rs`;
-//! `replicas.rs`; `soak.rs`), and what they measure with (`measure.rs`: wall and CPU
+//! `replicas.rs`; `soak/`), and what they measure with (`measure.rs`: wall and CPU
 //! time, peak RSS, the instant gateway, the requests every drain
 //! enqueues). Figures and commands: docs/benchmarks.md.
 
@@ -36,9 +36,10 @@ pub(crate) enum BenchCommand {
     /// 1, 2, 4 replicas on one Redis queue with the shared window, against
     /// the simulator: global in flight against the window, throughput.
     Replicas(replicas::ReplicasArgs),
-    /// A chaos soak on Redis: replicas with the shared window killed and
-    /// paused, gateway storms and Redis restarts on a seeded schedule; an
-    /// account of every id at the end.
+    /// A chaos soak on Redis, PostgreSQL or Pub/Sub, the gate reading a
+    /// real Prometheus: replicas with the shared window killed and paused,
+    /// gateway storms and server restarts on a seeded schedule; an account
+    /// of every id at the end.
     Soak(soak::SoakArgs),
 }
 

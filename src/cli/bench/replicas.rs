@@ -187,9 +187,12 @@ fn spawn_replica(args: &ReplicasArgs, sim: &SimHandle, results: &str) -> Result<
         queue: &args.queue,
         results,
         gateway: &sim.base_url(),
-        metrics_url: format!("{}/metrics", sim.base_url()),
+        gate: super::measure::ReplicaGate::endpoint_scrape(
+            format!("{}/metrics", sim.base_url()),
+            args.max_count,
+            args.baseline,
+        ),
         max_count: args.max_count,
-        baseline: args.baseline,
         shared_window: &args.shared_window,
         lease: "3s".to_owned(),
     })?

@@ -1,117 +1,35 @@
-//! The official Pub/Sub emulator (`gcloud beta emulators pubsub start`) on
-//! a free 127.0.0.1 port, stopped by process group: gcloud's Python
-//! wrapper spawns the Java server as a child, so the wrapper is started as
-//! the leader of its own group and the whole group is killed (on drop
-//! too), leaving no java behind. Restartable on the same port; the
-//! emulator keeps its state in memory only, so a restart starts empty.
+//! The crate's Pub/Sub emulator (`sluicegate::servers::emulator`: `gcloud
+//! beta emulators pubsub start` on a free 127.0.0.1 port, stopped by
+//! process group; a restart starts empty) with the tests' failures as
+//! panics, and the topics, publishing and collecting the tests use.
 
 use std::collections::HashMap;
-use std::io::{Read as _, Write as _};
-use std::os::unix::process::CommandExt as _;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use sluicegate::queue::pubsub::{SetupPlan, Target, connect_to, pubsub_message, setup};
 
-pub use super::free_port;
-
 /// The project every test uses (the emulator accepts any).
 pub const PROJECT: &str = "sluicegate-test";
 
-/// A running (or stopped) emulator.
+/// A running (or stopped) emulator; `port`, `host` of the crate's through
+/// `Deref`.
 #[derive(Debug)]
-pub struct Emulator {
-    child: Option<Child>,
-    /// Its port on 127.0.0.1.
-    pub port: u16,
-    dir: super::TempDir,
-}
+pub struct Emulator(sluicegate::servers::Emulator);
 
 impl Emulator {
     /// Starts the emulator and waits (up to 60 s) until it answers.
     pub fn start() -> Self {
-        let mut e = Self {
-            child: None,
-            port: free_port(),
-            dir: super::TempDir::new("pubsub-emulator"),
-        };
-        e.spawn();
-        e
-    }
-
-    /// `host:port`, as `PUBSUB_EMULATOR_HOST` and `[pubsub] emulator_host` take it.
-    pub fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    fn spawn(&mut self) {
-        let log = std::fs::File::create(self.dir.0.join("emulator.log")).expect("log file");
-        let child = Command::new("gcloud")
-            .args([
-                "beta",
-                "emulators",
-                "pubsub",
-                "start",
-                &format!("--host-port=127.0.0.1:{}", self.port),
-                &format!("--data-dir={}", self.dir.0.display()),
-                "--quiet",
-            ])
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .process_group(0)
-            .spawn()
-            .expect("gcloud starts (is the Cloud SDK with the pubsub emulator installed?)");
-        self.child = Some(child);
-        let give_up = Instant::now() + Duration::from_secs(60);
-        while !self.answers() {
-            assert!(
-                Instant::now() < give_up,
-                "the emulator did not answer within 60 s: {}",
-                std::fs::read_to_string(self.dir.0.join("emulator.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-
-    /// Whether the emulator answers an HTTP GET / with 200.
-    fn answers(&self) -> bool {
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        if s.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            .is_err()
-        {
-            return false;
-        }
-        let mut buf = [0u8; 64];
-        matches!(s.read(&mut buf), Ok(n) if n > 12 && buf[..n].starts_with(b"HTTP/1.1 200"))
+        Self(sluicegate::servers::Emulator::start().unwrap_or_else(|e| panic!("{e}")))
     }
 
     /// Kills the whole process group (wrapper and java) and reaps it.
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let group = format!("-{}", child.id());
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &group])
-                .stderr(Stdio::null())
-                .status();
-            let _ = child.wait();
-            // Nothing of the group may survive (java ignores nothing sent
-            // with KILL, but check rather than assume).
-            let give_up = Instant::now() + Duration::from_secs(10);
-            while group_alive(&group) {
-                assert!(Instant::now() < give_up, "emulator group {group} survived");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
+        self.0.stop().unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// Stops and starts again on the same port (with empty state).
     pub fn restart(&mut self) {
-        self.stop();
-        self.spawn();
+        self.0.restart().unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// A client for [`PROJECT`] on this emulator.
@@ -130,17 +48,10 @@ impl Emulator {
     }
 }
 
-fn group_alive(group: &str) -> bool {
-    Command::new("kill")
-        .args(["-0", "--", group])
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-impl Drop for Emulator {
-    fn drop(&mut self) {
-        self.stop();
+impl std::ops::Deref for Emulator {
+    type Target = sluicegate::servers::Emulator;
+    fn deref(&self) -> &Self::Target {
+        &self.0
     }
 }
 
