@@ -223,7 +223,8 @@ async fn a_resetting_gateway_with_2000_queued_sees_a_few_attempts_per_backoff() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_is_a_congestion_signal() {
     // A port nothing listens on: every connect is refused at once.
-    let url = format!("http://127.0.0.1:{}", support::free_port());
+    let (_refusing, port) = support::refused_port();
+    let url = format!("http://127.0.0.1:{port}");
     let counts = storm(&url, None, 500, units(30)).await;
     check("connect refused, 500 queued, 30 units", &counts);
 }

@@ -187,10 +187,11 @@ async fn missing_expired_malformed_or_foreign_leases_are_zero() {
     assert_eq!(server.int(&["EXISTS", APPLIED]), 0);
 
     // Redis unreachable: zero as well.
+    let (_refusing, port) = support::refused_port();
     let down = {
         let spec = GateSpec::parse(
             "redis-leased-rate",
-            &json!({"address": format!("127.0.0.1:{}", support::free_port()),
+            &json!({"address": format!("127.0.0.1:{port}"),
                     "control_key": CONTROL, "pool_id": "pool-a"}),
             "q",
         )

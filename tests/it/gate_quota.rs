@@ -195,7 +195,8 @@ async fn fails_closed_without_attribute_or_redis_and_classifies_overflow_when_as
     assert_eq!(server.int(&["ZCARD", "quota:userid:carol"]), 1);
 
     // Redis unreachable: refused, never admitted.
-    let down = gate(json!({"address": format!("127.0.0.1:{}", support::free_port()), "limit": 5}));
+    let (_refusing, port) = support::refused_port();
+    let down = gate(json!({"address": format!("127.0.0.1:{port}"), "limit": 5}));
     let verdict = admit(down.as_ref(), &carol).await;
     assert!(
         matches!(

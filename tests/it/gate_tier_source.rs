@@ -151,9 +151,10 @@ async fn fallback_cap_prefix_and_an_unreachable_redis() {
     );
 
     // Nothing listening: saturated (upstream admits), never an open gate.
+    let (_refusing, port) = support::refused_port();
     let down = build(json!({
         "source": "redis-counter",
-        "address": format!("127.0.0.1:{}", support::free_port()),
+        "address": format!("127.0.0.1:{port}"),
         "bucket": "b1",
         "fallback_cap": 100,
     }));

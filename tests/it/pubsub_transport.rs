@@ -324,7 +324,8 @@ async fn a_message_on_its_last_delivery_gets_a_result_and_lands_in_the_dead_lett
     // A refused connection is also a congestion signal: its hold (2 s
     // doubling by default, 30 s over the four hand-backs) is 250 ms
     // doubling to 500 ms here.
-    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    let (_refusing, port) = support::refused_port();
+    let closed = format!("http://127.0.0.1:{port}");
     let app = start_constant(
         &emulator,
         &names,
@@ -370,7 +371,8 @@ async fn the_dispatchers_own_dead_letter_publishes_a_result_and_the_message() {
     let names = Names::new("own");
     // The broker's limit is out of reach: the dispatcher's comes first.
     create(&client, &names, 100).await;
-    let closed = format!("http://127.0.0.1:{}", support::free_port());
+    let (_refusing, port) = support::refused_port();
+    let closed = format!("http://127.0.0.1:{port}");
     let app = start_constant(&emulator, &names, &closed, "max_attempts = 2").await;
     publish(&client, &names.topic, &[request("given-up")]).await;
     let ids = BTreeSet::from(["given-up".to_owned()]);

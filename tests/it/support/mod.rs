@@ -25,6 +25,20 @@ pub fn free_port() -> u16 {
     listener.local_addr().expect("local address").port()
 }
 
+/// A loopback port that refuses every connection for as long as the
+/// returned socket lives: bound but never listening, so no server of a
+/// test running beside can take it. (A port found by [`free_port`] is
+/// free only at that moment: the full suite once had another test's
+/// server answer 404 on the port a test meant as refused.)
+pub fn refused_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind a free port");
+    let port = socket.local_addr().expect("local address").port();
+    (socket, port)
+}
+
 /// A gateway on a free loopback port that answers `POST /v1/completions`
 /// with `{}` after `delay` and counts how many requests it holds at once;
 /// returns its URL and the peak.

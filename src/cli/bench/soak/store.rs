@@ -43,9 +43,6 @@ pub(super) const RESULTS: &str = "soak-results";
 /// Messages per enqueue call (Pub/Sub publishes at most 1 000 per request).
 const CHUNK: usize = 1_000;
 const PROJECT: &str = "sluicegate-soak";
-/// How far below the highest result `seq` read the sql reader looks
-/// again for results committed late (a few windows' worth).
-const LATE: i64 = 1_000;
 
 /// The store of one soak run and how far its results were read.
 pub(super) enum Store {
@@ -60,8 +57,6 @@ pub(super) enum Store {
         url: String,
         /// The highest result `seq` read.
         after: i64,
-        /// Every `seq` counted.
-        counted: std::collections::HashSet<i64>,
     },
     PubSub {
         emulator: Emulator,
@@ -91,7 +86,6 @@ impl Store {
                     client,
                     url,
                     after: 0,
-                    counted: std::collections::HashSet::new(),
                 })
             }
             Transport::Pubsub => {
@@ -204,29 +198,18 @@ impl Store {
                     tally.record_json(&text);
                 }
             },
-            // `seq` is taken when a result's transaction inserts it, not
-            // when it commits: a result committed after a higher `seq` was
-            // read would fall behind a plain cursor. Each look reads again
-            // from `LATE` below the cursor and counts each `seq` once.
-            Self::Sql {
-                client,
-                after,
-                counted,
-                ..
-            } => loop {
-                let from = after.saturating_sub(LATE);
-                let Ok(rows) = client.results_after(RESULTS, from, 10_000).await else {
+            // A plain cursor: the reader holds back at a position a
+            // result may still commit to (the soak checks it does).
+            Self::Sql { client, after, .. } => loop {
+                let Ok(rows) = client.results_after(RESULTS, *after, 10_000).await else {
                     return;
                 };
                 let Some(last) = rows.last() else { return };
-                let fresh = last.seq > *after;
-                *after = (*after).max(last.seq);
+                *after = last.seq;
                 for row in &rows {
-                    if counted.insert(row.seq) {
-                        tally.record(Some(&row.id));
-                    }
+                    tally.record(Some(&row.id));
                 }
-                if !fresh || rows.len() < 10_000 {
+                if rows.len() < 10_000 {
                     return;
                 }
             },
