@@ -275,12 +275,13 @@ if wants sql; then
     setsid "${as_pg[@]}" "$pg_bin/postgres" -D "$run_dir/postgres/data" -p "$pg_port" \
       -k "$run_dir/postgres" -c listen_addresses=127.0.0.1 -c fsync=off \
       >"$run_dir/postgres/postgres.log" 2>&1 &
-    pids+=($!)
+    pg_pid=$!
+    pids+=("$pg_pid")
     for _ in $(seq 300); do
       "$pg_bin/pg_isready" -h 127.0.0.1 -p "$pg_port" -U postgres >/dev/null 2>&1 && break
       sleep 0.1
     done
-    export SLUICEGATE_SQL_URL="postgres://postgres@127.0.0.1:$pg_port/postgres"
+    pg_url="postgres://postgres@127.0.0.1:$pg_port"
   else
     echo "bench-compare: no PostgreSQL server binaries (initdb, postgres); skipping the sql benchmark" >&2
     only="${only//sql/}"
@@ -295,6 +296,15 @@ group_cpu() {
     total=$(awk -v t="$total" '{ sub(/^.*\) /, ""); print t + $12 + $13 }' "/proc/$p/stat" 2>/dev/null || echo "$total")
   done
   echo "$total"
+}
+
+# CPU seconds of the PostgreSQL server: its live processes, and the
+# backends that have exited (a drain's connections), which the postmaster
+# reaped into its children's time.
+pg_cpu() {
+  local reaped
+  reaped=$(awk '{ sub(/^.*\) /, ""); print $14 + $15 }' "/proc/$pg_pid/stat")
+  echo $(($(group_cpu "$pg_pid") + reaped))
 }
 
 # --- runs --------------------------------------------------------------------
@@ -335,7 +345,17 @@ run_one() {
       fi ;;
     sql)
       if "$bin/sluicegate" bench drain-sql --help >/dev/null 2>&1; then
-        "$bin/sluicegate" bench drain-sql --messages "$sql_messages" --max-sys "$window" >"$log" 2>"$log.err" || echo "n/a" >>"$log"
+        # A fresh database each run: both sides' schemas share the server,
+        # and a run on tables (and indexes) the other side created, or
+        # on the dead rows of the run before, measures neither build.
+        local db="drain_${side}_${pair}" before after
+        psql -q "$pg_url/postgres" -c "CREATE DATABASE $db" >/dev/null
+        before="$(pg_cpu)"
+        "$bin/sluicegate" bench drain-sql --sql-url "$pg_url/$db" --messages "$sql_messages" --max-sys "$window" >"$log" 2>"$log.err" || echo "n/a" >>"$log"
+        after="$(pg_cpu)"
+        psql -q "$pg_url/postgres" -c "DROP DATABASE $db" >/dev/null
+        awk -v b="$before" -v a="$after" -v n="$sql_messages" \
+          'BEGIN { printf "  PostgreSQL CPU: %.3fs per 1000 messages\n", (a - b) / 100 / n * 1000 }' >>"$log"
       else
         echo "n/a" >"$log"
       fi ;;
@@ -398,6 +418,7 @@ FIGURES = [
     ("sql", "messages/s", r"drained in [0-9.]+s: ([0-9.]+) messages/s"),
     ("sql", "CPU s/1000", r"  CPU: ([0-9.]+)s per 1000"),
     ("sql", "peak RSS MiB", r"peak RSS: ([0-9.]+) MiB"),
+    ("sql", "PostgreSQL CPU s/1000", r"PostgreSQL CPU: ([0-9.]+)s per 1000"),
 ]
 
 def values(bench, side, pattern):

@@ -20,24 +20,30 @@ use crate::queue::lanes::TenantLanes;
 pub(super) const FILE_PER_CLAIM: i64 = 10_000;
 
 /// Files up to $3 waiting rows of queue $1 that have no lane yet under
-/// their tenant by attribute $2. Rows another claim holds are skipped,
-/// not waited for.
-pub(super) const FILE: &str =
-    "UPDATE async_requests r SET tenant = sluicegate_tenant_of(r.payload, $2)
-     FROM (SELECT id, request_token FROM async_requests
-           WHERE queue = $1 AND tenant IS NULL AND dispatch_epoch = 0
-           LIMIT $3 FOR UPDATE SKIP LOCKED) u
-     WHERE r.id = u.id AND r.request_token = u.request_token";
-
-/// Whether the lane claim is needed for queue $1: some waiting row is not
-/// filed yet, or the waiting rows are in more than one lane. Otherwise
-/// (one tenant, or none waiting) the lanes' heads are the queue's head,
-/// and the plain claim takes the same rows for a fraction of the work:
-/// the lane claim's skip scan and per-lane reads halved a one-tenant
-/// drain (docs/benchmarks.md). Three probes of the lane index. A row
-/// filed by a producer just after is seen by the next claim.
-pub(super) const SEVERAL: &str = "SELECT EXISTS (SELECT 1 FROM async_requests
-                WHERE queue = $1 AND dispatch_epoch = 0 AND tenant IS NULL)
+/// their tenant by attribute $2 (rows another claim holds are skipped,
+/// not waited for), and says how many it filed and whether the claim
+/// needs the lanes: some waiting row is not filed, or the waiting rows
+/// are in more than one lane. Otherwise (one tenant, or none waiting) the
+/// lanes' heads are the queue's head, and the plain claim takes the same
+/// rows for a fraction of the work: the lane claim's skip scan and
+/// per-lane reads halved a one-tenant drain (docs/benchmarks.md).
+///
+/// One statement, so a claim pays one round trip for both (on a busy
+/// 2-core box each one waits its turn for the scheduler). The probes
+/// read the snapshot from before the filing: rows filed here still count
+/// as unfiled, so a claim that filed takes the lane claim, which sees
+/// them filed. A row a producer files just after is seen by the next
+/// claim. Three probes of the lane index.
+pub(super) const FILE_AND_PROBE: &str = "WITH filed AS (
+         UPDATE async_requests r SET tenant = sluicegate_tenant_of(r.payload, $2)
+         FROM (SELECT id, request_token FROM async_requests
+               WHERE queue = $1 AND tenant IS NULL AND dispatch_epoch = 0
+               LIMIT $3 FOR UPDATE SKIP LOCKED) u
+         WHERE r.id = u.id AND r.request_token = u.request_token
+         RETURNING 1)
+     SELECT (SELECT count(*) FROM filed),
+         EXISTS (SELECT 1 FROM async_requests
+                 WHERE queue = $1 AND dispatch_epoch = 0 AND tenant IS NULL)
          OR (SELECT tenant FROM async_requests
              WHERE queue = $1 AND dispatch_epoch = 0 AND tenant IS NOT NULL
              ORDER BY tenant LIMIT 1)

@@ -286,11 +286,11 @@ impl SqlQueue {
 
     /// Files waiting rows no producer filed into their tenant lanes
     /// (bounded per claim), then says whether the queue's waiting rows
-    /// need the lane claim (`lanes::SEVERAL`).
+    /// need the lane claim (`lanes::FILE_AND_PROBE`).
     async fn file_lanes(&self, lanes: &TenantLanes) -> Result<bool, QueueError> {
-        let filed = (self.db)
-            .execute(
-                lanes::FILE,
+        let rows = (self.db)
+            .query(
+                lanes::FILE_AND_PROBE,
                 &[
                     &self.settings.queue,
                     &lanes.attribute,
@@ -299,12 +299,14 @@ impl SqlQueue {
             )
             .await
             .map_err(sql_err("file lanes"))?;
+        let Some(row) = rows.first() else {
+            return Ok(true);
+        };
+        let filed: i64 = row.get(0);
         if filed > 0 {
             tracing::debug!(queue = %self.settings.queue, filed, "rows filed into tenant lanes");
         }
-        let rows = (self.db.query(lanes::SEVERAL, &[&self.settings.queue]).await)
-            .map_err(sql_err("count lanes"))?;
-        Ok(rows.first().is_none_or(|r| r.get::<_, bool>(0)))
+        Ok(row.get::<_, Option<bool>>(1).unwrap_or(true))
     }
 
     async fn take(
