@@ -139,8 +139,21 @@ build_side() {
   local targets=(--bin sluicegate)
   [ -f "$src/examples/drain_memory.rs" ] && targets+=(--example drain_memory)
   echo "building $side = $rev ($label) ..." >&2
+  # Cargo keeps the crate's build fresh by the mtimes of the files its
+  # dep-info names: those of the source tree it was last built from. When
+  # a side's target directory last built another revision whose tree is
+  # still here and unchanged, cargo keeps that binary, and the "A" of
+  # several comparisons on 2026-12-08 was one old build whatever
+  # revision was asked for. So the crate is rebuilt (its dependencies are
+  # kept) whenever the source tree is not the one built last.
+  local stamp="$work/target-$side/.sluicegate-built-from"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$src" ] && [ -d "$work/target-$side" ]; then
+    CARGO_TARGET_DIR="$work/target-$side" cargo clean --release -p sluicegate \
+      --manifest-path "$src/Cargo.toml" >&2
+  fi
   CARGO_TARGET_DIR="$work/target-$side" cargo build --release --locked \
     --manifest-path "$src/Cargo.toml" "${targets[@]}" >&2
+  echo "$src" >"$stamp"
   local bin="$run_dir/bin-$side"
   mkdir -p "$bin"
   cp "$work/target-$side/release/sluicegate" "$bin/"
