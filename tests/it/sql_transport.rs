@@ -72,6 +72,15 @@ async fn submit(client: &SqlClient, queue: &str, ids: &[String], deadline: i64) 
     assert_eq!(n as usize, ids.len());
 }
 
+/// A plain session of our own, for a transaction a test holds open.
+async fn session(pg: &Postgres) -> tokio_postgres::Client {
+    let (session, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
+        .await
+        .expect("connects");
+    tokio::spawn(connection);
+    session
+}
+
 /// Waits (bounded) until `route` holds at least `n` results.
 async fn wait_results(client: &SqlClient, n: u64, within: Duration) {
     let give_up = std::time::Instant::now() + within;
@@ -534,10 +543,7 @@ async fn run_exit_when_done_drains_the_queue_and_exits() {
 async fn opening_a_database_in_use_waits_for_no_table_lock() {
     let pg = Postgres::start();
     let _first = client(&pg).await;
-    let (holder, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
-        .await
-        .expect("connects");
-    tokio::spawn(connection);
+    let holder = session(&pg).await;
     holder
         .batch_execute("BEGIN; LOCK TABLE async_requests IN ROW EXCLUSIVE MODE")
         .await
@@ -591,10 +597,7 @@ async fn waiting_rows_show_by_time_to_deadline() {
 async fn a_result_committed_late_is_not_passed_over() {
     let pg = Postgres::start();
     let c = client(&pg).await;
-    let (late, connection) = tokio_postgres::connect(&pg.url(), tokio_postgres::NoTls)
-        .await
-        .expect("connects");
-    tokio::spawn(connection);
+    let late = session(&pg).await;
     let insert = |id: &str| {
         format!(
             "INSERT INTO async_results (route, id, request_token, payload, created_at)
